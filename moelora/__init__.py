@@ -1,0 +1,43 @@
+"""moelora: Mixture-of-Experts layers with many LoRA adapters at once."""
+
+from .activations import Activation, apply_activation
+from .config import (
+    AddInputs,
+    DeviceFacts,
+    LoRAConfig,
+    ModelConfig,
+    MoEShape,
+    ParallelConfig,
+    from_hf,
+)
+from .errors import ConfigError, InputError, MoeloraError
+from .presets import PRESETS, load_preset, resolve_model
+from .reference import moe_lora_reference
+from .routing import RoutingConfig, RoutingMethod, route
+from .weights import ExpertWeights, LoRABank, random_expert_weights, random_lora_bank
+
+__all__ = [
+    "PRESETS",
+    "Activation",
+    "AddInputs",
+    "ConfigError",
+    "DeviceFacts",
+    "ExpertWeights",
+    "InputError",
+    "LoRABank",
+    "LoRAConfig",
+    "MoEShape",
+    "ModelConfig",
+    "MoeloraError",
+    "ParallelConfig",
+    "RoutingConfig",
+    "RoutingMethod",
+    "apply_activation",
+    "from_hf",
+    "load_preset",
+    "moe_lora_reference",
+    "random_expert_weights",
+    "random_lora_bank",
+    "resolve_model",
+    "route",
+]

@@ -1,0 +1,186 @@
+"""Frozen configuration dataclasses, one concern each, and `from_hf`: the one parser of
+Hugging Face config.json files.
+
+Legend (SPEC.md): E experts, K top-k, H hidden size, I expert intermediate size,
+R max LoRA rank, L adapter slots.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
+from .errors import ConfigError
+from .routing import RoutingConfig, RoutingMethod
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def parse_dtype(value: str | torch.dtype, key: str = "dtype") -> torch.dtype:
+    """'bfloat16' / 'bf16' / torch.bfloat16 -> torch.bfloat16; raises ConfigError otherwise."""
+    if isinstance(value, torch.dtype):
+        if value in DTYPES.values():
+            return value
+    elif str(value).lower() in DTYPES:
+        return DTYPES[str(value).lower()]
+    raise ConfigError(key, value, "one of bfloat16, float16, float32", "pick a supported dtype")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The expert computation: w13 [E, S*I, H], w2 [E, H, I] (S = 2 gated, 1 non-gated)."""
+
+    num_experts: int  # E
+    top_k: int  # K
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    activation: Activation
+    has_bias: bool = False
+    dtype: torch.dtype = torch.bfloat16
+    swiglu_alpha: float = SWIGLUOAI_ALPHA
+    swiglu_limit: float = SWIGLUOAI_LIMIT
+
+    def __post_init__(self) -> None:
+        for key in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(key, value, "a positive integer")
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                "top_k", self.top_k, f"at most num_experts = {self.num_experts}", "lower top_k"
+            )
+        parse_dtype(self.dtype)
+
+    @property
+    def w13_rows(self) -> int:
+        """S * I: rows of w13 per expert."""
+        return self.activation.width_factor * self.intermediate_size
+
+
+class AddInputs(str, enum.Enum):
+    """How the LoRA-delta operation treats its output buffer (SPEC.md `add_inputs`)."""
+
+    ADD = "add"  # out += delta
+    OVERWRITE = "overwrite"  # out = delta
+
+
+# Module names that put LoRA on the routed experts (per-expert and fused forms).
+EXPERT_TARGETS = frozenset(
+    {"experts", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate_up_proj"}
+)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA settings. `targets` are module names; LoRA reaches the experts only if one is
+    an expert target (LoRA on attention alone puts no LoRA requirement on the MoE layer)."""
+
+    enabled: bool = False
+    max_rank: int = 16  # R
+    max_loras: int = 1  # L
+    targets: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    add_inputs: AddInputs = AddInputs.ADD
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            if self.max_rank < 1:
+                raise ConfigError("max_lora_rank", self.max_rank, "a positive integer")
+            if self.max_loras < 1:
+                raise ConfigError("max_loras", self.max_loras, "a positive integer")
+
+    @property
+    def on_experts(self) -> bool:
+        return self.enabled and any(t.split(".")[-1] in EXPERT_TARGETS for t in self.targets)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout: tensor parallel size, expert parallel size, fully sharded LoRA."""
+
+    tp: int = 1
+    ep: int = 1
+    fully_sharded_loras: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "ep"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, getattr(self, key), "a positive integer")
+        if self.fully_sharded_loras and self.tp == 1:
+            raise ConfigError(
+                "fully_sharded_loras", True, "tp > 1", "drop --fully-sharded-loras or raise -tp"
+            )
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the hardware offers. Filled by moelora.device (probe) or by a named target."""
+
+    kind: str  # "cuda" or "cpu"
+    name: str
+    compute_capability: tuple[int, int] | None = None
+    packages: frozenset[str] = frozenset()
+    interpreted: bool = False  # Triton kernels run through TRITON_INTERPRET=1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model's MoE layers: shape, routing and where they sit."""
+
+    name: str
+    model_type: str
+    shape: MoEShape
+    routing: RoutingConfig
+    num_layers: int
+    moe_layers: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.routing.method is RoutingMethod.LLAMA4 and self.shape.top_k != 1:
+            raise ConfigError("num_experts_per_tok", self.shape.top_k, "1 for llama4 routing")
+        groups = self.routing.n_group
+        if self.shape.num_experts % groups:
+            raise ConfigError(
+                "n_group", groups, f"a divisor of the {self.shape.num_experts} experts"
+            )
+        if self.routing.method is RoutingMethod.DEEPSEEK_V3 and groups > 1:
+            per_group = self.shape.num_experts // groups
+            if per_group < 2:
+                raise ConfigError("n_group", groups, "at least 2 experts per group")
+            if self.routing.topk_group * per_group < self.shape.top_k:
+                raise ConfigError(
+                    "topk_group",
+                    self.routing.topk_group,
+                    f"groups holding at least top_k = {self.shape.top_k} experts",
+                )
+
+
+def from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelConfig:
+    """Parse a Hugging Face config.json (dict or path) into a ModelConfig."""
+    from .hf_keys import parse_hf_dict
+
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError("config path", str(path), "an existing config.json file")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError("config path", str(path), f"valid JSON ({err})") from None
+        name = name or path.parent.name or path.stem
+    if not isinstance(config, dict):
+        raise ConfigError("config", type(config).__name__, "a dict parsed from config.json")
+    return parse_hf_dict(config, name)

@@ -1,0 +1,89 @@
+"""The one reference computation of SPEC.md: slow, obvious, fp32.
+
+Every test, benchmark, the CLI and the `reference` backend import `moe_lora_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activations import apply_activation, split_gate_up
+from .config import MoEShape
+from .weights import ExpertWeights, LoRABank
+
+
+def _join_gate_up(shape: MoEShape, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Inverse of split_gate_up: (gate [N, I], up [N, I]) -> h [N, 2I] in w13's row layout."""
+    h = torch.empty(gate.shape[0], 2 * gate.shape[1], dtype=gate.dtype, device=gate.device)
+    g_view, u_view = split_gate_up(shape.activation, h)
+    g_view.copy_(gate)
+    u_view.copy_(up)
+    return h
+
+
+def _lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """B @ (A @ x) per row: x [N, in], a [R, in], b [out, R]; rank intermediate in fp32."""
+    return (x @ a.float().t()) @ b.float().t()
+
+
+def _w13_delta(
+    shape: MoEShape, x: torch.Tensor, lora: LoRABank, slot: int, expert: int
+) -> torch.Tensor:
+    parts = [
+        _lora_delta(x, lora.w13_a[slot, expert, s], lora.w13_b[slot, expert, s])
+        for s in range(shape.activation.width_factor)
+    ]
+    return parts[0] if len(parts) == 1 else _join_gate_up(shape, parts[0], parts[1])
+
+
+@torch.no_grad()
+def moe_lora_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    token_slots: torch.Tensor | None,
+    experts: ExpertWeights,
+    lora: LoRABank | None,
+    shape: MoEShape,
+    *,
+    weights_on_input: bool = False,
+) -> torch.Tensor:
+    """y [T, H] in x's dtype.
+
+    x [T, H]; topk_ids [T, K] (ids outside [0, E) contribute nothing: expert parallel);
+    topk_weights [T, K] fp32; token_slots [T] (-1 = base model) or None (all -1).
+    weights_on_input: Llama-4 routing, the weight scales the expert input, not its output.
+    """
+    tokens = x.shape[0]
+    xf = x.float()
+    y = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    slots = (
+        token_slots
+        if token_slots is not None
+        else torch.full((tokens,), -1, dtype=torch.int32, device=x.device)
+    )
+    for expert in range(experts.w13.shape[0]):
+        tok, j = torch.nonzero(topk_ids == expert, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        g = topk_weights[tok, j].float().unsqueeze(1)
+        xe = xf[tok] * g if weights_on_input else xf[tok]
+        h = xe @ experts.w13[expert].float().t()
+        if experts.b13 is not None:
+            h = h + experts.b13[expert].float()
+        tok_slots = slots[tok]
+        active = [] if lora is None else sorted(set(tok_slots[tok_slots >= 0].tolist()))
+        for slot in active:
+            rows = tok_slots == slot
+            h[rows] += _w13_delta(shape, xe[rows], lora, slot, expert)
+        z = apply_activation(
+            shape.activation, h, alpha=shape.swiglu_alpha, limit=shape.swiglu_limit
+        )
+        o = z @ experts.w2[expert].float().t()
+        if experts.b2 is not None:
+            o = o + experts.b2[expert].float()
+        for slot in active:
+            rows = tok_slots == slot
+            o[rows] += _lora_delta(z[rows], lora.w2_a[slot, expert], lora.w2_b[slot, expert])
+        y.index_add_(0, tok, o if weights_on_input else o * g)
+    return y.to(x.dtype)

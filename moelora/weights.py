@@ -1,0 +1,108 @@
+"""Containers for expert weights and LoRA slot banks, and random builders for demos and tests.
+
+Legend: E experts, H hidden, I intermediate, S = 2 gated / 1 non-gated, R max rank, L slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import MoEShape
+
+
+@dataclass
+class ExpertWeights:
+    """w13 [E, S*I, H] (gated: rows [0, I) gate, [I, 2I) up; swigluoai interleaved),
+    w2 [E, H, I], optional b13 [E, S*I] and b2 [E, H]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+
+
+@dataclass
+class LoRABank:
+    """LoRA slot bank (scale already folded into the B factors).
+
+    w13_a [L, E, S, R, H]: part 0 gate (or the non-gated w1), part 1 up.
+    w13_b [L, E, S, I, R]
+    w2_a  [L, E, R, I]
+    w2_b  [L, E, H, R]
+    """
+
+    w13_a: torch.Tensor
+    w13_b: torch.Tensor
+    w2_a: torch.Tensor
+    w2_b: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.w13_a.shape[0]
+
+    @property
+    def max_rank(self) -> int:
+        return self.w13_a.shape[3]
+
+    @staticmethod
+    def empty(
+        shape: MoEShape, num_slots: int, max_rank: int, *, device=None, dtype=None
+    ) -> LoRABank:
+        """A bank of zeros (every slot empty): what the slot manager starts from."""
+        e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+        s = shape.activation.width_factor
+        kw = {"device": device, "dtype": dtype or shape.dtype}
+        return LoRABank(
+            w13_a=torch.zeros(num_slots, e, s, max_rank, h, **kw),
+            w13_b=torch.zeros(num_slots, e, s, i, max_rank, **kw),
+            w2_a=torch.zeros(num_slots, e, max_rank, i, **kw),
+            w2_b=torch.zeros(num_slots, e, h, max_rank, **kw),
+        )
+
+
+def random_expert_weights(
+    shape: MoEShape, *, generator: torch.Generator | None = None, device=None, dtype=None
+) -> ExpertWeights:
+    """Random weights scaled so activations stay O(1) (std 1/sqrt(fan_in))."""
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    dtype = dtype or shape.dtype
+
+    def rand(*dims: int, fan_in: int) -> torch.Tensor:
+        t = torch.randn(*dims, generator=generator) / fan_in**0.5
+        return t.to(device=device, dtype=dtype)
+
+    b13 = rand(e, shape.w13_rows, fan_in=4) if shape.has_bias else None
+    b2 = rand(e, h, fan_in=4) if shape.has_bias else None
+    return ExpertWeights(rand(e, shape.w13_rows, h, fan_in=h), rand(e, h, i, fan_in=i), b13, b2)
+
+
+def random_lora_bank(
+    shape: MoEShape,
+    num_slots: int,
+    max_rank: int,
+    *,
+    ranks: list[int] | None = None,
+    generator: torch.Generator | None = None,
+    device=None,
+    dtype=None,
+) -> LoRABank:
+    """Random non-zero adapters; slot a has rank ranks[a] (zero-padded up to max_rank).
+
+    Scales keep the delta comparable to the base output, so a wrong delta is visible.
+    """
+    ranks = ranks or [max_rank] * num_slots
+    bank = LoRABank.empty(shape, num_slots, max_rank, dtype=torch.float32)
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    s = shape.activation.width_factor
+    for slot, r in enumerate(ranks):
+        g = generator
+        bank.w13_a[slot, :, :, :r] = torch.randn(e, s, r, h, generator=g) / h**0.5
+        bank.w13_b[slot, :, :, :, :r] = torch.randn(e, s, i, r, generator=g) / r**0.5
+        bank.w2_a[slot, :, :r] = torch.randn(e, r, i, generator=g) / i**0.5
+        bank.w2_b[slot, :, :, :r] = torch.randn(e, h, r, generator=g) / r**0.5
+    dtype = dtype or shape.dtype
+    return LoRABank(
+        *(t.to(device=device, dtype=dtype) for t in (bank.w13_a, bank.w13_b, bank.w2_a, bank.w2_b))
+    )
