@@ -20,7 +20,7 @@ _MISSING = object()
 class Family:
     """Where one model family keeps its MoE facts in config.json."""
 
-    experts_key: str  # E
+    experts_key: str  # E (aliases in EXPERT_KEY_ALIASES are accepted too)
     intermediate_key: str  # I
     routing: RoutingMethod
     gated: bool = True
@@ -74,6 +74,10 @@ FAMILIES: dict[str, Family] = {
         "num_local_experts", "intermediate_size", RoutingMethod.LLAMA4, layers="llama4"
     ),
 }
+# transformers 5 re-serialises some configs under another name for E (e.g. Qwen3-MoE's
+# num_experts comes back as num_local_experts from to_dict()); any of these is accepted.
+EXPERT_KEY_ALIASES = ("num_experts", "num_local_experts", "n_routed_experts")
+
 # Multimodal wrappers whose MoE facts live under text_config.
 WRAPPERS = {"qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
 
@@ -183,6 +187,12 @@ def _moe_layers(cfg: dict[str, Any], fam: Family, num_layers: int) -> tuple[int,
     return tuple(layers)
 
 
+def _experts_key(cfg: dict[str, Any], fam: Family) -> str:
+    if cfg.get(fam.experts_key) is not None:
+        return fam.experts_key
+    return next((k for k in EXPERT_KEY_ALIASES if cfg.get(k) is not None), fam.experts_key)
+
+
 def parse_hf_dict(raw: dict[str, Any], name: str | None) -> ModelConfig:
     model_type, cfg = _family_and_dict(raw)
     fam = FAMILIES[model_type]
@@ -191,7 +201,7 @@ def parse_hf_dict(raw: dict[str, Any], name: str | None) -> ModelConfig:
         hidden = _positive_int(cfg, "moe_latent_size")  # experts run in the latent space
     activation = _activation(cfg, fam, model_type)
     shape = MoEShape(
-        num_experts=_positive_int(cfg, fam.experts_key),
+        num_experts=_positive_int(cfg, _experts_key(cfg, fam)),
         top_k=_positive_int(cfg, "num_experts_per_tok"),
         hidden_size=hidden,
         intermediate_size=_positive_int(cfg, fam.intermediate_key),

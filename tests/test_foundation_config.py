@@ -1,0 +1,159 @@
+"""from_hf, presets and the config dataclasses: good configs parse, bad ones raise ConfigError
+naming the key, the value and what was expected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moelora import (
+    PRESETS,
+    Activation,
+    ConfigError,
+    LoRAConfig,
+    MoEShape,
+    ParallelConfig,
+    RoutingMethod,
+    from_hf,
+    load_preset,
+    resolve_model,
+)
+from moelora.presets import preset_dict
+
+# (preset, E, K, H, I, activation, routing method, MoE layer count)
+EXPECTED = [
+    ("qwen3-30b-a3b", 128, 8, 2048, 768, Activation.SILU, RoutingMethod.SOFTMAX_TOPK, 48),
+    ("qwen3.5-35b-a3b", 256, 8, 2048, 512, Activation.SILU, RoutingMethod.SOFTMAX_TOPK, 40),
+    ("mixtral-8x7b", 8, 2, 4096, 14336, Activation.SILU, RoutingMethod.SOFTMAX_TOPK, 32),
+    ("olmoe-1b-7b", 64, 8, 2048, 1024, Activation.SILU, RoutingMethod.SOFTMAX_TOPK, 16),
+    ("deepseek-v2-lite", 64, 6, 2048, 1408, Activation.SILU, RoutingMethod.DEEPSEEK_V2, 26),
+    ("deepseek-v3", 256, 8, 7168, 2048, Activation.SILU, RoutingMethod.DEEPSEEK_V3, 58),
+    ("gpt-oss-20b", 32, 4, 2880, 2880, Activation.SWIGLUOAI, RoutingMethod.TOPK_SOFTMAX, 24),
+    ("nemotron-h", 128, 6, 2688, 1856, Activation.RELU2_NO_MUL, RoutingMethod.DEEPSEEK_V3, 2),
+    ("llama4-scout", 16, 1, 5120, 8192, Activation.SILU, RoutingMethod.LLAMA4, 48),
+]
+
+
+@pytest.mark.parametrize("row", EXPECTED, ids=[r[0] for r in EXPECTED])
+def test_presets_parse(row):
+    name, e, k, h, i, act, method, moe_layers = row
+    m = load_preset(name)
+    assert (m.shape.num_experts, m.shape.top_k, m.shape.hidden_size) == (e, k, h)
+    assert m.shape.intermediate_size == i and m.shape.activation is act
+    assert m.routing.method is method and len(m.moe_layers) == moe_layers
+    assert m.shape.dtype is torch.bfloat16
+
+
+def test_every_preset_parses_and_deepseek_details():
+    for name in PRESETS:
+        load_preset(name)
+    v3 = load_preset("deepseek-v3").routing
+    assert (v3.n_group, v3.topk_group, v3.routed_scaling_factor, v3.renormalize) == (
+        8,
+        4,
+        2.5,
+        True,
+    )
+    assert load_preset("gpt-oss-20b").shape.has_bias
+
+
+def test_from_hf_reads_a_config_json_path(tmp_path):
+    path = tmp_path / "my-model" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(preset_dict("mixtral-8x7b")))
+    assert from_hf(path).shape == load_preset("mixtral-8x7b").shape
+    assert resolve_model(str(path)).name == "my-model"
+
+
+def _bad(name: str, **changes):
+    cfg = preset_dict(name)
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+# (id, config dict, key named in the error, fragment of what was expected)
+BAD = [
+    ("unknown-model-type", _bad("tiny", model_type="llama"), "model_type", "one of"),
+    ("missing-hidden", _bad("tiny", hidden_size=None), "hidden_size", "a value"),
+    (
+        "missing-experts",
+        _bad("mixtral-8x7b", num_local_experts=None),
+        "num_local_experts",
+        "a value",
+    ),
+    (
+        "zero-intermediate",
+        _bad("tiny", moe_intermediate_size=0),
+        "moe_intermediate_size",
+        "positive",
+    ),
+    ("negative-topk", _bad("tiny", num_experts_per_tok=-2), "num_experts_per_tok", "positive"),
+    ("topk-above-E", _bad("tiny", num_experts_per_tok=9), "top_k", "at most num_experts"),
+    ("float-experts", _bad("tiny", num_experts=8.5), "num_experts", "positive integer"),
+    ("bad-activation", _bad("tiny", hidden_act="tanh"), "hidden_act", "gated activation"),
+    (
+        "gated-act-on-nongated",
+        _bad("tiny-relu2", mlp_hidden_act="gelu_pytorch_tanh"),
+        "mlp_hidden_act",
+        "non-gated",
+    ),
+    ("bad-dtype", _bad("tiny", torch_dtype="int8"), "dtype", "bfloat16"),
+    ("group-not-divisor", _bad("deepseek-v3", n_group=7), "n_group", "divisor"),
+    ("topk-group-above-n-group", _bad("deepseek-v3", topk_group=9), "topk_group", "n_group"),
+    (
+        "groups-too-few-experts",
+        _bad("deepseek-v3", topk_group=1, num_experts_per_tok=40),
+        "topk_group",
+        "top_k",
+    ),
+    ("softmax-scoring-v3", _bad("deepseek-v3", scoring_func="softmax"), "scoring_func", "sigmoid"),
+    (
+        "llama4-top2",
+        {
+            **preset_dict("llama4-scout"),
+            "text_config": {**preset_dict("llama4-scout")["text_config"], "num_experts_per_tok": 2},
+        },
+        "num_experts_per_tok",
+        "1",
+    ),
+    ("wrapper-without-text", {"model_type": "qwen3_5_moe"}, "text_config", "dict"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_configs_raise_named_errors(case):
+    _, cfg, key, expected = case
+    with pytest.raises(ConfigError) as err:
+        from_hf(cfg)
+    assert err.value.key == key
+    assert expected in err.value.expected
+    assert key in str(err.value)
+
+
+def test_bad_paths_and_json(tmp_path):
+    with pytest.raises(ConfigError, match=r"existing config\.json"):
+        from_hf(tmp_path / "absent.json")
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    with pytest.raises(ConfigError, match="valid JSON"):
+        from_hf(broken)
+    with pytest.raises(ConfigError, match="preset"):
+        resolve_model("no-such-model")
+
+
+def test_dataclass_validation():
+    with pytest.raises(ConfigError, match="top_k"):
+        MoEShape(4, 5, 8, 8, Activation.SILU)
+    with pytest.raises(ConfigError, match="fully_sharded_loras"):
+        ParallelConfig(tp=1, fully_sharded_loras=True)
+    with pytest.raises(ConfigError, match="max_lora_rank"):
+        LoRAConfig(enabled=True, max_rank=0)
+    assert not LoRAConfig(enabled=True, targets=("q_proj", "v_proj")).on_experts
+    assert LoRAConfig(enabled=True, targets=("down_proj",)).on_experts
+    assert not LoRAConfig(enabled=False).on_experts
