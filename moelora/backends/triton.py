@@ -1,0 +1,139 @@
+"""The `triton` backend: fused MoE + multi-LoRA Triton kernels (moelora/kernels).
+
+Kernels are imported on first use, so the registry imports this module (and the oracle can
+reason about it) on hosts without the triton package.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import AddInputs, MoEShape
+from ..deployment import LoRASharding, ParallelMode
+from ..errors import InputError
+from ..weights import ExpertWeights, LoRABank
+from .capabilities import ALL_ACTIVATIONS, ALL_DTYPES, ALL_GATING, ALL_ROUTING, Capabilities
+
+CAPABILITIES = Capabilities(
+    devices=frozenset({"cuda", "cpu"}),
+    # bf16 tl.dot needs Ampere; validated on an H200 (sm90) by `moelora validate`.
+    min_compute_capability=(8, 0),
+    max_compute_capability=None,
+    cpu_needs_interpreter=True,  # CPU = TRITON_INTERPRET=1 (tests; slow)
+    packages=frozenset({"torch", "triton"}),
+    dtypes=ALL_DTYPES,  # fp32 uses exact (non-tf32) dots: correct, not fast
+    activations=ALL_ACTIVATIONS,
+    gating=ALL_GATING,
+    # Routing happens before the backend; weights_on_input (Llama-4) is fused in the up GEMM.
+    routing_methods=ALL_ROUTING,
+    expert_bias=True,
+    # The kernels run whatever shard they are given: TP = I_p-sized w13/w2 shards and a
+    # partial y (the caller all-reduces); EP = local experts, ids outside [0, E_l) dropped.
+    parallel_modes=frozenset(ParallelMode),
+    lora=True,
+    runs_without_lora=True,
+    # BLOCK_R = next_pow2(R) >= 16 rank lanes per row in registers; validated up to 128.
+    max_lora_rank=128,
+    max_loras=None,  # slots only enter the sort key and a per-block loop: no limit
+    # Fully sharded LoRA needs an all-gather of the rank intermediate between shrink and
+    # expand; the fused pipeline has no collective hook there, so it is refused.
+    lora_add_inputs={
+        LoRASharding.UNSHARDED: frozenset(AddInputs),
+        LoRASharding.TP: frozenset(AddInputs),
+    },
+    intermediate_align=1,  # every tile load is masked
+    hidden_align=1,
+    max_experts=None,  # the grid is bounded by pairs, not experts
+    max_groups=None,
+    # No host sync (alignment is torch ops on device), static shapes per T; workspaces come
+    # from the capturing graph's pool. Checked by `moelora validate --graphs`.
+    cuda_graph_safe=True,
+)
+
+
+def _check_inputs(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    token_slots: Tensor | None,
+    experts: ExpertWeights,
+    lora: LoRABank | None,
+    shape: MoEShape,
+    out: Tensor | None,
+) -> None:
+    tokens = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != experts.w13.shape[2]:
+        raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {experts.w13.shape[2]}]")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != tokens:
+        raise InputError(
+            "topk_ids / topk_weights",
+            f"shapes {list(topk_ids.shape)} / {list(topk_weights.shape)}",
+            f"both [T = {tokens}, K]",
+        )
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise InputError("topk_ids", f"dtype {topk_ids.dtype}", "int32 (or int64)")
+    if token_slots is not None and token_slots.shape != (tokens,):
+        raise InputError("token_slots", f"shape {list(token_slots.shape)}", f"[T = {tokens}]")
+    if experts.w13.shape[1] != shape.w13_rows:
+        raise InputError(
+            "w13",
+            f"shape {list(experts.w13.shape)}",
+            f"[E, S*I = {shape.w13_rows}, H] for {shape.activation.value}",
+        )
+    if lora is not None and lora.w13_a.shape[2] != shape.activation.width_factor:
+        raise InputError(
+            "lora.w13_a",
+            f"shape {list(lora.w13_a.shape)}",
+            f"[L, E, S = {shape.activation.width_factor}, R, H]",
+        )
+    if out is not None and out.shape != x.shape:
+        raise InputError("out", f"shape {list(out.shape)}", f"{list(x.shape)} (like x)")
+    if x.device.type == "cpu":
+        from ..kernels.checks import interpreted
+
+        if not interpreted():
+            raise InputError(
+                "x",
+                "on cpu",
+                "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu",
+            )
+
+
+class TritonBackend:
+    name = "triton"
+    capabilities = CAPABILITIES
+
+    def forward(
+        self,
+        x: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        token_slots: Tensor | None,
+        experts: ExpertWeights,
+        lora: LoRABank | None,
+        shape: MoEShape,
+        *,
+        weights_on_input: bool = False,
+        out: Tensor | None = None,
+        add_inputs: AddInputs = AddInputs.OVERWRITE,
+    ) -> Tensor:
+        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs."""
+        from ..kernels.moe_lora import fused_moe_lora
+
+        _check_inputs(x, topk_ids, topk_weights, token_slots, experts, lora, shape, out)
+        return fused_moe_lora(
+            x,
+            topk_ids,
+            topk_weights,
+            token_slots,
+            experts,
+            lora,
+            shape,
+            weights_on_input=weights_on_input,
+            out=out,
+            add=out is not None and add_inputs is AddInputs.ADD,
+        )
+
+
+BACKEND = TritonBackend()

@@ -1,0 +1,39 @@
+"""Launcher-side checks (shapes, dtypes) with errors that name the input, the value and
+what was expected, plus the precision flags every launcher passes to its kernel."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import InputError
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def precision_flags(t: torch.Tensor) -> tuple[bool, bool]:
+    """(UPCAST, IEEE). UPCAST: the interpreter computes bf16 wrongly, so bf16 tiles are cast
+    to fp32 right after loading there. IEEE: fp32 inputs use exact fp32 dots, not tf32."""
+    upcast = t.dtype == torch.bfloat16 and interpreted()
+    return upcast, t.dtype == torch.float32
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int | None, ...]) -> None:
+    """None in `expected` matches any size."""
+    ok = t.dim() == len(expected) and all(
+        e is None or s == e for s, e in zip(t.shape, expected, strict=True)
+    )
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise InputError(name, f"shape {list(t.shape)}", f"shape {want}")
+
+
+def check_dtype_match(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.dtype != like.dtype:
+        raise InputError(name, f"dtype {t.dtype}", f"{like.dtype} (the dtype of x); cast it")
+    if t.device != like.device:
+        raise InputError(name, f"on {t.device}", f"on {like.device} (the device of x)")

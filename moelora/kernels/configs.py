@@ -1,0 +1,59 @@
+"""Tile configurations per shape and token count (the only tuned constants of the kernels).
+
+`pick_config` returns the committed H200 table's entry when one exists for the exact
+(E, K, H, I, T bucket), else the heuristic below. Heuristic constants, and how chosen:
+- BLOCK_M follows the expected pairs per expert m = T*K/E (uniform routing): 16 is the
+  smallest tl.dot tile, and a block much larger than m only pads; from m >= 96 on 64, from
+  m >= 384 on 128 rows, where weight-tile reuse is what bounds the GEMM (the same steps
+  as vLLM's H200 fused_moe tables, vllm_spec.md section 4.6).
+- BLOCK_N / BLOCK_K: 64 x 128 for small m (weight streaming; 128-wide K loads = 256 B
+  rows), 128 x 64 for large m (MMA-bound; the standard Hopper Triton matmul tile).
+  Gated up kernels hold two accumulators, so their BLOCK_N is half the down kernel's.
+- num_warps 4 / 8 and num_stages 3 / 4: Triton tutorial defaults for these tile sizes.
+GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    up: GemmTiles
+    down: GemmTiles
+    shrink_block_k: int = 128
+    group_m: int = 8
+
+
+# (E, K, H, I, T bucket upper bound) -> TileConfig, filled from H200 measurements.
+H200_TABLE: dict[tuple[int, int, int, int, int], TileConfig] = {}
+
+
+def _heuristic(pairs_per_expert: float) -> TileConfig:
+    if pairs_per_expert < 24:
+        return TileConfig(16, GemmTiles(64, 128), GemmTiles(64, 128))
+    if pairs_per_expert < 96:
+        return TileConfig(32, GemmTiles(64, 128), GemmTiles(64, 128))
+    if pairs_per_expert < 384:
+        return TileConfig(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4))
+    return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
+
+
+def pick_config(
+    num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int
+) -> TileConfig:
+    """Tiles for one forward. Static per (shape, T): a CUDA graph per bucket sees one config."""
+    for (e, k, h, i, t_max), cfg in sorted(H200_TABLE.items(), key=lambda kv: kv[0][4]):
+        if (e, k, h, i) == (num_experts, top_k, hidden, inter) and num_tokens <= t_max:
+            return cfg
+    return _heuristic(num_tokens * top_k / num_experts)

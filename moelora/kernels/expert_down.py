@@ -1,0 +1,214 @@
+"""Down grouped GEMM with the routing-weighted LoRA delta.
+
+For each aligned block (one expert) and N tile of H: o = z @ w2[e]^T + LoRA expand of the
+fp32 shrink intermediate of z, + b2, then times the routing weight (unless the weight was
+applied to the input). o [P, H] is written per pair; topk_reduce sums it over K.
+
+Legend: P = T*K pairs, E experts, H hidden, I intermediate, R rank, L slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .align import AlignedPairs
+from .checks import check_dtype_match, check_shape, precision_flags
+from .tiles import block_rows, grouped_pid, lora_expand, mma
+
+
+@triton.jit
+def _expert_down_kernel(
+    z_ptr,
+    w_ptr,
+    b_ptr,
+    o_ptr,
+    topk_weights_ptr,
+    slots_ptr,
+    inter_ptr,
+    lora_b_ptr,
+    sorted_pair_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    top_k,
+    num_slots,
+    rank,
+    inter_size,
+    hidden,
+    stride_zm,
+    stride_zk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    stride_im,
+    stride_ir,
+    stride_ll,
+    stride_le,
+    stride_ln,
+    stride_lr,
+    num_pid_m,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pair, row_valid, slot = block_rows(
+        sorted_pair_ids_ptr, slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M, HAS_LORA
+    )
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    z_ptrs = z_ptr + pair[:, None].to(tl.int64) * stride_zm + offs_k[None, :] * stride_zk
+    w_ptrs = (
+        w_ptr
+        + expert * stride_we
+        + offs_k[:, None] * stride_wk
+        + tl.where(n_mask, offs_n, 0)[None, :] * stride_wn
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_mask = (k0 + offs_k) < inter_size
+        zt = tl.load(z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            zt = zt.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = mma(zt, w, acc, IEEE)
+        z_ptrs += BLOCK_K * stride_zk
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_LORA:
+        acc = lora_expand(
+            acc,
+            inter_ptr,
+            stride_im,
+            stride_ir,
+            pair,
+            slot,
+            num_slots,
+            lora_b_ptr + expert * stride_le,
+            stride_ll,
+            stride_ln,
+            stride_lr,
+            offs_n,
+            n_mask,
+            rank,
+            BLOCK_R,
+            UPCAST,
+            IEEE,
+        )
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(
+            tl.float32
+        )[None, :]
+    if MUL_WEIGHT:
+        g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+        acc = acc * g[:, None]
+    o_ptrs = o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+def expert_down(
+    z: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    aligned: AlignedPairs,
+    *,
+    top_k: int,
+    topk_weights: torch.Tensor | None,
+    token_slots: torch.Tensor | None = None,
+    inter: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    block_n: int,
+    block_k: int,
+    group_m: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """z [P, I], w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
+    lora_b [L, E, H, R]; topk_weights [T, K] (None: weights were applied to the input).
+    Returns o [P, H] in z's dtype (rows of dropped pairs unwritten)."""
+    num_pairs, inter_size = z.shape
+    num_experts, hidden, _ = w2.shape
+    check_shape("w2", w2, (num_experts, hidden, inter_size))
+    check_dtype_match("w2", w2, z)
+    if b2 is not None:
+        check_shape("b2", b2, (num_experts, hidden))
+    has_lora = lora_b is not None
+    if has_lora:
+        check_shape("lora w2_b", lora_b, (None, num_experts, hidden, None))
+        check_dtype_match("lora w2_b", lora_b, z)
+        inter = inter.reshape(num_pairs, lora_b.shape[3])
+    if out is None:
+        out = torch.empty(num_pairs, hidden, dtype=z.dtype, device=z.device)
+    rank = lora_b.shape[3] if has_lora else 1
+    dummy = z  # never read: its constexpr flag is off
+    upcast, ieee = precision_flags(z)
+    grid = (aligned.num_blocks * triton.cdiv(hidden, block_n),)
+    _expert_down_kernel[grid](
+        z_ptr=z,
+        w_ptr=w2,
+        b_ptr=b2 if b2 is not None else dummy,
+        o_ptr=out,
+        topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
+        slots_ptr=token_slots if has_lora else dummy,
+        inter_ptr=inter if has_lora else dummy,
+        lora_b_ptr=lora_b if has_lora else dummy,
+        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
+        block_experts_ptr=aligned.block_experts,
+        num_padded_ptr=aligned.num_padded,
+        num_pairs=num_pairs,
+        top_k=top_k,
+        num_slots=lora_b.shape[0] if has_lora else 0,
+        rank=rank,
+        inter_size=inter_size,
+        hidden=hidden,
+        stride_zm=z.stride(0),
+        stride_zk=z.stride(1),
+        stride_we=w2.stride(0),
+        stride_wn=w2.stride(1),
+        stride_wk=w2.stride(2),
+        stride_be=b2.stride(0) if b2 is not None else 0,
+        stride_bn=b2.stride(1) if b2 is not None else 0,
+        stride_om=out.stride(0),
+        stride_on=out.stride(1),
+        stride_im=inter.stride(0) if has_lora else 0,
+        stride_ir=inter.stride(1) if has_lora else 0,
+        stride_ll=lora_b.stride(0) if has_lora else 0,
+        stride_le=lora_b.stride(1) if has_lora else 0,
+        stride_ln=lora_b.stride(2) if has_lora else 0,
+        stride_lr=lora_b.stride(3) if has_lora else 0,
+        num_pid_m=aligned.num_blocks,
+        HAS_BIAS=b2 is not None,
+        HAS_LORA=has_lora,
+        MUL_WEIGHT=topk_weights is not None,
+        BLOCK_M=aligned.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        GROUP_M=group_m,
+        UPCAST=upcast,
+        IEEE=ieee,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

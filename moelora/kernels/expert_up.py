@@ -1,0 +1,275 @@
+"""Gate/up grouped GEMM with the LoRA delta added before the activation, activation fused.
+
+For each aligned block (one expert) and N tile of I: h = x @ w13[e]^T + LoRA expand of the
+fp32 shrink intermediate (unweighted), + b13; z = act(h) written to z [P, I]. Gated
+activations load the gate and up rows of the same units in one program, so the
+activation runs in the epilogue (gpt-oss: interleaved rows, even gate / odd up).
+With weights_on_input (Llama-4) the routing weight scales x, i.e. the GEMM + LoRA terms.
+
+Legend: T tokens, K top-k, P = T*K pairs, E experts, H hidden, I intermediate, R rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..activations import Activation
+from .activation import act_code, apply_act
+from .align import AlignedPairs
+from .checks import check_dtype_match, check_shape, precision_flags
+from .tiles import block_rows, grouped_pid, lora_expand, mma
+
+
+@triton.jit
+def _expert_up_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    z_ptr,
+    topk_weights_ptr,
+    slots_ptr,
+    inter_ptr,
+    lora_b_ptr,
+    sorted_pair_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    top_k,
+    num_slots,
+    rank,
+    hidden,
+    inter_size,
+    up_offset,
+    row_step,
+    alpha,
+    limit,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_zm,
+    stride_zn,
+    stride_im,
+    stride_is,
+    stride_ir,
+    stride_ll,
+    stride_le,
+    stride_ls,
+    stride_ln,
+    stride_lr,
+    num_pid_m,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    WEIGHT_INPUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(inter_size, BLOCK_N)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pair, row_valid, slot = block_rows(
+        sorted_pair_ids_ptr, slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M, HAS_LORA
+    )
+    token = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter_size
+    gate_rows = tl.where(n_mask, offs_n, 0) * row_step
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
+    wg_ptrs = w_base + gate_rows[None, :] * stride_wn
+    wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = (k0 + offs_k) < hidden
+        xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            wg = wg.to(tl.float32)
+        acc_g = mma(xt, wg, acc_g, IEEE)
+        if GATED:
+            wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+            if UPCAST:
+                wu = wu.to(tl.float32)
+            acc_u = mma(xt, wu, acc_u, IEEE)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    if HAS_LORA:
+        lb = lora_b_ptr + expert * stride_le
+        acc_g = lora_expand(
+            acc_g,
+            inter_ptr,
+            stride_im,
+            stride_ir,
+            pair,
+            slot,
+            num_slots,
+            lb,
+            stride_ll,
+            stride_ln,
+            stride_lr,
+            offs_n,
+            n_mask,
+            rank,
+            BLOCK_R,
+            UPCAST,
+            IEEE,
+        )
+        if GATED:
+            acc_u = lora_expand(
+                acc_u,
+                inter_ptr + stride_is,
+                stride_im,
+                stride_ir,
+                pair,
+                slot,
+                num_slots,
+                lb + stride_ls,
+                stride_ll,
+                stride_ln,
+                stride_lr,
+                offs_n,
+                n_mask,
+                rank,
+                BLOCK_R,
+                UPCAST,
+                IEEE,
+            )
+    if WEIGHT_INPUT:
+        g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+        acc_g = acc_g * g[:, None]
+        acc_u = acc_u * g[:, None]
+    if HAS_BIAS:
+        b_base = b_ptr + expert * stride_be
+        acc_g += tl.load(b_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[
+            None, :
+        ]
+        if GATED:
+            acc_u += tl.load(
+                b_base + (gate_rows + up_offset) * stride_bn, mask=n_mask, other=0.0
+            ).to(tl.float32)[None, :]
+    z = apply_act(acc_g, acc_u, ACT, alpha, limit)
+    z_ptrs = z_ptr + pair[:, None].to(tl.int64) * stride_zm + offs_n[None, :] * stride_zn
+    tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+def expert_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    aligned: AlignedPairs,
+    *,
+    activation: Activation,
+    top_k: int,
+    alpha: float,
+    limit: float,
+    topk_weights: torch.Tensor | None = None,
+    token_slots: torch.Tensor | None = None,
+    inter: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    block_n: int,
+    block_k: int,
+    group_m: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
+    lora_shrink and lora_b [L, E, S, I, R]; topk_weights [T, K] only for weights_on_input.
+    Returns z [P, I] in x's dtype (padding and dropped pairs unwritten)."""
+    num_tokens, hidden = x.shape
+    parts = activation.width_factor
+    num_experts, rows, _ = w13.shape
+    inter_size = rows // parts
+    check_shape("w13", w13, (num_experts, parts * inter_size, hidden))
+    check_dtype_match("w13", w13, x)
+    if b13 is not None:
+        check_shape("b13", b13, (num_experts, rows))
+    has_lora = lora_b is not None
+    if has_lora:
+        check_shape("lora w13_b", lora_b, (None, num_experts, parts, inter_size, None))
+        check_dtype_match("lora w13_b", lora_b, x)
+        check_shape("LoRA intermediate", inter, (num_tokens * top_k, parts, lora_b.shape[4]))
+    num_pairs = num_tokens * top_k
+    if out is None:
+        out = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    swiglu = activation is Activation.SWIGLUOAI
+    rank = lora_b.shape[4] if has_lora else 1
+    dummy = x  # never read: its constexpr flag is off
+    upcast, ieee = precision_flags(x)
+    grid = (aligned.num_blocks * triton.cdiv(inter_size, block_n),)
+    _expert_up_kernel[grid](
+        x_ptr=x,
+        w_ptr=w13,
+        b_ptr=b13 if b13 is not None else dummy,
+        z_ptr=out,
+        topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
+        slots_ptr=token_slots if has_lora else dummy,
+        inter_ptr=inter if has_lora else dummy,
+        lora_b_ptr=lora_b if has_lora else dummy,
+        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
+        block_experts_ptr=aligned.block_experts,
+        num_padded_ptr=aligned.num_padded,
+        num_pairs=num_pairs,
+        top_k=top_k,
+        num_slots=lora_b.shape[0] if has_lora else 0,
+        rank=rank,
+        hidden=hidden,
+        inter_size=inter_size,
+        up_offset=1 if swiglu else inter_size,
+        row_step=2 if swiglu else 1,
+        alpha=alpha,
+        limit=limit,
+        stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
+        stride_we=w13.stride(0),
+        stride_wn=w13.stride(1),
+        stride_wk=w13.stride(2),
+        stride_be=b13.stride(0) if b13 is not None else 0,
+        stride_bn=b13.stride(1) if b13 is not None else 0,
+        stride_zm=out.stride(0),
+        stride_zn=out.stride(1),
+        stride_im=inter.stride(0) if has_lora else 0,
+        stride_is=inter.stride(1) if has_lora else 0,
+        stride_ir=inter.stride(2) if has_lora else 0,
+        stride_ll=lora_b.stride(0) if has_lora else 0,
+        stride_le=lora_b.stride(1) if has_lora else 0,
+        stride_ls=lora_b.stride(2) if has_lora else 0,
+        stride_ln=lora_b.stride(3) if has_lora else 0,
+        stride_lr=lora_b.stride(4) if has_lora else 0,
+        num_pid_m=aligned.num_blocks,
+        GATED=activation.is_gated,
+        ACT=act_code(activation),
+        HAS_BIAS=b13 is not None,
+        HAS_LORA=has_lora,
+        WEIGHT_INPUT=topk_weights is not None,
+        BLOCK_M=aligned.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        GROUP_M=group_m,
+        UPCAST=upcast,
+        IEEE=ieee,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,160 @@
+"""LoRA shrink: inter[p, s, :] = A[slot, expert, s] @ in_row(p), fp32, over aligned blocks.
+
+The rank-R intermediate stays in fp32 (a bf16 intermediate measurably hurt accuracy in
+other engines). Rows of a block are sorted by slot, so each program loops over the few
+distinct slots present and reads each (slot, expert) A matrix once per block.
+
+Legend: P pairs, S parts (2 gated w13, 1 otherwise), R max rank, L slots, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .align import AlignedPairs
+from .checks import check_dtype_match, check_shape, precision_flags
+from .tiles import block_rows, mma
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    in_ptr,
+    a_ptr,
+    slots_ptr,
+    inter_ptr,
+    sorted_pair_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    top_k,
+    row_div,
+    num_slots,
+    rank,
+    k_dim,
+    stride_im,
+    stride_ik,
+    stride_al,
+    stride_ae,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_om,
+    stride_os,
+    stride_or,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    part = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    pair, _, slot = block_rows(
+        sorted_pair_ids_ptr, slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M, True
+    )
+    row = pair // row_div
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + expert.to(tl.int64) * stride_ae + part * stride_as
+    lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
+    hi = tl.max(slot, axis=0)
+    for a in range(lo, hi + 1):
+        rows = slot == a
+        if tl.max(rows.to(tl.int32), axis=0) > 0:
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(0, k_dim, BLOCK_K):
+                k_mask = (k0 + offs_k) < k_dim
+                xin = tl.load(
+                    in_ptr
+                    + row[:, None].to(tl.int64) * stride_im
+                    + (k0 + offs_k)[None, :] * stride_ik,
+                    mask=rows[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    a_base
+                    + a * stride_al
+                    + offs_r[None, :] * stride_ar
+                    + (k0 + offs_k)[:, None] * stride_ak,
+                    mask=r_mask[None, :] & k_mask[:, None],
+                    other=0.0,
+                )
+                if UPCAST:
+                    xin = xin.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = mma(xin, w, acc, IEEE)
+            tl.store(
+                inter_ptr
+                + pair[:, None].to(tl.int64) * stride_om
+                + part * stride_os
+                + offs_r[None, :] * stride_or,
+                acc,
+                mask=rows[:, None] & r_mask[None, :],
+            )
+
+
+def lora_shrink(
+    inp: torch.Tensor,
+    lora_a: torch.Tensor,
+    token_slots: torch.Tensor,
+    aligned: AlignedPairs,
+    *,
+    top_k: int,
+    rows_are_tokens: bool,
+    block_k: int,
+    num_warps: int = 4,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """inp: x [T, H] (rows_are_tokens) or z [P, I]; lora_a [L, E, S, R, in] (w13) or
+    [L, E, R, in] (w2, S = 1). Returns inter [P, S, R] fp32; rows of slot -1 unwritten."""
+    a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
+    num_slots, _, parts, rank, k_dim = a5.shape
+    check_shape("lora A", a5, (None, None, parts, rank, inp.shape[1]))
+    check_dtype_match("lora A", a5, inp)
+    num_pairs = token_slots.shape[0] * top_k
+    rows = token_slots.shape[0] if rows_are_tokens else num_pairs
+    check_shape("LoRA shrink input", inp, (rows, k_dim))
+    if out is None:
+        out = torch.empty(num_pairs, parts, rank, dtype=torch.float32, device=inp.device)
+    block_r = max(16, triton.next_power_of_2(rank))
+    upcast, ieee = precision_flags(inp)
+    _lora_shrink_kernel[(aligned.num_blocks, parts)](
+        in_ptr=inp,
+        a_ptr=a5,
+        slots_ptr=token_slots,
+        inter_ptr=out,
+        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
+        block_experts_ptr=aligned.block_experts,
+        num_padded_ptr=aligned.num_padded,
+        num_pairs=num_pairs,
+        top_k=top_k,
+        row_div=top_k if rows_are_tokens else 1,
+        num_slots=num_slots,
+        rank=rank,
+        k_dim=k_dim,
+        stride_im=inp.stride(0),
+        stride_ik=inp.stride(1),
+        stride_al=a5.stride(0),
+        stride_ae=a5.stride(1),
+        stride_as=a5.stride(2),
+        stride_ar=a5.stride(3),
+        stride_ak=a5.stride(4),
+        stride_om=out.stride(0),
+        stride_os=out.stride(1),
+        stride_or=out.stride(2),
+        BLOCK_M=aligned.block_m,
+        BLOCK_K=block_k,
+        BLOCK_R=block_r,
+        UPCAST=upcast,
+        IEEE=ieee,
+        num_warps=num_warps,
+    )
+    return out

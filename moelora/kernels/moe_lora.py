@@ -1,0 +1,111 @@
+"""One MoE + multi-LoRA expert layer from the launchers: align -> (shrink) -> up GEMM with
+LoRA and activation -> (shrink of z) -> down GEMM with weighted LoRA -> top-k reduce.
+
+No host synchronisation and static shapes per T, so the whole call is CUDA-graph capturable
+(its workspaces come from the graph's private pool). Composition only: no policy here
+beyond using the caller's tile config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import MoEShape
+from ..weights import ExpertWeights, LoRABank
+from .align import align_pairs
+from .configs import TileConfig, pick_config
+from .expert_down import expert_down
+from .expert_up import expert_up
+from .lora_shrink import lora_shrink
+from .topk_reduce import topk_reduce
+
+
+def fused_moe_lora(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    token_slots: torch.Tensor | None,
+    experts: ExpertWeights,
+    lora: LoRABank | None,
+    shape: MoEShape,
+    *,
+    weights_on_input: bool = False,
+    out: torch.Tensor | None = None,
+    add: bool = False,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """y [T, H] in x's dtype (written into `out` if given; add=True adds to it).
+
+    x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32 or None;
+    experts w13 [E, S*I, H], w2 [E, H, I]; lora: LoRABank or None (base only).
+    """
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts = experts.w13.shape[0]
+    inter_size = experts.w2.shape[2]
+    cfg = config or pick_config(num_tokens, num_experts, top_k, hidden, inter_size)
+    use_lora = lora is not None and token_slots is not None
+    num_slots = lora.num_slots if use_lora else 0
+    x = x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    slots = token_slots.to(torch.int32).contiguous() if use_lora else None
+    aligned = align_pairs(topk_ids, slots, num_experts, num_slots, cfg.block_m)
+
+    inter13 = inter2 = None
+    if use_lora:
+        inter13 = lora_shrink(
+            x,
+            lora.w13_a,
+            slots,
+            aligned,
+            top_k=top_k,
+            rows_are_tokens=True,
+            block_k=cfg.shrink_block_k,
+        )
+    z = expert_up(
+        x,
+        experts.w13,
+        experts.b13,
+        aligned,
+        activation=shape.activation,
+        top_k=top_k,
+        alpha=shape.swiglu_alpha,
+        limit=shape.swiglu_limit,
+        topk_weights=topk_weights if weights_on_input else None,
+        token_slots=slots,
+        inter=inter13,
+        lora_b=lora.w13_b if use_lora else None,
+        block_n=cfg.up.block_n,
+        block_k=cfg.up.block_k,
+        group_m=cfg.group_m,
+        num_warps=cfg.up.num_warps,
+        num_stages=cfg.up.num_stages,
+    )
+    if use_lora:
+        inter2 = lora_shrink(
+            z,
+            lora.w2_a,
+            slots,
+            aligned,
+            top_k=top_k,
+            rows_are_tokens=False,
+            block_k=cfg.shrink_block_k,
+        )
+    o = expert_down(
+        z,
+        experts.w2,
+        experts.b2,
+        aligned,
+        top_k=top_k,
+        topk_weights=None if weights_on_input else topk_weights,
+        token_slots=slots,
+        inter=inter2,
+        lora_b=lora.w2_b if use_lora else None,
+        block_n=cfg.down.block_n,
+        block_k=cfg.down.block_k,
+        group_m=cfg.group_m,
+        num_warps=cfg.down.num_warps,
+        num_stages=cfg.down.num_stages,
+    )
+    return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
