@@ -1,0 +1,156 @@
+"""`load_adapter`: one PEFT adapter directory -> per-MoE-layer factors in the slot-bank layout.
+
+Legend: E experts, S = 2 gated / 1 non-gated, H hidden, I intermediate, r adapter rank,
+R max rank. Scale (alpha / r, or alpha / sqrt(r) for rsLoRA, per rank_pattern /
+alpha_pattern) is folded into the B factors here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, MoEShape
+from ..errors import AdapterError
+from . import formats
+from .formats import Context, Projection
+from .safe_io import CONFIG_NAME, read_config, read_tensors
+from .validate import check_lora_config, check_rank, check_tensor
+
+log = logging.getLogger("moelora.lora")
+
+_PART_SLOT = {"gate": ("w13", 0), "w1": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
+
+
+@dataclass(frozen=True)
+class LayerLoRA:
+    """One adapter on one MoE layer (fp32, scale in B); a projection the adapter does not
+    train is zero. w13_a [E, S, r, H] (part 0 gate or w1, part 1 up), w13_b [E, S, I, r],
+    w2_a [E, r, I], w2_b [E, H, r]."""
+
+    w13_a: torch.Tensor
+    w13_b: torch.Tensor
+    w2_a: torch.Tensor
+    w2_b: torch.Tensor
+
+    @staticmethod
+    def zeros(shape: MoEShape, rank: int) -> LayerLoRA:
+        e, h, i, s = (
+            shape.num_experts,
+            shape.hidden_size,
+            shape.intermediate_size,
+            shape.activation.width_factor,
+        )
+        return LayerLoRA(
+            torch.zeros(e, s, rank, h),
+            torch.zeros(e, s, i, rank),
+            torch.zeros(e, rank, i),
+            torch.zeros(e, h, rank),
+        )
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A loaded adapter, ready to be copied into a slot. `layers` maps MoE layer index ->
+    factors; a layer the adapter does not touch is absent (its slot rows stay zero)."""
+
+    name: str
+    path: str
+    rank: int  # r: the largest rank of any expert projection (others zero-padded to it)
+    layout: str  # "per_expert", "shared_outer", "fused" or "none" (no expert LoRA)
+    layers: dict[int, LayerLoRA]
+    shape: MoEShape
+    non_expert_modules: tuple[str, ...] = field(default=())  # e.g. attention: not served here
+
+
+def load_adapter(
+    path: str | Path,
+    model_config: ModelConfig,
+    max_rank: int,
+    *,
+    name: str | None = None,
+    fused_orientation: str | None = None,
+) -> Adapter:
+    """Read and validate a PEFT adapter directory; raise AdapterError on any defect.
+
+    fused_orientation: "natural" or "swapped", only needed when the fused
+    target_parameters factors are ambiguous for this model's sizes (e.g. H == 2I).
+    """
+    root = Path(path)
+    config = read_config(root)
+    check_lora_config(str(root / CONFIG_NAME), config)
+    file, tensors = read_tensors(root)
+    ctx = Context(str(file), config, model_config, fused_orientation)
+
+    kinds: dict[str, dict[str, torch.Tensor]] = {"fused": {}, "per_expert": {}, "other": {}}
+    for key, t in tensors.items():
+        kind = formats.classify(key)
+        if kind == "expert_other":
+            raise AdapterError(
+                ctx.file,
+                key,
+                "an expert entry moelora cannot serve",
+                "only lora_A / lora_B .weight factors on the experts",
+                "train without lora_bias, DoRA or modules_to_save on the experts",
+            )
+        kinds[kind][key] = t
+    if not tensors:
+        raise AdapterError(ctx.file, "<tensors>", "an empty file", "LoRA factors")
+    if kinds["fused"] and kinds["per_expert"]:
+        raise AdapterError(
+            ctx.file,
+            next(iter(kinds["per_expert"])),
+            "per-expert keys next to fused ones",
+            "one layout per adapter",
+        )
+    for key, t in {**kinds["fused"], **kinds["per_expert"]}.items():
+        check_tensor(ctx.file, key, t)
+
+    if kinds["fused"]:
+        projections, layout = formats.parse_fused(ctx, kinds["fused"]), "fused"
+    elif kinds["per_expert"]:
+        projections = formats.parse_per_expert(ctx, kinds["per_expert"])
+        shared = any(formats.is_shared_key(k) for k in kinds["per_expert"])
+        layout = "shared_outer" if shared else "per_expert"
+    else:
+        projections, layout = [], "none"
+    for p in projections:
+        check_rank(ctx.file, p.key, p.rank, max_rank)
+
+    others = tuple(sorted({k.split(".lora_")[0] for k in kinds["other"]}))
+    if others:
+        log.warning(
+            "adapter %s: %d non-expert modules (e.g. %s) are not served by moelora's expert "
+            "layers; apply them in the dense layers",
+            root,
+            len(others),
+            others[0],
+        )
+    rank = max((p.rank for p in projections), default=0)
+    return Adapter(
+        name=name or root.resolve().name,
+        path=str(root),
+        rank=rank,
+        layout=layout,
+        layers=_to_layers(model_config.shape, projections, rank),
+        shape=model_config.shape,
+        non_expert_modules=others,
+    )
+
+
+def _to_layers(shape: MoEShape, projections: list[Projection], rank: int) -> dict[int, LayerLoRA]:
+    """Place each projection in its layer's bank layout, zero-padded to `rank`."""
+    layers: dict[int, LayerLoRA] = {}
+    for p in projections:
+        layer = layers.setdefault(p.layer, LayerLoRA.zeros(shape, rank))
+        which, part = _PART_SLOT[p.part]
+        if which == "w13":
+            layer.w13_a[:, part, : p.rank] = p.a
+            layer.w13_b[:, part, :, : p.rank] = p.b
+        else:
+            layer.w2_a[:, : p.rank] = p.a
+            layer.w2_b[:, :, : p.rank] = p.b
+    return layers

@@ -1,0 +1,106 @@
+"""Checks on an adapter's config and tensors. Every failure raises AdapterError naming the
+file, the key, what was found and what was expected."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from ..errors import AdapterError
+
+ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_lora_config(file: str, config: dict[str, Any]) -> None:
+    """Refuse configs whose math moelora does not implement (DoRA, fan_in_fan_out, ...)."""
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise AdapterError(file, "peft_type", repr(peft_type), "'LORA'", "use a LoRA adapter")
+    r = config.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise AdapterError(file, "r", repr(r), "a positive integer", "set the LoRA rank 'r'")
+    alpha = config.get("lora_alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterError(file, "lora_alpha", repr(alpha), "a finite number")
+    for flag in ("use_dora", "fan_in_fan_out"):
+        if config.get(flag):
+            raise AdapterError(
+                file, flag, "true", "false", f"moelora serves plain LoRA; re-train without {flag}"
+            )
+    for key in ("rank_pattern", "alpha_pattern"):
+        value = config.get(key) or {}
+        if not isinstance(value, dict):
+            raise AdapterError(file, key, type(value).__name__, "a dict of pattern -> number")
+
+
+def pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key k with
+    re.match(rf"(.*\\.)?({k})$", name) wins (peft.utils.other.get_pattern_key)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def lora_scale(file: str, config: dict[str, Any], peft_name: str, rank: int, key: str) -> float:
+    """alpha / r (or alpha / sqrt(r) for rsLoRA) for the PEFT target `peft_name`.
+
+    The rank the config gives that target must equal the rank found in the tensor.
+    """
+    r = pattern_value(config.get("rank_pattern") or {}, peft_name, config["r"])
+    alpha = pattern_value(config.get("alpha_pattern") or {}, peft_name, config.get("lora_alpha", r))
+    if r != rank:
+        raise AdapterError(
+            file,
+            key,
+            f"rank {rank} in the tensor",
+            f"rank {r} from adapter_config.json (r / rank_pattern for '{peft_name}')",
+            "the config and the weights come from different adapters: save them together",
+        )
+    return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def check_tensor(file: str, key: str, t: torch.Tensor) -> None:
+    """dtype one of fp32/fp16/bf16 and every value finite."""
+    if t.dtype not in ALLOWED_DTYPES:
+        raise AdapterError(
+            file,
+            key,
+            f"dtype {t.dtype}",
+            "float32, float16 or bfloat16",
+            "save LoRA factors as floats",
+        )
+    if not torch.isfinite(t).all():
+        bad = int((~torch.isfinite(t)).sum())
+        raise AdapterError(
+            file, key, f"{bad} NaN/Inf values", "finite values", "the adapter diverged in training"
+        )
+
+
+def check_shape(file: str, key: str, t: torch.Tensor, expected: tuple[int | str, ...]) -> None:
+    """Compare t.shape with `expected`, where a str entry (a rank like 'r') matches any size."""
+    ok = t.dim() == len(expected) and all(
+        isinstance(e, str) or s == e for s, e in zip(t.shape, expected, strict=True)
+    )
+    if not ok:
+        raise AdapterError(
+            file,
+            key,
+            f"shape {tuple(t.shape)}",
+            f"shape ({', '.join(str(e) for e in expected)})",
+            "the adapter was trained for a different model: check hidden and intermediate sizes",
+        )
+
+
+def check_rank(file: str, key: str, rank: int, max_rank: int) -> None:
+    if rank > max_rank:
+        raise AdapterError(
+            file,
+            key,
+            f"rank {rank}",
+            f"rank at most max_rank R = {max_rank}",
+            "raise max_lora_rank or use a lower-rank adapter",
+        )
