@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite: lint, format check, then pytest (Triton kernels run
+# through TRITON_INTERPRET=1 when there is no GPU; tests/conftest.py sets it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest -n "${MOELORA_TEST_WORKERS:-2}" --durations=15 "$@"
