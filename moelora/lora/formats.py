@@ -10,7 +10,9 @@
    PEFT): A [E*r, in] expert-major, B [out, r*E] expert-minor. "swapped" (PEFT 0.17 on
    Qwen3-MoE / Mixtral-style [E, out, in] tensors): A [E*r, out], B [in, r*E]. The file
    does not say which parameter each nested pair adapts, nor the orientation: both are
-   decided from shapes, refused when ambiguous (H == 2I; always for non-gated models).
+   decided from shapes, with one orientation for the whole layer, and refused when more
+   than one reading fits (gate_up alone with H == 2I; non-gated models, where w1 natural
+   looks like down swapped) unless the caller names the orientation.
 
 Every parser returns Projection records: a [E, r, in], b [E, out, r] in fp32, scale in b.
 """
