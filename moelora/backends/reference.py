@@ -1,0 +1,84 @@
+"""The `reference` backend: moelora.reference.moe_lora_reference behind the Backend interface.
+
+Slow (a Python loop over experts, fp32) and exact: the ground truth, on any device.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..config import AddInputs, MoEShape
+from ..reference import moe_lora_reference
+from ..weights import ExpertWeights, LoRABank
+from .base import write_output
+from .capabilities import (
+    ALL_ACTIVATIONS,
+    ALL_DEVICES,
+    ALL_DTYPES,
+    ALL_GATING,
+    ALL_PARALLEL,
+    ALL_ROUTING,
+    EVERY_LORA_SHARDING,
+    Capabilities,
+)
+
+CAPABILITIES = Capabilities(
+    devices=ALL_DEVICES,
+    min_compute_capability=None,
+    max_compute_capability=None,
+    cpu_needs_interpreter=False,
+    packages=frozenset({"torch"}),
+    dtypes=ALL_DTYPES,
+    activations=ALL_ACTIVATIONS,
+    gating=ALL_GATING,
+    routing_methods=ALL_ROUTING,
+    expert_bias=True,
+    parallel_modes=ALL_PARALLEL,
+    lora=True,
+    runs_without_lora=True,
+    max_lora_rank=None,
+    max_loras=None,
+    lora_add_inputs=EVERY_LORA_SHARDING,
+    intermediate_align=1,
+    hidden_align=1,
+    max_experts=None,
+    max_groups=None,
+    # The only thing it lacks: it finds each expert's tokens with torch.nonzero and reads
+    # the active slots with .tolist(), host syncs that CUDA-graph capture forbids.
+    cuda_graph_safe=False,
+)
+
+
+class ReferenceBackend:
+    name = "reference"
+    capabilities = CAPABILITIES
+
+    def forward(
+        self,
+        x: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        token_slots: Tensor | None,
+        experts: ExpertWeights,
+        lora: LoRABank | None,
+        shape: MoEShape,
+        *,
+        weights_on_input: bool = False,
+        out: Tensor | None = None,
+        add_inputs: AddInputs = AddInputs.OVERWRITE,
+    ) -> Tensor:
+        """y [T, H] = moe_lora_reference(...); see Backend.forward for out / add_inputs."""
+        y = moe_lora_reference(
+            x,
+            topk_ids,
+            topk_weights,
+            token_slots,
+            experts,
+            lora,
+            shape,
+            weights_on_input=weights_on_input,
+        )
+        return write_output(y, out, add_inputs)
+
+
+BACKEND = ReferenceBackend()

@@ -1,0 +1,167 @@
+"""`moelora plan` through moelora.cli.main: exit codes (0 accepted, 3 refused, 2 bad usage),
+the table, --json, and vLLM flag semantics."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from oracle_doubles import LORA_ONLY, MIMIC
+
+from moelora import cli
+from moelora.backends import registry as registry_mod
+from moelora.backends.checks import CHECKS
+from moelora.presets import preset_dict
+
+
+def plan(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["plan", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def plan_json(capsys, *argv: str) -> tuple[int, dict]:
+    code, out, _ = plan(capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+@pytest.fixture
+def mimic_first(monkeypatch):
+    """Register the test-only vendor mimic (ranked first) and a LoRA-only kernel, this test only."""
+    registry = {"lora_only": LORA_ONLY, "mimic": MIMIC, **registry_mod.REGISTRY}
+    monkeypatch.setattr(registry_mod, "REGISTRY", registry)
+    return registry
+
+
+QWEN_TP4_LORA = ("--model", "qwen3-30b-a3b", "-tp", "4", "--enable-lora", "--device", "h200")
+
+
+def test_accepted_prints_every_backend_by_every_check_and_a_verdict(capsys, caplog):
+    caplog.set_level(logging.INFO, logger="moelora.oracle")
+    code, out, _ = plan(capsys, *QWEN_TP4_LORA)
+    assert code == 0
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("check "))
+    assert header.split()[1:] == list(registry_mod.REGISTRY)
+    for name, _ in CHECKS:
+        assert any(line.split()[0] == name for line in lines if line.strip())
+    assert lines[-1].startswith("verdict: ACCEPTED: ")
+    [line] = [r.getMessage() for r in caplog.records if r.name == "moelora.oracle"]
+    assert line.startswith("moe backend for qwen3-30b-a3b: selected ")  # the one INFO line
+
+
+def test_json_is_complete_and_parseable(capsys):
+    code, plan_ = plan_json(capsys, *QWEN_TP4_LORA)
+    assert code == 0 and plan_["accepted"] is True and plan_["error"] is None
+    assert plan_["selected"] in registry_mod.REGISTRY
+    assert plan_["how"] == "auto"
+    assert [b["name"] for b in plan_["backends"]] == list(registry_mod.REGISTRY)
+    for backend in plan_["backends"]:
+        assert [c["check"] for c in backend["checks"]] == [name for name, _ in CHECKS]
+        assert backend["accepts"] == all(c["ok"] for c in backend["checks"])
+    dep = plan_["deployment"]
+    assert (dep["intermediate_per_partition"], dep["tp"], dep["cuda_graphs"]) == (192, 4, True)
+
+
+def test_explicit_mimic_with_fully_sharded_lora_is_refused_at_plan_time(capsys, mimic_first):
+    argv = ("--model", "qwen3.5-35b-a3b", "-tp", "2", "--enable-lora", "--fully-sharded-loras",
+            "--lora-add-inputs", "overwrite", "--device", "sm103", "--enforce-eager",
+            "--moe-backend", "mimic")  # fmt: skip
+    code, out, _ = plan(capsys, *argv)
+    assert code == 3
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("verdict: REFUSED: mimic cannot run it (lora.add_inputs")
+    assert "fully_sharded" in verdict and verdict.endswith("would accept: lora_only, reference")
+    code, plan_ = plan_json(capsys, *argv)
+    assert code == 3 and plan_["accepted"] is False and plan_["selected"] is None
+    [mimic] = [b for b in plan_["backends"] if b["name"] == "mimic"]
+    [lora] = [c for c in mimic["checks"] if not c["ok"]]
+    assert lora["check"] == "lora"
+    assert lora["reasons"][0]["field"] == "lora.add_inputs"
+    assert "reference" in plan_["would_accept"] and "mimic" not in plan_["would_accept"]
+
+
+def test_attention_only_lora_plans_without_a_lora_backend(capsys, mimic_first):
+    argv = ("--model", "qwen3.5-35b-a3b", "-tp", "2", "--enable-lora", "--fully-sharded-loras",
+            "--lora-target-modules", "q_proj,v_proj", "--device", "b200", "--enforce-eager")  # fmt: skip
+    code, plan_ = plan_json(capsys, *argv)
+    assert code == 0
+    assert plan_["deployment"]["lora_on_experts"] is False
+    assert plan_["deployment"]["lora_targets"] == ["q_proj", "v_proj"]
+    assert plan_["selected"] == "mimic"  # not lora_only, ranked first
+
+
+def test_cuda_graphs_default_on_for_cuda_targets_and_enforce_eager_turns_them_off(capsys):
+    code, out, _ = plan(capsys, "--model", "tiny", "--device", "h200", "--moe-backend", "reference")
+    assert code == 3 and "cuda_graphs = True" in out
+    assert plan(capsys, "--model", "tiny", "--device", "h200", "--moe-backend", "reference",
+                "--enforce-eager")[0] == 0  # fmt: skip
+    _, plan_ = plan_json(capsys, "--model", "tiny", "--device", "cpu")
+    assert plan_["deployment"]["cuda_graphs"] is False
+
+
+def test_enable_expert_parallel_follows_vllm(capsys):
+    # vLLM: experts split over the tp ranks (ep = tp) and the MoE layer's tp collapses to 1.
+    _, plan_ = plan_json(capsys, "--model", "qwen3-30b-a3b", "-tp", "4",
+                         "--enable-expert-parallel", "--device", "h200")  # fmt: skip
+    dep = plan_["deployment"]
+    assert (dep["tp"], dep["ep"], dep["local_experts"]) == (1, 4, 32)
+    assert dep["intermediate_per_partition"] == 768
+
+
+def test_expert_parallel_size_stacks_on_tp(capsys):
+    _, plan_ = plan_json(capsys, "--model", "qwen3-30b-a3b", "-tp", "2", "-ep", "4",
+                         "--device", "h200")  # fmt: skip
+    assert (plan_["deployment"]["tp"], plan_["deployment"]["ep"]) == (2, 4)
+
+
+def test_model_from_a_config_json_path(capsys, tmp_path):
+    path = tmp_path / "nemotron" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(preset_dict("tiny-relu2")))
+    code, plan_ = plan_json(capsys, "--model", str(path), "--device", "cpu")
+    assert code == 0
+    assert (plan_["deployment"]["name"], plan_["deployment"]["gated"]) == ("nemotron", False)
+
+
+def test_local_device_by_default_works_without_a_gpu(capsys):
+    code, plan_ = plan_json(capsys, "--model", "tiny")
+    assert code == 0 and plan_["accepted"]
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (("--model", "qwen3-30b-a3b", "-tp", "5"), "tensor_parallel_size"),  # 768 % 5
+        (("--model", "qwen3-30b-a3b", "-ep", "3"), "expert_parallel_size"),  # 128 % 3
+        (("--model", "no-such-model"), "model"),
+        (("--model", "tiny", "--device", "tpu"), "device"),
+        (("--model", "tiny", "--moe-backend", "cutlass"), "moe_backend"),
+        (("--model", "tiny", "--dtype", "int4"), "dtype"),
+        (("--model", "tiny", "--fully-sharded-loras"), "fully_sharded_loras"),  # tp = 1
+        (("--model", "tiny", "-tp", "2", "--enable-expert-parallel", "--fully-sharded-loras"),
+         "fully_sharded_loras"),
+        (("--model", "tiny", "--device", "cpu", "--cuda-graphs"), "cuda_graphs"),
+        (("--model", "tiny", "--enable-lora", "--max-lora-rank", "0"), "max_lora_rank"),
+    ],
+)  # fmt: skip
+def test_bad_configuration_exits_2_naming_the_key(capsys, argv, named):
+    code, out, err = plan(capsys, *argv)
+    assert code == 2 and out == ""
+    assert f"'{named}'" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        (),  # --model is required
+        ("--model", "tiny", "-tp", "two"),
+        ("--model", "tiny", "--enable-expert-parallel", "-ep", "2"),  # exclusive
+        ("--model", "tiny", "--cuda-graphs", "--enforce-eager"),  # exclusive
+    ],
+)
+def test_bad_usage_exits_2(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", *argv])
+    assert exit_.value.code == 2
