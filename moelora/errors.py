@@ -58,26 +58,3 @@ class AdapterError(MoeloraError, ValueError):
         self.file, self.key, self.found, self.expected = file, key, found, expected
         msg = f"adapter file '{file}', key '{key}': found {found}, expected {expected}"
         super().__init__(msg + (f". Fix: {fix}" if fix else ""))
-
-
-class UnsupportedDeploymentError(MoeloraError):
-    """The requested backend cannot run this deployment (or, under auto, no backend can).
-
-    Raised by the oracle at startup, before any weight is loaded. `reasons` lists every
-    failing capability of the requested backend; `accepting` the backends that would run it.
-    """
-
-    def __init__(self, requested: str, reasons: dict[str, list], accepting: list[str]) -> None:
-        self.requested, self.reasons, self.accepting = requested, reasons, accepting
-        head = f"moe backend '{requested}' cannot run this deployment:"
-        if requested == "auto":
-            head = "no moe backend can run this deployment (requested auto):"
-        lines = [head]
-        for backend, backend_reasons in reasons.items():
-            lines += [f"  {backend}: {reason}" for reason in backend_reasons]
-        if accepting:
-            fix = f"use --moe-backend {accepting[0]} (or auto), or change the settings above"
-            lines.append(f"backends that would accept it: {', '.join(accepting)}. Fix: {fix}")
-        else:
-            lines.append("no registered backend accepts it. Fix: change the settings above")
-        super().__init__("\n".join(lines))
