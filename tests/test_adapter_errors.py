@@ -219,6 +219,6 @@ def test_adapter_for_another_model_is_refused(tmp_path) -> None:
         R,
     )
     manager = SlotManager(MC, num_slots=1, max_rank=R, dtype=torch.float32)
-    with pytest.raises(AdapterError, match="<model>|adapter loaded for"):
+    with pytest.raises(AdapterError, match="an adapter loaded for"):
         manager.load(adapter)
     assert manager.loaded == {}
