@@ -1,0 +1,143 @@
+"""Benchmark runner: every provider checked against the reference, then timed as CUDA-graph
+replays (L2 flushed, fresh inputs copied into the captured buffers before each replay,
+median over many replays); JSON stamped with device, versions and commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from moelora.commands.validate import build_experts, build_inputs, build_lora
+from moelora.compare import compare
+from moelora.presets import resolve_model
+from moelora.reference import moe_lora_reference
+
+from .cases import BenchCase
+from .floors import Ceilings, layer_work
+
+FLUSH_BYTES = 256 << 20  # 5x the H200's 50 MB L2
+INPUT_SETS = 4  # fresh inputs rotate among these, copied in outside the timed region
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL, text=True
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MOELORA_COMMIT", "unknown")
+
+
+def stamp(ceil: Ceilings) -> dict:
+    import triton
+
+    return dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        commit=commit(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        ceilings=dict(bandwidth_Bps=ceil.bandwidth, matmul_flops=ceil.matmul),
+    )
+
+
+def time_graph(fwd, static, sets, iters: int) -> float:
+    """Median ms of graph replays of fwd(*static); before each, one of `sets` is copied into
+    the static buffers and L2 is flushed (outside the events)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fwd(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd(*static)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    times = []
+    for i in range(iters + 3):
+        for dst, src in zip(static, sets[i % len(sets)]):
+            if dst is not None:
+                dst.copy_(src)
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache: dict) -> dict:
+    model = resolve_model(case.model)
+    shape = model.shape
+    if case.model not in experts_cache:
+        experts_cache.clear()
+        experts_cache[case.model] = build_experts(model, "cuda")
+    experts = experts_cache[case.model]
+    lora = build_lora(model, case.adapters, case.rank, "cuda")
+    woi = model.routing.method.weights_on_input
+    sets = [
+        build_inputs(model, case.tokens, case.adapters, "cuda", seed) for seed in range(INPUT_SETS)
+    ]
+    # token t -> slot t % L (every token has an adapter), as the vLLM peer assigns them
+    for s in sets:
+        s[3].copy_(torch.arange(case.tokens, device="cuda") % case.adapters)
+    row = dict(case=case.id, model=case.model, T=case.tokens, L=case.adapters, R=case.rank)
+    for label, bank in (("base", None), ("lora", lora)):
+
+        def fwd(x, ids, w, slots, bank=bank):
+            return backend.forward(x, ids, w, slots, experts, bank, shape, weights_on_input=woi)
+
+        static = tuple(t.clone() for t in sets[0])
+        out = fwd(*static)
+        n = min(case.tokens, 1024)
+        ref = moe_lora_reference(
+            static[0][:n],
+            static[1][:n],
+            static[2][:n],
+            static[3][:n],
+            experts,
+            bank,
+            shape,
+            weights_on_input=woi,
+        )
+        cmp = compare(out[:n], ref, shape.dtype)
+        ms = time_graph(fwd, static, sets, iters)
+        work = layer_work(
+            static[1],
+            static[3],
+            shape.hidden_size,
+            shape.intermediate_size,
+            shape.activation.width_factor,
+            case.rank,
+            lora=bank is not None,
+        )
+        floor_ms = work.floor_s(ceil) * 1e3
+        row[label] = dict(
+            ms=ms,
+            floor_ms=floor_ms,
+            ratio=ms / floor_ms,
+            rel_err=cmp.rel_err,
+            ok=cmp.ok,
+            tflops=work.flops / ms / 1e9,
+            gbps=work.bytes / ms / 1e6,
+        )
+        if not cmp.ok:
+            print(f"  {case.id} {label}: CHECK FAILED {cmp}", file=sys.stderr)
+    return row
+
+
+def dump(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)

@@ -1,0 +1,96 @@
+"""`moelora bench`: time backends on a preset's MoE layer (CUDA-graph replay, L2 flushed),
+base and +LoRA, against the floor measured in the same run (and the vLLM peer's JSON).
+
+Runs from a source checkout: the runner lives in benchmarks/ at the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time backends vs the floor (and the vLLM peer)")
+    p.add_argument("--suite", default="qwen3", help="case list in benchmarks/cases.py")
+    p.add_argument("--tokens", default=None, help="comma-separated subset of the suite's T")
+    p.add_argument("--backends", default="triton")
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--peer-json", default=None, help="vllm_peer.json from the same run")
+    p.set_defaults(run=run)
+
+
+def _peer_rows(path: str | None) -> dict[int, dict]:
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            return {int(r["T"]): r for r in json.load(f)["rows"]}
+    except (OSError, KeyError, ValueError) as err:
+        print(f"bench: peer JSON {path} unreadable ({err}); peer columns left empty")
+        return {}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA device")
+        return 2
+    try:
+        from benchmarks.cases import CASES
+        from benchmarks.floors import measure_ceilings
+        from benchmarks.runner import dump, run_case, stamp
+    except ModuleNotFoundError:
+        print("bench: run from the moelora source checkout (benchmarks/ is not installed)")
+        return 2
+    from ..backends.registry import REGISTRY
+
+    cases = CASES[args.suite]
+    if args.tokens:
+        keep = {int(t) for t in args.tokens.split(",")}
+        cases = [c for c in cases if c.tokens in keep]
+    ceil = measure_ceilings()
+    print(
+        f"ceilings: copy {ceil.bandwidth / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceil.matmul / 1e12:.0f} TFLOP/s"
+    )
+    peer = _peer_rows(args.peer_json)
+    rows, failed = [], False
+    cache: dict = {}
+    for name in args.backends.split(","):
+        for i, case in enumerate(cases):
+            print(f"[{i + 1}/{len(cases)}] {name} {case.id}", flush=True)
+            row = run_case(REGISTRY[name], case, ceil, args.iters, cache)
+            row["backend"] = name
+            p = peer.get(case.tokens)
+            if p:
+                row["peer"] = {
+                    k: p.get(k) for k in ("base_ms", "lora_ms", "base_pre_ms", "lora_pre_ms")
+                }
+            failed |= not (row["base"]["ok"] and row["lora"]["ok"])
+            rows.append(row)
+    print(
+        f"\n{'backend':<8} {'T':>6} {'base ms':>8} {'floor':>7} {'x':>5} {'lora ms':>8} "
+        f"{'floor':>7} {'x':>5} {'TFLOP/s':>7} {'GB/s':>6} {'vllm b/l pre':>13} "
+        f"{'vs vllm l':>9}"
+    )
+    for r in rows:
+        b, lo, p = r["base"], r["lora"], r.get("peer") or {}
+        vb, vl = p.get("base_pre_ms"), p.get("lora_pre_ms")
+        peer_s = f"{vb:.3f}/{vl:.3f}" if vb and vl else "-"
+        speed = f"{vl / lo['ms']:.2f}x" if vl else "-"
+        print(
+            f"{r['backend']:<8} {r['T']:>6} {b['ms']:8.3f} {b['floor_ms']:7.3f} "
+            f"{b['ratio']:5.2f} {lo['ms']:8.3f} {lo['floor_ms']:7.3f} {lo['ratio']:5.2f} "
+            f"{lo['tflops']:7.1f} {lo['gbps']:6.0f} {peer_s:>13} {speed:>9}"
+        )
+    if args.json:
+        dump(args.json, dict(**stamp(ceil), suite=args.suite, rows=rows))
+    print(
+        "bench: all providers matched the reference"
+        if not failed
+        else "bench: SOME PROVIDERS FAILED THE REFERENCE CHECK (times still listed)"
+    )
+    return 1 if failed else 0
