@@ -56,7 +56,8 @@ def align_pairs(
     if token_slots is None:
         slot = torch.zeros_like(ids)
     else:
-        s = token_slots.to(torch.int64).repeat_interleave(top_k)
+        # expand, not repeat_interleave: no output-size computation that could sync
+        s = token_slots.to(torch.int64).unsqueeze(1).expand(-1, top_k).reshape(-1)
         slot = torch.where((s >= 0) & (s < num_slots), s + 1, torch.zeros_like(s))
     key = ids * (num_slots + 1) + slot
     order = torch.sort(key, stable=True).indices  # pair indices by (expert, slot)
