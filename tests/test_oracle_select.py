@@ -159,8 +159,9 @@ def test_registry_follows_the_ranking_and_holds_backends():
         assert isinstance(backend, Backend) and backend.name == name
 
 
-# Only the oracle chooses: no other module reads the registry. validate.py is a harness that
-# runs a backend named on its command line against the reference (it chooses nothing).
+# Only the oracle chooses: no other module reads the registry. validate.py and bench.py are
+# harnesses that run the backends named on their command line against the reference (they
+# choose nothing for serving); any new reader must go through moelora.oracle.select.
 def test_only_the_oracle_reads_the_registry():
     root = Path(moelora.__file__).parent
     readers = {
@@ -168,7 +169,12 @@ def test_only_the_oracle_reads_the_registry():
         for path in root.rglob("*.py")
         if re.search(r"backends\.registry|from \.registry|REGISTRY", path.read_text())
     }
-    assert readers <= {"oracle.py", "backends/registry.py", "commands/validate.py"}
+    assert readers <= {
+        "oracle.py",
+        "backends/registry.py",
+        "commands/validate.py",
+        "commands/bench.py",
+    }
 
 
 # The reference backend: exactly moe_lora_reference, and the out / add_inputs contract.

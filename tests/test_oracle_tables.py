@@ -21,6 +21,11 @@ def on(device: DeviceFacts, **knobs):
     return dataclasses.replace(deploy(**knobs), device=device)
 
 
+def resized(dep, **shape_fields):
+    """dep with MoEShape fields replaced (sizes no preset has)."""
+    return dataclasses.replace(dep, shape=dataclasses.replace(dep.shape, **shape_fields))
+
+
 SM75 = DeviceFacts("cuda", "sm75", (7, 5), target("h200").packages)
 CPU_NOT_INTERPRETED = dataclasses.replace(target("cpu"), interpreted=False)
 H200_WITHOUT_TRITON = dataclasses.replace(target("h200"), packages=frozenset({"torch"}))
@@ -50,6 +55,20 @@ TABLE = [
     ("triton-rank-256", lambda: deploy("qwen3-30b-a3b", lora=True, rank=256), "triton", REFUSE, "lora.max_rank"),
     ("triton-fully-sharded", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True), "triton", REFUSE, "lora.add_inputs"),
     ("triton-fully-sharded-attention-only", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True, targets=("q_proj",)), "triton", ACCEPT, None),
+    # grouped_mm: cuda sm90+, bf16, I_p and H multiples of 8, at most 1023 groups, eager only.
+    ("gmm-qwen3-tp4-lora", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True), "grouped_mm", ACCEPT, None),
+    ("gmm-relu2-sm103", lambda: deploy("nemotron-h", "sm103", lora=True), "grouped_mm", ACCEPT, None),
+    ("gmm-gpt-oss-bias", lambda: deploy("gpt-oss-20b", "b200", lora=True), "grouped_mm", ACCEPT, None),
+    ("gmm-2048-experts-ep4", lambda: resized(deploy("qwen3-30b-a3b", ep=4), num_experts=2048), "grouped_mm", ACCEPT, None),  # E_l = 512 groups
+    ("gmm-2048-experts-ep2", lambda: resized(deploy("qwen3-30b-a3b", ep=2), num_experts=2048), "grouped_mm", REFUSE, "num_groups"),  # E_l = 1024
+    ("gmm-cuda-graphs", lambda: deploy("qwen3-30b-a3b", cuda_graphs=True), "grouped_mm", REFUSE, "cuda_graphs"),
+    ("gmm-a100", lambda: deploy("qwen3-30b-a3b", "a100"), "grouped_mm", REFUSE, "device.compute_capability"),
+    ("gmm-cpu", lambda: deploy("qwen3-30b-a3b", "cpu"), "grouped_mm", REFUSE, "device.kind"),
+    ("gmm-fp16", lambda: deploy("qwen3-30b-a3b", dtype="float16"), "grouped_mm", REFUSE, "dtype"),
+    ("gmm-fully-sharded", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True), "grouped_mm", REFUSE, "lora.add_inputs"),
+    ("gmm-i_p-4", lambda: deploy("tiny", tp=8, dtype="bf16"), "grouped_mm", REFUSE, "intermediate_per_partition"),  # I = 32 / 8
+    ("gmm-h-100", lambda: resized(deploy("qwen3-30b-a3b"), hidden_size=100), "grouped_mm", REFUSE, "hidden_size"),
+    ("gmm-1024-groups", lambda: resized(deploy("qwen3-30b-a3b"), num_experts=1024), "grouped_mm", REFUSE, "num_groups"),
 ]  # fmt: skip
 
 
