@@ -18,6 +18,15 @@ GATED_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 MIXTRAL_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
+def one_torch_thread():
+    """Generator for an autouse fixture: torch 2.13's CPU index_add_ (used by the reference)
+    takes ~60 ms per call with 2 intra-op threads on these 2-core machines, ~10 us with 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def model_config(
     model_type: str = "qwen3_moe", *, hidden: int = H, inter: int = INTER, layers: int = 2
 ) -> ModelConfig:

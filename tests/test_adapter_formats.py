@@ -14,6 +14,7 @@ from adapter_files import (
     known_factors,
     lora_config,
     model_config,
+    one_torch_thread,
     per_expert_tensors,
     write_adapter,
 )
@@ -23,6 +24,12 @@ from moelora.compare import assert_close
 from moelora.errors import AdapterError
 from moelora.lora import SlotManager, load_adapter
 from moelora.weights import LoRABank
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_torch_thread()
+
 
 PART = {"gate": ("w13", 0), "w1": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
 

@@ -17,6 +17,8 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from adapter_files import one_torch_thread  # noqa: E402
+
 from moelora import ExpertWeights, from_hf, moe_lora_reference  # noqa: E402
 from moelora.compare import assert_close  # noqa: E402
 from moelora.errors import AdapterError  # noqa: E402
@@ -53,6 +55,13 @@ ADAPTERS = {
         alpha_pattern={"down_proj": 7},
     ),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_torch_thread()
+
+
 MODULES = {"qwen3_moe": ["gate_proj", "up_proj", "down_proj"], "mixtral": ["w1", "w2", "w3"]}
 
 
