@@ -2,7 +2,7 @@
 (`SlotManager`)."""
 
 from .adapter import Adapter, LayerLoRA, load_adapter
-from .formats import ORIENTATIONS
+from .fused import ORIENTATIONS
 from .slots import BankSnapshot, SlotManager
 
 __all__ = ["ORIENTATIONS", "Adapter", "BankSnapshot", "LayerLoRA", "SlotManager", "load_adapter"]

@@ -17,6 +17,7 @@ from ..config import ModelConfig, MoEShape
 from ..errors import AdapterError
 from . import formats
 from .formats import Context, Projection
+from .fused import parse_fused
 from .safe_io import CONFIG_NAME, read_config, read_tensors
 from .validate import check_lora_config, check_rank, check_tensor
 
@@ -110,7 +111,7 @@ def load_adapter(
         check_tensor(ctx.file, key, t)
 
     if kinds["fused"]:
-        projections, layout = formats.parse_fused(ctx, kinds["fused"]), "fused"
+        projections, layout = parse_fused(ctx, kinds["fused"]), "fused"
     elif kinds["per_expert"]:
         projections = formats.parse_per_expert(ctx, kinds["per_expert"])
         shared = any(formats.is_shared_key(k) for k in kinds["per_expert"])
