@@ -64,6 +64,7 @@ CASES = [
     Case("masked-tails", hidden=48, inter=40, act=A.GELU),  # H, I not tile multiples
     Case("expert-parallel-drop", drop_ids=True),  # ids -1 / >= E contribute nothing
     Case("many-slots", slots=tuple(range(-1, 9)), ranks=(16,) * 9, tokens=10),
+    Case("decode-one-pair-blocks-drop", experts=32, tokens=2, drop_ids=True),  # P <= E/4 layout
 ]
 
 

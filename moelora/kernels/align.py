@@ -53,6 +53,8 @@ def align_pairs(
     ids = topk_ids.reshape(-1).to(torch.int64)
     valid = (ids >= 0) & (ids < num_experts)
     ids = torch.where(valid, ids, torch.full_like(ids, num_experts))  # bucket E = dropped
+    if num_pairs * 4 <= num_experts:
+        return _one_pair_per_block(ids, num_experts, num_pairs, block_m)
     if token_slots is None:
         slot = torch.zeros_like(ids)
     else:
@@ -87,5 +89,23 @@ def align_pairs(
         sorted_pair_ids=sorted_pair_ids[:cap],
         block_experts=block_experts.to(torch.int32),
         num_padded=pad_end[-1:].to(torch.int32),
+        block_m=block_m,
+    )
+
+
+def _one_pair_per_block(
+    ids: torch.Tensor, num_experts: int, num_pairs: int, block_m: int
+) -> AlignedPairs:
+    """Decode layout (P <= E/4: pairs rarely share an expert): block b holds pair b alone.
+    Four small ops instead of the sort; a repeated expert is read twice, which costs less
+    than the sort's launches at this size (vLLM's "naive" assignment, vllm_spec.md 4.1)."""
+    device = ids.device
+    sorted_pair_ids = torch.full((num_pairs, block_m), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[:, 0] = torch.arange(num_pairs, dtype=torch.int32, device=device)
+    block_experts = torch.where(ids < num_experts, ids, torch.full_like(ids, -1))
+    return AlignedPairs(
+        sorted_pair_ids=sorted_pair_ids.reshape(-1),
+        block_experts=block_experts.to(torch.int32),
+        num_padded=torch.full((1,), num_pairs * block_m, dtype=torch.int32, device=device),
         block_m=block_m,
     )

@@ -2,10 +2,9 @@
 
 `pick_config` returns the committed H200 table's entry when one exists for the exact
 (E, K, H, I, T bucket), else the heuristic below. Heuristic constants, and how chosen:
-- BLOCK_M follows the expected pairs per expert m = T*K/E (uniform routing): 16 is the
-  smallest tl.dot tile, and a block much larger than m only pads; from m >= 96 on 64, from
-  m >= 384 on 128 rows, where weight-tile reuse is what bounds the GEMM (the same steps
-  as vLLM's H200 fused_moe tables, vllm_spec.md section 4.6).
+- BLOCK_M: the power of two >= 1.5 m, m = T*K/E expected pairs per expert (uniform
+  routing; 1.5 covers the busier experts), from 16 (smallest tl.dot tile) to 128, so most
+  experts fit one block and their weights are read once (see _heuristic).
 - BLOCK_N / BLOCK_K: 64 x 128 for small m (weight streaming; 128-wide K loads = 256 B
   rows), 128 x 64 for large m (MMA-bound; the standard Hopper Triton matmul tile).
   Gated up kernels hold two accumulators, so their BLOCK_N is half the down kernel's.
@@ -40,11 +39,15 @@ H200_TABLE: dict[tuple[int, int, int, int, int], TileConfig] = {}
 
 
 def _heuristic(pairs_per_expert: float) -> TileConfig:
-    if pairs_per_expert < 24:
-        return TileConfig(16, GemmTiles(64, 128), GemmTiles(64, 128))
-    if pairs_per_expert < 96:
-        return TileConfig(32, GemmTiles(64, 128), GemmTiles(64, 128))
-    if pairs_per_expert < 384:
+    # One block per expert where possible: below m ~ 184 (the H200 ridge) the layer is
+    # weight-bandwidth bound, and every extra block of an expert re-reads its weights
+    # (v1 used 32 rows at m = 64 and measured 2.3x the floor at T = 1024: KERNEL_LOG.md).
+    block_m = 16
+    while block_m < 128 and block_m < 1.5 * pairs_per_expert:
+        block_m *= 2
+    if block_m <= 32:
+        return TileConfig(block_m, GemmTiles(64, 128), GemmTiles(64, 128))
+    if block_m == 64:
         return TileConfig(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4))
     return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
 

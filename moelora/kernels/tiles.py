@@ -89,14 +89,19 @@ def lora_expand(
         mask=has[:, None] & r_mask[None, :],
         other=0.0,
     )
+    slot_off = tl.where(has, slot, 0).to(tl.int64) * stride_bl
     lo = tl.min(tl.where(has, slot, num_slots), axis=0)
     hi = tl.max(slot, axis=0)
     for a in range(lo, hi + 1):
         rows = slot == a
         if tl.max(rows.to(tl.int32), axis=0) > 0:
+            b_off = tl.max(tl.where(rows, slot_off, 0), axis=0)  # int64: no 2**31 overflow
             t = tl.where(rows[:, None], tmp, 0.0)
             b = tl.load(
-                b_ptr + a * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                b_ptr
+                + b_off
+                + offs_n[None, :] * stride_bn
+                + offs_r[:, None] * stride_br,
                 mask=r_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
