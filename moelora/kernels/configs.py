@@ -52,11 +52,25 @@ def _heuristic(pairs_per_expert: float) -> TileConfig:
     return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
 
 
+def _lora_heuristic(pairs_per_expert: float) -> TileConfig:
+    # With LoRA, BLOCK_M also sets how many slots share a block, and the shrink and expand
+    # loop over them with full-block dots: smaller blocks measured faster on the H200 at
+    # T = 16..4096 (KERNEL_LOG.md v1 vs v2), so LoRA runs keep v1's steps.
+    if pairs_per_expert < 24:
+        return TileConfig(16, GemmTiles(64, 128), GemmTiles(64, 128))
+    if pairs_per_expert < 96:
+        return TileConfig(32, GemmTiles(64, 128), GemmTiles(64, 128))
+    if pairs_per_expert < 384:
+        return TileConfig(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4))
+    return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
+
+
 def pick_config(
-    num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int
+    num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, lora: bool = False
 ) -> TileConfig:
     """Tiles for one forward. Static per (shape, T): a CUDA graph per bucket sees one config."""
     for (e, k, h, i, t_max), cfg in sorted(H200_TABLE.items(), key=lambda kv: kv[0][4]):
         if (e, k, h, i) == (num_experts, top_k, hidden, inter) and num_tokens <= t_max:
             return cfg
-    return _heuristic(num_tokens * top_k / num_experts)
+    m = num_tokens * top_k / num_experts
+    return _lora_heuristic(m) if lora else _heuristic(m)

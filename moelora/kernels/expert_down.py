@@ -111,6 +111,7 @@ def _expert_down_kernel(
             offs_n,
             n_mask,
             rank,
+            expert * 0,
             BLOCK_R,
             UPCAST,
             IEEE,

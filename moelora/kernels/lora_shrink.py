@@ -64,15 +64,14 @@ def _lora_shrink_kernel(
     r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + expert.to(tl.int64) * stride_ae + part * stride_as
-    slot_off = tl.where(slot >= 0, slot, 0).to(tl.int64) * stride_al
     lo = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
     hi = tl.max(slot, axis=0)
     for a in range(lo, hi + 1):
         rows = slot == a
         if tl.max(rows.to(tl.int32), axis=0) > 0:
-            # int64 slot offset (L*E*S*R*H exceeds 2**31: DeepSeek-V3, R=128), taken from
-            # the int64 per-row vector so it works for both compiled and interpreted ints.
-            a_off = tl.max(tl.where(rows, slot_off, 0), axis=0)
+            # int64 slot offset: L*E*S*R*H exceeds 2**31 (DeepSeek-V3, R=128). expert*0
+            # makes an int64 scalar both compiled and interpreted (where `a` is a Python int).
+            a_off = (expert.to(tl.int64) * 0 + a) * stride_al
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for k0 in range(0, k_dim, BLOCK_K):
                 k_mask = (k0 + offs_k) < k_dim

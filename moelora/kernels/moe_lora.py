@@ -43,8 +43,8 @@ def fused_moe_lora(
     top_k = topk_ids.shape[1]
     num_experts = experts.w13.shape[0]
     inter_size = experts.w2.shape[2]
-    cfg = config or pick_config(num_tokens, num_experts, top_k, hidden, inter_size)
     use_lora = lora is not None and token_slots is not None
+    cfg = config or pick_config(num_tokens, num_experts, top_k, hidden, inter_size, use_lora)
     num_slots = lora.num_slots if use_lora else 0
     x = x.contiguous()
     topk_ids = topk_ids.contiguous()

@@ -70,6 +70,7 @@ def lora_expand(
     offs_n,
     n_mask,
     rank,
+    zero64,
     BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -89,17 +90,15 @@ def lora_expand(
         mask=has[:, None] & r_mask[None, :],
         other=0.0,
     )
-    slot_off = tl.where(has, slot, 0).to(tl.int64) * stride_bl
     lo = tl.min(tl.where(has, slot, num_slots), axis=0)
     hi = tl.max(slot, axis=0)
     for a in range(lo, hi + 1):
         rows = slot == a
         if tl.max(rows.to(tl.int32), axis=0) > 0:
-            b_off = tl.max(tl.where(rows, slot_off, 0), axis=0)  # int64: no 2**31 overflow
             t = tl.where(rows[:, None], tmp, 0.0)
             b = tl.load(
                 b_ptr
-                + b_off
+                + (zero64 + a) * stride_bl  # int64: L*E*... can exceed 2**31
                 + offs_n[None, :] * stride_bn
                 + offs_r[:, None] * stride_br,
                 mask=r_mask[:, None] & n_mask[None, :],
