@@ -132,8 +132,11 @@ def _summary(model, shape, deployment, layer, names, slots, y, ref, base, elapse
         ok = ok and err.ok
         slot = int(slots[rows][0])
         print(f"  {name or 'base':<10} {slot:>5}  {int(rows.sum()):>6}  {change:>14.3e}  {err}")
-    exact = torch.equal(y[slots < 0], base[slots < 0])
-    print(f"  base-model rows equal the backend's LoRA-free output exactly: {exact}")
-    ok = ok and exact
+    # Information, not the verdict: a backend may tile a LoRA batch differently from a
+    # LoRA-free one, which changes fp32 summation order (both are checked vs the reference).
+    base_err = compare(y[slots < 0], base[slots < 0], shape.dtype)
+    exact = "bit-identical" if torch.equal(y[slots < 0], base[slots < 0]) else str(base_err)
+    print(f"  base-model rows vs the backend's LoRA-free run: {exact}")
+    ok = ok and base_err.ok
     print(f"  verdict: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
