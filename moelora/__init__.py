@@ -10,7 +10,11 @@ from .config import (
     ParallelConfig,
     from_hf,
 )
-from .errors import ConfigError, InputError, MoeloraError
+from .deployment import Deployment
+from .errors import AdapterError, ConfigError, InputError, MoeloraError, UnsupportedDeploymentError
+from .layer import MoELoRALayer
+from .lora import SlotManager, load_adapter
+from .oracle import Selection, select
 from .presets import PRESETS, load_preset, resolve_model
 from .reference import moe_lora_reference
 from .routing import RoutingConfig, RoutingMethod, route
@@ -19,25 +23,33 @@ from .weights import ExpertWeights, LoRABank, random_expert_weights, random_lora
 __all__ = [
     "PRESETS",
     "Activation",
+    "AdapterError",
     "AddInputs",
     "ConfigError",
+    "Deployment",
     "DeviceFacts",
     "ExpertWeights",
     "InputError",
     "LoRABank",
     "LoRAConfig",
+    "MoELoRALayer",
     "MoEShape",
     "ModelConfig",
     "MoeloraError",
     "ParallelConfig",
     "RoutingConfig",
     "RoutingMethod",
+    "Selection",
+    "SlotManager",
+    "UnsupportedDeploymentError",
     "apply_activation",
     "from_hf",
+    "load_adapter",
     "load_preset",
     "moe_lora_reference",
     "random_expert_weights",
     "random_lora_bank",
     "resolve_model",
     "route",
+    "select",
 ]
