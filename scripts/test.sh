@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
+.venv/bin/ruff check moelora tests benchmarks
+.venv/bin/ruff format --check moelora tests benchmarks
 exec .venv/bin/python -m pytest -n "${MOELORA_TEST_WORKERS:-2}" --durations=15 "$@"
