@@ -1,8 +1,16 @@
 """Routing alignment: sort the (token, k) pairs by expert into BLOCK_M-padded blocks.
 
-All on the device with torch ops and no host synchronisation, so it can be captured in a
-CUDA graph. Inside an expert the pairs are ordered by adapter slot, so a block holds few
-distinct slots and the LoRA loops in the kernels visit only those.
+One Triton kernel on the device, no host synchronisation, so it can be captured in a
+CUDA graph. Inside an expert the pairs are ordered by adapter slot (slot -1 first), so a
+block holds few distinct slots and the LoRA loops in the kernels visit only those.
+
+How: a pair's bucket is key = expert * (L + 1) + slot + 1. COUNT: an atomic add per pair
+on counts[key] returns the pair's rank inside its bucket. OFFSETS: one program turns the
+counts into each expert's padded start (cumsum over experts) and each bucket's start
+inside it, writes the padding sentinels, block experts and the used length. SCATTER:
+sorted[key_start[key] + rank] = pair. Up to SINGLE_PROGRAM_PAIRS pairs the three phases
+run in one program (one launch, barriers between phases); above, as three launches
+(COUNT and SCATTER over many programs) after a memset of counts.
 
 Legend: T tokens, K top-k, E experts, L slots, P = T*K pairs.
 """
@@ -12,13 +20,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+# Largest P aligned by one program (one launch, no memset). Estimated, not measured: a
+# program issues BLOCK_P atomics per step (~1 us each step), so 2 steps each way at
+# P = 2048 cost about what the two extra launches and the memset cost in a graph.
+SINGLE_PROGRAM_PAIRS = 2048
+BLOCK_P = 1024  # pairs per step: 8 per thread at 4 warps
 
 
 @dataclass(frozen=True)
 class AlignedPairs:
     """sorted_pair_ids [P_pad] int32: pair index t*K + j, grouped by expert, each expert's
-    group padded to a multiple of block_m with the sentinel P; block_experts [P_pad/BLOCK_M]
-    int32: expert of each block (-1 past the end); num_padded [1] int32: used length."""
+    group padded to a multiple of block_m with the sentinel P (entries past num_padded are
+    never read); block_experts [P_pad/BLOCK_M] int32: expert of each block (-1 past the
+    end); num_padded [1] int32: used length."""
 
     sorted_pair_ids: torch.Tensor
     block_experts: torch.Tensor
@@ -38,6 +55,130 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-padded // block_m) * block_m
 
 
+@triton.jit
+def _pair_keys(topk_ids_ptr, slots_ptr, offs, num_pairs, top_k, num_experts, num_slots,
+               HAS_SLOTS: tl.constexpr):  # fmt: skip
+    """key [BLOCK_P] of each pair and whether it is routed to a local expert."""
+    in_range = offs < num_pairs
+    e = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    ok = in_range & (e >= 0) & (e < num_experts)
+    if HAS_SLOTS:
+        s = tl.load(slots_ptr + offs // top_k, mask=ok, other=-1)
+        s = tl.where((s >= 0) & (s < num_slots), s + 1, 0)
+    else:
+        s = tl.zeros_like(e)
+    return tl.where(ok, e, 0) * (num_slots + 1) + s, ok
+
+
+@triton.jit
+def _align_kernel(
+    topk_ids_ptr,
+    slots_ptr,
+    counts_ptr,
+    rank_ptr,
+    key_start_ptr,
+    sorted_pair_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    top_k,
+    num_experts,
+    num_slots,
+    num_blocks,
+    HAS_SLOTS: tl.constexpr,
+    ZERO: tl.constexpr,
+    COUNT: tl.constexpr,
+    OFFSETS: tl.constexpr,
+    SCATTER: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK_P
+    bins = num_slots + 1
+    if ZERO:  # single-program mode: counts start at zero without a memset launch
+        for q0 in range(0, num_experts * bins, BLOCK_P):
+            q = q0 + tl.arange(0, BLOCK_P)
+            tl.store(counts_ptr + q, tl.zeros_like(q), mask=q < num_experts * bins)
+        tl.debug_barrier()
+    if COUNT:
+        for p0 in range(pid * BLOCK_P, num_pairs, step):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            key, ok = _pair_keys(
+                topk_ids_ptr, slots_ptr, offs, num_pairs, top_k, num_experts, num_slots, HAS_SLOTS
+            )
+            rank = tl.atomic_add(counts_ptr + key, tl.full([BLOCK_P], 1, tl.int32), mask=ok)
+            tl.store(rank_ptr + offs, rank, mask=ok)
+        tl.debug_barrier()
+    if OFFSETS:
+        for b0 in range(0, num_blocks, BLOCK_P):
+            b = b0 + tl.arange(0, BLOCK_P)
+            tl.store(block_experts_ptr + b, tl.full([BLOCK_P], -1, tl.int32), mask=b < num_blocks)
+        tl.debug_barrier()  # the -1 fill lands before the experts' blocks overwrite it
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_j = tl.arange(0, BLOCK_M)
+        carry = num_experts * 0  # padded length of the experts before this chunk
+        for e0 in range(0, num_experts, BLOCK_E):
+            offs_e = e0 + tl.arange(0, BLOCK_E)
+            e_mask = offs_e < num_experts
+            idx = offs_e[:, None] * bins + offs_s[None, :]
+            cs_mask = e_mask[:, None] & (offs_s < bins)[None, :]
+            c = tl.load(counts_ptr + idx, mask=cs_mask, other=0)
+            total = tl.sum(c, axis=1)
+            padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            pad_end = tl.cumsum(padded, axis=0) + carry
+            pad_start = pad_end - padded
+            tl.store(key_start_ptr + idx, pad_start[:, None] + tl.cumsum(c, axis=1) - c, cs_mask)
+            pad_pos = (pad_start + total)[:, None] + offs_j[None, :]
+            tl.store(
+                sorted_pair_ids_ptr + pad_pos,
+                tl.full([BLOCK_E, BLOCK_M], 0, tl.int32) + num_pairs,
+                mask=e_mask[:, None] & (pad_pos < pad_end[:, None]),
+            )
+            blocks = padded // BLOCK_M
+            first = pad_start // BLOCK_M
+            for j in range(0, tl.max(blocks, axis=0)):
+                tl.store(block_experts_ptr + first + j, offs_e, mask=e_mask & (j < blocks))
+            carry = carry + tl.sum(padded, axis=0)
+        tl.store(num_padded_ptr, carry)
+        tl.debug_barrier()
+    if SCATTER:
+        for p0 in range(pid * BLOCK_P, num_pairs, step):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            key, ok = _pair_keys(
+                topk_ids_ptr, slots_ptr, offs, num_pairs, top_k, num_experts, num_slots, HAS_SLOTS
+            )
+            dest = tl.load(key_start_ptr + key, mask=ok, other=0)
+            dest += tl.load(rank_ptr + offs, mask=ok, other=0)
+            tl.store(sorted_pair_ids_ptr + dest, offs, mask=ok)
+
+
+@triton.jit
+def _one_pair_kernel(
+    topk_ids_ptr,
+    sorted_pair_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_experts,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK_P)
+    in_range = offs < num_pairs
+    e = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    e = tl.where((e >= 0) & (e < num_experts), e, -1)
+    tl.store(block_experts_ptr + offs, e, mask=in_range)
+    offs_j = tl.arange(0, BLOCK_M)
+    rows = tl.where(offs_j[None, :] == 0, offs[:, None], num_pairs)
+    tl.store(
+        sorted_pair_ids_ptr + offs[:, None] * BLOCK_M + offs_j[None, :], rows, in_range[:, None]
+    )
+    tl.store(num_padded_ptr, num_pairs * BLOCK_M)
+
+
 def align_pairs(
     topk_ids: torch.Tensor,
     token_slots: torch.Tensor | None,
@@ -46,66 +187,77 @@ def align_pairs(
     block_m: int,
 ) -> AlignedPairs:
     """topk_ids [T, K] (ids outside [0, E) are dropped: expert parallel); token_slots [T]
-    (-1 or out of [0, L) = no adapter) or None. Returns the block layout of the pairs."""
+    int32 (-1 or out of [0, L) = no adapter) or None. Returns the block layout of the pairs."""
     device = topk_ids.device
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    valid = (ids >= 0) & (ids < num_experts)
-    ids = torch.where(valid, ids, torch.full_like(ids, num_experts))  # bucket E = dropped
+    ids = topk_ids.contiguous()
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     if num_pairs * 4 <= num_experts:
-        return _one_pair_per_block(ids, num_experts, num_pairs, block_m)
-    if token_slots is None:
-        slot = torch.zeros_like(ids)
-    else:
-        # expand, not repeat_interleave: no output-size computation that could sync
-        s = token_slots.to(torch.int64).unsqueeze(1).expand(-1, top_k).reshape(-1)
-        slot = torch.where((s >= 0) & (s < num_slots), s + 1, torch.zeros_like(s))
-    key = ids * (num_slots + 1) + slot
-    order = torch.sort(key, stable=True).indices  # pair indices by (expert, slot)
-    sorted_ids = ids[order]
-
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.index_add_(0, ids, torch.ones_like(ids))
-    counts = counts[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    start = torch.cumsum(counts, 0) - counts
-
+        return _one_pair_per_block(ids, num_experts, num_pairs, block_m, num_padded)
     cap = max_padded_pairs(num_pairs, num_experts, block_m)
-    sorted_pair_ids = torch.full((cap + 1,), num_pairs, dtype=torch.int32, device=device)
-    e = sorted_ids.clamp(max=num_experts - 1)
-    rank = torch.arange(num_pairs, device=device) - start[e]
-    dest = torch.where(sorted_ids < num_experts, pad_start[e] + rank, torch.full_like(rank, cap))
-    sorted_pair_ids.scatter_(0, dest, order.to(torch.int32))  # dropped pairs land in slot cap
-
-    block_start = torch.arange(0, cap, block_m, device=device)
-    block_experts = torch.searchsorted(pad_end, block_start, right=True)
-    block_experts = torch.where(
-        block_experts < num_experts, block_experts, torch.full_like(block_experts, -1)
+    sorted_pair_ids = torch.empty(cap, dtype=torch.int32, device=device)
+    block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
+    has_slots = token_slots is not None and num_slots > 0
+    bins = num_slots + 1 if has_slots else 1
+    single = num_pairs <= SINGLE_PROGRAM_PAIRS
+    counts = (torch.empty if single else torch.zeros)(
+        num_experts * bins, dtype=torch.int32, device=device
     )
-    return AlignedPairs(
-        sorted_pair_ids=sorted_pair_ids[:cap],
-        block_experts=block_experts.to(torch.int32),
-        num_padded=pad_end[-1:].to(torch.int32),
-        block_m=block_m,
+    key_start = torch.empty_like(counts)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    block_s = triton.next_power_of_2(bins)
+    args = dict(
+        topk_ids_ptr=ids,
+        slots_ptr=token_slots if has_slots else ids,
+        counts_ptr=counts,
+        rank_ptr=rank,
+        key_start_ptr=key_start,
+        sorted_pair_ids_ptr=sorted_pair_ids,
+        block_experts_ptr=block_experts,
+        num_padded_ptr=num_padded,
+        num_pairs=num_pairs,
+        top_k=top_k,
+        num_experts=num_experts,
+        num_slots=num_slots if has_slots else 0,
+        num_blocks=block_experts.shape[0],
+        HAS_SLOTS=has_slots,
+        BLOCK_P=BLOCK_P,
+        # experts per OFFSETS step: ~4K counters in registers, at most 128 experts
+        BLOCK_E=max(1, min(128, 4096 // block_s)),
+        BLOCK_S=block_s,
+        BLOCK_M=block_m,
+        num_warps=4,
     )
+    phases = dict(ZERO=False, COUNT=False, OFFSETS=False, SCATTER=False)
+    if single:
+        _align_kernel[(1,)](**args, **{**phases, "ZERO": True, "COUNT": True, "OFFSETS": True,
+                                       "SCATTER": True})  # fmt: skip
+    else:
+        grid = (triton.cdiv(num_pairs, BLOCK_P),)
+        _align_kernel[grid](**args, **{**phases, "COUNT": True})
+        _align_kernel[(1,)](**args, **{**phases, "OFFSETS": True})
+        _align_kernel[grid](**args, **{**phases, "SCATTER": True})
+    return AlignedPairs(sorted_pair_ids, block_experts, num_padded, block_m)
 
 
 def _one_pair_per_block(
-    ids: torch.Tensor, num_experts: int, num_pairs: int, block_m: int
+    ids: torch.Tensor, num_experts: int, num_pairs: int, block_m: int, num_padded: torch.Tensor
 ) -> AlignedPairs:
     """Decode layout (P <= E/4: pairs rarely share an expert): block b holds pair b alone.
-    Four small ops instead of the sort; a repeated expert is read twice, which costs less
-    than the sort's launches at this size (vLLM's "naive" assignment, vllm_spec.md 4.1)."""
+    One launch instead of the sort; a repeated expert is read twice, which costs less than
+    the sort at this size (vLLM's "naive" assignment, vllm_spec.md 4.1)."""
     device = ids.device
-    sorted_pair_ids = torch.full((num_pairs, block_m), num_pairs, dtype=torch.int32, device=device)
-    sorted_pair_ids[:, 0] = torch.arange(num_pairs, dtype=torch.int32, device=device)
-    block_experts = torch.where(ids < num_experts, ids, torch.full_like(ids, -1))
-    return AlignedPairs(
-        sorted_pair_ids=sorted_pair_ids.reshape(-1),
-        block_experts=block_experts.to(torch.int32),
-        num_padded=torch.full((1,), num_pairs * block_m, dtype=torch.int32, device=device),
-        block_m=block_m,
+    sorted_pair_ids = torch.empty(num_pairs * block_m, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    _one_pair_kernel[(1,)](
+        topk_ids_ptr=ids,
+        sorted_pair_ids_ptr=sorted_pair_ids,
+        block_experts_ptr=block_experts,
+        num_padded_ptr=num_padded,
+        num_pairs=num_pairs,
+        num_experts=num_experts,
+        BLOCK_P=triton.next_power_of_2(num_pairs),
+        BLOCK_M=block_m,
     )
+    return AlignedPairs(sorted_pair_ids, block_experts, num_padded, block_m)
