@@ -9,13 +9,17 @@ Adapters alternate rank R and R/2 (zero-padded), and every (L+1)-th token has sl
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..compare import compare
-from ..config import ModelConfig
+from ..config import AddInputs, DeviceFacts, LoRAConfig, ModelConfig
+from ..deployment import Deployment
+from ..device import probe
+from ..oracle import select
 from ..presets import resolve_model
 from ..reference import moe_lora_reference
 from ..routing import route
@@ -84,6 +88,27 @@ def build_inputs(model: ModelConfig, tokens: int, adapters: int, device: str, se
         t = torch.arange(tokens, device=device)
         slots = ((t + seed) % (adapters + 1) - 1).to(torch.int32)
     return x, ids.to(torch.int32).contiguous(), weights.float().contiguous(), slots
+
+
+def select_backend(name: str, model: ModelConfig, case: Case, device: DeviceFacts):
+    """The backend `name` through the oracle, for exactly what this case runs: a backend the
+    oracle would refuse for this deployment is never run (the refusal is the case's error)."""
+    lora = LoRAConfig(
+        enabled=case.adapters > 0,
+        max_rank=case.rank,
+        max_loras=max(1, case.adapters),
+        add_inputs=AddInputs.OVERWRITE,  # forward without `out` writes y
+    )
+    deployment = Deployment.for_model(
+        model, device=device, lora=lora, cuda_graphs=case.graphs, backend=name
+    )
+    oracle_log = logging.getLogger("moelora.oracle")
+    level = oracle_log.level
+    oracle_log.setLevel(logging.WARNING)  # one selection per case: keep the table readable
+    try:
+        return select(deployment).backend
+    finally:
+        oracle_log.setLevel(level)
 
 
 def run_case(
@@ -164,8 +189,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..backends.registry import REGISTRY
-
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             "validate: no CUDA device here (use --device cpu with TRITON_INTERPRET=1 and a tiny model)"
@@ -180,14 +203,15 @@ def run(args: argparse.Namespace) -> int:
         f"{'backend':<9} {'model':<16} {'case':<34} {'rel_err':>9} {'max_abs':>9} {'tol':>6}  "
         f"result  s"
     )
+    device = probe()
     for name in args.backends.split(","):
-        backend = REGISTRY[name]
         for model_name in args.models.split(","):
             model = resolve_model(model_name)
             experts = build_experts(model, args.device, args.seed)
             for case in cases:
                 total += 1
                 try:
+                    backend = select_backend(name, model, case, device)
                     res, secs = run_case(
                         backend, model, experts, case, args.device, args.ref_tokens, args.seed
                     )
@@ -198,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
                     failures += not res.ok
                 except Exception as err:  # report and continue: the table is the product
                     failures += 1
-                    line = f"ERROR {type(err).__name__}: {str(err)[:120]}"
+                    msg = " ".join(str(err).split())  # refusals span lines
+                    line = f"ERROR {type(err).__name__}: {msg[:160]}"
                 print(f"{name:<9} {model_name:<16} {case.label():<34} {line}", flush=True)
             del experts
             if args.device == "cuda":

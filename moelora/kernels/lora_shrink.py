@@ -127,6 +127,31 @@ def lora_shrink(
     check_shape("LoRA shrink input", inp, (rows, k_dim))
     if out is None:
         out = torch.empty(num_pairs, parts, rank, dtype=torch.float32, device=inp.device)
+    a_in, o_in = a5, out
+    if _parts_fuse(a5, out):
+        # Gate and up rows of A are one [S*R, in] matrix: one program computes both parts
+        # from one read of the input rows (the per-part grid read x twice).
+        a_in = a5.view(num_slots, a5.shape[1], 1, parts * rank, k_dim)
+        o_in = out.view(num_pairs, 1, parts * rank)
+    _launch(inp, a_in, token_slots, aligned, o_in, top_k, rows_are_tokens, block_k, num_warps)
+    return out
+
+
+def _parts_fuse(a5: torch.Tensor, out: torch.Tensor) -> bool:
+    """Parts fuse when (S, R) is one contiguous run in A and out, and S*R rank lanes stay
+    within 64 fp32 registers per row (rank 16 gated = 32 lanes)."""
+    _, _, parts, rank, _ = a5.shape
+    return (
+        parts > 1
+        and triton.next_power_of_2(parts * rank) <= 64
+        and a5.stride(2) == rank * a5.stride(3)
+        and out.stride(1) == rank * out.stride(2)
+    )
+
+
+def _launch(inp, a5, token_slots, aligned, out, top_k, rows_are_tokens, block_k, num_warps):
+    num_slots, _, parts, rank, k_dim = a5.shape
+    num_pairs = out.shape[0]
     block_r = max(16, triton.next_power_of_2(rank))
     upcast, ieee = precision_flags(inp)
     _lora_shrink_kernel[(aligned.num_blocks, parts)](
@@ -160,4 +185,3 @@ def lora_shrink(
         IEEE=ieee,
         num_warps=num_warps,
     )
-    return out
