@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=int, default=8, help="max LoRA rank R (default 8)")
     p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
+    p.add_argument(
+        "--no-interpret",
+        action="store_true",
+        help="without a GPU, do not run Triton kernels through TRITON_INTERPRET=1",
+    )
     p.set_defaults(run=run)
 
 
@@ -64,6 +70,10 @@ def _requests(tokens: int, names: list[str], gen: torch.Generator) -> list[str |
 
 
 def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available() and not args.no_interpret:
+        # No GPU: run the fused Triton kernels through Triton's interpreter (slow, exact),
+        # so the demo exercises the same kernels a GPU runs. Set before any kernel import.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     model = resolve_model(args.model)
     device = probe()
     torch_device = "cuda" if device.kind == "cuda" else "cpu"
