@@ -129,8 +129,9 @@ def _summary(model, shape, deployment, layer, names, slots, y, ref, base, elapse
         f"I={shape.intermediate_size} activation={shape.activation.value} "
         f"routing={model.routing.method.value} dtype={str(shape.dtype).split('.')[-1]}"
     )
+    where = " (Triton interpreter)" if deployment.device.interpreted else ""
     print(
-        f"  device {deployment.device.name}: backend {layer.backend_name} "
+        f"  device {deployment.device.name}{where}: backend {layer.backend_name} "
         f"({layer.selection.how}); forward {elapsed * 1e3:.1f} ms"
     )
     print("  adapter     slot  tokens  change vs base  error vs reference")
