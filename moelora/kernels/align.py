@@ -119,7 +119,7 @@ def _align_kernel(
         tl.debug_barrier()  # the -1 fill lands before the experts' blocks overwrite it
         offs_s = tl.arange(0, BLOCK_S)
         offs_j = tl.arange(0, BLOCK_M)
-        carry = num_experts * 0  # padded length of the experts before this chunk
+        carry = tl.sum(tl.zeros([BLOCK_E], tl.int32), axis=0)  # padded rows before this chunk
         for e0 in range(0, num_experts, BLOCK_E):
             offs_e = e0 + tl.arange(0, BLOCK_E)
             e_mask = offs_e < num_experts

@@ -1,7 +1,7 @@
 """Tile configurations per shape and token count (the only tuned constants of the kernels).
 
 `pick_config` returns the committed H200 table's entry when one exists for the exact
-(E, K, H, I, T bucket), else the heuristic below. Heuristic constants, and how chosen:
+(E, K, H, I, LoRA on, T bucket), else the heuristic below. Heuristic constants, and how chosen:
 - BLOCK_M: the power of two >= 1.5 m, m = T*K/E expected pairs per expert (uniform
   routing; 1.5 covers the busier experts), from 16 (smallest tl.dot tile) to 128, so most
   experts fit one block and their weights are read once (see _heuristic).
@@ -15,6 +15,8 @@ GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .h200_table import H200_ROWS
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,16 @@ class TileConfig:
     group_m: int = 8
 
 
-# (E, K, H, I, T bucket upper bound) -> TileConfig, filled from H200 measurements.
-H200_TABLE: dict[tuple[int, int, int, int, int], TileConfig] = {}
+def _from_row(row: tuple) -> TileConfig:
+    block_m, up, down = row
+    return TileConfig(block_m, GemmTiles(*up), GemmTiles(*down))
+
+
+# (E, K, H, I, LoRA on, T bucket upper bound) -> TileConfig: measured on an H200 by
+# benchmarks/tune.py (how, and each entry's measured gain, in h200_table.py).
+H200_TABLE: dict[tuple[int, int, int, int, bool, int], TileConfig] = {
+    key: _from_row(row) for key, row in H200_ROWS.items()
+}
 
 
 def _heuristic(pairs_per_expert: float) -> TileConfig:
@@ -69,8 +79,8 @@ def pick_config(
     num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, lora: bool = False
 ) -> TileConfig:
     """Tiles for one forward. Static per (shape, T): a CUDA graph per bucket sees one config."""
-    for (e, k, h, i, t_max), cfg in sorted(H200_TABLE.items(), key=lambda kv: kv[0][4]):
-        if (e, k, h, i) == (num_experts, top_k, hidden, inter) and num_tokens <= t_max:
+    for (e, k, h, i, on, t_max), cfg in sorted(H200_TABLE.items(), key=lambda kv: kv[0][5]):
+        if (e, k, h, i, on) == (num_experts, top_k, hidden, inter, lora) and num_tokens <= t_max:
             return cfg
     m = num_tokens * top_k / num_experts
     return _lora_heuristic(m) if lora else _heuristic(m)

@@ -1,0 +1,198 @@
+"""Tile tuning on this GPU: writes the table that moelora/kernels/h200_table.py commits.
+
+For each T (and LoRA off / on) a coordinate search from the heuristic config: the up
+kernel's tiles, then the down kernel's, then BLOCK_M halved / doubled. Each candidate is
+the whole layer (alignment to y) under CUDA-graph replay with L2 flushed (the runner's
+timer, median of --iters replays), and its output must match the reference on the first
+rows, else it is dropped. The fastest candidate is kept; the table lists, per entry, the
+heuristic's and the chosen config's time. A time budget stops the search early (T are
+visited in the order given; unvisited T keep the heuristic).
+
+Usage (GPU): python -m benchmarks.tune --out $OUT/h200_table.py --json $OUT/tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+
+import torch
+
+from moelora.commands.validate import build_experts, build_inputs, build_lora
+from moelora.compare import compare
+from moelora.kernels.configs import GemmTiles, TileConfig, pick_config
+from moelora.kernels.moe_lora import fused_moe_lora
+from moelora.presets import resolve_model
+from moelora.reference import moe_lora_reference
+
+from .runner import commit, time_graph
+
+# Candidates (BLOCK_N, BLOCK_K, num_warps, num_stages). Gated up tiles hold gate and up
+# accumulators, so an up BLOCK_N of 128 is a 256-wide N tile (vLLM's H200 choice for this
+# layer at T >= 1024 is 128 x 256 x 64, 8 warps, 4 stages: peer JSON base_config).
+UP = {
+    "small": [(32, 256, 4, 2), (64, 128, 4, 2), (64, 256, 4, 2), (128, 128, 8, 2), (64, 128, 4, 3)],
+    "large": [(64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 4), (128, 64, 8, 3), (64, 128, 8, 3)],
+}
+DOWN = {
+    "small": [(64, 256, 4, 2), (128, 128, 4, 2), (256, 128, 8, 2), (64, 128, 4, 3)],
+    "large": [(128, 64, 8, 4), (256, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
+}
+DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
+
+
+def _size(block_m: int) -> str:
+    return "small" if block_m <= 32 else "large"
+
+
+class Layer:
+    """One model layer at one T: inputs, reference rows, and a timer per tile config."""
+
+    def __init__(self, model, experts, lora, tokens: int, iters: int):
+        self.model, self.experts, self.lora, self.iters = model, experts, lora, iters
+        self.sets = [build_inputs(model, tokens, 8, "cuda", seed) for seed in range(2)]
+        for s in self.sets:  # token t -> slot t % 8, as the bench and the vLLM peer do
+            s[3].copy_(torch.arange(tokens, device="cuda") % 8)
+        self.n = min(tokens, 256)
+        self.refs: dict[bool, torch.Tensor] = {}
+
+    def measure(self, cfg: TileConfig, lora: bool) -> float | None:
+        """Median ms, or None when the config fails to build or mismatches the reference."""
+        bank = self.lora if lora else None
+        shape = self.model.shape
+
+        def fwd(x, ids, w, slots):
+            return fused_moe_lora(x, ids, w, slots, self.experts, bank, shape, config=cfg)
+
+        static = tuple(t.clone() for t in self.sets[0])
+        n = self.n
+        if lora not in self.refs:
+            self.refs[lora] = moe_lora_reference(
+                *(t[:n] for t in static), self.experts, bank, shape, weights_on_input=False
+            )
+        try:
+            out = fwd(*static)
+            if not compare(out[:n], self.refs[lora], shape.dtype).ok:
+                print(f"    drop {cfg}: output does not match the reference")
+                return None
+            return time_graph(fwd, static, self.sets, self.iters)
+        except Exception as err:  # out of resources etc.: skip the candidate
+            print(f"    skip {cfg}: {type(err).__name__}: {str(err)[:100]}")
+            return None
+
+
+def search(layer: Layer, start: TileConfig, lora: bool, log: list) -> tuple[TileConfig, float]:
+    best, best_ms = start, layer.measure(start, lora)
+    base_ms = best_ms
+    log.append(dict(cfg=dataclasses.asdict(start), ms=best_ms))
+
+    def consider(cfg: TileConfig) -> None:
+        nonlocal best, best_ms
+        if cfg == best:
+            return
+        ms = layer.measure(cfg, lora)
+        log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
+        if ms is not None and (best_ms is None or ms < best_ms):
+            best, best_ms = cfg, ms
+
+    for up in UP[_size(best.block_m)]:
+        consider(dataclasses.replace(best, up=GemmTiles(*up)))
+    for down in DOWN[_size(best.block_m)]:
+        consider(dataclasses.replace(best, down=GemmTiles(*down)))
+    for bm in (best.block_m // 2, best.block_m * 2):
+        if 16 <= bm <= 128:
+            consider(dataclasses.replace(best, block_m=bm))
+    print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
+    return best, base_ms
+
+
+def _row(cfg: TileConfig) -> tuple:
+    t = lambda g: (g.block_n, g.block_k, g.num_warps, g.num_stages)  # noqa: E731
+    return (cfg.block_m, t(cfg.up), t(cfg.down))
+
+
+def write_table(path: str, entries: list, header: dict) -> None:
+    lines = [
+        '"""H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.',
+        "",
+        f"Run: {header['device']}, torch {header['torch']}, triton {header['triton']}, "
+        f"commit {header['commit']}, {header['time']}.",
+        "How chosen: per (shape, LoRA on/off, T) a coordinate search from the heuristic (up",
+        "tiles, then down tiles, then BLOCK_M x0.5 / x2); each candidate timed as the whole",
+        f"layer under CUDA-graph replay, L2 flushed, median of {header['iters']} replays, output",
+        "checked against the reference; fastest kept. A T bucket runs from the geometric mean",
+        "of its T and the previous tuned T. Comments: heuristic ms -> chosen ms at that T.",
+        "",
+        "(E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,",
+        "warps, stages), down (same)).",
+        '"""',
+        "",
+        "H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {",
+    ]
+    for key, row, t, h_ms, ms in sorted(entries, key=lambda e: (e[0][4], e[0][5])):
+        lines.append(f"    {key!r}: {row!r},  # T={t}: {h_ms:.4f} -> {ms:.4f} ms")
+    lines.append("}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=150)
+    p.add_argument("--out", required=True, help="python table file to write")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    import json
+
+    import triton
+
+    start = time.time()
+    model = resolve_model(args.model)
+    shape = model.shape
+    experts = build_experts(model, "cuda")
+    lora = build_lora(model, 8, 16, "cuda")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    ordered = sorted(tokens)
+    bound = {
+        t: (2**31 - 1 if i + 1 == len(ordered) else int(math.sqrt(t * ordered[i + 1])))
+        for i, t in enumerate(ordered)
+    }
+    header = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        commit=commit(),
+        time=time.strftime("%Y-%m-%d"),
+        iters=args.iters,
+    )
+    entries, log = [], []
+    dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
+    for t in tokens:
+        layer = Layer(model, experts, lora, t, args.iters)
+        for on in (False, True):
+            if time.time() - start > args.budget_s:
+                print(f"budget reached: T={t} lora={on} and later keep the heuristic")
+                break
+            print(f"T={t} lora={on}", flush=True)
+            heur = pick_config(t, *dims, lora=on)
+            steps: list = []
+            best, h_ms = search(layer, heur, on, steps)
+            ms = min(s["ms"] for s in steps if s["ms"] is not None)
+            log.append(dict(T=t, lora=on, steps=steps))
+            entries.append(((*dims, on, bound[t]), _row(best), t, h_ms, ms))
+            write_table(args.out, entries, header)  # after each step: a timeout keeps it
+        del layer
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(header=header, log=log), f, indent=1)
+    print(f"tune: {len(entries)} entries in {time.time() - start:.0f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
