@@ -12,10 +12,11 @@ import torch
 from torch import Tensor
 
 from .backends.base import Backend
-from .config import AddInputs
-from .deployment import Deployment
+from .config import AddInputs, MoEShape
+from .deployment import Deployment, LoRASharding
 from .errors import InputError
 from .oracle import Selection, select
+from .reference import LoRAComm
 from .weights import ExpertWeights, LoRABank
 
 
@@ -28,10 +29,14 @@ class MoELoRALayer:
         experts: ExpertWeights,
         *,
         registry: Mapping[str, Backend] | None = None,
+        shape: MoEShape | None = None,
     ) -> None:
+        """shape: the shape of the weights this layer holds, when it is one rank's shard
+        (moelora.parallel passes I_p); default the deployment's."""
         self.deployment = deployment
         self.selection: Selection = select(deployment, registry)  # raises on refusal
         self.experts = experts
+        self.shape = shape or deployment.shape
 
     @property
     def backend_name(self) -> str:
@@ -47,9 +52,19 @@ class MoELoRALayer:
         *,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
+        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
         """x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32
-        (-1 = base model); lora: the slot bank of this layer (e.g. a SlotManager snapshot)."""
+        (-1 = base model); lora: the slot bank of this layer (e.g. a SlotManager snapshot).
+        lora_comm: fully sharded LoRA's collectives (moelora.parallel passes it)."""
+        fully_sharded = self.deployment.lora_sharding is LoRASharding.FULLY_SHARDED
+        if (lora_comm is not None) != (fully_sharded and lora is not None):
+            raise InputError(
+                "lora_comm",
+                "given" if lora_comm is not None else None,
+                "a LoRAComm exactly when the deployment is fully sharded and lora is given "
+                "(use moelora.parallel.ParallelMoELoRALayer)",
+            )
         if lora is not None and not self.deployment.lora.on_experts:
             raise InputError(
                 "lora",
@@ -59,7 +74,7 @@ class MoELoRALayer:
             )
         if lora is not None and token_slots is None:
             raise InputError("token_slots", None, "a [T] int32 slot per token when lora is given")
-        shape = self.deployment.shape
+        shape = self.shape
         if x.dtype != shape.dtype:
             raise InputError("x", f"dtype {x.dtype}", f"{shape.dtype} (the deployment's dtype)")
         return self.selection.backend.forward(
@@ -73,6 +88,8 @@ class MoELoRALayer:
             weights_on_input=self.deployment.routing.method.weights_on_input,
             out=out,
             add_inputs=add_inputs,
+            # Only backends whose record accepts fully sharded LoRA take the hook.
+            **({"lora_comm": lora_comm} if lora_comm is not None else {}),
         )
 
     __call__ = forward

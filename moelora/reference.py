@@ -5,11 +5,28 @@ Every test, benchmark, the CLI and the `reference` backend import `moe_lora_refe
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from .activations import apply_activation, split_gate_up
 from .config import MoEShape
 from .weights import ExpertWeights, LoRABank
+
+
+class LoRAComm(Protocol):
+    """Fully sharded LoRA's collectives over the tensor-parallel group (SPEC.md): gate/up A is
+    split on the rank, down A on I and down B on H. Implemented by moelora.parallel."""
+
+    hidden_offset: int  # first column of this rank's H slice of the down-B output
+
+    def gather_rank(self, u: torch.Tensor) -> torch.Tensor:
+        """[N, R/tp] per rank -> [N, R], ranks in order (all-gather on the last dim)."""
+        ...
+
+    def reduce_rank(self, v: torch.Tensor) -> torch.Tensor:
+        """[N, R] partial sums over the I shards -> their sum on every rank (all-reduce)."""
+        ...
 
 
 def _join_gate_up(shape: MoEShape, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -21,19 +38,39 @@ def _join_gate_up(shape: MoEShape, gate: torch.Tensor, up: torch.Tensor) -> torc
     return h
 
 
-def _lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """B @ (A @ x) per row: x [N, in], a [R, in], b [out, R]; rank intermediate in fp32."""
-    return (x @ a.float().t()) @ b.float().t()
-
-
 def _w13_delta(
-    shape: MoEShape, x: torch.Tensor, lora: LoRABank, slot: int, expert: int
+    shape: MoEShape,
+    x: torch.Tensor,
+    lora: LoRABank,
+    slot: int,
+    expert: int,
+    comm: LoRAComm | None,
 ) -> torch.Tensor:
-    parts = [
-        _lora_delta(x, lora.w13_a[slot, expert, s], lora.w13_b[slot, expert, s])
-        for s in range(shape.activation.width_factor)
-    ]
+    parts = []
+    for s in range(shape.activation.width_factor):
+        u = x @ lora.w13_a[slot, expert, s].float().t()  # [N, R] (R/tp when fully sharded)
+        if comm is not None:
+            u = comm.gather_rank(u)
+        parts.append(u @ lora.w13_b[slot, expert, s].float().t())
     return parts[0] if len(parts) == 1 else _join_gate_up(shape, parts[0], parts[1])
+
+
+def _w2_delta(
+    z: torch.Tensor,
+    lora: LoRABank,
+    slot: int,
+    expert: int,
+    o: torch.Tensor,
+    comm: LoRAComm | None,
+) -> torch.Tensor:
+    """o [N, H] plus the down delta; fully sharded: B2 holds this rank's H slice only."""
+    v = z @ lora.w2_a[slot, expert].float().t()  # [N, R]; partial over I under TP
+    if comm is None:
+        return o + v @ lora.w2_b[slot, expert].float().t()
+    delta = comm.reduce_rank(v) @ lora.w2_b[slot, expert].float().t()  # [N, H/tp]
+    o = o.clone()
+    o[:, comm.hidden_offset : comm.hidden_offset + delta.shape[1]] += delta
+    return o
 
 
 @torch.no_grad()
@@ -47,12 +84,16 @@ def moe_lora_reference(
     shape: MoEShape,
     *,
     weights_on_input: bool = False,
+    lora_comm: LoRAComm | None = None,
 ) -> torch.Tensor:
     """y [T, H] in x's dtype.
 
     x [T, H]; topk_ids [T, K] (ids outside [0, E) contribute nothing: expert parallel);
     topk_weights [T, K] fp32; token_slots [T] (-1 = base model) or None (all -1).
     weights_on_input: Llama-4 routing, the weight scales the expert input, not its output.
+    lora_comm: fully sharded LoRA only (banks hold this rank's shards; see LoRAComm). The
+    (expert, slot) groups are visited in the same order on every rank of the TP group, so
+    the collectives match up.
     """
     tokens = x.shape[0]
     xf = x.float()
@@ -75,7 +116,7 @@ def moe_lora_reference(
         active = [] if lora is None else sorted(set(tok_slots[tok_slots >= 0].tolist()))
         for slot in active:
             rows = tok_slots == slot
-            h[rows] += _w13_delta(shape, xe[rows], lora, slot, expert)
+            h[rows] += _w13_delta(shape, xe[rows], lora, slot, expert, lora_comm)
         z = apply_activation(
             shape.activation, h, alpha=shape.swiglu_alpha, limit=shape.swiglu_limit
         )
@@ -84,6 +125,6 @@ def moe_lora_reference(
             o = o + experts.b2[expert].float()
         for slot in active:
             rows = tok_slots == slot
-            o[rows] += _lora_delta(z[rows], lora.w2_a[slot, expert], lora.w2_b[slot, expert])
+            o[rows] = _w2_delta(z[rows], lora, slot, expert, o[rows], lora_comm)
         y.index_add_(0, tok, o if weights_on_input else o * g)
     return y.to(x.dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..config import AddInputs, MoEShape
-from ..reference import moe_lora_reference
+from ..reference import LoRAComm, moe_lora_reference
 from ..weights import ExpertWeights, LoRABank
 from .base import write_output
 from .capabilities import (
@@ -66,8 +66,10 @@ class ReferenceBackend:
         weights_on_input: bool = False,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
+        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
-        """y [T, H] = moe_lora_reference(...); see Backend.forward for out / add_inputs."""
+        """y [T, H] = moe_lora_reference(...); see Backend.forward for out / add_inputs.
+        lora_comm: fully sharded LoRA's collectives (given by moelora.parallel)."""
         y = moe_lora_reference(
             x,
             topk_ids,
@@ -77,6 +79,7 @@ class ReferenceBackend:
             lora,
             shape,
             weights_on_input=weights_on_input,
+            lora_comm=lora_comm,
         )
         return write_output(y, out, add_inputs)
 

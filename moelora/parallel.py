@@ -1,0 +1,200 @@
+"""Tensor parallel, expert parallel and fully sharded LoRA over torch.distributed (NCCL on
+GPUs, gloo on CPUs). The only module that calls torch.distributed.
+
+Ranks: world = tp * ep, rank = ep_rank * tp + tp_rank. Every rank holds the same x and
+routing; each computes its share and one all-reduce over the world finishes the layer.
+- TP: w13 split on its I rows (gate and up halves, or interleaved pairs, stay aligned),
+  w2 on its I columns, b2 added by tp_rank 0 only. LoRA: gate/up A replicated, gate/up B
+  split on I, down A split on I, down B replicated. No extra collective.
+- Fully sharded LoRA (tp > 1): gate/up A split on the rank (R / tp), down B split on H; the
+  shrink results are all-gathered / all-reduced over the TP group (LoRAComm). Banks are
+  zero-padded to R before sharding (the slot bank layout already is).
+- EP: experts split in contiguous blocks of E_l; ids of other ranks' experts become -1 and
+  contribute zero here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .activations import Activation
+from .config import AddInputs, MoEShape, ParallelConfig
+from .deployment import Deployment
+from .errors import ConfigError
+from .layer import MoELoRALayer
+from .weights import ExpertWeights, LoRABank
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one rank sits: tp_rank in its TP group, ep_rank among the expert blocks."""
+
+    tp: int
+    ep: int
+    tp_rank: int
+    ep_rank: int
+    fully_sharded: bool = False
+
+    @staticmethod
+    def of(parallel: ParallelConfig, rank: int) -> RankLayout:
+        world = parallel.tp * parallel.ep
+        if not 0 <= rank < world:
+            raise ConfigError("rank", rank, f"0 <= rank < tp * ep = {world}")
+        return RankLayout(
+            parallel.tp,
+            parallel.ep,
+            rank % parallel.tp,
+            rank // parallel.tp,
+            parallel.fully_sharded_loras,
+        )
+
+    def tp_group_ranks(self) -> list[int]:
+        return [self.ep_rank * self.tp + r for r in range(self.tp)]
+
+
+def _split(t: Tensor, dim: int, parts: int, index: int) -> Tensor:
+    size = t.shape[dim] // parts
+    return t.narrow(dim, index * size, size).contiguous()
+
+
+def _w13_rows(t: Tensor, shape: MoEShape, layout: RankLayout) -> Tensor:
+    """This rank's rows of w13 [E, S*I, ...] / b13 [E, S*I] (dim 1), row layout kept."""
+    if not shape.activation.is_gated or shape.activation is Activation.SWIGLUOAI:
+        return _split(t, 1, layout.tp, layout.tp_rank)  # [w1] or interleaved gate/up pairs
+    gate, up = t.chunk(2, dim=1)
+    return torch.cat(
+        [_split(gate, 1, layout.tp, layout.tp_rank), _split(up, 1, layout.tp, layout.tp_rank)],
+        dim=1,
+    )
+
+
+def shard_experts(experts: ExpertWeights, shape: MoEShape, layout: RankLayout) -> ExpertWeights:
+    """This rank's expert weights: E_l experts, I_p intermediate units."""
+
+    def local(t: Tensor | None) -> Tensor | None:
+        return None if t is None else _split(t, 0, layout.ep, layout.ep_rank)
+
+    w13, w2, b13, b2 = (local(t) for t in (experts.w13, experts.w2, experts.b13, experts.b2))
+    w13 = _w13_rows(w13, shape, layout)
+    w2 = _split(w2, 2, layout.tp, layout.tp_rank)
+    b13 = None if b13 is None else _w13_rows(b13, shape, layout)
+    if b2 is not None and layout.tp_rank != 0:
+        b2 = torch.zeros_like(b2)  # the partials are summed: add the bias once
+    return ExpertWeights(w13, w2, b13, b2)
+
+
+def shard_bank(bank: LoRABank, layout: RankLayout) -> LoRABank:
+    """This rank's slot bank (see the module docstring for which factor splits where)."""
+
+    def local(t: Tensor) -> Tensor:
+        return _split(t, 1, layout.ep, layout.ep_rank)
+
+    w13_a, w13_b, w2_a, w2_b = (local(t) for t in (bank.w13_a, bank.w13_b, bank.w2_a, bank.w2_b))
+    tp, r = layout.tp, layout.tp_rank
+    w13_b = _split(w13_b, 3, tp, r)  # [L, E_l, S, I_p, R]
+    w2_a = _split(w2_a, 3, tp, r)  # [L, E_l, R, I_p]
+    if layout.fully_sharded:
+        w13_a = _split(w13_a, 3, tp, r)  # [L, E_l, S, R/tp, H]
+        w2_b = _split(w2_b, 2, tp, r)  # [L, E_l, H/tp, R]
+    return LoRABank(w13_a, w13_b, w2_a, w2_b)
+
+
+def local_topk_ids(topk_ids: Tensor, num_experts: int, layout: RankLayout) -> Tensor:
+    """Global expert ids [T, K] -> this rank's local ids; other ranks' experts become -1."""
+    per_rank = num_experts // layout.ep
+    local = topk_ids - layout.ep_rank * per_rank
+    return torch.where((local >= 0) & (local < per_rank), local, -1).to(topk_ids.dtype)
+
+
+class DistComm:
+    """LoRAComm over a torch.distributed TP group (fully sharded LoRA)."""
+
+    def __init__(self, layout: RankLayout, hidden_size: int, group) -> None:
+        self.tp, self.group = layout.tp, group
+        self.hidden_offset = layout.tp_rank * (hidden_size // layout.tp)
+
+    def gather_rank(self, u: Tensor) -> Tensor:
+        pieces = [torch.empty_like(u) for _ in range(self.tp)]
+        dist.all_gather(pieces, u.contiguous(), group=self.group)
+        return torch.cat(pieces, dim=-1)
+
+    def reduce_rank(self, v: Tensor) -> Tensor:
+        v = v.contiguous()
+        dist.all_reduce(v, group=self.group)
+        return v
+
+
+def _tp_group(layout: RankLayout):
+    """The TP group of this rank (every rank must create every group, in the same order)."""
+    mine = None
+    for ep_rank in range(layout.ep):
+        ranks = [ep_rank * layout.tp + r for r in range(layout.tp)]
+        group = dist.new_group(ranks)
+        if ep_rank == layout.ep_rank:
+            mine = group
+    return mine
+
+
+class ParallelMoELoRALayer:
+    """One rank's share of a MoE-LoRA layer; forward returns the full y on every rank.
+
+    Build it on every rank of an initialised default process group of size tp * ep, from
+    the full (unsharded) weights: each rank keeps its shard only. The oracle checks the
+    deployment (its parallel layout included) once, at construction.
+    """
+
+    def __init__(self, deployment: Deployment, experts: ExpertWeights) -> None:
+        parallel = deployment.parallel
+        world = dist.get_world_size()
+        if world != parallel.tp * parallel.ep:
+            raise ConfigError(
+                "world_size",
+                world,
+                f"tp * ep = {parallel.tp * parallel.ep}",
+                "launch one process per rank of the layout",
+            )
+        self.layout = RankLayout.of(parallel, dist.get_rank())
+        self.num_experts = deployment.shape.num_experts
+        local_shape = dataclasses.replace(
+            deployment.shape, intermediate_size=deployment.intermediate_per_partition
+        )
+        self.layer = MoELoRALayer(
+            deployment, shard_experts(experts, deployment.shape, self.layout), shape=local_shape
+        )
+        group = _tp_group(self.layout) if parallel.tp > 1 else None
+        self.comm = (
+            DistComm(self.layout, deployment.shape.hidden_size, group)
+            if self.layout.fully_sharded
+            else None
+        )
+
+    def shard_bank(self, bank: LoRABank) -> LoRABank:
+        """This rank's share of a full slot bank (e.g. a SlotManager snapshot's bank)."""
+        return shard_bank(bank, self.layout)
+
+    def forward(
+        self,
+        x: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        token_slots: Tensor | None = None,
+        lora: LoRABank | None = None,
+        *,
+        out: Tensor | None = None,
+        add_inputs: AddInputs = AddInputs.OVERWRITE,
+    ) -> Tensor:
+        """Like MoELoRALayer.forward, with global topk_ids and this rank's bank shard."""
+        ids = local_topk_ids(topk_ids, self.num_experts, self.layout)
+        comm = self.comm if lora is not None else None
+        y = self.layer.forward(x, ids, topk_weights, token_slots, lora, lora_comm=comm)
+        dist.all_reduce(y)
+        if out is None:
+            return y
+        return out.add_(y) if add_inputs is AddInputs.ADD else out.copy_(y)
+
+    __call__ = forward
