@@ -46,7 +46,7 @@ CAPABILITIES = Capabilities(
     hidden_align=1,
     max_experts=None,  # the grid is bounded by pairs, not experts
     max_groups=None,
-    # No host sync (alignment is torch ops on device), static shapes per T; workspaces come
+    # No host sync (alignment is a Triton kernel), static shapes per T; workspaces come
     # from the capturing graph's pool. Checked by `moelora validate --graphs`.
     cuda_graph_safe=True,
 )
