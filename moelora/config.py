@@ -58,13 +58,19 @@ class MoEShape:
     def __post_init__(self) -> None:
         for key in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(key, value, "a positive integer")
+        # Normalise on construction: a stored string would break every later consumer.
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        try:
+            object.__setattr__(self, "activation", Activation(self.activation))
+        except ValueError:
+            names = ", ".join(a.value for a in Activation)
+            raise ConfigError("activation", self.activation, f"one of {names}") from None
         if self.top_k > self.num_experts:
             raise ConfigError(
                 "top_k", self.top_k, f"at most num_experts = {self.num_experts}", "lower top_k"
             )
-        parse_dtype(self.dtype)
 
     @property
     def w13_rows(self) -> int:
@@ -97,6 +103,9 @@ class LoRAConfig:
     add_inputs: AddInputs = AddInputs.ADD
 
     def __post_init__(self) -> None:
+        if isinstance(self.targets, str):  # "down_proj" must not become ('d', 'o', ...)
+            object.__setattr__(self, "targets", (self.targets,))
+        object.__setattr__(self, "targets", tuple(self.targets))
         if self.enabled:
             if self.max_rank < 1:
                 raise ConfigError("max_lora_rank", self.max_rank, "a positive integer")
@@ -156,10 +165,11 @@ class ModelConfig:
             raise ConfigError(
                 "n_group", groups, f"a divisor of the {self.shape.num_experts} experts"
             )
-        if self.routing.method is RoutingMethod.DEEPSEEK_V3 and groups > 1:
-            per_group = self.shape.num_experts // groups
-            if per_group < 2:
-                raise ConfigError("n_group", groups, "at least 2 experts per group")
+        per_group = self.shape.num_experts // groups
+        if self.routing.method is RoutingMethod.DEEPSEEK_V3 and per_group < 2:
+            # groups are scored by the sum of their top-2 experts
+            raise ConfigError("n_group", groups, "at least 2 experts per group")
+        if self.routing.method in (RoutingMethod.DEEPSEEK_V2, RoutingMethod.DEEPSEEK_V3):
             if self.routing.topk_group * per_group < self.shape.top_k:
                 raise ConfigError(
                     "topk_group",

@@ -105,6 +105,23 @@ def _get(cfg: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
     return value
 
 
+def _number(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = _get(cfg, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(key, value, "a number")
+    return float(value)
+
+
+def _int_list(cfg: dict[str, Any], key: str, num_layers: int) -> list[int]:
+    value = cfg.get(key) or []
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < num_layers for v in value
+    )
+    if not ok:
+        raise ConfigError(key, value, f"a list of layer indices in [0, {num_layers})")
+    return list(value)
+
+
 def _positive_int(cfg: dict[str, Any], key: str, default: Any = _MISSING) -> int:
     value = _get(cfg, key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -136,14 +153,16 @@ def _activation(cfg: dict[str, Any], fam: Family, model_type: str) -> Activation
         return Activation.SWIGLUOAI
     name = _get(cfg, fam.act_key, "silu")
     table = GATED_ACTS if fam.gated else PLAIN_ACTS
-    if name not in table:
+    if not isinstance(name, str) or name not in table:
         kind = "gated" if fam.gated else "non-gated"
         raise ConfigError(fam.act_key, name, f"a {kind} activation: one of {', '.join(table)}")
     return table[name]
 
 
 def _routing(cfg: dict[str, Any], fam: Family) -> RoutingConfig:
-    renorm = fam.renorm if isinstance(fam.renorm, bool) else bool(cfg.get(fam.renorm, False))
+    renorm = fam.renorm if isinstance(fam.renorm, bool) else cfg.get(fam.renorm) or False
+    if not isinstance(renorm, bool):
+        raise ConfigError(str(fam.renorm), renorm, "true or false")
     n_group, topk_group, scale = 1, 1, 1.0
     if fam.routing in (RoutingMethod.DEEPSEEK_V2, RoutingMethod.DEEPSEEK_V3):
         grouped = fam.routing is RoutingMethod.DEEPSEEK_V3 or (
@@ -152,7 +171,7 @@ def _routing(cfg: dict[str, Any], fam: Family) -> RoutingConfig:
         if grouped:
             n_group = _positive_int(cfg, "n_group", 1)
             topk_group = _positive_int(cfg, "topk_group", 1)
-        scale = float(_get(cfg, "routed_scaling_factor", 1.0))
+        scale = _number(cfg, "routed_scaling_factor", 1.0)
     if fam.routing is RoutingMethod.DEEPSEEK_V3 and cfg.get("scoring_func", "sigmoid") != "sigmoid":
         raise ConfigError("scoring_func", cfg["scoring_func"], "'sigmoid' for noaux_tc routing")
     return RoutingConfig(
@@ -168,23 +187,35 @@ def _moe_layers(cfg: dict[str, Any], fam: Family, num_layers: int) -> tuple[int,
     layers = range(num_layers)
     if fam.layers == "qwen":
         step = _positive_int(cfg, "decoder_sparse_step", 1)
-        dense = set(cfg.get("mlp_only_layers") or [])
+        dense = set(_int_list(cfg, "mlp_only_layers", num_layers))
         return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
     if fam.layers == "deepseek":
-        first = int(cfg.get("first_k_dense_replace", 0) or 0)
+        first = cfg.get("first_k_dense_replace") or 0
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ConfigError("first_k_dense_replace", first, "a non-negative integer")
         freq = _positive_int(cfg, "moe_layer_freq", 1)
         return tuple(i for i in layers if i >= first and i % freq == 0)
     if fam.layers == "nemotron":
-        kinds = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern")
+        key = "layers_block_type" if cfg.get("layers_block_type") else "hybrid_override_pattern"
+        kinds = cfg.get(key)
         if kinds is None:
             return tuple(layers)
+        if not isinstance(kinds, (str, list)) or len(kinds) != num_layers:
+            raise ConfigError(key, kinds, f"one entry per layer (num_hidden_layers = {num_layers})")
         return tuple(i for i, k in enumerate(kinds) if k in ("E", "moe"))
     if fam.layers == "llama4":
-        if cfg.get("moe_layers"):
-            return tuple(cfg["moe_layers"])
+        if cfg.get("moe_layers") is not None:  # an explicit list, possibly empty
+            return tuple(_int_list(cfg, "moe_layers", num_layers))
         step = _positive_int(cfg, "interleave_moe_layer_step", 1)
         return tuple(range(step - 1, num_layers, step))
     return tuple(layers)
+
+
+def _dtype_value(cfg: dict[str, Any]) -> str:
+    value = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    if not isinstance(value, str):
+        raise ConfigError("dtype", value, "a dtype name such as 'bfloat16'")
+    return value
 
 
 def _experts_key(cfg: dict[str, Any], fam: Family) -> str:
@@ -207,9 +238,9 @@ def parse_hf_dict(raw: dict[str, Any], name: str | None) -> ModelConfig:
         intermediate_size=_positive_int(cfg, fam.intermediate_key),
         activation=activation,
         has_bias=fam.has_bias,
-        dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16", "dtype"),
-        swiglu_alpha=float(cfg.get("swiglu_alpha", SWIGLUOAI_ALPHA)),
-        swiglu_limit=float(cfg.get("swiglu_limit", SWIGLUOAI_LIMIT)),
+        dtype=parse_dtype(_dtype_value(cfg), "dtype"),
+        swiglu_alpha=_number(cfg, "swiglu_alpha", SWIGLUOAI_ALPHA),
+        swiglu_limit=_number(cfg, "swiglu_limit", SWIGLUOAI_LIMIT),
     )
     num_layers = _positive_int(cfg, "num_hidden_layers", 1)
     return ModelConfig(

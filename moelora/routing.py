@@ -60,8 +60,10 @@ def route(
     correction_bias [E] is used by DEEPSEEK_V3 only (it picks experts, never weighs them).
     """
     num_experts = logits.shape[-1]
-    if top_k > num_experts:
-        raise ValueError(f"top_k = {top_k} exceeds the number of experts {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError("top_k", top_k, f"1 <= top_k <= num_experts = {num_experts}")
+    if cfg.method is RoutingMethod.LLAMA4 and top_k != 1:
+        raise ConfigError("top_k", top_k, "1 for llama4 routing")
     scores = logits.float()
     method = cfg.method
     if method is RoutingMethod.SOFTMAX_TOPK:
@@ -104,9 +106,11 @@ def _deepseek_v3(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.sigmoid(scores)
     choice = probs if correction_bias is None else probs + correction_bias.float()
-    group_scores = _grouped(choice, cfg).topk(2, dim=-1).values.sum(dim=-1)
-    mask = _group_mask(group_scores, cfg, scores.shape[-1])
-    ids = torch.topk(choice.masked_fill(~mask, float("-inf")), top_k, dim=-1, sorted=False).indices
+    if cfg.n_group > 1:  # one group is always kept: skip the top-2 scoring (E may be 1)
+        group_scores = _grouped(choice, cfg).topk(2, dim=-1).values.sum(dim=-1)
+        mask = _group_mask(group_scores, cfg, scores.shape[-1])
+        choice = choice.masked_fill(~mask, float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
     return _scale(probs.gather(1, ids), cfg), ids
 
 

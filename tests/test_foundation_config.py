@@ -123,6 +123,44 @@ BAD = [
         "1",
     ),
     ("wrapper-without-text", {"model_type": "qwen3_5_moe"}, "text_config", "dict"),
+    # malformed values must raise ConfigError, never a TypeError/ValueError from deep inside
+    ("act-not-a-string", _bad("tiny", hidden_act=["silu"]), "hidden_act", "gated activation"),
+    (
+        "scale-not-a-number",
+        _bad("deepseek-v3", routed_scaling_factor="x"),
+        "routed_scaling_factor",
+        "number",
+    ),
+    ("limit-not-a-number", _bad("gpt-oss-20b", swiglu_limit="7"), "swiglu_limit", "number"),
+    ("renorm-not-bool", _bad("tiny", norm_topk_prob="yes"), "norm_topk_prob", "true or false"),
+    ("dense-layers-not-list", _bad("tiny", mlp_only_layers=5), "mlp_only_layers", "layer indices"),
+    ("dense-layer-out-of-range", _bad("tiny", mlp_only_layers=[7]), "mlp_only_layers", "[0, 2)"),
+    (
+        "first-dense-not-int",
+        _bad("deepseek-v3", first_k_dense_replace="x"),
+        "first_k_dense_replace",
+        "non-negative",
+    ),
+    (
+        "pattern-length",
+        _bad("tiny-relu2", hybrid_override_pattern="MEME"),
+        "hybrid_override_pattern",
+        "one entry per layer",
+    ),
+    ("dtype-not-a-string", _bad("tiny", torch_dtype=16), "dtype", "dtype name"),
+    # DeepSeek-V2 group-limited greedy: kept groups must hold top_k experts
+    (
+        "v2-groups-too-few",
+        _bad(
+            "deepseek-v2-lite",
+            topk_method="group_limited_greedy",
+            n_group=8,
+            topk_group=1,
+            num_experts_per_tok=12,
+        ),
+        "topk_group",
+        "top_k",
+    ),
 ]
 
 
@@ -157,3 +195,38 @@ def test_dataclass_validation():
     assert not LoRAConfig(enabled=True, targets=("q_proj", "v_proj")).on_experts
     assert LoRAConfig(enabled=True, targets=("down_proj",)).on_experts
     assert not LoRAConfig(enabled=False).on_experts
+
+
+def test_llama4_explicit_empty_moe_layers_means_none():
+    cfg = preset_dict("llama4-scout")
+    cfg["text_config"]["moe_layers"] = []
+    assert from_hf(cfg).moe_layers == ()
+    cfg["text_config"]["moe_layers"] = [1, 3]
+    assert from_hf(cfg).moe_layers == (1, 3)
+
+
+def test_values_are_normalised_on_construction():
+    shape = MoEShape(4, 2, 8, 8, "relu2_no_mul", dtype="bf16")
+    assert shape.dtype is torch.bfloat16 and shape.activation is Activation.RELU2_NO_MUL
+    with pytest.raises(ConfigError, match="top_k"):
+        MoEShape(4, True, 8, 8, Activation.SILU)
+    with pytest.raises(ConfigError, match="activation"):
+        MoEShape(4, 2, 8, 8, "swish-ish")
+    # a plain string is one target, not a tuple of characters
+    assert LoRAConfig(enabled=True, targets="down_proj").targets == ("down_proj",)
+    assert LoRAConfig(enabled=True, targets="down_proj").on_experts
+
+
+def test_route_refuses_bad_top_k_and_handles_one_group():
+    from moelora import RoutingConfig, route
+    from moelora.compare import assert_close
+
+    logits = torch.randn(5, 4)
+    with pytest.raises(ConfigError, match="top_k"):
+        route(logits, RoutingConfig(RoutingMethod.SOFTMAX_TOPK), 5)
+    with pytest.raises(ConfigError, match="llama4"):
+        route(logits, RoutingConfig(RoutingMethod.LLAMA4), 2)
+    one = RoutingConfig(RoutingMethod.DEEPSEEK_V3, renormalize=True)
+    ids, weights = route(torch.randn(3, 1), one, 1)  # E = 1, one group: no top-2 scoring
+    assert ids.tolist() == [[0], [0], [0]]
+    assert_close(weights, torch.ones(3, 1), torch.float32)
