@@ -88,8 +88,7 @@ class MoELoRALayer:
             weights_on_input=self.deployment.routing.method.weights_on_input,
             out=out,
             add_inputs=add_inputs,
-            # Only backends whose record accepts fully sharded LoRA take the hook.
-            **({"lora_comm": lora_comm} if lora_comm is not None else {}),
+            lora_comm=lora_comm,
         )
 
     __call__ = forward

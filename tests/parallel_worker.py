@@ -7,6 +7,12 @@ import dataclasses
 import os
 
 import torch
+
+# A spawned rank imports this module fresh (conftest.py does not run there): the `triton`
+# cases need the interpreter on CPUs, set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch.distributed as dist
 
 from moelora import (
@@ -42,6 +48,7 @@ class Case:
     top_k: int = 2
     add_inputs: AddInputs = AddInputs.OVERWRITE
     lora: bool = True
+    backend: str = "reference"
 
 
 def _inputs(case: Case, seed: int):
@@ -73,7 +80,7 @@ def run_case(case: Case, seed: int) -> tuple[float, float]:
         device=target("cpu"),
         parallel=ParallelConfig(case.tp, case.ep, case.fully_sharded),
         lora=lora_cfg,
-        backend="reference",
+        backend=case.backend,
     )
     layer = ParallelMoELoRALayer(deployment, experts)
     bank_in = layer.shard_bank(bank) if case.lora else None

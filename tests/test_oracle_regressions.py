@@ -70,6 +70,19 @@ def test_real_triton_explicit_request_is_honoured_or_refused_never_substituted(f
     assert err.value.reasons["triton"] == reasons
 
 
+@pytest.mark.skipif("triton" not in REGISTRY, reason="the triton backend is not registered")
+@pytest.mark.parametrize("add_inputs", list(AddInputs))
+def test_real_triton_record_honours_fully_sharded_lora_and_grouped_mm_refuses_it(add_inputs):
+    # Failure 2 against the real records: `--moe-backend triton --fully-sharded-loras` runs
+    # triton (tests/test_parallel.py checks its result); grouped_mm still refuses it.
+    knobs = dict(tp=2, lora=True, fully_sharded=True, add_inputs=add_inputs)
+    dep = deploy("qwen3.5-35b-a3b", "sm103", backend="triton", **knobs)
+    assert check(REGISTRY["triton"].capabilities, dep) == []
+    assert select(dep, {"mimic": MIMIC, **REGISTRY}).name == "triton"
+    gmm = check(REGISTRY["grouped_mm"].capabilities, deploy("qwen3.5-35b-a3b", "h200", **knobs))
+    assert fields(gmm) == {"lora.add_inputs"}
+
+
 def test_explicit_triton_is_honoured_even_where_mimic_would_win_auto():
     knobs = dict(tp=2, lora=True, add_inputs=AddInputs.OVERWRITE)
     assert select(deploy("qwen3.5-35b-a3b", "sm103", **knobs), WITH_MIMIC).name == "mimic"

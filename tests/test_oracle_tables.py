@@ -42,7 +42,7 @@ TABLE = [
     ("ref-tiny-fp32-cpu-not-interpreted", lambda: on(CPU_NOT_INTERPRETED, dtype="float32"), "reference", ACCEPT, None),
     ("ref-sm75", lambda: on(SM75), "reference", ACCEPT, None),
     ("ref-cuda-graphs", lambda: deploy("qwen3-30b-a3b", cuda_graphs=True), "reference", REFUSE, "cuda_graphs"),
-    # triton: sm80+, interpreted on cpu, R <= 128, LoRA unsharded or tp-sharded only.
+    # triton: sm80+, interpreted on cpu, R <= 128, LoRA unsharded, tp-sharded or fully sharded.
     ("triton-qwen3-tp4-lora-graphs", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, cuda_graphs=True), "triton", ACCEPT, None),
     ("triton-relu2-sm103", lambda: deploy("nemotron-h", "sm103", lora=True, cuda_graphs=True), "triton", ACCEPT, None),
     ("triton-gpt-oss-bias", lambda: deploy("gpt-oss-20b", "b200", lora=True), "triton", ACCEPT, None),
@@ -53,7 +53,8 @@ TABLE = [
     ("triton-sm75", lambda: on(SM75), "triton", REFUSE, "device.compute_capability"),
     ("triton-no-triton-package", lambda: on(H200_WITHOUT_TRITON), "triton", REFUSE, "device.packages"),
     ("triton-rank-256", lambda: deploy("qwen3-30b-a3b", lora=True, rank=256), "triton", REFUSE, "lora.max_rank"),
-    ("triton-fully-sharded", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True), "triton", REFUSE, "lora.add_inputs"),
+    ("triton-fully-sharded", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True), "triton", ACCEPT, None),  # SPEC "Why it exists" #2
+    ("triton-fully-sharded-overwrite", lambda: deploy("qwen3-30b-a3b", tp=2, lora=True, fully_sharded=True, add_inputs=AddInputs.OVERWRITE), "triton", ACCEPT, None),
     ("triton-fully-sharded-attention-only", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True, targets=("q_proj",)), "triton", ACCEPT, None),
     # grouped_mm: cuda sm90+, bf16, I_p and H multiples of 8, at most 1023 groups, eager only.
     ("gmm-qwen3-tp4-lora", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True), "grouped_mm", ACCEPT, None),

@@ -1,6 +1,8 @@
 """Tensor parallel, expert parallel and fully sharded LoRA over gloo (2 or 4 CPU processes):
 every layout equals the single-process reference (fp32), including rank < R, biases
-(added once), non-gated and interleaved activations, and both add_inputs modes."""
+(added once), non-gated and interleaved activations, and both add_inputs modes. The
+`triton` cases run the fused kernels interpreted (TRITON_INTERPRET=1) on each rank, with
+the fully sharded collectives between their shrink and expand launches."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from moelora.parallel import RankLayout, local_topk_ids, shard_experts
 SWIGLU = dict(
     activation=Activation.SWIGLUOAI, bias=True, routing=RoutingConfig(RoutingMethod.TOPK_SOFTMAX)
 )
+TRITON = dict(backend="triton")
 LLAMA4 = dict(routing=RoutingConfig(RoutingMethod.LLAMA4), top_k=1)
 # (case) — the id says which edge it covers.
 WORLD2 = [
@@ -40,6 +43,19 @@ WORLD2 = [
     Case("fs-tp2-swigluoai-bias", tp=2, fully_sharded=True, **SWIGLU),
     Case("fs-tp2-relu2", tp=2, fully_sharded=True, activation=Activation.RELU2_NO_MUL),
     Case("fs-tp2-add-inputs", tp=2, fully_sharded=True, add_inputs=AddInputs.ADD),
+    # triton, fully sharded: gather of [P, S, R/tp] per part, reduce of the down partial,
+    # B2 rows at this rank's H offset; adapter ranks 8/4/2 below R = 8 (zero-padded).
+    Case("triton-fs-tp2-silu", tp=2, fully_sharded=True, **TRITON),
+    Case("triton-fs-tp2-swigluoai-bias", tp=2, fully_sharded=True, **SWIGLU, **TRITON),
+    Case(
+        "triton-fs-tp2-relu2",
+        tp=2,
+        fully_sharded=True,
+        activation=Activation.RELU2_NO_MUL,  # non-gated: S = 1
+        **TRITON,
+    ),
+    Case("triton-fs-tp2-add-inputs", tp=2, fully_sharded=True, add_inputs=AddInputs.ADD, **TRITON),
+    Case("triton-tp2-silu", tp=2, **TRITON),  # plain TP on triton: no collective inside
 ]
 WORLD4 = [
     Case("tp2-ep2-silu", tp=2, ep=2),

@@ -72,7 +72,8 @@ def test_explicit_mimic_with_fully_sharded_lora_is_refused_at_plan_time(capsys, 
     assert code == 3
     verdict = out.splitlines()[-1]
     assert verdict.startswith("verdict: REFUSED: mimic cannot run it (lora.add_inputs")
-    assert "fully_sharded" in verdict and verdict.endswith("would accept: lora_only, reference")
+    assert "fully_sharded" in verdict
+    assert verdict.endswith("would accept: lora_only, triton, reference")  # triton: since fs
     code, plan_ = plan_json(capsys, *argv)
     assert code == 3 and plan_["accepted"] is False and plan_["selected"] is None
     [mimic] = [b for b in plan_["backends"] if b["name"] == "mimic"]
@@ -80,6 +81,16 @@ def test_explicit_mimic_with_fully_sharded_lora_is_refused_at_plan_time(capsys, 
     assert lora["check"] == "lora"
     assert lora["reasons"][0]["field"] == "lora.add_inputs"
     assert "reference" in plan_["would_accept"] and "mimic" not in plan_["would_accept"]
+
+
+def test_explicit_triton_with_fully_sharded_lora_is_accepted_at_plan_time(capsys, mimic_first):
+    # SPEC "Why it exists" #2 with the real triton record: honoured, never substituted.
+    argv = ("--model", "qwen3.5-35b-a3b", "-tp", "2", "--enable-lora", "--fully-sharded-loras",
+            "--device", "sm103", "--enforce-eager", "--moe-backend", "triton")  # fmt: skip
+    code, plan_ = plan_json(capsys, *argv)
+    assert code == 0 and plan_["selected"] == "triton" and plan_["how"] == "explicit"
+    [gmm] = [b for b in plan_["backends"] if b["name"] == "grouped_mm"]
+    assert not gmm["accepts"]  # grouped_mm still refuses fully sharded LoRA
 
 
 def test_attention_only_lora_plans_without_a_lora_backend(capsys, mimic_first):

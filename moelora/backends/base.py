@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..config import AddInputs, MoEShape
+from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
 from .capabilities import Capabilities, Gating, Reason
 from .checks import CHECKS, check, check_table
@@ -49,12 +50,18 @@ class Backend(Protocol):
         weights_on_input: bool = False,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
+        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
         """y [T, H] in x's dtype.
 
         x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32
         (-1 = no adapter) or None. out [T, H] given: OVERWRITE writes y into it, ADD does
         out += y; returns out. out None: returns y.
+        lora_comm: given exactly when the deployment is fully sharded and lora is given
+        (moelora.parallel): lora then holds this rank's shards (w13_a [L, E, S, R/tp, H],
+        w2_b [L, E, H/tp, R]) and the backend runs the collectives of LoRAComm, the same
+        calls in the same order on every rank. A backend whose record refuses fully sharded
+        LoRA raises InputError when given one.
         """
         ...
 

@@ -13,6 +13,8 @@ from torch import Tensor
 from ..activations import apply_activation, split_gate_up
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
+from ..errors import InputError
+from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
 from .base import write_output
 from .capabilities import ALL_ACTIVATIONS, ALL_GATING, ALL_ROUTING, Capabilities
@@ -34,8 +36,9 @@ CAPABILITIES = Capabilities(
     runs_without_lora=True,
     max_lora_rank=None,  # fp32 torch matmuls: no rank limit
     max_loras=None,
-    # Fully sharded LoRA needs an all-gather between shrink and expand; forward has no
-    # collective hook there (same reason as triton), so it is refused.
+    # Fully sharded LoRA needs the collectives between each shrink and expand; this
+    # backend's per-(slot, expert) torch loop does not run them (forward raises if given a
+    # LoRAComm), so it is refused.
     lora_add_inputs={
         LoRASharding.UNSHARDED: frozenset(AddInputs),
         LoRASharding.TP: frozenset(AddInputs),
@@ -108,8 +111,17 @@ class GroupedMMBackend:
         weights_on_input: bool = False,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
+        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
-        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs."""
+        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs. lora_comm must
+        be None: fully sharded LoRA is refused by this backend's record."""
+        if lora_comm is not None:
+            raise InputError(
+                "lora_comm",
+                "a LoRAComm",
+                "None: grouped_mm does not run fully sharded LoRA "
+                "(use --moe-backend triton or reference, or drop --fully-sharded-loras)",
+            )
         num_experts, top_k = experts.w13.shape[0], topk_ids.shape[1]
         order, expert, offs, local = _sort_pairs(topk_ids, num_experts)
         token = order // top_k

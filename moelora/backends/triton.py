@@ -12,6 +12,7 @@ from torch import Tensor
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..errors import InputError
+from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
 from .capabilities import ALL_ACTIVATIONS, ALL_DTYPES, ALL_GATING, ALL_ROUTING, Capabilities
 
@@ -36,11 +37,16 @@ CAPABILITIES = Capabilities(
     # BLOCK_R = next_pow2(R) >= 16 rank lanes per row in registers; validated up to 128.
     max_lora_rank=128,
     max_loras=None,  # slots only enter the sort key and a per-block loop: no limit
-    # Fully sharded LoRA needs an all-gather of the rank intermediate between shrink and
-    # expand; the fused pipeline has no collective hook there, so it is refused.
+    # Fully sharded LoRA: the pipeline runs shrink and expand as separate launches with the
+    # fp32 rank intermediates in memory between them, so the caller's LoRAComm all-gathers
+    # the gate/up one and all-reduces the down one there (once each per forward), and the
+    # down expand writes only this rank's H/tp columns. Checked against the single-process
+    # reference over gloo, interpreted (tests/test_parallel.py); the collectives are the
+    # caller's (NCCL on GPUs), outside the kernels. add_inputs acts on the final y.
     lora_add_inputs={
         LoRASharding.UNSHARDED: frozenset(AddInputs),
         LoRASharding.TP: frozenset(AddInputs),
+        LoRASharding.FULLY_SHARDED: frozenset(AddInputs),
     },
     intermediate_align=1,  # every tile load is masked
     hidden_align=1,
@@ -100,6 +106,19 @@ def _check_inputs(
             )
 
 
+def _check_sharded_bank(lora: LoRABank | None, shape: MoEShape, comm: LoRAComm) -> None:
+    """Fully sharded: down B holds H/tp rows placed at comm.hidden_offset inside H."""
+    if lora is None:
+        return
+    rows = lora.w2_b.shape[2]
+    if not 0 <= comm.hidden_offset <= shape.hidden_size - rows:
+        raise InputError(
+            "lora.w2_b",
+            f"{rows} rows at lora_comm.hidden_offset {comm.hidden_offset}",
+            f"an H slice inside H = {shape.hidden_size} (fully sharded LoRA)",
+        )
+
+
 class TritonBackend:
     name = "triton"
     capabilities = CAPABILITIES
@@ -117,11 +136,14 @@ class TritonBackend:
         weights_on_input: bool = False,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
+        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
-        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs."""
+        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs / lora_comm."""
         from ..kernels.moe_lora import fused_moe_lora
 
         _check_inputs(x, topk_ids, topk_weights, token_slots, experts, lora, shape, out)
+        if lora_comm is not None:
+            _check_sharded_bank(lora, shape, lora_comm)
         return fused_moe_lora(
             x,
             topk_ids,
@@ -133,6 +155,7 @@ class TritonBackend:
             weights_on_input=weights_on_input,
             out=out,
             add=out is not None and add_inputs is AddInputs.ADD,
+            lora_comm=lora_comm if lora is not None else None,
         )
 
 

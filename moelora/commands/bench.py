@@ -32,6 +32,36 @@ def _peer_rows(path: str | None) -> dict[int, dict]:
         return {}
 
 
+def select_backend(name: str, case):
+    """The backend `name` through the oracle, for exactly what the case times (its model,
+    this GPU, LoRA with the case's slots and rank, CUDA graphs): a backend the oracle would
+    refuse is never timed (the refusal raises, naming the failing capabilities)."""
+    import logging
+
+    from ..config import AddInputs, LoRAConfig
+    from ..deployment import Deployment
+    from ..device import probe
+    from ..oracle import select
+    from ..presets import resolve_model
+
+    lora = LoRAConfig(
+        enabled=True,
+        max_rank=case.rank,
+        max_loras=case.adapters,
+        add_inputs=AddInputs.OVERWRITE,  # forward without `out` writes y
+    )
+    deployment = Deployment.for_model(
+        resolve_model(case.model), device=probe(), lora=lora, cuda_graphs=True, backend=name
+    )
+    oracle_log = logging.getLogger("moelora.oracle")
+    level = oracle_log.level
+    oracle_log.setLevel(logging.WARNING)  # one selection per case: keep the output short
+    try:
+        return select(deployment).backend
+    finally:
+        oracle_log.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -45,8 +75,6 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         print("bench: run from the moelora source checkout (benchmarks/ is not installed)")
         return 2
-    from ..backends.registry import REGISTRY
-
     cases = CASES[args.suite]
     if args.tokens:
         keep = {int(t) for t in args.tokens.split(",")}
@@ -62,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     for name in args.backends.split(","):
         for i, case in enumerate(cases):
             print(f"[{i + 1}/{len(cases)}] {name} {case.id}", flush=True)
-            row = run_case(REGISTRY[name], case, ceil, args.iters, cache)
+            row = run_case(select_backend(name, case), case, ceil, args.iters, cache)
             row["backend"] = name
             p = peer.get(case.tokens)
             if p:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
 from .tiles import block_rows, grouped_pid, lora_expand, mma
@@ -37,6 +38,8 @@ def _expert_down_kernel(
     rank,
     inter_size,
     hidden,
+    lora_n_offset,
+    lora_n_size,
     stride_zm,
     stride_zk,
     stride_we,
@@ -96,6 +99,10 @@ def _expert_down_kernel(
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
+        # B2 may hold only the columns [lora_n_offset, + lora_n_size) of o (fully sharded
+        # LoRA: this rank's H slice): other columns load zeros and get no delta.
+        offs_b = offs_n - lora_n_offset
+        b_mask = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
         acc = lora_expand(
             acc,
             inter_ptr,
@@ -108,8 +115,8 @@ def _expert_down_kernel(
             stride_ll,
             stride_ln,
             stride_lr,
-            offs_n,
-            n_mask,
+            tl.where(b_mask, offs_b, 0),
+            b_mask,
             rank,
             expert * 0,
             BLOCK_R,
@@ -143,11 +150,14 @@ def expert_down(
     group_m: int = 8,
     num_warps: int = 4,
     num_stages: int = 3,
+    lora_n_offset: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """z [P, I], w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
-    lora_b [L, E, H, R]; topk_weights [T, K] (None: weights were applied to the input).
-    Returns o [P, H] in z's dtype (rows of dropped pairs unwritten)."""
+    lora_b [L, E, H_b, R] holding o's columns [lora_n_offset, lora_n_offset + H_b) (the whole
+    H by default; an H/tp slice under fully sharded LoRA); topk_weights [T, K] (None: weights
+    were applied to the input). Returns o [P, H] in z's dtype (rows of dropped pairs
+    unwritten)."""
     num_pairs, inter_size = z.shape
     num_experts, hidden, _ = w2.shape
     check_shape("w2", w2, (num_experts, hidden, inter_size))
@@ -156,8 +166,14 @@ def expert_down(
         check_shape("b2", b2, (num_experts, hidden))
     has_lora = lora_b is not None
     if has_lora:
-        check_shape("lora w2_b", lora_b, (None, num_experts, hidden, None))
+        check_shape("lora w2_b", lora_b, (None, num_experts, None, None))
         check_dtype_match("lora w2_b", lora_b, z)
+        if not 0 <= lora_n_offset <= hidden - lora_b.shape[2]:
+            raise InputError(
+                "lora w2_b",
+                f"rows [{lora_n_offset}, {lora_n_offset + lora_b.shape[2]}) of o",
+                f"a column range inside [0, H = {hidden})",
+            )
         inter = inter.reshape(num_pairs, lora_b.shape[3])
     if out is None:
         out = torch.empty(num_pairs, hidden, dtype=z.dtype, device=z.device)
@@ -183,6 +199,8 @@ def expert_down(
         rank=rank,
         inter_size=inter_size,
         hidden=hidden,
+        lora_n_offset=lora_n_offset,
+        lora_n_size=lora_b.shape[2] if has_lora else 0,
         stride_zm=z.stride(0),
         stride_zk=z.stride(1),
         stride_we=w2.stride(0),

@@ -4,6 +4,12 @@ LoRA and activation -> (shrink of z) -> down GEMM with weighted LoRA -> top-k re
 No host synchronisation and static shapes per T, so the whole call is CUDA-graph capturable
 (its workspaces come from the graph's private pool). Composition only: no policy here
 beyond using the caller's tile config.
+
+Fully sharded LoRA (a `lora_comm` given): the banks are this rank's shards (gate/up A on the
+rank, down A on I, down B on H). Two collectives per forward, on every rank in the same
+order whatever the routing: the gate/up shrink result [P, S, R/tp] is all-gathered to
+[P, S, R], and the down shrink's partial sum over this rank's I shard [P, R] is all-reduced;
+the down expand then writes its H/tp slice of columns. Both stay fp32.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEShape
+from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
 from .align import align_pairs
 from .configs import TileConfig, pick_config
@@ -33,11 +40,14 @@ def fused_moe_lora(
     out: torch.Tensor | None = None,
     add: bool = False,
     config: TileConfig | None = None,
+    lora_comm: LoRAComm | None = None,
 ) -> torch.Tensor:
     """y [T, H] in x's dtype (written into `out` if given; add=True adds to it).
 
     x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32 or None;
-    experts w13 [E, S*I, H], w2 [E, H, I]; lora: LoRABank or None (base only).
+    experts w13 [E, S*I, H], w2 [E, H, I]; lora: LoRABank or None (base only); lora_comm:
+    fully sharded LoRA's collectives (lora then holds w13_a [L, E, S, R/tp, H] and
+    w2_b [L, E, H/tp, R]).
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -63,6 +73,8 @@ def fused_moe_lora(
             rows_are_tokens=True,
             block_k=cfg.shrink_block_k,
         )
+        if lora_comm is not None:
+            inter13 = _gather_parts(inter13, lora_comm)
     z = expert_up(
         x,
         experts.w13,
@@ -92,6 +104,8 @@ def fused_moe_lora(
             rows_are_tokens=False,
             block_k=cfg.shrink_block_k,
         )
+        if lora_comm is not None:
+            inter2 = lora_comm.reduce_rank(inter2.view(inter2.shape[0], -1))
     o = expert_down(
         z,
         experts.w2,
@@ -107,5 +121,18 @@ def fused_moe_lora(
         group_m=cfg.group_m,
         num_warps=cfg.down.num_warps,
         num_stages=cfg.down.num_stages,
+        lora_n_offset=lora_comm.hidden_offset if lora_comm is not None else 0,
     )
     return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
+
+
+def _gather_parts(inter: torch.Tensor, comm: LoRAComm) -> torch.Tensor:
+    """[P, S, R/tp] -> [P, S, R]: one all-gather over the rank for every part at once.
+
+    gather_rank concatenates the last dim in rank order, so the parts go to the rows:
+    [S*P, R/tp] in, [S*P, R] out, returned as an [P, S, R] strided view (the up kernel
+    takes strides)."""
+    pairs, parts, rank_shard = inter.shape
+    rows = inter.transpose(0, 1).reshape(parts * pairs, rank_shard)
+    full = comm.gather_rank(rows)
+    return full.view(parts, pairs, full.shape[1]).transpose(0, 1)
