@@ -143,6 +143,13 @@ CORRUPTIONS = [
     ("fused-next-to-per-expert", lambda r: _edit_tensors(r, lambda t: t.update(_fused_good())),
      "one layout"),
     ("empty-file", lambda r: save_file({}, str(r / SAFE)), "empty file"),
+    ("bad-regex-pattern", lambda r: _edit_config(r, rank_pattern={"gate_proj(": 3}), "valid regex"),
+    ("rank-pattern-string", lambda r: _edit_config(r, rank_pattern={"gate_proj": "3"}), "a number"),
+    ("rank-pattern-float", lambda r: _edit_config(r, rank_pattern={"gate_proj": 2.5}),
+     "positive integer rank"),
+    ("alpha-pattern-null", lambda r: _edit_config(r, alpha_pattern={"gate_proj": None}), "a number"),
+    ("two-names-one-part", _set(KEY_B.replace("up_proj", "w3"), lambda _: torch.randn(20, 3)),
+     "second lora_B for up"),  # Mixtral's w3 and up_proj both mean "up"
 ]  # fmt: skip
 
 

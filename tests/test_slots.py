@@ -138,3 +138,16 @@ def test_bank_dtype_follows_the_manager(adapters) -> None:
     torch.testing.assert_close(
         bank.w13_b[0, :, :, :, :3].float(), adapters["b"].layers[0].w13_b, rtol=1e-2, atol=1e-3
     )
+
+
+def test_replace_of_an_unloaded_name_is_refused_and_changes_nothing(adapters) -> None:
+    """replace() checks the name under the manager's lock: after an unload it must not turn
+    into a fresh load (which could evict another adapter)."""
+    m = SlotManager(MC, num_slots=2, max_rank=R, dtype=torch.float32)
+    m.load(adapters["a"])
+    m.load(adapters["b"])
+    m.unload("a")
+    before = m.snapshot()
+    with pytest.raises(InputError, match="loaded adapter"):
+        m.replace("a", adapters["c"])
+    assert m.snapshot() is before and m.loaded == {"b": 1}

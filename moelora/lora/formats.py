@@ -140,7 +140,12 @@ def parse_per_expert(ctx: Context, tensors: dict[str, torch.Tensor]) -> list[Pro
                 ctx.file, key, "a second experts module", f"only '{paths[(layer, part)]}'"
             )
         expert = None if m["expert"] is None else int(m["expert"])
-        groups.setdefault((layer, part), {"A": {}, "B": {}})[m["kind"]][expert] = key
+        found = groups.setdefault((layer, part), {"A": {}, "B": {}})[m["kind"]]
+        if expert in found:  # e.g. gate_proj and w1 both given for one expert's gate
+            raise AdapterError(
+                ctx.file, key, f"a second lora_{m['kind']} for {part}", f"only '{found[expert]}'"
+            )
+        found[expert] = key
     return [
         _assemble(ctx, tensors, layer, part, g, paths[(layer, part)])
         for (layer, part), g in sorted(groups.items())

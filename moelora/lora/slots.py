@@ -108,6 +108,7 @@ class SlotManager:
         name: str | None = None,
         pin: bool = False,
         fused_orientation: str | None = None,
+        must_exist: bool = False,
     ) -> int:
         """Load (or replace, keeping its slot) an adapter; returns its slot.
 
@@ -127,6 +128,10 @@ class SlotManager:
         with self._lock:
             snap = self._snapshot
             slot = snap.slot_of.get(name)
+            if must_exist and slot is None:  # checked under the lock: no race with unload
+                raise InputError(
+                    "adapter name", repr(name), f"a loaded adapter {sorted(snap.slot_of)}"
+                )
             slot_of = dict(snap.slot_of)
             if slot is None:
                 slot = self._free_slot(snap)
@@ -142,9 +147,7 @@ class SlotManager:
 
     def replace(self, name: str, adapter: Adapter | str | Path) -> int:
         """Swap the adapter behind a loaded name in place (same slot)."""
-        if name not in self._snapshot.slot_of:
-            raise InputError("adapter name", repr(name), f"a loaded adapter {sorted(self.loaded)}")
-        return self.load(adapter, name=name)
+        return self.load(adapter, name=name, must_exist=True)
 
     def unload(self, name: str) -> None:
         """Free the adapter's slot (zeroed in the next version)."""

@@ -34,6 +34,24 @@ def check_lora_config(file: str, config: dict[str, Any]) -> None:
         value = config.get(key) or {}
         if not isinstance(value, dict):
             raise AdapterError(file, key, type(value).__name__, "a dict of pattern -> number")
+        for pattern, number in value.items():
+            _check_pattern(file, key, pattern, number)
+
+
+def _check_pattern(file: str, key: str, pattern: Any, number: Any) -> None:
+    """One rank_pattern / alpha_pattern entry: a valid regex mapped to an int rank or a
+    finite alpha (PEFT would fail on anything else at a worse moment)."""
+    where = f"{key}[{pattern!r}]"
+    try:
+        re.compile(str(pattern))
+    except re.error as err:
+        raise AdapterError(file, where, f"pattern {pattern!r} ({err})", "a valid regex") from None
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise AdapterError(file, where, repr(number), "a number")
+    if key == "rank_pattern" and (not isinstance(number, int) or number < 1):
+        raise AdapterError(file, where, repr(number), "a positive integer rank")
+    if not math.isfinite(number):
+        raise AdapterError(file, where, repr(number), "a finite number")
 
 
 def pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
