@@ -10,6 +10,10 @@ import importlib
 import logging
 import sys
 
+from .errors import MoeloraError
+
+EXIT_ERROR = 2  # bad usage, configuration or input (plan uses 3 for an oracle refusal)
+
 # Fixed order; a module listed here that is not installed yet is skipped with a clear note.
 COMMANDS = ("demo", "plan", "validate", "bench")
 
@@ -35,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    return int(args.run(args) or 0)
+    try:
+        return int(args.run(args) or 0)
+    except MoeloraError as err:  # a refusal or bad input: the message says what to fix
+        print(f"moelora {args.command}: {err}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

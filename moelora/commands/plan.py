@@ -16,7 +16,7 @@ from ..backends.checks import CHECKS, check_table
 from ..config import AddInputs, LoRAConfig, ParallelConfig
 from ..deployment import AUTO, Deployment
 from ..device import LOCAL, TARGETS, resolve_device
-from ..errors import ConfigError, UnsupportedDeploymentError
+from ..errors import ConfigError, MoeloraError, UnsupportedDeploymentError
 from ..oracle import Selection, default_registry, select
 from ..presets import resolve_model
 
@@ -226,8 +226,10 @@ def _describe(dep: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         plan = resolve(build_deployment(args))
-    except ConfigError as err:
+    except MoeloraError as err:  # config errors and anything else moelora refuses on purpose
         print(f"moelora plan: {err}", file=sys.stderr)
+        if args.json:  # machines get an answer on stdout too
+            print(json.dumps({"accepted": False, "verdict": "ERROR", "error": str(err)}, indent=2))
         return EXIT_USAGE
     print(json.dumps(plan, indent=2) if args.json else render(plan))
     return EXIT_ACCEPTED if plan["accepted"] else EXIT_REFUSED
