@@ -96,3 +96,18 @@ def test_demo_command_end_to_end(model, capsys):
     assert main(["demo", "--model", model, "--tokens", "12", "--adapters", "3"]) == 0
     printed = capsys.readouterr().out
     assert "verdict: PASS" in printed and "adapter-2" in printed
+
+
+def test_demo_refusals_and_bad_counts_exit_2(capsys):
+    assert main(["demo", "--moe-backend", "grouped_mm", "--tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "grouped_mm" in err and "would accept" in err
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses before anything runs
+        main(["demo", "--tokens", "0"])
+    assert exit_info.value.code == 2
+
+
+def test_plan_json_reports_config_errors_on_stdout(capsys):
+    assert main(["plan", "--model", "/no/such/config.json", "--json"]) == 2
+    out = capsys.readouterr().out
+    assert '"verdict": "ERROR"' in out and "config.json" in out
