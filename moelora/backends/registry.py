@@ -7,32 +7,16 @@ prefill measured on an H200, shared/research/anchors.md) but its LoRA path is se
 torch ops; the reference is a Python loop. benchmarks/ re-measures this order per preset;
 change it here, and only here, when they disagree.
 
-A module missing from the tree is simply not registered yet; any other import error
-(a module that exists but fails, or a package it needs) is raised, never hidden.
+Explicit imports in a fixed order: a backend module that is missing or fails to import is
+an error here, never a silently smaller registry.
 """
 
 from __future__ import annotations
 
-import importlib
-
+from . import grouped_mm, reference, triton
 from .base import Backend
 
-RANKING = ("triton", "grouped_mm", "reference")
-
-
-def _load(module_name: str) -> Backend | None:
-    qualified = f"{__package__}.{module_name}"
-    try:
-        module = importlib.import_module(qualified)
-    except ModuleNotFoundError as err:
-        if err.name != qualified:
-            raise
-        return None
-    return module.BACKEND
-
-
-REGISTRY: dict[str, Backend] = {}
-for _name in RANKING:
-    _backend = _load(_name)
-    if _backend is not None:
-        REGISTRY[_backend.name] = _backend
+REGISTRY: dict[str, Backend] = {
+    backend.name: backend for backend in (triton.BACKEND, grouped_mm.BACKEND, reference.BACKEND)
+}
+RANKING = tuple(REGISTRY)
