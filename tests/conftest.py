@@ -2,7 +2,9 @@
 the variable must be set before any kernel module is imported."""
 
 import os
+import random
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -14,3 +16,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # pytest-xdist runs one worker per core: one intra-op thread each avoids oversubscription,
 # which made small CPU ops (index_add_ in the reference) ~1000x slower on 2-core machines.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh random seed per test (MOELORA_SEED=N reproduces one); a failure prints it."""
+    value = int(os.environ.get("MOELORA_SEED", random.randrange(2**31)))
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for key, value in item.user_properties:
+            if key == "seed":
+                report.sections.append(("seed", f"reproduce with MOELORA_SEED={value}"))

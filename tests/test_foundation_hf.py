@@ -136,9 +136,9 @@ FAMILIES = [
 ]
 
 
-def _build(model_type: str, extra: dict):
+def _build(model_type: str, extra: dict, seed: int):
     cfg = transformers.AutoConfig.for_model(model_type, **COMMON, **extra)
-    torch.manual_seed(hash(model_type) % 2**31)
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     name = next(n for n, m in model.named_modules() if hasattr(m, "experts"))
     block = model.get_submodule(name)
@@ -166,9 +166,9 @@ def _block_out(block, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f[0] for f in FAMILIES])
-def test_block_matches_transformers(family):
+def test_block_matches_transformers(family, seed):
     model_type, extra, shared = family
-    cfg, block = _build(model_type, extra)
+    cfg, block = _build(model_type, extra, seed)
     model = from_hf(cfg.to_dict())  # the real HF config dict goes through the one parser
     x = torch.randn(13, COMMON["hidden_size"])
     with torch.no_grad():
@@ -194,9 +194,9 @@ ROUTED = [f for f in FAMILIES if f[0] != "llama4_text"]  # Llama-4's router retu
 
 
 @pytest.mark.parametrize("family", ROUTED, ids=[f[0] for f in ROUTED])
-def test_routing_matches_transformers_router(family):
+def test_routing_matches_transformers_router(family, seed):
     model_type, extra, _ = family
-    cfg, block = _build(model_type, extra)
+    cfg, block = _build(model_type, extra, seed)
     model = from_hf(cfg.to_dict())
     x = torch.randn(17, COMMON["hidden_size"])
     router, correction = router_from_hf(block)
@@ -214,9 +214,9 @@ def test_routing_matches_transformers_router(family):
     )
 
 
-def test_llama4_router_scores_match():
+def test_llama4_router_scores_match(seed):
     model_type, extra, _ = next(f for f in FAMILIES if f[0] == "llama4_text")
-    cfg, block = _build(model_type, extra)
+    cfg, block = _build(model_type, extra, seed)
     model = from_hf(cfg.to_dict())
     x = torch.randn(9, COMMON["hidden_size"])
     with torch.no_grad():

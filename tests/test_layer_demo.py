@@ -40,8 +40,8 @@ def _batch(gen: torch.Generator, tokens: int = 10):
     return x, ids, wts
 
 
-def test_layer_runs_the_selected_backend_and_matches_reference():
-    gen = torch.Generator().manual_seed(1)
+def test_layer_runs_the_selected_backend_and_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
     experts = random_expert_weights(MODEL.shape, generator=gen)
     bank = random_lora_bank(MODEL.shape, 2, 4, generator=gen)
     layer = MoELoRALayer(
@@ -56,8 +56,8 @@ def test_layer_runs_the_selected_backend_and_matches_reference():
     assert_close(out, ref, torch.float32)
 
 
-def test_layer_refuses_lora_the_deployment_did_not_declare():
-    gen = torch.Generator().manual_seed(2)
+def test_layer_refuses_lora_the_deployment_did_not_declare(seed):
+    gen = torch.Generator().manual_seed(seed)
     experts = random_expert_weights(MODEL.shape, generator=gen)
     bank = random_lora_bank(MODEL.shape, 1, 4, generator=gen)
     attention_only = LoRAConfig(enabled=True, targets=("q_proj", "v_proj"))
@@ -75,8 +75,8 @@ def test_layer_refusal_happens_at_construction():
         MoELoRALayer(_deployment(backend="grouped_mm"), experts)
 
 
-def test_export_round_trip_through_load_adapter(tmp_path):
-    gen = torch.Generator().manual_seed(3)
+def test_export_round_trip_through_load_adapter(tmp_path, seed):
+    gen = torch.Generator().manual_seed(seed)
     shape = dataclasses.replace(MODEL.shape, dtype=torch.float32)
     layers = {}
     for n in MODEL.moe_layers:
