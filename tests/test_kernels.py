@@ -6,6 +6,7 @@ dimensions, so each forward is a handful of interpreted programs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -42,6 +43,7 @@ class Case:
     weights_on_input: bool = False
     dtype: torch.dtype = torch.float32
     drop_ids: bool = False  # expert parallel: some ids outside [0, E)
+    split_k: int = 1  # LoRA shrink K chunks (fp32 atomic adds into a zeroed intermediate)
     extra: dict = field(default_factory=dict)
 
 
@@ -65,6 +67,10 @@ CASES = [
     Case("expert-parallel-drop", drop_ids=True),  # ids -1 / >= E contribute nothing
     Case("many-slots", slots=tuple(range(-1, 9)), ranks=(16,) * 9, tokens=10),
     Case("decode-one-pair-blocks-drop", experts=32, tokens=2, drop_ids=True),  # P <= E/4 layout
+    # shrink split-K: H = 96 -> 3 chunks of one 32-wide tile; I = 48 -> chunks 32 + masked 16
+    Case("shrink-split-k", hidden=96, inter=48, split_k=4),
+    Case("shrink-split-k-swigluoai-bias", act=A.SWIGLUOAI, bias=True, hidden=64, split_k=2),
+    Case("shrink-split-k-more-than-tiles", act=A.RELU2_NO_MUL, split_k=8),  # 1 tile: no split
 ]
 
 
@@ -114,7 +120,7 @@ def test_forward_matches_reference(case: Case) -> None:
         lora,
         shape,
         out=out,
-        config=TILES,
+        config=dataclasses.replace(TILES, shrink_split_k=case.split_k),
         weights_on_input=case.weights_on_input,
     )
     assert_close(out, ref, what=case.id)

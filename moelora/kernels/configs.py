@@ -9,11 +9,17 @@
   rows), 128 x 64 for large m (MMA-bound; the standard Hopper Triton matmul tile).
   Gated up kernels hold two accumulators, so their BLOCK_N is half the down kernel's.
 - num_warps 4 / 8 and num_stages 3 / 4: Triton tutorial defaults for these tile sizes.
+- shrink split-K (LoRA): 8 / 4 / 2 / 1 K chunks for P = T*K pairs <= 2048 / 8192 / 32768 /
+  above, so the shrink grid (about one program per aligned block) reaches thousands of
+  programs at small T, while the fp32 atomic traffic (P * S*R * 4 bytes per chunk) stays a
+  few MB. A prediction from the v5 numbers (KERNEL_LOG.md v6), applied on top of table
+  entries (the table's runs predate it).
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .h200_table import H200_ROWS
@@ -34,6 +40,7 @@ class TileConfig:
     down: GemmTiles
     shrink_block_k: int = 128
     group_m: int = 8
+    shrink_split_k: int = 1
 
 
 def _from_row(row: tuple) -> TileConfig:
@@ -75,12 +82,26 @@ def _lora_heuristic(pairs_per_expert: float) -> TileConfig:
     return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
 
 
+def _shrink_split(pairs: int) -> int:
+    """K chunks of the LoRA shrink (module docstring: how chosen)."""
+    for max_pairs, split in ((2048, 8), (8192, 4), (32768, 2)):
+        if pairs <= max_pairs:
+            return split
+    return 1
+
+
 def pick_config(
     num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, lora: bool = False
 ) -> TileConfig:
     """Tiles for one forward. Static per (shape, T): a CUDA graph per bucket sees one config."""
-    for (e, k, h, i, on, t_max), cfg in sorted(H200_TABLE.items(), key=lambda kv: kv[0][5]):
+    cfg = None
+    for (e, k, h, i, on, t_max), row in sorted(H200_TABLE.items(), key=lambda kv: kv[0][5]):
         if (e, k, h, i, on) == (num_experts, top_k, hidden, inter, lora) and num_tokens <= t_max:
-            return cfg
-    m = num_tokens * top_k / num_experts
-    return _lora_heuristic(m) if lora else _heuristic(m)
+            cfg = row
+            break
+    if cfg is None:
+        m = num_tokens * top_k / num_experts
+        cfg = _lora_heuristic(m) if lora else _heuristic(m)
+    if not lora:
+        return cfg
+    return dataclasses.replace(cfg, shrink_split_k=_shrink_split(num_tokens * top_k))

@@ -4,6 +4,11 @@ The rank-R intermediate stays in fp32 (a bf16 intermediate measurably hurt accur
 other engines). Rows of a block are sorted by slot, so each program loops over the few
 distinct slots present and reads each (slot, expert) A matrix once per block.
 
+Split-K (split > 1): program (block, part, k_split) covers one K chunk and atomically adds
+its fp32 partial into a zeroed intermediate. With few blocks (small T) one program per
+block streams whole (slot, expert) A matrices serially with too few loads in flight to
+use the memory bandwidth; splitting K multiplies the programs (KERNEL_LOG.md v6).
+
 Legend: P pairs, S parts (2 gated w13, 1 otherwise), R max rank, L slots, E experts.
 """
 
@@ -33,6 +38,7 @@ def _lora_shrink_kernel(
     num_slots,
     rank,
     k_dim,
+    k_chunk,
     stride_im,
     stride_ik,
     stride_al,
@@ -46,11 +52,14 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     part = tl.program_id(1)
+    k_start = tl.program_id(2) * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, k_dim)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(block_experts_ptr + pid_m)
@@ -73,8 +82,8 @@ def _lora_shrink_kernel(
             # makes an int64 scalar both compiled and interpreted (where `a` is a Python int).
             a_off = (expert.to(tl.int64) * 0 + a) * stride_al
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(0, k_dim, BLOCK_K):
-                k_mask = (k0 + offs_k) < k_dim
+            for k0 in range(k_start, k_end, BLOCK_K):
+                k_mask = (k0 + offs_k) < k_end
                 xin = tl.load(
                     in_ptr
                     + row[:, None].to(tl.int64) * stride_im
@@ -94,14 +103,17 @@ def _lora_shrink_kernel(
                     xin = xin.to(tl.float32)
                     w = w.to(tl.float32)
                 acc = mma(xin, w, acc, IEEE)
-            tl.store(
+            o_ptrs = (
                 inter_ptr
                 + pair[:, None].to(tl.int64) * stride_om
                 + part * stride_os
-                + offs_r[None, :] * stride_or,
-                acc,
-                mask=rows[:, None] & r_mask[None, :],
+                + offs_r[None, :] * stride_or
             )
+            o_mask = rows[:, None] & r_mask[None, :]
+            if SPLIT:
+                tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")  # a reduction
+            else:
+                tl.store(o_ptrs, acc, mask=o_mask)
 
 
 def lora_shrink(
@@ -113,11 +125,13 @@ def lora_shrink(
     top_k: int,
     rows_are_tokens: bool,
     block_k: int,
+    split_k: int = 1,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """inp: x [T, H] (rows_are_tokens) or z [P, I]; lora_a [L, E, S, R, in] (w13) or
-    [L, E, R, in] (w2, S = 1). Returns inter [P, S, R] fp32; rows of slot -1 unwritten."""
+    [L, E, R, in] (w2, S = 1). Returns inter [P, S, R] fp32; rows of slot -1 unwritten
+    (zero when split_k > 1: the intermediate is zeroed for the atomic adds)."""
     a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
     num_slots, _, parts, rank, k_dim = a5.shape
     check_shape("lora A", a5, (None, None, parts, rank, inp.shape[1]))
@@ -125,15 +139,23 @@ def lora_shrink(
     num_pairs = token_slots.shape[0] * top_k
     rows = token_slots.shape[0] if rows_are_tokens else num_pairs
     check_shape("LoRA shrink input", inp, (rows, k_dim))
+    # K chunks of whole BLOCK_K tiles; chunks past the end leave their programs idle.
+    k_chunk = triton.cdiv(triton.cdiv(k_dim, max(1, split_k)), block_k) * block_k
+    split = triton.cdiv(k_dim, k_chunk)
     if out is None:
-        out = torch.empty(num_pairs, parts, rank, dtype=torch.float32, device=inp.device)
+        alloc = torch.zeros if split > 1 else torch.empty
+        out = alloc(num_pairs, parts, rank, dtype=torch.float32, device=inp.device)
+    elif split > 1:
+        out.zero_()
     a_in, o_in = a5, out
     if _parts_fuse(a5, out):
         # Gate and up rows of A are one [S*R, in] matrix: one program computes both parts
         # from one read of the input rows (the per-part grid read x twice).
         a_in = a5.view(num_slots, a5.shape[1], 1, parts * rank, k_dim)
         o_in = out.view(num_pairs, 1, parts * rank)
-    _launch(inp, a_in, token_slots, aligned, o_in, top_k, rows_are_tokens, block_k, num_warps)
+    _launch(
+        inp, a_in, token_slots, aligned, o_in, top_k, rows_are_tokens, block_k, k_chunk, num_warps
+    )
     return out
 
 
@@ -149,12 +171,15 @@ def _parts_fuse(a5: torch.Tensor, out: torch.Tensor) -> bool:
     )
 
 
-def _launch(inp, a5, token_slots, aligned, out, top_k, rows_are_tokens, block_k, num_warps):
+def _launch(
+    inp, a5, token_slots, aligned, out, top_k, rows_are_tokens, block_k, k_chunk, num_warps
+):
     num_slots, _, parts, rank, k_dim = a5.shape
+    split = triton.cdiv(k_dim, k_chunk)
     num_pairs = out.shape[0]
     block_r = max(16, triton.next_power_of_2(rank))
     upcast, ieee = precision_flags(inp)
-    _lora_shrink_kernel[(aligned.num_blocks, parts)](
+    _lora_shrink_kernel[(aligned.num_blocks, parts, split)](
         in_ptr=inp,
         a_ptr=a5,
         slots_ptr=token_slots,
@@ -168,6 +193,7 @@ def _launch(inp, a5, token_slots, aligned, out, top_k, rows_are_tokens, block_k,
         num_slots=num_slots,
         rank=rank,
         k_dim=k_dim,
+        k_chunk=k_chunk,
         stride_im=inp.stride(0),
         stride_ik=inp.stride(1),
         stride_al=a5.stride(0),
@@ -181,6 +207,7 @@ def _launch(inp, a5, token_slots, aligned, out, top_k, rows_are_tokens, block_k,
         BLOCK_M=aligned.block_m,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
+        SPLIT=split > 1,
         UPCAST=upcast,
         IEEE=ieee,
         num_warps=num_warps,

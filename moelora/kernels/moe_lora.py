@@ -72,6 +72,7 @@ def fused_moe_lora(
             top_k=top_k,
             rows_are_tokens=True,
             block_k=cfg.shrink_block_k,
+            split_k=cfg.shrink_split_k,
         )
         if lora_comm is not None:
             inter13 = _gather_parts(inter13, lora_comm)
@@ -103,6 +104,7 @@ def fused_moe_lora(
             top_k=top_k,
             rows_are_tokens=False,
             block_k=cfg.shrink_block_k,
+            split_k=cfg.shrink_split_k,
         )
         if lora_comm is not None:
             inter2 = lora_comm.reduce_rank(inter2.view(inter2.shape[0], -1))
