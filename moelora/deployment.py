@@ -56,7 +56,7 @@ class Deployment:
     def __post_init__(self) -> None:
         self._check_split("tensor_parallel_size", self.parallel.tp, "intermediate_size", "I")
         self._check_split("expert_parallel_size", self.parallel.ep, "num_experts", "E")
-        if self.lora_sharding is LoRASharding.FULLY_SHARDED:
+        if self.lora_sharding is LoRASharding.FULLY_SHARDED and self.lora.on_experts:
             self._check_split("tensor_parallel_size", self.parallel.tp, "hidden_size", "H")
             if self.lora.max_rank % self.parallel.tp:
                 raise ConfigError(
