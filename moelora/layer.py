@@ -6,15 +6,23 @@ The layer never chooses a backend itself: `oracle.select` does, and its verdict 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from .backends.base import Backend
-from .config import AddInputs, MoEShape
+from .config import AddInputs
 from .deployment import Deployment, LoRASharding
 from .errors import InputError
+from .layer_checks import (
+    check_bank,
+    check_batch,
+    check_experts,
+    check_values,
+    resolve_add_inputs,
+)
 from .oracle import Selection, select
 from .reference import LoRAComm
 from .weights import ExpertWeights, LoRABank
@@ -29,14 +37,20 @@ class MoELoRALayer:
         experts: ExpertWeights,
         *,
         registry: Mapping[str, Backend] | None = None,
-        shape: MoEShape | None = None,
+        check_values: bool = True,
     ) -> None:
-        """shape: the shape of the weights this layer holds, when it is one rank's shard
-        (moelora.parallel passes I_p); default the deployment's."""
+        """experts: this rank's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
+        layer when tp = ep = 1). check_values: also check expert ids and slots (a GPU sync;
+        always skipped inside CUDA-graph capture)."""
         self.deployment = deployment
         self.selection: Selection = select(deployment, registry)  # raises on refusal
+        # What this rank holds: I_p intermediate units of E_l experts.
+        self.shape = dataclasses.replace(
+            deployment.shape, intermediate_size=deployment.intermediate_per_partition
+        )
+        check_experts(experts, self.shape, deployment.local_experts)
         self.experts = experts
-        self.shape = shape or deployment.shape
+        self.check_values = check_values
 
     @property
     def backend_name(self) -> str:
@@ -51,13 +65,39 @@ class MoELoRALayer:
         lora: LoRABank | None = None,
         *,
         out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
+        add_inputs: AddInputs | None = None,
         lora_comm: LoRAComm | None = None,
     ) -> Tensor:
         """x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32
         (-1 = base model); lora: the slot bank of this layer (e.g. a SlotManager snapshot).
-        lora_comm: fully sharded LoRA's collectives (moelora.parallel passes it)."""
-        fully_sharded = self.deployment.lora_sharding is LoRASharding.FULLY_SHARDED
+        add_inputs: how y goes into `out`; default and only accepted value when LoRA is on:
+        the deployment's (the mode the oracle checked). lora_comm: fully sharded LoRA's
+        collectives (moelora.parallel passes it)."""
+        mode = self._check(x, topk_ids, topk_weights, token_slots, lora, add_inputs, lora_comm)
+        if x.shape[0] == 0:  # nothing to compute; kernels need at least one token
+            y = x.new_zeros(0, x.shape[1])
+            return y if out is None else out
+        if lora is not None and x.is_cuda:  # banks may come from a loader thread's stream
+            for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b):
+                t.record_stream(torch.cuda.current_stream())
+        return self.selection.backend.forward(
+            x,
+            topk_ids,
+            topk_weights,
+            token_slots,
+            self.experts,
+            lora,
+            self.shape,
+            weights_on_input=self.deployment.routing.method.weights_on_input,
+            out=out,
+            add_inputs=mode,
+            lora_comm=lora_comm,
+        )
+
+    def _check(self, x, topk_ids, topk_weights, token_slots, lora, add_inputs, lora_comm):
+        """Everything the oracle judged must be what runs; returns the add_inputs mode."""
+        dep = self.deployment
+        fully_sharded = dep.lora_sharding is LoRASharding.FULLY_SHARDED
         if (lora_comm is not None) != (fully_sharded and lora is not None):
             raise InputError(
                 "lora_comm",
@@ -65,7 +105,7 @@ class MoELoRALayer:
                 "a LoRAComm exactly when the deployment is fully sharded and lora is given "
                 "(use moelora.parallel.ParallelMoELoRALayer)",
             )
-        if lora is not None and not self.deployment.lora.on_experts:
+        if lora is not None and not dep.lora.on_experts:
             raise InputError(
                 "lora",
                 "a LoRA bank",
@@ -74,22 +114,21 @@ class MoELoRALayer:
             )
         if lora is not None and token_slots is None:
             raise InputError("token_slots", None, "a [T] int32 slot per token when lora is given")
-        shape = self.shape
-        if x.dtype != shape.dtype:
-            raise InputError("x", f"dtype {x.dtype}", f"{shape.dtype} (the deployment's dtype)")
-        return self.selection.backend.forward(
-            x,
-            topk_ids,
-            topk_weights,
-            token_slots,
-            self.experts,
-            lora,
-            shape,
-            weights_on_input=self.deployment.routing.method.weights_on_input,
-            out=out,
-            add_inputs=add_inputs,
-            lora_comm=lora_comm,
-        )
+        mode = resolve_add_inputs(dep, add_inputs)
+        check_batch(x, topk_ids, topk_weights, token_slots, self.shape, self.experts.w13.device)
+        if lora is not None:
+            check_bank(lora, dep)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.check_values and not capturing:
+            slots = lora.w13_b.shape[0] if lora is not None else 0
+            check_values(
+                topk_ids,
+                token_slots if lora is not None else None,
+                dep.local_experts,
+                slots,
+                foreign_ids=dep.parallel.ep > 1,
+            )
+        return mode
 
     __call__ = forward
 

@@ -15,7 +15,6 @@ routing; each computes its share and one all-reduce over the world finishes the 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from .config import AddInputs, MoEShape, ParallelConfig
 from .deployment import Deployment
 from .errors import ConfigError
 from .layer import MoELoRALayer
+from .layer_checks import resolve_add_inputs
 from .weights import ExpertWeights, LoRABank
 
 
@@ -160,12 +160,7 @@ class ParallelMoELoRALayer:
             )
         self.layout = RankLayout.of(parallel, dist.get_rank())
         self.num_experts = deployment.shape.num_experts
-        local_shape = dataclasses.replace(
-            deployment.shape, intermediate_size=deployment.intermediate_per_partition
-        )
-        self.layer = MoELoRALayer(
-            deployment, shard_experts(experts, deployment.shape, self.layout), shape=local_shape
-        )
+        self.layer = MoELoRALayer(deployment, shard_experts(experts, deployment.shape, self.layout))
         group = _tp_group(self.layout) if parallel.tp > 1 else None
         self.comm = (
             DistComm(self.layout, deployment.shape.hidden_size, group)
@@ -186,7 +181,7 @@ class ParallelMoELoRALayer:
         lora: LoRABank | None = None,
         *,
         out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
+        add_inputs: AddInputs | None = None,
     ) -> Tensor:
         """Like MoELoRALayer.forward, with global topk_ids and this rank's bank shard."""
         ids = local_topk_ids(topk_ids, self.num_experts, self.layout)
@@ -195,6 +190,7 @@ class ParallelMoELoRALayer:
         dist.all_reduce(y)
         if out is None:
             return y
-        return out.add_(y) if add_inputs is AddInputs.ADD else out.copy_(y)
+        mode = resolve_add_inputs(self.layer.deployment, add_inputs)
+        return out.add_(y) if mode is AddInputs.ADD else out.copy_(y)
 
     __call__ = forward

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moelora import (
+    AddInputs,
     InputError,
     LoRAConfig,
     load_preset,
@@ -111,3 +112,74 @@ def test_plan_json_reports_config_errors_on_stdout(capsys):
     assert main(["plan", "--model", "/no/such/config.json", "--json"]) == 2
     out = capsys.readouterr().out
     assert '"verdict": "ERROR"' in out and "config.json" in out
+
+
+def _layer_and_batch(seed: int, **lora_kw):
+    gen = torch.Generator().manual_seed(seed)
+    experts = random_expert_weights(MODEL.shape, generator=gen)
+    lora_cfg = LoRAConfig(enabled=True, max_rank=4, max_loras=2, **lora_kw)
+    layer = MoELoRALayer(_deployment(lora=lora_cfg, backend="reference"), experts)
+    bank = random_lora_bank(MODEL.shape, 2, 4, generator=gen)
+    x, ids, wts = _batch(gen)
+    slots = torch.randint(-1, 2, (10,), generator=gen, dtype=torch.int32)
+    return layer, bank, x, ids, wts, slots
+
+
+def _bad_ids(ids):
+    ids = ids.clone()
+    ids[3, 1] = 8  # E = 8: out of range, would be silently dropped
+    return ids
+
+
+def _bad_slots(slots):
+    slots = slots.clone()
+    slots[2] = 2  # L = 2
+    return slots
+
+
+# (id, how the call is spoiled, regex the InputError must match)
+BAD_CALLS = [
+    ("rank-above-R", lambda a: a.update(bank=random_lora_bank(MODEL.shape, 2, 8)), "rank 8"),
+    ("slots-above-L", lambda a: a.update(bank=random_lora_bank(MODEL.shape, 3, 4)), "3 slots"),
+    ("id-out-of-range", lambda a: a.update(ids=_bad_ids(a["ids"])), "containing 8"),
+    ("slot-out-of-range", lambda a: a.update(slots=_bad_slots(a["slots"])), "containing 2"),
+    ("slot-below-minus-one", lambda a: a.update(slots=a["slots"] - 3), "slots in"),
+    ("ids-rows-differ", lambda a: a.update(ids=a["ids"][:7]), "topk_ids"),
+    ("weights-fp16", lambda a: a.update(wts=a["wts"].half()), "topk_weights"),
+    ("wrong-hidden", lambda a: a.update(x=torch.randn(10, 12)), r"\[T, H = 64\]"),
+    ("slots-int64", lambda a: a.update(slots=a["slots"].long()), "token_slots"),
+    ("add-inputs-differs", lambda a: a.update(add_inputs=AddInputs.OVERWRITE), "add_inputs"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_forward_refuses_what_the_oracle_did_not_judge(case, seed):
+    layer, bank, x, ids, wts, slots = _layer_and_batch(seed)  # deployment: add_inputs ADD
+    call = dict(bank=bank, x=x, ids=ids, wts=wts, slots=slots, add_inputs=None)
+    layer(x, ids, wts, slots, bank)  # the unspoiled call runs
+    case[1](call)
+    out = torch.zeros(call["x"].shape[0], 64)
+    with pytest.raises(InputError, match=case[2]):
+        layer(
+            call["x"],
+            call["ids"],
+            call["wts"],
+            call["slots"],
+            call["bank"],
+            out=out,
+            add_inputs=call["add_inputs"],
+        )
+
+
+def test_construction_checks_the_weights(seed):
+    experts = random_expert_weights(MODEL.shape, generator=torch.Generator().manual_seed(seed))
+    with pytest.raises(InputError, match=r"experts\.w2"):
+        MoELoRALayer(_deployment(), dataclasses.replace(experts, w2=experts.w2[:, :, :16]))
+    with pytest.raises(InputError, match="no biases"):
+        MoELoRALayer(_deployment(), dataclasses.replace(experts, b2=torch.zeros(8, 64)))
+
+
+def test_empty_batch_returns_empty(seed):
+    layer, bank, x, ids, wts, slots = _layer_and_batch(seed)
+    y = layer(x[:0], ids[:0], wts[:0], slots[:0], bank)
+    assert y.shape == (0, 64)
