@@ -77,7 +77,8 @@ class MoELoRALayer:
         if x.shape[0] == 0:  # nothing to compute; kernels need at least one token
             y = x.new_zeros(0, x.shape[1])
             return y if out is None else out
-        if lora is not None and x.is_cuda:  # banks may come from a loader thread's stream
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if lora is not None and x.is_cuda and not capturing:  # banks from a loader's stream
             for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b):
                 t.record_stream(torch.cuda.current_stream())
         return self.selection.backend.forward(
