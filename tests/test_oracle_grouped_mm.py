@@ -14,7 +14,7 @@ import torch
 
 from moelora.activations import Activation
 from moelora.backends.grouped_mm import BACKEND
-from moelora.compare import compare
+from moelora.compare import compare, poison_
 from moelora.config import AddInputs, MoEShape
 from moelora.reference import moe_lora_reference
 from moelora.weights import random_expert_weights, random_lora_bank
@@ -65,8 +65,9 @@ def test_grouped_mm_matches_reference(act, dtype, knobs, weights_on_input):
 def test_grouped_mm_out_contract(add_inputs):
     case = make_case(Activation.SILU, torch.float32)
     ref = moe_lora_reference(*case)
-    buffer = torch.ones_like(ref)
+    prior = torch.randn_like(ref)
+    buffer = prior.clone() if add_inputs is AddInputs.ADD else poison_(torch.empty_like(ref))
     out = BACKEND.forward(*case, out=buffer, add_inputs=add_inputs)
     assert out is buffer
-    expected = ref + 1 if add_inputs is AddInputs.ADD else ref
+    expected = ref + prior if add_inputs is AddInputs.ADD else ref
     assert compare(out, expected, torch.float32).ok

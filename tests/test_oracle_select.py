@@ -16,6 +16,7 @@ import moelora
 from moelora import device as device_mod
 from moelora.backends.base import Backend
 from moelora.backends.registry import RANKING, REGISTRY
+from moelora.compare import assert_close, poison_
 from moelora.config import AddInputs, MoEShape
 from moelora.deployment import LoRASharding, ParallelMode
 from moelora.errors import ConfigError, UnsupportedDeploymentError
@@ -196,12 +197,13 @@ def test_reference_backend_is_the_reference(case):
 @pytest.mark.parametrize("add_inputs", list(AddInputs))
 def test_reference_backend_out_contract(case, add_inputs):
     ref = moe_lora_reference(*case)
-    start = torch.full_like(ref, 0.5)
+    # ADD: a random prior; OVERWRITE: NaN poison, so an unwritten element fails
+    start = torch.randn_like(ref) if add_inputs is AddInputs.ADD else poison_(torch.empty_like(ref))
     buffer = start.clone()
     out = REGISTRY["reference"].forward(*case, out=buffer, add_inputs=add_inputs)
     assert out is buffer
     expected = start + ref if add_inputs is AddInputs.ADD else ref
-    assert torch.allclose(out, expected)
+    assert_close(out, expected, torch.float32, what=add_inputs.value)
 
 
 def test_stub_records_are_valid_and_distinct():
