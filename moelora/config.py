@@ -86,8 +86,10 @@ class AddInputs(str, enum.Enum):
 
 
 # Module names that put LoRA on the routed experts (per-expert and fused forms).
+# PEFT's "all-linear" is counted too: on models with per-expert Linear modules it reaches the
+# experts, so it must not drop the LoRA requirement.
 EXPERT_TARGETS = frozenset(
-    {"experts", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate_up_proj"}
+    {"experts", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate_up_proj", "all-linear"}
 )
 
 

@@ -129,15 +129,20 @@ class DistComm:
         return v
 
 
+# (default group, tp, ep) -> this rank's TP group. Every layer of a model shares one group
+# (communicators are costly to create), and new_group is collective, so it runs once.
+_TP_GROUPS: dict[tuple[object, int, int], object] = {}
+
+
 def _tp_group(layout: RankLayout):
-    """The TP group of this rank (every rank must create every group, in the same order)."""
-    mine = None
-    for ep_rank in range(layout.ep):
-        ranks = [ep_rank * layout.tp + r for r in range(layout.tp)]
-        group = dist.new_group(ranks)
-        if ep_rank == layout.ep_rank:
-            mine = group
-    return mine
+    """The TP group of this rank (every rank creates every group, in the same order)."""
+    key = (dist.group.WORLD, layout.tp, layout.ep)
+    if key not in _TP_GROUPS:
+        groups = [
+            dist.new_group([e * layout.tp + r for r in range(layout.tp)]) for e in range(layout.ep)
+        ]
+        _TP_GROUPS[key] = groups[layout.ep_rank]
+    return _TP_GROUPS[key]
 
 
 class ParallelMoELoRALayer:
@@ -161,9 +166,8 @@ class ParallelMoELoRALayer:
         self.layout = RankLayout.of(parallel, dist.get_rank())
         self.num_experts = deployment.shape.num_experts
         self.layer = MoELoRALayer(deployment, shard_experts(experts, deployment.shape, self.layout))
-        group = _tp_group(self.layout) if parallel.tp > 1 else None
         self.comm = (
-            DistComm(self.layout, deployment.shape.hidden_size, group)
+            DistComm(self.layout, deployment.shape.hidden_size, _tp_group(self.layout))
             if self.layout.fully_sharded
             else None
         )

@@ -195,6 +195,7 @@ def test_dataclass_validation():
     assert not LoRAConfig(enabled=True, targets=("q_proj", "v_proj")).on_experts
     assert LoRAConfig(enabled=True, targets=("down_proj",)).on_experts
     assert not LoRAConfig(enabled=False).on_experts
+    assert LoRAConfig(enabled=True, targets=("all-linear",)).on_experts  # may reach experts
 
 
 def test_llama4_explicit_empty_moe_layers_means_none():
