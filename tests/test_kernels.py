@@ -74,7 +74,7 @@ CASES = [
 ]
 
 
-def _inputs(case: Case, seed: int = 0):
+def _inputs(case: Case, seed: int):
     g = torch.Generator().manual_seed(seed)
     shape = MoEShape(
         case.experts,
@@ -105,8 +105,8 @@ def _inputs(case: Case, seed: int = 0):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_forward_matches_reference(case: Case) -> None:
-    shape, experts, lora, x, ids, weights, slots = _inputs(case)
+def test_forward_matches_reference(case: Case, seed: int) -> None:
+    shape, experts, lora, x, ids, weights, slots = _inputs(case, seed)
     ref = moe_lora_reference(
         x, ids, weights, slots, experts, lora, shape, weights_on_input=case.weights_on_input
     )
@@ -126,9 +126,9 @@ def test_forward_matches_reference(case: Case) -> None:
     assert_close(out, ref, what=case.id)
 
 
-def test_slot_minus1_rows_equal_base_exactly() -> None:
+def test_slot_minus1_rows_equal_base_exactly(seed: int) -> None:
     """Slot -1 tokens in a mixed batch get bit-for-bit the base output."""
-    shape, experts, lora, x, ids, weights, slots = _inputs(Case("mixed", tokens=8))
+    shape, experts, lora, x, ids, weights, slots = _inputs(Case("mixed", tokens=8), seed)
     mixed = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=TILES)
     base = fused_moe_lora(x, ids, weights, None, experts, None, shape, config=TILES)
     rows = slots < 0
@@ -138,9 +138,9 @@ def test_slot_minus1_rows_equal_base_exactly() -> None:
 
 
 @pytest.mark.parametrize("mode", list(AddInputs), ids=[m.value for m in AddInputs])
-def test_backend_add_inputs(mode: AddInputs) -> None:
+def test_backend_add_inputs(mode: AddInputs, seed: int) -> None:
     """The registered backend honours out / add_inputs; OVERWRITE writes every element."""
-    shape, experts, lora, x, ids, weights, slots = _inputs(Case("io", bias=True))
+    shape, experts, lora, x, ids, weights, slots = _inputs(Case("io", bias=True), seed)
     ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
     prior = torch.randn_like(x)
     out = prior.clone() if mode is AddInputs.ADD else poison_(torch.empty_like(x))
@@ -164,8 +164,8 @@ ALIGN_CASES = [  # (T, K, E, L, BLOCK_M, id)
 @pytest.mark.parametrize(
     "tokens,top_k,experts,slots_n,block_m,case_id", ALIGN_CASES, ids=[c[-1] for c in ALIGN_CASES]
 )
-def test_align_invariants(tokens, top_k, experts, slots_n, block_m, case_id) -> None:
-    g = torch.Generator().manual_seed(1)
+def test_align_invariants(tokens, top_k, experts, slots_n, block_m, case_id, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids = ids.to(torch.int32)
     slots = torch.randint(-1, slots_n, (tokens,), generator=g, dtype=torch.int32)
@@ -187,8 +187,8 @@ def test_align_invariants(tokens, top_k, experts, slots_n, block_m, case_id) -> 
     assert (al.block_experts[used // block_m :] == -1).all()
 
 
-def test_launcher_errors_name_the_input() -> None:
-    shape, experts, lora, x, ids, weights, slots = _inputs(Case("err"))
+def test_launcher_errors_name_the_input(seed: int) -> None:
+    shape, experts, lora, x, ids, weights, slots = _inputs(Case("err"), seed)
     with pytest.raises(ValueError, match="'x'"):
         REGISTRY["triton"].forward(x[:, :16], ids, weights, slots, experts, lora, shape)
     with pytest.raises(ValueError, match="token_slots"):

@@ -25,7 +25,7 @@ if not hasattr(torch, "_grouped_mm"):
 T, H, INTER, E, K = 7, 16, 8, 4, 2  # legend T, H, I, E, K
 
 
-def make_case(act, dtype, *, bias=False, lora=True, ep_drop=False, seed=0):
+def make_case(act, dtype, *, seed, bias=False, lora=True, ep_drop=False):
     shape = MoEShape(E, K, H, INTER, act, has_bias=bias, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen).to(dtype)
@@ -52,8 +52,8 @@ CASES = [
 
 @pytest.mark.parametrize("act, dtype, knobs", [pytest.param(*c[1:], id=c[0]) for c in CASES])
 @pytest.mark.parametrize("weights_on_input", [False, True])
-def test_grouped_mm_matches_reference(act, dtype, knobs, weights_on_input):
-    case = make_case(act, dtype, **knobs)
+def test_grouped_mm_matches_reference(act, dtype, knobs, weights_on_input, seed):
+    case = make_case(act, dtype, seed=seed, **knobs)
     ref = moe_lora_reference(*case, weights_on_input=weights_on_input)
     out = BACKEND.forward(*case, weights_on_input=weights_on_input)
     assert out.dtype == ref.dtype
@@ -62,8 +62,8 @@ def test_grouped_mm_matches_reference(act, dtype, knobs, weights_on_input):
 
 
 @pytest.mark.parametrize("add_inputs", list(AddInputs))
-def test_grouped_mm_out_contract(add_inputs):
-    case = make_case(Activation.SILU, torch.float32)
+def test_grouped_mm_out_contract(add_inputs, seed):
+    case = make_case(Activation.SILU, torch.float32, seed=seed)
     ref = moe_lora_reference(*case)
     prior = torch.randn_like(ref)
     buffer = prior.clone() if add_inputs is AddInputs.ADD else poison_(torch.empty_like(ref))

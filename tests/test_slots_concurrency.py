@@ -41,7 +41,7 @@ def _expected_bank(behind: dict[str, tuple[int, Adapter]], layer: int) -> LoRABa
     return bank
 
 
-def test_forwards_see_whole_snapshots_while_loading(tmp_path) -> None:
+def test_forwards_see_whole_snapshots_while_loading(tmp_path, seed) -> None:
     adapters = {}
     for seed, r in enumerate([2, 3, 4, 5, 6, 8]):
         path = write_adapter(
@@ -80,7 +80,7 @@ def test_forwards_see_whole_snapshots_while_loading(tmp_path) -> None:
             stop.set()
 
     def reader() -> None:
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator().manual_seed(seed)
         experts = random_expert_weights(MC.shape, generator=gen, dtype=torch.float32)
         try:
             while not stop.is_set():
@@ -113,7 +113,7 @@ def test_forwards_see_whole_snapshots_while_loading(tmp_path) -> None:
     versions = {snap.version for snap, *_ in seen}
     assert len(seen) >= 5 and len(versions) >= 3, (len(seen), versions)
     experts = random_expert_weights(
-        MC.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float32
+        MC.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32
     )
     for snap, x, ids, w, slots, outs in seen:
         behind = {n: (snap.slot_of[n], ad) for n, ad in history[snap.version].items()}
