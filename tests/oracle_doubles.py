@@ -28,7 +28,7 @@ class StubBackend:
     capabilities: Capabilities
 
     def forward(self, *args, **kwargs):
-        raise NotImplementedError("test double: capability record only")
+        raise AssertionError("test double: only its capability record is used; never run")
 
 
 # Mimics the vendor kernel of SPEC.md "Why it exists": compute capability 10.x only, gated

@@ -11,18 +11,16 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+import transformers
+from adapter_files import one_torch_thread
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
-from adapter_files import one_torch_thread  # noqa: E402
-
-from moelora import ExpertWeights, from_hf, moe_lora_reference  # noqa: E402
-from moelora.compare import assert_close  # noqa: E402
-from moelora.errors import AdapterError  # noqa: E402
-from moelora.lora import SlotManager, load_adapter  # noqa: E402
+from moelora import ExpertWeights, from_hf, moe_lora_reference
+from moelora.compare import assert_close
+from moelora.errors import AdapterError
+from moelora.lora import SlotManager, load_adapter
 
 H, INTER, E, K, LAYERS, R = 32, 20, 4, 2, 2, 8
 COMMON = dict(

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import copy
 
+import peft
 import pytest
 import torch
+import transformers
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
-from moelora import from_hf, moe_lora_reference, route  # noqa: E402
-from moelora.compare import assert_close  # noqa: E402
-from moelora.hf import expert_weights_from_hf, router_logits  # noqa: E402
-from moelora.lora import SlotManager  # noqa: E402
+from moelora import from_hf, moe_lora_reference, route
+from moelora.compare import assert_close
+from moelora.hf import expert_weights_from_hf, router_logits
+from moelora.lora import SlotManager
 
 H, INTER, E, K = 32, 20, 4, 2  # H != I and H != 2I: the fused factors read unambiguously
 FUSED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from moelora import from_hf, moe_lora_reference, route
 from moelora.compare import assert_close
 from moelora.hf import expert_weights_from_hf, router_from_hf, router_logits
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 COMMON = dict(

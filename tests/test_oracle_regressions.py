@@ -52,7 +52,6 @@ def test_explicit_triton_with_fully_sharded_lora_on_sm103_is_honoured(device, ad
     assert "lora.add_inputs" in fields(dict(auto.others)["mimic"])
 
 
-@pytest.mark.skipif("triton" not in REGISTRY, reason="the triton backend is not registered")
 @pytest.mark.parametrize("fully_sharded", [False, True])
 def test_real_triton_explicit_request_is_honoured_or_refused_never_substituted(fully_sharded):
     # The real record, whatever it declares: an explicit request either runs triton or fails
@@ -70,7 +69,6 @@ def test_real_triton_explicit_request_is_honoured_or_refused_never_substituted(f
     assert err.value.reasons["triton"] == reasons
 
 
-@pytest.mark.skipif("triton" not in REGISTRY, reason="the triton backend is not registered")
 @pytest.mark.parametrize("add_inputs", list(AddInputs))
 def test_real_triton_record_honours_fully_sharded_lora_and_grouped_mm_refuses_it(add_inputs):
     # Failure 2 against the real records: `--moe-backend triton --fully-sharded-loras` runs
