@@ -1,7 +1,11 @@
 """SlotManager: free slots, name -> slot map, token_slots, replace, unload, pin, LRU
-eviction, zero padding, copy-on-write snapshots."""
+eviction, zero padding; leases (reading()): a load never writes a slot a forward holds,
+banks are written in place and never copied, replace under a lease, waiting and timeout."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -13,8 +17,9 @@ from adapter_files import (
     write_adapter,
 )
 
+from moelora import moe_lora_reference, random_expert_weights
 from moelora.compare import assert_close
-from moelora.errors import InputError
+from moelora.errors import ConfigError, InputError
 from moelora.lora import Adapter, SlotManager, load_adapter
 
 MC = model_config("qwen3_moe")
@@ -22,17 +27,43 @@ R = 8
 FIELDS = ("w13_a", "w13_b", "w2_a", "w2_b")
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory) -> dict[str, Adapter]:
-    """Five adapters with different ranks (all below R except 'full') and seeds."""
-    root = tmp_path_factory.mktemp("ad")
+@pytest.fixture
+def adapters(tmp_path, seed) -> dict[str, Adapter]:
+    """Five random non-zero adapters with different ranks (all below R except 'full')."""
     out = {}
-    for seed, (name, r) in enumerate([("a", 2), ("b", 3), ("c", 4), ("d", 5), ("full", R)]):
+    for k, (name, r) in enumerate([("a", 2), ("b", 3), ("c", 4), ("d", 5), ("full", R)]):
         path = write_adapter(
-            root / name, per_expert_tensors(known_factors(MC, r, seed=seed)), lora_config(r, 2 * r)
+            tmp_path / name,
+            per_expert_tensors(known_factors(MC, r, seed=seed + k)),
+            lora_config(r, 2 * r),
         )
         out[name] = load_adapter(path, MC, R)
     return out
+
+
+def _slot_contents(manager: SlotManager, slot: int) -> dict:
+    """Copies of `slot` in every layer's bank, to compare bit for bit later."""
+    banks = manager.snapshot().banks
+    return {(layer, f): getattr(b, f)[slot].clone() for layer, b in banks.items() for f in FIELDS}
+
+
+def _unchanged(manager: SlotManager, slot: int, before: dict) -> bool:
+    after = _slot_contents(manager, slot)
+    return all(torch.equal(after[k], t) for k, t in before.items())
+
+
+def _forward(snap, slots: torch.Tensor, seed: int) -> dict[int, torch.Tensor]:
+    """Every MoE layer's reference forward on the snapshot's banks (random, seeded inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = random_expert_weights(MC.shape, generator=gen, dtype=torch.float32)
+    t = slots.shape[0]
+    x = torch.randn(t, MC.shape.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(MC.shape.num_experts, generator=gen)[:2] for _ in range(t)])
+    w = torch.rand(t, 2, generator=gen)
+    return {
+        layer: moe_lora_reference(x, ids, w, slots, experts, snap.banks[layer], MC.shape)
+        for layer in MC.moe_layers
+    }
 
 
 def _slot_equals(manager: SlotManager, slot: int, adapter: Adapter | None) -> bool:
@@ -73,19 +104,47 @@ def test_full_rank_adapter_fills_the_slot(adapters) -> None:
     assert m.snapshot().banks[0].w2_b[0, :, :, R - 1].abs().sum() > 0
 
 
-def test_replace_keeps_slot_and_old_snapshot(adapters) -> None:
-    m = SlotManager(MC, num_slots=2, max_rank=R, dtype=torch.float32)
-    m.load(adapters["a"], name="x")
+def test_replace_writes_another_slot_and_keeps_the_leased_one(adapters, seed) -> None:
+    """replace under a lease: the new weights go to the free slot, the name moves there;
+    the forward holding the old slot still computes with the old adapter, bit for bit."""
+    m = SlotManager(MC, num_slots=3, max_rank=R, dtype=torch.float32)
+    m.load(adapters["full"], name="x")
     m.load(adapters["b"], name="y")
-    old = m.snapshot()
-    old_copy = {layer: b.w13_a.clone() for layer, b in old.banks.items()}
-    assert m.replace("x", adapters["d"]) == 0
-    assert _slot_equals(m, 0, adapters["d"]) and _slot_equals(m, 1, adapters["b"])
-    assert m.snapshot().version == old.version + 1
-    for layer, bank in old.banks.items():  # a forward holding `old` still sees adapter a
-        assert torch.equal(bank.w13_a, old_copy[layer])
+    with m.reading(["x", None, "y", "x"]) as (snap, slots):
+        ref = _forward(snap, slots, seed)
+        held = _slot_contents(m, 0)
+        assert m.replace("x", adapters["d"]) == 2  # the free slot, never the leased slot 0
+        assert m.loaded == {"x": 2, "y": 1} and dict(snap.slot_of) == {"x": 0, "y": 1}
+        assert _slot_equals(m, 2, adapters["d"]) and _slot_equals(m, 1, adapters["b"])
+        assert _unchanged(m, 0, held)
+        out = _forward(snap, slots, seed)
+        assert all(torch.equal(out[layer], ref[layer]) for layer in ref)
+        with m.reading(["x"]) as (new, new_slots):  # a later forward sees the new adapter
+            assert new.version > snap.version and new_slots.tolist() == [2]
+        # Slot 0 is in no map now but still leased: a load evicts x (the only unleased
+        # adapter) rather than reuse it.
+        assert m.load(adapters["c"], name="z") == 2
+        assert m.loaded == {"z": 2, "y": 1} and _unchanged(m, 0, held)
+        out = _forward(snap, slots, seed)
+        assert all(torch.equal(out[layer], ref[layer]) for layer in ref)
+    # The retired slot 0 is free once the lease ends; reusing it overwrites it in full
+    # (rank 2 < the old occupant's R: the rank padding is zero again).
+    assert m.load(adapters["a"], name="w") == 0
+    assert _slot_equals(m, 0, adapters["a"])
     with pytest.raises(InputError):
         m.replace("nope", adapters["a"])
+
+
+def test_replace_without_a_spare_slot_is_refused_at_once(adapters) -> None:
+    """One slot: the replaced adapter stays served while its successor is written, so the
+    successor needs another slot; none can ever qualify, so the refusal does not wait."""
+    m = SlotManager(MC, num_slots=1, max_rank=R, dtype=torch.float32, load_timeout_s=60)
+    m.load(adapters["a"], name="x")
+    before, start = _slot_contents(m, 0), time.monotonic()
+    with pytest.raises(ConfigError, match=r"besides 'x'.*unpin or unload"):
+        m.replace("x", adapters["b"])
+    assert time.monotonic() - start < 5
+    assert m.loaded == {"x": 0} and _unchanged(m, 0, before)
 
 
 def test_unload_zeroes_and_frees_the_slot(adapters) -> None:
@@ -150,3 +209,98 @@ def test_replace_of_an_unloaded_name_is_refused_and_changes_nothing(adapters) ->
     with pytest.raises(InputError, match="loaded adapter"):
         m.replace("a", adapters["c"])
     assert m.snapshot() is before and m.loaded == {"b": 1}
+
+
+def test_load_never_writes_a_leased_slot(adapters, seed) -> None:
+    """The LRU adapter is leased: the load evicts the next one instead, and the leased
+    slots (and the forward reading them) stay bit-identical."""
+    m = SlotManager(MC, num_slots=3, max_rank=R, dtype=torch.float32)
+    for n in ("a", "b", "c"):
+        m.load(adapters[n])
+    with m.reading(["a", "b", None, "a"]) as (snap, slots):
+        m.token_slots(["c"])  # c used after the lease began: a is now the LRU adapter
+        held = {s: _slot_contents(m, s) for s in (0, 1)}
+        ref = _forward(snap, slots, seed)
+        assert m.load(adapters["d"]) == 2  # evicts c, not the leased LRU a
+        assert m.loaded == {"a": 0, "b": 1, "d": 2} and _slot_equals(m, 2, adapters["d"])
+        assert all(_unchanged(m, s, contents) for s, contents in held.items())
+        out = _forward(snap, slots, seed)
+        assert all(torch.equal(out[layer], ref[layer]) for layer in ref)
+    m.token_slots(["b", "d"])
+    assert m.load(adapters["c"]) == 0  # lease released: a, now the LRU adapter, is evicted
+
+
+def test_unload_under_a_lease_defers_zeroing_to_the_next_write(adapters) -> None:
+    """An unloaded slot a forward holds keeps its weights and is not reused until the lease
+    ends; the load that reuses it overwrites it in full."""
+    m = SlotManager(MC, num_slots=2, max_rank=R, dtype=torch.float32)
+    m.load(adapters["full"])
+    m.load(adapters["b"])
+    with m.reading(["full"]):
+        held = _slot_contents(m, 0)
+        m.unload("full")
+        assert m.loaded == {"b": 1} and _unchanged(m, 0, held)
+        assert m.load(adapters["c"]) == 1  # slot 0 is free but leased: evicts b instead
+        assert _unchanged(m, 0, held)
+    assert m.loaded == {"c": 1} and _slot_equals(m, 0, adapters["full"])  # deferred
+    assert m.load(adapters["a"]) == 0
+    assert _slot_equals(m, 0, adapters["a"]) and _slot_equals(m, 1, adapters["c"])
+
+
+def test_load_times_out_naming_the_leased_slots(adapters) -> None:
+    """Every slot leased: the load waits load_timeout_s, raises InputError naming the
+    leased slots, and leaves the map, the version and every slot as they were."""
+    m = SlotManager(MC, num_slots=2, max_rank=R, dtype=torch.float32, load_timeout_s=0.3)
+    m.load(adapters["a"])
+    m.load(adapters["b"])
+    with m.reading(["a", "b"]), m.reading(["b"]):
+        before = {s: _slot_contents(m, s) for s in (0, 1)}
+        version, start = m.snapshot().version, time.monotonic()
+        with pytest.raises(InputError, match=r"leased.*\{0: 1, 1: 2\}.*load_timeout_s"):
+            m.load(adapters["c"])
+        assert time.monotonic() - start >= 0.3
+        assert m.snapshot().version == version and m.loaded == {"a": 0, "b": 1}
+        assert all(_unchanged(m, s, contents) for s, contents in before.items())
+    assert m.load(adapters["c"]) == 0  # leases released: a (LRU) is evicted at once
+
+
+def test_waiting_load_proceeds_when_the_lease_ends(adapters) -> None:
+    m = SlotManager(MC, num_slots=1, max_rank=R, dtype=torch.float32, load_timeout_s=30)
+    m.load(adapters["a"])
+    result: list = []
+    lease = m.reading(["a"])
+    lease.__enter__()
+    loader = threading.Thread(target=lambda: result.append(m.load(adapters["b"])))
+    loader.start()
+    time.sleep(0.2)
+    assert loader.is_alive() and m.loaded == {"a": 0}  # waiting, nothing written
+    assert _slot_equals(m, 0, adapters["a"])
+    lease.__exit__(None, None, None)
+    loader.join(timeout=10)
+    assert result == [0] and m.loaded == {"b": 0} and _slot_equals(m, 0, adapters["b"])
+
+
+def test_banks_are_written_in_place_never_copied(adapters, tmp_path) -> None:
+    """The same bank tensors (objects and storage) across loads, evictions, replaces and
+    unloads, and a load allocates less than one slot: no copy-on-write of the banks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m = SlotManager(MC, num_slots=3, max_rank=R, dtype=torch.float32)
+    banks = dict(m.snapshot().banks)
+    ptrs = {(layer, f): getattr(b, f).data_ptr() for layer, b in banks.items() for f in FIELDS}
+    slot_bytes = sum(getattr(banks[0], f)[0].nbytes for f in FIELDS)
+    m.load(adapters["a"])
+    m.load(adapters["b"])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with m.reading(["a"]):
+            assert m.replace("a", adapters["full"]) == 2  # the free slot
+            assert m.load(adapters["c"]) == 1  # evicts b: slot 0 is leased
+        m.unload("a")
+        assert m.load(adapters["d"]) == 0
+    assert m.loaded == {"c": 1, "d": 0} and _slot_equals(m, 2, None)
+    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert allocated < slot_bytes, (allocated, slot_bytes)
+    snap = m.snapshot()
+    assert all(snap.banks[layer] is bank for layer, bank in banks.items())
+    for (layer, f), ptr in ptrs.items():
+        assert getattr(snap.banks[layer], f).data_ptr() == ptr, (layer, f)

@@ -1,11 +1,14 @@
-"""A writer thread loads, replaces and evicts adapters while a reader thread runs forwards:
-every forward equals the reference for the slots its snapshot names, and the snapshot's
-banks are never written while (or after) the forward reads them."""
+"""A writer thread loads, replaces, evicts and unloads adapters while reader threads run
+forwards under leases (SlotManager.reading): every forward equals, bit for bit, the
+reference for the adapters its map names, and the slots it leased are never written while
+it holds them, although the banks are shared and written in place."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -19,11 +22,13 @@ from adapter_files import (
 )
 
 from moelora import moe_lora_reference, random_expert_weights
+from moelora.errors import InputError
 from moelora.lora import Adapter, SlotManager, load_adapter
 from moelora.weights import LoRABank
 
 MC = model_config("qwen3_moe")
-R, SLOTS, T, STEPS = 8, 3, 12, 30
+R, SLOTS, T, STEPS, READERS = 8, 3, 12, 40, 2
+FIELDS = ("w13_a", "w13_b", "w2_a", "w2_b")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,21 +46,26 @@ def _expected_bank(behind: dict[str, tuple[int, Adapter]], layer: int) -> LoRABa
     return bank
 
 
-def test_forwards_see_whole_snapshots_while_loading(tmp_path, seed) -> None:
+def _adapter_at(assigned: list[tuple[int, str, Adapter]], name: str, version: int) -> Adapter:
+    """The adapter behind `name` in `version`: the last one published for it by then."""
+    return [ad for v, n, ad in assigned if n == name and v <= version][-1]
+
+
+def test_forwards_under_leases_see_whole_slots_while_loading(tmp_path, seed) -> None:
     adapters = {}
-    for seed, r in enumerate([2, 3, 4, 5, 6, 8]):
+    for k, r in enumerate([2, 3, 4, 5, 6, 8]):
         path = write_adapter(
-            tmp_path / f"ad{seed}",
-            per_expert_tensors(known_factors(MC, r, seed=seed)),
+            tmp_path / f"ad{k}",
+            per_expert_tensors(known_factors(MC, r, seed=seed + k)),
             lora_config(r, r + 1),
         )
-        adapters[f"ad{seed}"] = load_adapter(path, MC, R)
+        adapters[f"ad{k}"] = load_adapter(path, MC, R)
     names = list(adapters)
     manager = SlotManager(MC, num_slots=SLOTS, max_rank=R, dtype=torch.float32)
-    # version -> {name: adapter behind it}, recorded by the writer (the only writer) after
-    # each operation, so the reader can check any snapshot it took.
-    history: dict[int, dict[str, Adapter]] = {0: {}}
-    sources: dict[str, Adapter] = {}
+    # (version that published it, name, adapter): written by the only writer after each
+    # load or replace, so a reader can tell which adapter any version's map names. Versions
+    # in between (an eviction, an unload) name a subset of the adapters before them.
+    assigned: list[tuple[int, str, Adapter]] = []
     stop, errors, seen = threading.Event(), [], []
 
     def writer() -> None:
@@ -66,61 +76,72 @@ def test_forwards_see_whole_snapshots_while_loading(tmp_path, seed) -> None:
                     manager.unload(next(iter(manager.loaded)))
                 elif step % 5 == 4 and name in manager.loaded:
                     source = adapters[names[(step + 1) % len(names)]]
-                    manager.replace(name, source)
-                    sources[name] = source
+                    manager.replace(name, source)  # moves to a slot no forward holds
+                    assigned.append((manager.snapshot().version, name, source))
                 else:
-                    manager.load(adapters[name])  # evicts the LRU adapter when full
-                    sources[name] = adapters[name]
-                snap = manager.snapshot()
-                history[snap.version] = {n: sources[n] for n in snap.slot_of}
-                time.sleep(0.01)
+                    manager.load(adapters[name])  # evicts an unleased LRU adapter when full
+                    assigned.append((manager.snapshot().version, name, adapters[name]))
+                time.sleep(0.005)
         except Exception as err:  # surfaced in the main thread
             errors.append(err)
         finally:
             stop.set()
 
-    def reader() -> None:
-        gen = torch.Generator().manual_seed(seed)
+    def reader(k: int) -> None:
+        gen = torch.Generator().manual_seed(seed + 100 + k)
         experts = random_expert_weights(MC.shape, generator=gen, dtype=torch.float32)
         try:
-            while not stop.is_set():
-                snap = manager.snapshot()
-                loaded = sorted(snap.slot_of)
-                names_t = [None if not loaded or t % 4 == 0 else loaded[t % len(loaded)]
+            for step in itertools.count():
+                if stop.is_set():
+                    break
+                # A random subset of the loaded adapters (and the base model) per forward, so
+                # the leases leave the writer a slot now and then, as a server's batches do.
+                loaded = sorted(manager.loaded)
+                pick = torch.randperm(len(loaded), generator=gen)[: 1 + step % 2].tolist()
+                names_t = [None if not pick or t % 4 == k else loaded[pick[t % len(pick)]]
                            for t in range(T)]  # fmt: skip
-                slots = snap.token_slots(names_t)
                 x = torch.randn(T, MC.shape.hidden_size, generator=gen)
                 ids = torch.stack(
                     [torch.randperm(MC.shape.num_experts, generator=gen)[:2] for _ in range(T)]
                 )
                 w = torch.rand(T, 2, generator=gen)
-                outs = {
-                    layer: moe_lora_reference(
-                        x, ids, w, slots, experts, snap.banks[layer], MC.shape
-                    )
-                    for layer in MC.moe_layers
-                }
-                seen.append((snap, x, ids, w, slots, outs))
+                with ExitStack() as stack:
+                    try:
+                        snap, slots = stack.enter_context(manager.reading(names_t))
+                    except InputError:  # a name unloaded since `loaded` was read: again
+                        continue
+                    outs = {
+                        layer: moe_lora_reference(
+                            x, ids, w, slots, experts, snap.banks[layer], MC.shape
+                        )
+                        for layer in MC.moe_layers
+                    }
+                    held = sorted(set(slots.tolist()) - {-1})
+                    # The leased slots as they are at the end of the forward, still leased.
+                    at_end = {(layer, f, s): getattr(b, f)[s].clone()
+                              for layer, b in snap.banks.items() for f in FIELDS for s in held}  # fmt: skip
+                seen.append((k, snap, x, ids, w, slots, outs, at_end))
         except Exception as err:
             errors.append(err)
 
-    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    threads = [threading.Thread(target=writer)]
+    threads += [threading.Thread(target=reader, args=(k,)) for k in range(READERS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors[0]
-    versions = {snap.version for snap, *_ in seen}
-    assert len(seen) >= 5 and len(versions) >= 3, (len(seen), versions)
-    experts = random_expert_weights(
-        MC.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32
-    )
-    for snap, x, ids, w, slots, outs in seen:
-        behind = {n: (snap.slot_of[n], ad) for n, ad in history[snap.version].items()}
-        assert set(behind) == set(snap.slot_of)
+    versions = {snap.version for _, snap, *_ in seen}
+    assert {k for k, *_ in seen} == set(range(READERS)), "every reader ran forwards"
+    assert len(seen) >= 10 and len(versions) >= 5, (len(seen), versions)
+    for k, snap, x, ids, w, slots, outs, at_end in seen:
+        gen = torch.Generator().manual_seed(seed + 100 + k)
+        experts = random_expert_weights(MC.shape, generator=gen, dtype=torch.float32)
+        behind = {n: (s, _adapter_at(assigned, n, snap.version)) for n, s in snap.slot_of.items()}
         for layer, out in outs.items():
             want = _expected_bank(behind, layer)
             ref = moe_lora_reference(x, ids, w, slots, experts, want, MC.shape)
-            assert torch.equal(out, ref), f"version {snap.version} layer {layer}"
-            for f in ("w13_a", "w13_b", "w2_a", "w2_b"):  # nothing was written under the forward
-                assert torch.equal(getattr(snap.banks[layer], f), getattr(want, f)), f
+            assert torch.equal(out, ref), f"reader {k} version {snap.version} layer {layer}"
+        for (layer, f, s), got in at_end.items():  # nothing was written under the forward
+            want = getattr(_expected_bank(behind, layer), f)[s]
+            assert torch.equal(got, want), f"version {snap.version} layer {layer} {f} slot {s}"

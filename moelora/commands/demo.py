@@ -1,7 +1,7 @@
 """`moelora demo`: end to end on an embedded preset, with random weights and adapters.
 
 Adapters are written as PEFT directories and loaded through the real path (load_adapter +
-SlotManager); the oracle picks the backend for this machine (one log line says why); a
+SlotManager, read under a lease); the oracle picks the backend for this machine (one log line says why); a
 batch whose requests use different adapters (and the base model) runs through the layer;
 the summary compares it with the reference, adapter by adapter.
 """
@@ -106,23 +106,24 @@ def run(args: argparse.Namespace) -> int:
         for path in _write_adapters(model, args.adapters, args.rank, Path(tmp), gen):
             manager.load(path, name=path.name)
     names = _requests(args.tokens, list(manager.loaded), gen)
-    snapshot, slots = manager.token_slots(names, device=torch_device)
-    bank = snapshot.banks[model.moe_layers[0]]
 
     x = torch.randn(args.tokens, shape.hidden_size, generator=gen).to(torch_device, dtype)
     ids, weights = route(
         torch.randn(args.tokens, shape.num_experts, generator=gen), model.routing, shape.top_k
     )
     ids, weights = ids.to(torch_device), weights.to(torch_device)
-    start = time.perf_counter()
-    y = layer(x, ids, weights, slots, bank)
-    if device.kind == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
     on_input = model.routing.method.weights_on_input
-    ref = moe_lora_reference(
-        x, ids, weights, slots, layer.experts, bank, shape, weights_on_input=on_input
-    )
+    # The lease is how a server reads the slots: no load may rewrite them until it ends.
+    with manager.reading(names, device=torch_device) as (snapshot, slots):
+        bank = snapshot.banks[model.moe_layers[0]]
+        start = time.perf_counter()
+        y = layer(x, ids, weights, slots, bank)
+        if device.kind == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        ref = moe_lora_reference(
+            x, ids, weights, slots, layer.experts, bank, shape, weights_on_input=on_input
+        )
     base = moe_lora_reference(
         x, ids, weights, None, layer.experts, None, shape, weights_on_input=on_input
     )
