@@ -168,7 +168,7 @@ class SlotManager:
                 self._last_used[name] = next(self._clock)
                 if pin:
                     self._pinned.add(name)
-                drained = old is not None and old not in self._leases.busy()
+                drained = old is not None and old != slot and old not in self._leases.busy()
             if drained:
                 self._write(old, None)
         return slot
@@ -176,7 +176,8 @@ class SlotManager:
     def replace(self, name: str, adapter: Adapter | str | Path) -> int:
         """Swap the adapter behind a loaded name: the new weights go to another slot (free,
         or an unleased LRU adapter's), then the name moves there. Forwards holding the old
-        slot keep it until they end; it is then free. Returns the new slot."""
+        slot keep it until they end; it is then free. With no such slot, the name's own slot
+        is rewritten once unleased (the name unmapped meanwhile). Returns the new slot."""
         return self.load(adapter, name=name, must_exist=True)
 
     def unload(self, name: str) -> None:
@@ -236,12 +237,12 @@ class SlotManager:
             if free:
                 return free[0]
             candidates = [n for n in slot_of if n != name and n not in self._pinned]
-            if not candidates and len(mapped) == self.num_slots:  # no lease would help
-                besides = f" besides '{name}' (served until replaced)" if name in slot_of else ""
-                raise ConfigError(
+            own = slot_of.get(name)  # replace: the name's current slot
+            if not candidates and len(mapped) == self.num_slots and own is None:
+                raise ConfigError(  # no lease ending would help
                     "max_loras",
                     self.num_slots,
-                    f"a free slot or an unpinned adapter to evict{besides}",
+                    "a free slot or an unpinned adapter to evict",
                     "unpin or unload an adapter, or raise max_loras",
                 )
             evictable = [n for n in candidates if slot_of[n] not in busy]
@@ -250,6 +251,11 @@ class SlotManager:
                 self._publish({n: s for n, s in slot_of.items() if n != victim})
                 self._last_used.pop(victim, None)
                 return slot_of[victim]
+            if own is not None and own not in busy:
+                # Last resort (e.g. one slot): rewrite the replaced adapter's own slot. The name
+                # is unmapped while it is written, so no new lease can reach a half-written slot.
+                self._publish({n: s for n, s in slot_of.items() if n != name})
+                return own
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise InputError(
