@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,28 @@ class LoRAConfig:
 
     @property
     def on_experts(self) -> bool:
-        return self.enabled and any(t.split(".")[-1] in EXPERT_TARGETS for t in self.targets)
+        return self.enabled and any(_targets_experts(t) for t in self.targets)
+
+
+# Module paths of routed experts as PEFT sees them (per-expert Linear and fused forms), for
+# targets written as regexes (PEFT full-matches a string target_modules against such paths).
+_EXPERT_PATHS = tuple(
+    f"model.layers.0.{block}.experts{leaf}"
+    for block in ("mlp", "block_sparse_moe", "feed_forward", "mixer")
+    for leaf in ("", ".0.gate_proj", ".0.up_proj", ".0.down_proj", ".0.w1", ".0.w2", ".0.w3")
+)
+
+
+def _targets_experts(target: str) -> bool:
+    """True if a LoRA target (a module name, or a PEFT regex) can reach the routed experts."""
+    if target.split(".")[-1] in EXPERT_TARGETS:
+        return True
+    if not any(c in target for c in "\\^$*+?()[]{}|"):
+        return False
+    try:
+        return any(re.fullmatch(target, path) for path in _EXPERT_PATHS)
+    except re.error:
+        return True  # unreadable pattern: assume it may reach the experts (the safe side)
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,9 @@ def test_dataclass_validation():
     assert LoRAConfig(enabled=True, targets=("down_proj",)).on_experts
     assert not LoRAConfig(enabled=False).on_experts
     assert LoRAConfig(enabled=True, targets=("all-linear",)).on_experts  # may reach experts
+    # PEFT regex targets: one that matches expert modules counts, an attention-only one not
+    assert LoRAConfig(enabled=True, targets=(r".*\.experts\..*_proj",)).on_experts
+    assert not LoRAConfig(enabled=True, targets=(r".*self_attn\.(q|v)_proj",)).on_experts
 
 
 def test_llama4_explicit_empty_moe_layers_means_none():
