@@ -1,7 +1,9 @@
 """Tile tuning on this GPU: writes the table that moelora/kernels/h200_table.py commits.
 
 For each T (and LoRA off / on) a coordinate search from the heuristic config: the up
-kernel's tiles, then the down kernel's, then BLOCK_M halved / doubled. Each candidate is
+kernel's tiles, then the down kernel's, then BLOCK_M halved / doubled; with LoRA the search
+also starts from the LoRA-free tiles and ends with the LoRA knobs (expand lanes, shrink
+tile rows, shrink K chunks). Each candidate is
 the whole layer (alignment to y) under CUDA-graph replay with L2 flushed (the runner's
 timer, median of --iters replays), and its output must match the reference on the first
 rows, else it is dropped. The fastest candidate is kept; the table lists, per entry, the
@@ -23,6 +25,7 @@ import torch
 from moelora.commands.validate import build_experts, build_inputs, build_lora
 from moelora.compare import compare
 from moelora.kernels.configs import GemmTiles, TileConfig, pick_config
+from moelora.kernels.h200_table import H200_ROWS
 from moelora.kernels.moe_lora import fused_moe_lora
 from moelora.presets import resolve_model
 from moelora.reference import moe_lora_reference
@@ -41,6 +44,13 @@ DOWN = {
     "large": [(128, 64, 8, 4), (256, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
 }
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
+# LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows
+# per shrink tile, shrink K chunks.
+LORA_KNOBS = {
+    "expand_lanes": (32, 64, 128),
+    "shrink_block_m": (16, 32, 64),
+    "shrink_split_k": (1, 2, 4, 8),
+}
 
 
 def _size(block_m: int) -> str:
@@ -83,7 +93,11 @@ class Layer:
             return None
 
 
-def search(layer: Layer, start: TileConfig, lora: bool, log: list) -> tuple[TileConfig, float]:
+def search(
+    layer: Layer, start: TileConfig, lora: bool, log: list, other_starts: tuple = ()
+) -> tuple[TileConfig, float]:
+    """Coordinate search from `start` (its time is the heuristic's); other_starts are tried
+    first and the search continues from the fastest."""
     best, best_ms = start, layer.measure(start, lora)
     base_ms = best_ms
     log.append(dict(cfg=dataclasses.asdict(start), ms=best_ms))
@@ -97,6 +111,8 @@ def search(layer: Layer, start: TileConfig, lora: bool, log: list) -> tuple[Tile
         if ms is not None and (best_ms is None or ms < best_ms):
             best, best_ms = cfg, ms
 
+    for cfg in other_starts:
+        consider(cfg)
     for up in UP[_size(best.block_m)]:
         consider(dataclasses.replace(best, up=GemmTiles(*up)))
     for down in DOWN[_size(best.block_m)]:
@@ -104,13 +120,24 @@ def search(layer: Layer, start: TileConfig, lora: bool, log: list) -> tuple[Tile
     for bm in (best.block_m // 2, best.block_m * 2):
         if 16 <= bm <= 128:
             consider(dataclasses.replace(best, block_m=bm))
+    if lora:
+        for knob, values in LORA_KNOBS.items():
+            for v in values:
+                consider(dataclasses.replace(best, **{knob: v}))
     print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
     return best, base_ms
 
 
-def _row(cfg: TileConfig) -> tuple:
+def _knobs(cfg: TileConfig) -> dict:
+    return {k: getattr(cfg, k) for k in LORA_KNOBS}
+
+
+def _row(cfg: TileConfig, lora: bool) -> tuple:
     t = lambda g: (g.block_n, g.block_k, g.num_warps, g.num_stages)  # noqa: E731
-    return (cfg.block_m, t(cfg.up), t(cfg.down))
+    row = (cfg.block_m, t(cfg.up), t(cfg.down))
+    if lora:
+        row += (_knobs(cfg),)
+    return row
 
 
 def write_table(path: str, entries: list, header: dict) -> None:
@@ -120,19 +147,21 @@ def write_table(path: str, entries: list, header: dict) -> None:
         f"Run: {header['device']}, torch {header['torch']}, triton {header['triton']}, "
         f"commit {header['commit']}, {header['time']}.",
         "How chosen: per (shape, LoRA on/off, T) a coordinate search from the heuristic (up",
-        "tiles, then down tiles, then BLOCK_M x0.5 / x2); each candidate timed as the whole",
+        "tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs; LoRA rows also start",
+        "from the LoRA-free tiles); each candidate timed as the whole",
         f"layer under CUDA-graph replay, L2 flushed, median of {header['iters']} replays, output",
         "checked against the reference; fastest kept. A T bucket runs from the geometric mean",
         "of its T and the previous tuned T. Comments: heuristic ms -> chosen ms at that T.",
         "",
         "(E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,",
-        "warps, stages), down (same)).",
+        "warps, stages), down (same)[, LoRA knobs]).",
         '"""',
         "",
         "H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {",
     ]
     for key, row, t, h_ms, ms in sorted(entries, key=lambda e: (e[0][4], e[0][5])):
-        lines.append(f"    {key!r}: {row!r},  # T={t}: {h_ms:.4f} -> {ms:.4f} ms")
+        note = f"T={t}: {h_ms:.4f} -> {ms:.4f} ms" if t else f"kept from {header['kept']}"
+        lines.append(f"    {key!r}: {row!r},  # {note}")
     lines.append("}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -146,6 +175,11 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=150)
     p.add_argument("--out", required=True, help="python table file to write")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--lora-only",
+        action="store_true",
+        help="tune the LoRA rows only; the LoRA-free rows of the committed table are kept",
+    )
     args = p.parse_args()
     import json
 
@@ -172,19 +206,27 @@ def main() -> int:
     )
     entries, log = [], []
     dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
+    modes = (True,) if args.lora_only else (False, True)
+    if args.lora_only:  # keep the committed LoRA-free rows (their comments name their run)
+        header["kept"] = "the previous table (LoRA-free rows)"
+        for key, row in H200_ROWS.items():
+            if key[:4] == dims and not key[4]:
+                entries.append((key, row, 0, 0.0, 0.0))
     for t in tokens:
         layer = Layer(model, experts, lora, t, args.iters)
-        for on in (False, True):
+        for on in modes:
             if time.time() - start > args.budget_s:
                 print(f"budget reached: T={t} lora={on} and later keep the heuristic")
                 break
             print(f"T={t} lora={on}", flush=True)
             heur = pick_config(t, *dims, lora=on)
+            # with LoRA, also start from the LoRA-free tiles (their knobs from the rules)
+            others = (dataclasses.replace(pick_config(t, *dims), **_knobs(heur)),) if on else ()
             steps: list = []
-            best, h_ms = search(layer, heur, on, steps)
+            best, h_ms = search(layer, heur, on, steps, others)
             ms = min(s["ms"] for s in steps if s["ms"] is not None)
             log.append(dict(T=t, lora=on, steps=steps))
-            entries.append(((*dims, on, bound[t]), _row(best), t, h_ms, ms))
+            entries.append(((*dims, on, bound[t]), _row(best, on), t, h_ms, ms))
             write_table(args.out, entries, header)  # after each step: a timeout keeps it
         del layer
     if args.json:

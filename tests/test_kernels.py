@@ -44,6 +44,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     drop_ids: bool = False  # expert parallel: some ids outside [0, E)
     split_k: int = 1  # LoRA shrink K chunks (fp32 atomic adds into a zeroed intermediate)
+    expand_lanes: int = 128  # K lanes of one expand dot: 128 // R slots per dot
     extra: dict = field(default_factory=dict)
 
 
@@ -71,6 +72,18 @@ CASES = [
     Case("shrink-split-k", hidden=96, inter=48, split_k=4),
     Case("shrink-split-k-swigluoai-bias", act=A.SWIGLUOAI, bias=True, hidden=64, split_k=2),
     Case("shrink-split-k-more-than-tiles", act=A.RELU2_NO_MUL, split_k=8),  # 1 tile: no split
+    # expand groups: one slot per dot (9 groups), 2 slots per dot with absent groups skipped
+    Case(
+        "expand-one-slot-per-dot",
+        slots=tuple(range(-1, 9)),
+        ranks=(16,) * 9,
+        tokens=10,
+        expand_lanes=16,
+    ),
+    Case("expand-two-slots-per-dot", slots=(5, -1, 0, 4), ranks=(8,) * 6, expand_lanes=32),
+    # shrink tiles: buckets of ~20 pairs -> two 16-row tiles each; 32-row tiles
+    Case("shrink-two-tiles-per-bucket", experts=2, top_k=1, tokens=80, slots=(0, 1)),
+    Case("shrink-tile-32-rows", experts=2, top_k=2, tokens=40, slots=(0, -1), extra={"tm": 32}),
 ]
 
 
@@ -120,7 +133,12 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
         lora,
         shape,
         out=out,
-        config=dataclasses.replace(TILES, shrink_split_k=case.split_k),
+        config=dataclasses.replace(
+            TILES,
+            shrink_split_k=case.split_k,
+            expand_lanes=case.expand_lanes,
+            shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
+        ),
         weights_on_input=case.weights_on_input,
     )
     assert_close(out, ref, what=case.id)
@@ -158,6 +176,7 @@ ALIGN_CASES = [  # (T, K, E, L, BLOCK_M, id)
     (8, 8, 8, 1, 4, "K-eq-E"),
     (3, 2, 64, 3, 16, "mostly-empty"),
     (300, 8, 16, 3, 16, "multi-program"),  # P > SINGLE_PROGRAM_PAIRS: three launches
+    (2, 2, 32, 3, 16, "one-pair-blocks"),  # P <= E/4: the decode layout
 ]
 
 
@@ -169,7 +188,7 @@ def test_align_invariants(tokens, top_k, experts, slots_n, block_m, case_id, see
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids = ids.to(torch.int32)
     slots = torch.randint(-1, slots_n, (tokens,), generator=g, dtype=torch.int32)
-    al = align_pairs(ids, slots, experts, slots_n, block_m)
+    al = align_pairs(ids, slots, experts, slots_n, block_m, lora_tile_m=8)
     pairs = tokens * top_k
     sp = al.sorted_pair_ids.long()
     used = int(al.num_padded)
@@ -185,6 +204,27 @@ def test_align_invariants(tokens, top_k, experts, slots_n, block_m, case_id, see
         s = slots.long()[rows // top_k]
         assert (s[1:] >= s[:-1]).all()  # slots sorted inside a block
     assert (al.block_experts[used // block_m :] == -1).all()
+    _check_lora_tiles(al, ids, slots, pairs)
+
+
+def _check_lora_tiles(al, ids, slots, pairs: int) -> None:
+    """The shrink tiles cover every pair with an adapter exactly once, each tile a run of
+    sorted pairs of one (expert, slot) with at most lora_tile_m rows."""
+    top_k = ids.shape[1]
+    n = int(al.num_lora_tiles)
+    assert 0 < n <= al.max_lora_tiles
+    seen = []
+    for start, end, expert, slot in al.lora_tiles[:n].tolist():
+        if expert < 0 or slot < 0:  # decode layout: a pair without work
+            continue
+        assert 0 < end - start <= al.lora_tile_m
+        rows = al.sorted_pair_ids[start:end].long()
+        assert (rows < pairs).all()
+        assert (ids.reshape(-1).long()[rows] == expert).all()
+        assert (slots.long()[rows // top_k] == slot).all()
+        seen += rows.tolist()
+    want = [p for p in range(pairs) if slots[p // top_k] >= 0]
+    assert sorted(seen) == want
 
 
 def test_launcher_errors_name_the_input(seed: int) -> None:

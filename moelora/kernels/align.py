@@ -35,17 +35,36 @@ class AlignedPairs:
     """sorted_pair_ids [P_pad] int32: pair index t*K + j, grouped by expert, each expert's
     group padded to a multiple of block_m with the sentinel P (entries past num_padded are
     never read); block_experts [P_pad/BLOCK_M] int32: expert of each block (-1 past the
-    end); num_padded [1] int32: used length."""
+    end); num_padded [1] int32: used length.
+
+    With slots and lora_tile_m > 0, the LoRA shrink's work list too: lora_tiles
+    [max_tiles, 4] int32 rows (start, end, expert, slot), each at most lora_tile_m
+    consecutive entries [start, end) of sorted_pair_ids that share one expert and one slot
+    >= 0 (a run of one (expert, slot) bucket); num_lora_tiles [1] int32: rows used."""
 
     sorted_pair_ids: torch.Tensor
     block_experts: torch.Tensor
     num_padded: torch.Tensor
     block_m: int
+    lora_tiles: torch.Tensor | None = None
+    num_lora_tiles: torch.Tensor | None = None
+    lora_tile_m: int = 0
 
     @property
     def num_blocks(self) -> int:
         """Static upper bound on the number of blocks (the grid size)."""
         return self.block_experts.shape[0]
+
+    @property
+    def max_lora_tiles(self) -> int:
+        """Static upper bound on the LoRA shrink tiles (that grid's size)."""
+        return 0 if self.lora_tiles is None else self.lora_tiles.shape[0]
+
+
+def max_lora_tiles(num_pairs: int, num_experts: int, num_slots: int, tile_m: int) -> int:
+    """Static bound on the shrink tiles: each non-empty (expert, slot) bucket adds at most
+    one partial tile to the full ones, and at most min(P, E*L) buckets are non-empty."""
+    return -(-num_pairs // tile_m) + min(num_pairs, num_experts * num_slots)
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -80,12 +99,16 @@ def _align_kernel(
     sorted_pair_ids_ptr,
     block_experts_ptr,
     num_padded_ptr,
+    lora_tiles_ptr,
+    num_lora_tiles_ptr,
     num_pairs,
     top_k,
     num_experts,
     num_slots,
     num_blocks,
     HAS_SLOTS: tl.constexpr,
+    TILES: tl.constexpr,
+    TILE_M: tl.constexpr,
     ZERO: tl.constexpr,
     COUNT: tl.constexpr,
     OFFSETS: tl.constexpr,
@@ -120,6 +143,7 @@ def _align_kernel(
         offs_s = tl.arange(0, BLOCK_S)
         offs_j = tl.arange(0, BLOCK_M)
         carry = tl.sum(tl.zeros([BLOCK_E], tl.int32), axis=0)  # padded rows before this chunk
+        tile_carry = carry  # LoRA shrink tiles before this chunk
         for e0 in range(0, num_experts, BLOCK_E):
             offs_e = e0 + tl.arange(0, BLOCK_E)
             e_mask = offs_e < num_experts
@@ -130,7 +154,28 @@ def _align_kernel(
             padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
             pad_end = tl.cumsum(padded, axis=0) + carry
             pad_start = pad_end - padded
-            tl.store(key_start_ptr + idx, pad_start[:, None] + tl.cumsum(c, axis=1) - c, cs_mask)
+            bucket_start = pad_start[:, None] + tl.cumsum(c, axis=1) - c
+            tl.store(key_start_ptr + idx, bucket_start, cs_mask)
+            if TILES:  # bin 0 (no adapter) gets no shrink tiles
+                n_t = tl.where(cs_mask & (offs_s >= 1)[None, :], (c + TILE_M - 1) // TILE_M, 0)
+                row_t = tl.sum(n_t, axis=1)
+                t_start = (tl.cumsum(row_t, axis=0) - row_t + tile_carry)[:, None] + (
+                    tl.cumsum(n_t, axis=1) - n_t
+                )
+                t_expert = tl.zeros_like(n_t) + offs_e[:, None]
+                t_slot = tl.zeros_like(n_t) + offs_s[None, :] - 1
+                for j in range(0, tl.max(tl.max(n_t, axis=1), axis=0)):
+                    m = j < n_t
+                    row = lora_tiles_ptr + (t_start + j) * 4
+                    tl.store(row, bucket_start + j * TILE_M, mask=m)
+                    tl.store(
+                        row + 1,
+                        tl.minimum(bucket_start + c, bucket_start + (j + 1) * TILE_M),
+                        mask=m,
+                    )
+                    tl.store(row + 2, t_expert, mask=m)
+                    tl.store(row + 3, t_slot, mask=m)
+                tile_carry = tile_carry + tl.sum(row_t, axis=0)
             pad_pos = (pad_start + total)[:, None] + offs_j[None, :]
             tl.store(
                 sorted_pair_ids_ptr + pad_pos,
@@ -143,6 +188,8 @@ def _align_kernel(
                 tl.store(block_experts_ptr + first + j, offs_e, mask=e_mask & (j < blocks))
             carry = carry + tl.sum(padded, axis=0)
         tl.store(num_padded_ptr, carry)
+        if TILES:
+            tl.store(num_lora_tiles_ptr, tile_carry)
         tl.debug_barrier()
     if SCATTER:
         for p0 in range(pid * BLOCK_P, num_pairs, step):
@@ -158,11 +205,17 @@ def _align_kernel(
 @triton.jit
 def _one_pair_kernel(
     topk_ids_ptr,
+    slots_ptr,
     sorted_pair_ids_ptr,
     block_experts_ptr,
     num_padded_ptr,
+    lora_tiles_ptr,
+    num_lora_tiles_ptr,
     num_pairs,
+    top_k,
     num_experts,
+    num_slots,
+    TILES: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -171,6 +224,15 @@ def _one_pair_kernel(
     e = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
     e = tl.where((e >= 0) & (e < num_experts), e, -1)
     tl.store(block_experts_ptr + offs, e, mask=in_range)
+    if TILES:  # pair b is tile b (rows [b * BLOCK_M, + 1)); expert or slot -1: no work
+        s = tl.load(slots_ptr + offs // top_k, mask=in_range, other=-1)
+        s = tl.where((s >= 0) & (s < num_slots) & (e >= 0), s, -1)
+        row = lora_tiles_ptr + offs * 4
+        tl.store(row, offs * BLOCK_M, mask=in_range)
+        tl.store(row + 1, offs * BLOCK_M + 1, mask=in_range)
+        tl.store(row + 2, e, mask=in_range)
+        tl.store(row + 3, s, mask=in_range)
+        tl.store(num_lora_tiles_ptr, num_pairs)
     offs_j = tl.arange(0, BLOCK_M)
     rows = tl.where(offs_j[None, :] == 0, offs[:, None], num_pairs)
     tl.store(
@@ -185,20 +247,40 @@ def align_pairs(
     num_experts: int,
     num_slots: int,
     block_m: int,
+    lora_tile_m: int = 0,
 ) -> AlignedPairs:
     """topk_ids [T, K] (ids outside [0, E) are dropped: expert parallel); token_slots [T]
-    int32 (-1 or out of [0, L) = no adapter) or None. Returns the block layout of the pairs."""
+    int32 (-1 or out of [0, L) = no adapter) or None; lora_tile_m > 0 (with slots): also
+    the LoRA shrink tiles of at most that many rows. Returns the block layout of the pairs."""
     device = topk_ids.device
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     ids = topk_ids.contiguous()
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    if num_pairs * 4 <= num_experts:
-        return _one_pair_per_block(ids, num_experts, num_pairs, block_m, num_padded)
+    has_slots = token_slots is not None and num_slots > 0
+    tiles = has_slots and lora_tile_m > 0
+    decode = num_pairs * 4 <= num_experts
+    if tiles:
+        max_tiles = (
+            num_pairs if decode else max_lora_tiles(num_pairs, num_experts, num_slots, lora_tile_m)
+        )
+        lora_tiles = torch.empty(max_tiles, 4, dtype=torch.int32, device=device)
+        num_lora_tiles = torch.empty(1, dtype=torch.int32, device=device)
+    else:
+        lora_tiles = num_lora_tiles = None
+    tile_args = dict(
+        lora_tiles_ptr=lora_tiles if tiles else num_padded,
+        num_lora_tiles_ptr=num_lora_tiles if tiles else num_padded,
+        TILES=tiles,
+    )
+    if decode:
+        return _one_pair_per_block(
+            ids, token_slots if has_slots else ids, num_experts, num_slots if has_slots else 0,
+            num_pairs, block_m, num_padded, tile_args, lora_tiles, num_lora_tiles,
+        )  # fmt: skip
     cap = max_padded_pairs(num_pairs, num_experts, block_m)
     sorted_pair_ids = torch.empty(cap, dtype=torch.int32, device=device)
     block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
-    has_slots = token_slots is not None and num_slots > 0
     bins = num_slots + 1 if has_slots else 1
     single = num_pairs <= SINGLE_PROGRAM_PAIRS
     counts = (torch.empty if single else torch.zeros)(
@@ -222,6 +304,8 @@ def align_pairs(
         num_slots=num_slots if has_slots else 0,
         num_blocks=block_experts.shape[0],
         HAS_SLOTS=has_slots,
+        TILE_M=max(1, lora_tile_m),
+        **tile_args,
         BLOCK_P=BLOCK_P,
         # experts per OFFSETS step: ~4K counters in registers, at most 128 experts
         BLOCK_E=max(1, min(128, 4096 // block_s)),
@@ -238,12 +322,16 @@ def align_pairs(
         _align_kernel[grid](**args, **{**phases, "COUNT": True})
         _align_kernel[(1,)](**args, **{**phases, "OFFSETS": True})
         _align_kernel[grid](**args, **{**phases, "SCATTER": True})
-    return AlignedPairs(sorted_pair_ids, block_experts, num_padded, block_m)
+    return AlignedPairs(
+        sorted_pair_ids, block_experts, num_padded, block_m, lora_tiles, num_lora_tiles,
+        lora_tile_m if tiles else 0,
+    )  # fmt: skip
 
 
 def _one_pair_per_block(
-    ids: torch.Tensor, num_experts: int, num_pairs: int, block_m: int, num_padded: torch.Tensor
-) -> AlignedPairs:
+    ids, slots, num_experts, num_slots, num_pairs, block_m, num_padded, tile_args, lora_tiles,
+    num_lora_tiles,
+) -> AlignedPairs:  # fmt: skip
     """Decode layout (P <= E/4: pairs rarely share an expert): block b holds pair b alone.
     One launch instead of the sort; a repeated expert is read twice, which costs less than
     the sort at this size (vLLM's "naive" assignment, vllm_spec.md 4.1)."""
@@ -252,12 +340,19 @@ def _one_pair_per_block(
     block_experts = torch.empty(num_pairs, dtype=torch.int32, device=device)
     _one_pair_kernel[(1,)](
         topk_ids_ptr=ids,
+        slots_ptr=slots,
         sorted_pair_ids_ptr=sorted_pair_ids,
         block_experts_ptr=block_experts,
         num_padded_ptr=num_padded,
         num_pairs=num_pairs,
+        top_k=ids.shape[1],
         num_experts=num_experts,
+        num_slots=num_slots,
         BLOCK_P=triton.next_power_of_2(num_pairs),
         BLOCK_M=block_m,
+        **tile_args,
     )
-    return AlignedPairs(sorted_pair_ids, block_experts, num_padded, block_m)
+    tile_m = 1 if lora_tiles is not None else 0
+    return AlignedPairs(
+        sorted_pair_ids, block_experts, num_padded, block_m, lora_tiles, num_lora_tiles, tile_m
+    )

@@ -15,6 +15,12 @@
   few MB. Predicted from the v5 numbers, then measured on the H200 against split 1 in one
   run (KERNEL_LOG.md v6: +LoRA T=64 0.375 vs 0.420 ms, 1024 0.641 vs 0.652, 4096 1.219 vs
   1.226); applied on top of table entries (the table's runs predate it).
+- shrink tile rows (LoRA): a shrink tile is a run of one (expert, slot) bucket, m/L rows
+  on average with m pairs per expert and L adapters in use; 16 rows (the smallest dot) up
+  to m = 256, 32 up to 1024, then 64, so a bucket is one or two tiles at 8 adapters.
+  Reasoned, then measured on the H200 (KERNEL_LOG.md v7).
+- expand lanes (LoRA): 128 K lanes per expand dot (8 slots of rank 16 in one dot, one
+  round trip for their B tiles): KERNEL_LOG.md v7.
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 
@@ -42,17 +48,28 @@ class TileConfig:
     shrink_block_k: int = 128
     group_m: int = 8
     shrink_split_k: int = 1
+    expand_lanes: int = 128
+    shrink_block_m: int = 16
 
 
 def _from_row(row: tuple) -> TileConfig:
-    block_m, up, down = row
+    block_m, up, down = row[:3]
     return TileConfig(block_m, GemmTiles(*up), GemmTiles(*down))
+
+
+def _row_lora_knobs(row: tuple) -> dict:
+    """A LoRA row's measured shrink / expand knobs (its optional 4th element); knobs it does
+    not name come from the rules below."""
+    return dict(row[3]) if len(row) > 3 else {}
 
 
 # (E, K, H, I, LoRA on, T bucket upper bound) -> TileConfig: measured on an H200 by
 # benchmarks/tune.py (how, and each entry's measured gain, in h200_table.py).
 H200_TABLE: dict[tuple[int, int, int, int, bool, int], TileConfig] = {
     key: _from_row(row) for key, row in H200_ROWS.items()
+}
+H200_LORA_KNOBS: dict[tuple[int, int, int, int, bool, int], dict] = {
+    key: _row_lora_knobs(row) for key, row in H200_ROWS.items()
 }
 
 
@@ -83,6 +100,14 @@ def _lora_heuristic(pairs_per_expert: float) -> TileConfig:
     return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
 
 
+def _shrink_block_m(pairs_per_expert: float) -> int:
+    """Rows of a LoRA shrink tile (module docstring: how chosen)."""
+    for max_m, rows in ((256, 16), (1024, 32)):
+        if pairs_per_expert < max_m:
+            return rows
+    return 64
+
+
 def _shrink_split(pairs: int) -> int:
     """K chunks of the LoRA shrink (module docstring: how chosen)."""
     for max_pairs, split in ((2048, 8), (8192, 4), (32768, 2)):
@@ -95,14 +120,18 @@ def pick_config(
     num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, lora: bool = False
 ) -> TileConfig:
     """Tiles for one forward. Static per (shape, T): a CUDA graph per bucket sees one config."""
-    cfg = None
-    for (e, k, h, i, on, t_max), row in sorted(H200_TABLE.items(), key=lambda kv: kv[0][5]):
-        if (e, k, h, i, on) == (num_experts, top_k, hidden, inter, lora) and num_tokens <= t_max:
-            cfg = row
+    cfg, knobs = None, {}
+    for key, row in sorted(H200_TABLE.items(), key=lambda kv: kv[0][5]):
+        if key[:5] == (num_experts, top_k, hidden, inter, lora) and num_tokens <= key[5]:
+            cfg, knobs = row, H200_LORA_KNOBS[key]
             break
     if cfg is None:
         m = num_tokens * top_k / num_experts
         cfg = _lora_heuristic(m) if lora else _heuristic(m)
     if not lora:
         return cfg
-    return dataclasses.replace(cfg, shrink_split_k=_shrink_split(num_tokens * top_k))
+    rules = dict(
+        shrink_split_k=_shrink_split(num_tokens * top_k),
+        shrink_block_m=_shrink_block_m(num_tokens * top_k / num_experts),
+    )
+    return dataclasses.replace(cfg, **{**rules, **knobs})

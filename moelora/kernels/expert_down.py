@@ -16,7 +16,7 @@ import triton.language as tl
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import block_rows, grouped_pid, lora_expand, mma
+from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
 
 
 @triton.jit
@@ -63,6 +63,7 @@ def _expert_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -103,23 +104,27 @@ def _expert_down_kernel(
         # LoRA: this rank's H slice): other columns load zeros and get no delta.
         offs_b = offs_n - lora_n_offset
         b_mask = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
-        acc = lora_expand(
+        acc, _ = lora_expand(
+            acc,
             acc,
             inter_ptr,
             stride_im,
+            0,
             stride_ir,
             pair,
             slot,
             num_slots,
             lora_b_ptr + expert * stride_le,
             stride_ll,
+            0,
             stride_ln,
             stride_lr,
             tl.where(b_mask, offs_b, 0),
             b_mask,
             rank,
-            expert * 0,
             BLOCK_R,
+            SLOTS_PER_DOT,
+            False,
             UPCAST,
             IEEE,
         )
@@ -151,6 +156,7 @@ def expert_down(
     num_warps: int = 4,
     num_stages: int = 3,
     lora_n_offset: int = 0,
+    expand_lanes: int = 128,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """z [P, I], w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
@@ -178,6 +184,7 @@ def expert_down(
     if out is None:
         out = torch.empty(num_pairs, hidden, dtype=z.dtype, device=z.device)
     rank = lora_b.shape[3] if has_lora else 1
+    block_r = max(16, triton.next_power_of_2(rank))
     dummy = z  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(z)
     grid = (aligned.num_blocks * triton.cdiv(hidden, block_n),)
@@ -223,7 +230,8 @@ def expert_down(
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_R=block_r,
+        SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, expand_lanes),
         GROUP_M=group_m,
         UPCAST=upcast,
         IEEE=ieee,

@@ -19,7 +19,7 @@ from ..activations import Activation
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import block_rows, grouped_pid, lora_expand, mma
+from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
 
 
 @triton.jit
@@ -72,6 +72,7 @@ def _expert_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -114,48 +115,30 @@ def _expert_up_kernel(
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
-        lb = lora_b_ptr + expert * stride_le
-        acc_g = lora_expand(
+        acc_g, acc_u = lora_expand(
             acc_g,
+            acc_u,
             inter_ptr,
             stride_im,
+            stride_is,
             stride_ir,
             pair,
             slot,
             num_slots,
-            lb,
+            lora_b_ptr + expert * stride_le,
             stride_ll,
+            stride_ls,
             stride_ln,
             stride_lr,
             offs_n,
             n_mask,
             rank,
-            expert * 0,
             BLOCK_R,
+            SLOTS_PER_DOT,
+            GATED,
             UPCAST,
             IEEE,
         )
-        if GATED:
-            acc_u = lora_expand(
-                acc_u,
-                inter_ptr + stride_is,
-                stride_im,
-                stride_ir,
-                pair,
-                slot,
-                num_slots,
-                lb + stride_ls,
-                stride_ll,
-                stride_ln,
-                stride_lr,
-                offs_n,
-                n_mask,
-                rank,
-                expert * 0,
-                BLOCK_R,
-                UPCAST,
-                IEEE,
-            )
     if WEIGHT_INPUT:
         g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
         acc_g = acc_g * g[:, None]
@@ -193,6 +176,7 @@ def expert_up(
     group_m: int = 8,
     num_warps: int = 4,
     num_stages: int = 3,
+    expand_lanes: int = 128,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
@@ -216,6 +200,7 @@ def expert_up(
         out = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     swiglu = activation is Activation.SWIGLUOAI
     rank = lora_b.shape[4] if has_lora else 1
+    block_r = max(16, triton.next_power_of_2(rank))
     dummy = x  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(x)
     grid = (aligned.num_blocks * triton.cdiv(inter_size, block_n),)
@@ -267,7 +252,8 @@ def expert_up(
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_R=block_r,
+        SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, expand_lanes),
         GROUP_M=group_m,
         UPCAST=upcast,
         IEEE=ieee,

@@ -1,4 +1,4 @@
-"""One MoE + multi-LoRA expert layer from the launchers: align -> (shrink) -> up GEMM with
+"""One MoE + multi-LoRA expert layer from the launchers: align (+ LoRA shrink tiles) -> (shrink) -> up GEMM with
 LoRA and activation -> (shrink of z) -> down GEMM with weighted LoRA -> top-k reduce.
 
 No host synchronisation and static shapes per T, so the whole call is CUDA-graph capturable
@@ -60,17 +60,20 @@ def fused_moe_lora(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     slots = token_slots.to(torch.int32).contiguous() if use_lora else None
-    aligned = align_pairs(topk_ids, slots, num_experts, num_slots, cfg.block_m)
+    aligned = align_pairs(
+        topk_ids, slots, num_experts, num_slots, cfg.block_m, cfg.shrink_block_m if use_lora else 0
+    )
+    num_pairs = num_tokens * top_k
 
     inter13 = inter2 = None
     if use_lora:
         inter13 = lora_shrink(
             x,
             lora.w13_a,
-            slots,
             aligned,
-            top_k=top_k,
+            num_pairs=num_pairs,
             rows_are_tokens=True,
+            top_k=top_k,
             block_k=cfg.shrink_block_k,
             split_k=cfg.shrink_split_k,
         )
@@ -94,15 +97,16 @@ def fused_moe_lora(
         group_m=cfg.group_m,
         num_warps=cfg.up.num_warps,
         num_stages=cfg.up.num_stages,
+        expand_lanes=cfg.expand_lanes,
     )
     if use_lora:
         inter2 = lora_shrink(
             z,
             lora.w2_a,
-            slots,
             aligned,
-            top_k=top_k,
+            num_pairs=num_pairs,
             rows_are_tokens=False,
+            top_k=top_k,
             block_k=cfg.shrink_block_k,
             split_k=cfg.shrink_split_k,
         )
@@ -124,6 +128,7 @@ def fused_moe_lora(
         num_warps=cfg.down.num_warps,
         num_stages=cfg.down.num_stages,
         lora_n_offset=lora_comm.hidden_offset if lora_comm is not None else 0,
+        expand_lanes=cfg.expand_lanes,
     )
     return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
 

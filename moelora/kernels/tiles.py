@@ -54,61 +54,91 @@ def mma(a, b, acc, IEEE: tl.constexpr):
     return acc
 
 
+def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
+    """Slots one expand dot covers: as many as fit `lanes` K lanes (a power of two, at least
+    one slot, at most the slots there are)."""
+    fit = max(1, lanes // block_r)
+    return min(fit, triton.next_power_of_2(max(1, num_slots)))
+
+
+@triton.jit
+def _expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += t (fp32) @ b. 16-bit b: t is split into a high and a low 16-bit part, so two
+    native dots keep ~16 mantissa bits of the fp32 intermediate."""
+    if UPCAST or IEEE:
+        acc = tl.dot(t, b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        t_hi = t.to(b.dtype)
+        t_lo = (t - t_hi.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(t_hi, b, acc)
+        acc = tl.dot(t_lo, b, acc)
+    return acc
+
+
 @triton.jit
 def lora_expand(
-    acc,
+    acc_g,
+    acc_u,
     inter_ptr,
     stride_im,
+    stride_is,
     stride_ir,
     pair,
     slot,
     num_slots,
     b_ptr,
     stride_bl,
+    stride_bs,
     stride_bn,
     stride_br,
     offs_n,
     n_mask,
     rank,
-    zero64,
     BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
+    TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """acc [BLOCK_M, BLOCK_N] += per row: inter[pair] (fp32 [R]) @ B[slot]^T.
+    """acc [BLOCK_M, BLOCK_N] += per row: inter[pair] (fp32 [R]) @ B[slot]^T, for the gate
+    part into acc_g and (TWO_PARTS) the up part into acc_u.
 
-    inter_ptr is already offset to this GEMM part; b_ptr to (expert, part); slot stride
-    stride_bl. Rows are sorted by slot inside an expert, so the loop runs over the few
-    distinct slots of the block; absent slots are skipped. 16-bit B: the fp32 intermediate
-    is split into a high and a low 16-bit part, so two native dots keep ~16 mantissa bits.
-    """
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    One dot covers SLOTS_PER_DOT slots: its K lanes are (slot, r) pairs; a row's A operand
+    holds its intermediate in its own slot's lanes and zeros elsewhere, and the B operand
+    stacks those slots' B matrices. So the loads of a group are one round trip (all its
+    slots' B tiles at once, both parts) instead of one per slot, at the price of dot lanes
+    for slots absent from the block; groups with no row in the block are skipped.
+    inter_ptr is at part 0 (part stride stride_is); b_ptr at (slot 0, expert, part 0)."""
+    offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
+    q_slot = offs_q // BLOCK_R
+    q_r = offs_q % BLOCK_R
+    q_ok = q_r < rank
     has = slot >= 0
-    tmp = tl.load(
-        inter_ptr + pair[:, None] * stride_im + offs_r[None, :] * stride_ir,
-        mask=has[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    lo = tl.min(tl.where(has, slot, num_slots), axis=0)
-    hi = tl.max(slot, axis=0)
-    for a in range(lo, hi + 1):
-        rows = slot == a
-        if tl.max(rows.to(tl.int32), axis=0) > 0:
-            t = tl.where(rows[:, None], tmp, 0.0)
-            b = tl.load(
+    first = tl.min(tl.where(has, slot, num_slots), axis=0)
+    last = tl.max(slot, axis=0)  # -1 when no row of the block has an adapter
+    g_lo = first // SLOTS_PER_DOT
+    g_hi = tl.where(last >= 0, last // SLOTS_PER_DOT, -1)
+    for g in range(g_lo, g_hi + 1):
+        s0 = g * SLOTS_PER_DOT
+        in_group = has & (slot >= s0) & (slot < s0 + SLOTS_PER_DOT)
+        if tl.max(in_group.to(tl.int32), axis=0) > 0:
+            lane_slot = s0 + q_slot
+            sel = (slot[:, None] == lane_slot[None, :]) & q_ok[None, :]
+            t_ptrs = inter_ptr + pair[:, None] * stride_im + q_r[None, :] * stride_ir
+            b_ptrs = (
                 b_ptr
-                + (zero64 + a) * stride_bl  # int64: L*E*... can exceed 2**31
+                + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
                 + offs_n[None, :] * stride_bn
-                + offs_r[:, None] * stride_br,
-                mask=r_mask[:, None] & n_mask[None, :],
-                other=0.0,
+                + q_r[:, None] * stride_br
             )
-            if UPCAST or IEEE:
-                acc = tl.dot(t, b.to(tl.float32), acc, input_precision="ieee")
+            b_mask = (q_ok & (lane_slot < num_slots))[:, None] & n_mask[None, :]
+            t_g = tl.load(t_ptrs, mask=sel, other=0.0)
+            b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            if TWO_PARTS:
+                t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
+                b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
+                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+                acc_u = _expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
             else:
-                t_hi = t.to(b.dtype)
-                t_lo = (t - t_hi.to(tl.float32)).to(b.dtype)
-                acc = tl.dot(t_hi, b, acc)
-                acc = tl.dot(t_lo, b, acc)
-    return acc
+                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+    return acc_g, acc_u

@@ -1,0 +1,43 @@
+"""Tile configuration choice: table rows, their LoRA knobs, and the rules beneath them."""
+
+from __future__ import annotations
+
+import pytest
+
+from moelora.kernels import configs
+from moelora.kernels.configs import GemmTiles, TileConfig, pick_config
+
+QWEN3 = (128, 8, 2048, 768)
+
+
+def test_table_row_knobs_override_the_rules(monkeypatch) -> None:
+    key = (*QWEN3, True, 64)
+    row = TileConfig(32, GemmTiles(64, 64), GemmTiles(64, 64))
+    monkeypatch.setattr(configs, "H200_TABLE", {key: row})
+    monkeypatch.setattr(
+        configs, "H200_LORA_KNOBS", {key: {"expand_lanes": 32, "shrink_block_m": 64}}
+    )
+    cfg = pick_config(33, *QWEN3, lora=True)
+    assert (cfg.block_m, cfg.expand_lanes, cfg.shrink_block_m) == (32, 32, 64)
+    assert cfg.shrink_split_k == configs._shrink_split(33 * 8)  # not in the row: the rule
+    base = pick_config(33, *QWEN3, lora=False)  # LoRA-free: no row here -> the heuristic
+    assert base == configs._heuristic(33 * 8 / 128)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300, 5000, 70000])
+def test_off_table_shapes_take_the_heuristic_and_rules(tokens: int) -> None:
+    dims = (96, 6, 1536, 512)  # no table row
+    m = tokens * 6 / 96
+    cfg = pick_config(tokens, *dims, lora=True)
+    want = configs._lora_heuristic(m)
+    assert (cfg.block_m, cfg.up, cfg.down) == (want.block_m, want.up, want.down)
+    assert cfg.shrink_split_k == configs._shrink_split(tokens * 6)
+    assert cfg.shrink_block_m == configs._shrink_block_m(m)
+
+
+def test_committed_table_knobs_are_valid() -> None:
+    for key, knobs in configs.H200_LORA_KNOBS.items():
+        assert set(knobs) <= {"expand_lanes", "shrink_block_m", "shrink_split_k"}, key
+        assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
+        assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key
+        assert not knobs or key[4], f"{key}: LoRA knobs on a LoRA-free row"
