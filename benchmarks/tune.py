@@ -47,7 +47,7 @@ DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
 # LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows
 # per shrink tile, shrink K chunks.
 LORA_KNOBS = {
-    "expand_lanes": (32, 64, 128),
+    "expand_lanes": (16, 32, 64),
     "shrink_block_m": (16, 32, 64),
     "shrink_split_k": (1, 2, 4, 8),
 }

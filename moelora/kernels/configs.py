@@ -19,8 +19,9 @@
   on average with m pairs per expert and L adapters in use; 16 rows (the smallest dot) up
   to m = 256, 32 up to 1024, then 64, so a bucket is one or two tiles at 8 adapters.
   Reasoned, then measured on the H200 (KERNEL_LOG.md v7).
-- expand lanes (LoRA): 128 K lanes per expand dot (8 slots of rank 16 in one dot, one
-  round trip for their B tiles): KERNEL_LOG.md v7.
+- expand lanes (LoRA): 32 K lanes per expand dot (2 slots of rank 16): fewest lanes
+  measured fastest at every T on the H200 (128 lanes, 8 slots per dot, was 1.3-1.6x
+  slower at T >= 1024: idle lanes cost MMA and registers; KERNEL_LOG.md v7).
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 
@@ -48,7 +49,7 @@ class TileConfig:
     shrink_block_k: int = 128
     group_m: int = 8
     shrink_split_k: int = 1
-    expand_lanes: int = 128
+    expand_lanes: int = 32
     shrink_block_m: int = 16
 
 
