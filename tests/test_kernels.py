@@ -212,7 +212,7 @@ def _check_lora_tiles(al, ids, slots, pairs: int) -> None:
     sorted pairs of one (expert, slot) with at most lora_tile_m rows."""
     top_k = ids.shape[1]
     n = int(al.num_lora_tiles)
-    assert 0 < n <= al.max_lora_tiles
+    assert 0 <= n <= al.max_lora_tiles  # 0 when every token has slot -1
     seen = []
     for start, end, expert, slot in al.lora_tiles[:n].tolist():
         if expert < 0 or slot < 0:  # decode layout: a pair without work
