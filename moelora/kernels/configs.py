@@ -50,6 +50,7 @@ class TileConfig:
     group_m: int = 8
     shrink_split_k: int = 1
     expand_lanes: int = 32
+    expand_fp16: bool = False
     shrink_block_m: int = 16
 
 
@@ -89,16 +90,15 @@ def _heuristic(pairs_per_expert: float) -> TileConfig:
 
 
 def _lora_heuristic(pairs_per_expert: float) -> TileConfig:
-    # With LoRA, BLOCK_M also sets how many slots share a block, and the shrink and expand
-    # loop over them with full-block dots: smaller blocks measured faster on the H200 at
-    # T = 16..4096 (KERNEL_LOG.md v1 vs v2), so LoRA runs keep v1's steps.
+    # With LoRA, BLOCK_M also sets how many slots share a block, and the expand loops over
+    # them with full-block dots. Below m = 48 smaller blocks measured faster on the H200
+    # (KERNEL_LOG.md v1 vs v2: LoRA keeps v1's steps there); from m = 64 on, since the v7
+    # shrink and expand, the LoRA-free tiles won (tune at T = 1024 / 4096 / 16384, v7).
+    if pairs_per_expert >= 48:
+        return _heuristic(pairs_per_expert)
     if pairs_per_expert < 24:
         return TileConfig(16, GemmTiles(64, 128), GemmTiles(64, 128))
-    if pairs_per_expert < 96:
-        return TileConfig(32, GemmTiles(64, 128), GemmTiles(64, 128))
-    if pairs_per_expert < 384:
-        return TileConfig(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4))
-    return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
+    return TileConfig(32, GemmTiles(64, 128), GemmTiles(64, 128))
 
 
 def _shrink_block_m(pairs_per_expert: float) -> int:

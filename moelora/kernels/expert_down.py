@@ -16,15 +16,7 @@ import triton.language as tl
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import (
-    block_rows,
-    grouped_pid,
-    lora_expand,
-    lora_groups,
-    lora_loads,
-    mma,
-    slots_per_dot,
-)
+from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
 
 
 @triton.jit
@@ -72,6 +64,7 @@ def _expert_down_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_DOT: tl.constexpr,
+    EXPAND_FP16: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -97,18 +90,6 @@ def _expert_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :] * stride_wn
     )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_LORA:  # the first expand group's operands load while the K loop runs
-        # B2 may hold only the columns [lora_n_offset, + lora_n_size) of o (fully sharded
-        # LoRA: this rank's H slice): other columns load zeros and get no delta.
-        offs_b = offs_n - lora_n_offset
-        b_mask = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
-        offs_b = tl.where(b_mask, offs_b, 0)
-        lb = lora_b_ptr + expert * stride_le
-        g_first, g_last = lora_groups(slot, num_slots, SLOTS_PER_DOT)
-        t_g, b_g, _, _ = lora_loads(
-            g_first, g_last, inter_ptr, stride_im, 0, stride_ir, pair, slot, lb, stride_ll, 0,
-            stride_ln, stride_lr, offs_b, b_mask, rank, BLOCK_R, SLOTS_PER_DOT, False,
-        )  # fmt: skip
     for k0 in range(0, inter_size, BLOCK_K):
         k_mask = (k0 + offs_k) < inter_size
         zt = tl.load(z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
@@ -120,11 +101,35 @@ def _expert_down_kernel(
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
+        # B2 may hold only the columns [lora_n_offset, + lora_n_size) of o (fully sharded
+        # LoRA: this rank's H slice): other columns load zeros and get no delta.
+        offs_b = offs_n - lora_n_offset
+        b_mask = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
         acc, _ = lora_expand(
-            acc, acc, t_g, b_g, t_g, b_g, g_first, g_last, inter_ptr, stride_im, 0, stride_ir,
-            pair, slot, lb, stride_ll, 0, stride_ln, stride_lr, offs_b, b_mask, rank, BLOCK_R,
-            SLOTS_PER_DOT, False, UPCAST, IEEE,
-        )  # fmt: skip
+            acc,
+            acc,
+            inter_ptr,
+            stride_im,
+            0,
+            stride_ir,
+            pair,
+            slot,
+            num_slots,
+            lora_b_ptr + expert * stride_le,
+            stride_ll,
+            0,
+            stride_ln,
+            stride_lr,
+            tl.where(b_mask, offs_b, 0),
+            b_mask,
+            rank,
+            BLOCK_R,
+            SLOTS_PER_DOT,
+            False,
+            UPCAST,
+            IEEE,
+            EXPAND_FP16,
+        )
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(
             tl.float32
@@ -154,6 +159,7 @@ def expert_down(
     num_stages: int = 3,
     lora_n_offset: int = 0,
     expand_lanes: int = 32,
+    expand_fp16: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """z [P, I], w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
@@ -229,6 +235,7 @@ def expert_down(
         BLOCK_K=block_k,
         BLOCK_R=block_r,
         SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, expand_lanes),
+        EXPAND_FP16=expand_fp16,
         GROUP_M=group_m,
         UPCAST=upcast,
         IEEE=ieee,

@@ -19,15 +19,7 @@ from ..activations import Activation
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import (
-    block_rows,
-    grouped_pid,
-    lora_expand,
-    lora_groups,
-    lora_loads,
-    mma,
-    slots_per_dot,
-)
+from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
 
 
 @triton.jit
@@ -81,6 +73,7 @@ def _expert_up_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_DOT: tl.constexpr,
+    EXPAND_FP16: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -106,14 +99,6 @@ def _expert_up_kernel(
     wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_LORA:  # the first expand group's operands load while the K loop runs
-        lb = lora_b_ptr + expert * stride_le
-        g_first, g_last = lora_groups(slot, num_slots, SLOTS_PER_DOT)
-        t_g, b_g, t_u, b_u = lora_loads(
-            g_first, g_last, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, lb,
-            stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask, rank, BLOCK_R,
-            SLOTS_PER_DOT, GATED,
-        )  # fmt: skip
     for k0 in range(0, hidden, BLOCK_K):
         k_mask = (k0 + offs_k) < hidden
         xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
@@ -132,10 +117,30 @@ def _expert_up_kernel(
         wu_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
         acc_g, acc_u = lora_expand(
-            acc_g, acc_u, t_g, b_g, t_u, b_u, g_first, g_last, inter_ptr, stride_im, stride_is,
-            stride_ir, pair, slot, lb, stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask,
-            rank, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE,
-        )  # fmt: skip
+            acc_g,
+            acc_u,
+            inter_ptr,
+            stride_im,
+            stride_is,
+            stride_ir,
+            pair,
+            slot,
+            num_slots,
+            lora_b_ptr + expert * stride_le,
+            stride_ll,
+            stride_ls,
+            stride_ln,
+            stride_lr,
+            offs_n,
+            n_mask,
+            rank,
+            BLOCK_R,
+            SLOTS_PER_DOT,
+            GATED,
+            UPCAST,
+            IEEE,
+            EXPAND_FP16,
+        )
     if WEIGHT_INPUT:
         g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
         acc_g = acc_g * g[:, None]
@@ -174,6 +179,7 @@ def expert_up(
     num_warps: int = 4,
     num_stages: int = 3,
     expand_lanes: int = 32,
+    expand_fp16: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
@@ -251,6 +257,7 @@ def expert_up(
         BLOCK_K=block_k,
         BLOCK_R=block_r,
         SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, expand_lanes),
+        EXPAND_FP16=expand_fp16,
         GROUP_M=group_m,
         UPCAST=upcast,
         IEEE=ieee,

@@ -62,11 +62,40 @@ def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
 
 
 @triton.jit
-def _expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """acc += t (fp32) @ b. 16-bit b: t is split into a high and a low 16-bit part, so two
-    native dots keep ~16 mantissa bits of the fp32 intermediate."""
+def _pow2(k):
+    """2.0**k, exact, for integer k in [-126, 127] (built from the exponent bits)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_shift(v):
+    """k with max|v| * 2**-k in [2**14, 2**15): v's largest entry at the top of fp16's
+    range (k < 0 scales tiny tiles up), from the exponent bits of max|v|; clamped to
+    [-40, 60] (0 for an all-zero tile), so acc * 2**-(kt + kb) stays a normal fp32."""
+    m = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
+    e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 m)
+    k = tl.minimum(tl.maximum(e - 14, -40), 60)
+    return tl.where(m > 0, k, 0)
+
+
+@triton.jit
+def _expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP16: tl.constexpr):
+    """acc += t (fp32) @ b (16-bit).
+
+    FP16: one native fp16 dot. t (11 significant bits in fp16, 8x finer than bf16) and b
+    (a bf16 value within 2**24 of the tile's largest is exact in fp16) are each scaled by
+    a power of two to the top of fp16's range, and acc by the inverse product before the
+    dot and back after (exact in fp32), so only t's rounding to 11 bits is lost.
+    Else: t is split into a high and a low 16-bit part, two native dots (~16 bits of t)."""
     if UPCAST or IEEE:
         acc = tl.dot(t, b.to(tl.float32), acc, input_precision="ieee")
+    elif FP16:
+        bf = b.to(tl.float32)
+        kt = _fp16_shift(t)
+        kb = _fp16_shift(bf)
+        t16 = (t * _pow2(-kt)).to(tl.float16)
+        b16 = (bf * _pow2(-kb)).to(tl.float16)
+        acc = tl.dot(t16, b16, acc * _pow2(-(kt + kb))) * _pow2(kt + kb)
     else:
         t_hi = t.to(b.dtype)
         t_lo = (t - t_hi.to(tl.float32)).to(b.dtype)
@@ -76,82 +105,16 @@ def _expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def lora_groups(slot, num_slots, SLOTS_PER_DOT: tl.constexpr):
-    """First and last expand group (SLOTS_PER_DOT consecutive slots) with rows in the block;
-    an empty range (last < first) when no row has an adapter."""
-    first = tl.min(tl.where(slot >= 0, slot, num_slots), axis=0)
-    last = tl.max(slot, axis=0)  # -1 when no row of the block has an adapter
-    return first // SLOTS_PER_DOT, tl.where(last >= 0, last // SLOTS_PER_DOT, -1)
-
-
-@triton.jit
-def lora_loads(
-    g,
-    g_last,
-    inter_ptr,
-    stride_im,
-    stride_is,
-    stride_ir,
-    pair,
-    slot,
-    b_ptr,
-    stride_bl,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    offs_n,
-    n_mask,
-    rank,
-    BLOCK_R: tl.constexpr,
-    SLOTS_PER_DOT: tl.constexpr,
-    TWO_PARTS: tl.constexpr,
-):
-    """The operands of expand group g (all masked off past g_last): per part, the rows'
-    fp32 intermediates in their own slot's lanes [BLOCK_M, SLOTS_PER_DOT * BLOCK_R] and the
-    group's stacked B tiles [SLOTS_PER_DOT * BLOCK_R, BLOCK_N]; B lanes of slots with no row
-    in the block are not read. inter_ptr is at part 0 (part stride stride_is); b_ptr at
-    (slot 0, expert, part 0)."""
-    offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
-    lane_slot = g * SLOTS_PER_DOT + offs_q // BLOCK_R
-    q_r = offs_q % BLOCK_R
-    live = (tl.zeros_like(slot) + g) <= g_last  # a vector: g may be a Python int here
-    sel = (slot[:, None] == lane_slot[None, :]) & (q_r < rank)[None, :] & live[:, None]
-    present = tl.max(sel.to(tl.int32), axis=0) > 0
-    t_ptrs = inter_ptr + pair[:, None] * stride_im + q_r[None, :] * stride_ir
-    b_ptrs = (
-        b_ptr
-        + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
-        + offs_n[None, :] * stride_bn
-        + q_r[:, None] * stride_br
-    )
-    b_mask = present[:, None] & n_mask[None, :]
-    t_g = tl.load(t_ptrs, mask=sel, other=0.0)
-    b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
-    if TWO_PARTS:
-        t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
-        b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
-    else:
-        t_u = t_g
-        b_u = b_g
-    return t_g, b_g, t_u, b_u
-
-
-@triton.jit
 def lora_expand(
     acc_g,
     acc_u,
-    t_g,
-    b_g,
-    t_u,
-    b_u,
-    g_first,
-    g_last,
     inter_ptr,
     stride_im,
     stride_is,
     stride_ir,
     pair,
     slot,
+    num_slots,
     b_ptr,
     stride_bl,
     stride_bs,
@@ -165,24 +128,47 @@ def lora_expand(
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    FP16: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += per row: inter[pair] (fp32 [R]) @ B[slot]^T, for the gate
     part into acc_g and (TWO_PARTS) the up part into acc_u.
 
-    One dot covers SLOTS_PER_DOT slots: its K lanes are (slot, r) pairs; a row's operand
-    holds its intermediate in its own slot's lanes and zeros elsewhere, and B stacks those
-    slots' tiles, so a group's loads are one round trip for all its slots and both parts.
-    (t_g, b_g, t_u, b_u) are group g_first's operands, loaded by the caller before its
-    main K loop so their latency hides behind it; each step loads the next group's
-    operands before its own dots (KERNEL_LOG.md v7)."""
-    for g in range(g_first, g_last + 1):
-        nt_g, nb_g, nt_u, nb_u = lora_loads(
-            g + 1, g_last, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, b_ptr,
-            stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, rank, BLOCK_R,
-            SLOTS_PER_DOT, TWO_PARTS,
-        )  # fmt: skip
-        acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
-        if TWO_PARTS:
-            acc_u = _expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
-        t_g, b_g, t_u, b_u = nt_g, nb_g, nt_u, nb_u
+    One dot covers SLOTS_PER_DOT slots: its K lanes are (slot, r) pairs; a row's A operand
+    holds its intermediate in its own slot's lanes and zeros elsewhere, and the B operand
+    stacks those slots' B matrices. So the loads of a group are one round trip (all its
+    slots' B tiles at once, both parts) instead of one per slot, at the price of dot lanes
+    for slots absent from the block; groups with no row in the block are skipped.
+    inter_ptr is at part 0 (part stride stride_is); b_ptr at (slot 0, expert, part 0)."""
+    offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
+    q_slot = offs_q // BLOCK_R
+    q_r = offs_q % BLOCK_R
+    q_ok = q_r < rank
+    has = slot >= 0
+    first = tl.min(tl.where(has, slot, num_slots), axis=0)
+    last = tl.max(slot, axis=0)  # -1 when no row of the block has an adapter
+    g_lo = first // SLOTS_PER_DOT
+    g_hi = tl.where(last >= 0, last // SLOTS_PER_DOT, -1)
+    for g in range(g_lo, g_hi + 1):
+        s0 = g * SLOTS_PER_DOT
+        in_group = has & (slot >= s0) & (slot < s0 + SLOTS_PER_DOT)
+        if tl.max(in_group.to(tl.int32), axis=0) > 0:
+            lane_slot = s0 + q_slot
+            sel = (slot[:, None] == lane_slot[None, :]) & q_ok[None, :]
+            t_ptrs = inter_ptr + pair[:, None] * stride_im + q_r[None, :] * stride_ir
+            b_ptrs = (
+                b_ptr
+                + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
+                + offs_n[None, :] * stride_bn
+                + q_r[:, None] * stride_br
+            )
+            b_mask = (q_ok & (lane_slot < num_slots))[:, None] & n_mask[None, :]
+            t_g = tl.load(t_ptrs, mask=sel, other=0.0)
+            b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            if TWO_PARTS:
+                t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
+                b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
+                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE, FP16)
+                acc_u = _expand_dot(t_u, b_u, acc_u, UPCAST, IEEE, FP16)
+            else:
+                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE, FP16)
     return acc_g, acc_u
