@@ -26,12 +26,15 @@ INPUT_SETS = 4  # fresh inputs rotate among these, copied in outside the timed r
 
 
 def commit() -> str:
+    """MOELORA_COMMIT when set (the device machine's copy of .git can be stale), else git."""
+    if os.environ.get("MOELORA_COMMIT"):
+        return os.environ["MOELORA_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL, text=True
         ).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MOELORA_COMMIT", "unknown")
+        return "unknown"
 
 
 def stamp(ceil: Ceilings) -> dict:

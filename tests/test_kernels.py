@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from moelora.activations import Activation
 from moelora.backends.registry import REGISTRY
@@ -21,7 +19,6 @@ from moelora.config import AddInputs, MoEShape
 from moelora.kernels.align import align_pairs
 from moelora.kernels.configs import GemmTiles, TileConfig
 from moelora.kernels.moe_lora import fused_moe_lora
-from moelora.kernels.tiles import _expand_dot
 from moelora.reference import moe_lora_reference
 from moelora.weights import random_expert_weights, random_lora_bank
 
@@ -48,7 +45,6 @@ class Case:
     drop_ids: bool = False  # expert parallel: some ids outside [0, E)
     split_k: int = 1  # LoRA shrink K chunks (fp32 atomic adds into a zeroed intermediate)
     expand_lanes: int = 128  # K lanes of one expand dot: 128 // R slots per dot
-    expand_fp16: bool = False  # one scaled fp16 expand dot instead of the hi/lo pair
     extra: dict = field(default_factory=dict)
 
 
@@ -85,9 +81,6 @@ CASES = [
         expand_lanes=16,
     ),
     Case("expand-two-slots-per-dot", slots=(5, -1, 0, 4), ranks=(8,) * 6, expand_lanes=32),
-    # scaled fp16 expand (16-bit models; fp32 models keep exact fp32 dots)
-    Case("expand-fp16-fp16", dtype=torch.float16, bias=True, expand_fp16=True),
-    Case("expand-fp16-relu2-fp16", act=A.RELU2_NO_MUL, dtype=torch.float16, expand_fp16=True),
     # shrink tiles: buckets of ~20 pairs -> two 16-row tiles each; 32-row tiles
     Case("shrink-two-tiles-per-bucket", experts=2, top_k=1, tokens=80, slots=(0, 1)),
     Case("shrink-tile-32-rows", experts=2, top_k=2, tokens=40, slots=(0, -1), extra={"tm": 32}),
@@ -144,7 +137,6 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             TILES,
             shrink_split_k=case.split_k,
             expand_lanes=case.expand_lanes,
-            expand_fp16=case.expand_fp16,
             shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
         ),
         weights_on_input=case.weights_on_input,
@@ -241,37 +233,3 @@ def test_launcher_errors_name_the_input(seed: int) -> None:
         REGISTRY["triton"].forward(x[:, :16], ids, weights, slots, experts, lora, shape)
     with pytest.raises(ValueError, match="token_slots"):
         REGISTRY["triton"].forward(x, ids, weights, slots[:2], experts, lora, shape)
-
-
-@triton.jit
-def _expand_dot_kernel(t_ptr, b_ptr, acc_ptr, M: tl.constexpr, Q: tl.constexpr, N: tl.constexpr):
-    offs_m, offs_q, offs_n = tl.arange(0, M), tl.arange(0, Q), tl.arange(0, N)
-    t = tl.load(t_ptr + offs_m[:, None] * Q + offs_q[None, :])
-    b = tl.load(b_ptr + offs_q[:, None] * N + offs_n[None, :])
-    a_ptrs = acc_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(a_ptrs, _expand_dot(t, b, tl.load(a_ptrs), False, False, True))
-
-
-@pytest.mark.parametrize(
-    "t_scale,b_scale,b_dtype",
-    [
-        (1.0, 1.0, torch.float16),
-        (1.0, 1.0, torch.bfloat16),
-        (3e6, 1.0, torch.bfloat16),  # t beyond fp16's max (65504)
-        (1.0, 5e5, torch.bfloat16),  # bf16 B beyond fp16's max
-        (1e-9, 1e-7, torch.bfloat16),  # both below fp16's normal range
-    ],
-)
-def test_expand_fp16_dot_scales_out_of_range_operands(t_scale, b_scale, b_dtype, seed) -> None:
-    """The scaled fp16 expand dot: intermediates and B beyond fp16's range (or far below
-    it) still give acc + t @ b to about fp16 precision of t, never inf."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(16, 32, generator=g) * t_scale
-    b = (torch.randn(32, 16, generator=g) * b_scale).to(b_dtype)
-    acc = torch.randn(16, 16, generator=g) * float(t.abs().max() * b.abs().max().float())
-    want = acc.double() + t.double() @ b.double()
-    got = acc.clone()
-    _expand_dot_kernel[(1,)](t, b, got, M=16, Q=32, N=16)
-    assert torch.isfinite(got).all()
-    rel = ((got.double() - want).norm() / want.norm()).item()
-    assert rel < 2e-3, rel

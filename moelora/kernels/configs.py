@@ -50,7 +50,6 @@ class TileConfig:
     group_m: int = 8
     shrink_split_k: int = 1
     expand_lanes: int = 32
-    expand_fp16: bool = False
     shrink_block_m: int = 16
 
 

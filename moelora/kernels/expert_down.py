@@ -64,7 +64,6 @@ def _expert_down_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_DOT: tl.constexpr,
-    EXPAND_FP16: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -128,7 +127,6 @@ def _expert_down_kernel(
             False,
             UPCAST,
             IEEE,
-            EXPAND_FP16,
         )
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(
@@ -159,7 +157,6 @@ def expert_down(
     num_stages: int = 3,
     lora_n_offset: int = 0,
     expand_lanes: int = 32,
-    expand_fp16: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """z [P, I], w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
@@ -235,7 +232,6 @@ def expert_down(
         BLOCK_K=block_k,
         BLOCK_R=block_r,
         SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, expand_lanes),
-        EXPAND_FP16=expand_fp16,
         GROUP_M=group_m,
         UPCAST=upcast,
         IEEE=ieee,

@@ -73,7 +73,6 @@ def _expert_up_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_DOT: tl.constexpr,
-    EXPAND_FP16: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -139,7 +138,6 @@ def _expert_up_kernel(
             GATED,
             UPCAST,
             IEEE,
-            EXPAND_FP16,
         )
     if WEIGHT_INPUT:
         g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
@@ -179,7 +177,6 @@ def expert_up(
     num_warps: int = 4,
     num_stages: int = 3,
     expand_lanes: int = 32,
-    expand_fp16: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
@@ -257,7 +254,6 @@ def expert_up(
         BLOCK_K=block_k,
         BLOCK_R=block_r,
         SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, expand_lanes),
-        EXPAND_FP16=expand_fp16,
         GROUP_M=group_m,
         UPCAST=upcast,
         IEEE=ieee,

@@ -98,7 +98,6 @@ def fused_moe_lora(
         num_warps=cfg.up.num_warps,
         num_stages=cfg.up.num_stages,
         expand_lanes=cfg.expand_lanes,
-        expand_fp16=cfg.expand_fp16,
     )
     if use_lora:
         inter2 = lora_shrink(
@@ -130,7 +129,6 @@ def fused_moe_lora(
         num_stages=cfg.down.num_stages,
         lora_n_offset=lora_comm.hidden_offset if lora_comm is not None else 0,
         expand_lanes=cfg.expand_lanes,
-        expand_fp16=cfg.expand_fp16,
     )
     return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
 

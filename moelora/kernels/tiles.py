@@ -62,40 +62,11 @@ def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
 
 
 @triton.jit
-def _pow2(k):
-    """2.0**k, exact, for integer k in [-126, 127] (built from the exponent bits)."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp16_shift(v):
-    """k with max|v| * 2**-k in [2**14, 2**15): v's largest entry at the top of fp16's
-    range (k < 0 scales tiny tiles up), from the exponent bits of max|v|; clamped to
-    [-40, 60] (0 for an all-zero tile), so acc * 2**-(kt + kb) stays a normal fp32."""
-    m = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-    e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 m)
-    k = tl.minimum(tl.maximum(e - 14, -40), 60)
-    return tl.where(m > 0, k, 0)
-
-
-@triton.jit
-def _expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP16: tl.constexpr):
-    """acc += t (fp32) @ b (16-bit).
-
-    FP16: one native fp16 dot. t (11 significant bits in fp16, 8x finer than bf16) and b
-    (a bf16 value within 2**24 of the tile's largest is exact in fp16) are each scaled by
-    a power of two to the top of fp16's range, and acc by the inverse product before the
-    dot and back after (exact in fp32), so only t's rounding to 11 bits is lost.
-    Else: t is split into a high and a low 16-bit part, two native dots (~16 bits of t)."""
+def _expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += t (fp32) @ b. 16-bit b: t is split into a high and a low 16-bit part, so two
+    native dots keep ~16 mantissa bits of the fp32 intermediate."""
     if UPCAST or IEEE:
         acc = tl.dot(t, b.to(tl.float32), acc, input_precision="ieee")
-    elif FP16:
-        bf = b.to(tl.float32)
-        kt = _fp16_shift(t)
-        kb = _fp16_shift(bf)
-        t16 = (t * _pow2(-kt)).to(tl.float16)
-        b16 = (bf * _pow2(-kb)).to(tl.float16)
-        acc = tl.dot(t16, b16, acc * _pow2(-(kt + kb))) * _pow2(kt + kb)
     else:
         t_hi = t.to(b.dtype)
         t_lo = (t - t_hi.to(tl.float32)).to(b.dtype)
@@ -128,7 +99,6 @@ def lora_expand(
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
-    FP16: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += per row: inter[pair] (fp32 [R]) @ B[slot]^T, for the gate
     part into acc_g and (TWO_PARTS) the up part into acc_u.
@@ -167,8 +137,8 @@ def lora_expand(
             if TWO_PARTS:
                 t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
                 b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
-                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE, FP16)
-                acc_u = _expand_dot(t_u, b_u, acc_u, UPCAST, IEEE, FP16)
+                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+                acc_u = _expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
             else:
-                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE, FP16)
+                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
     return acc_g, acc_u
