@@ -36,11 +36,27 @@ from .runner import commit, time_graph
 # accumulators, so an up BLOCK_N of 128 is a 256-wide N tile (vLLM's H200 choice for this
 # layer at T >= 1024 is 128 x 256 x 64, 8 warps, 4 stages: peer JSON base_config).
 UP = {
-    "small": [(32, 256, 4, 2), (64, 128, 4, 2), (64, 256, 4, 2), (128, 128, 8, 2), (64, 128, 4, 3)],
+    "small": [
+        (32, 256, 4, 2),
+        (64, 128, 4, 2),
+        (64, 256, 4, 2),
+        (128, 128, 8, 2),
+        (64, 128, 4, 3),
+        (32, 128, 4, 3),  # decode: 2x the programs of BLOCK_N 64 (96 at T = 1 on 132 SMs)
+        (32, 128, 4, 4),
+        (64, 64, 4, 4),
+    ],
     "large": [(64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 4), (128, 64, 8, 3), (64, 128, 8, 3)],
 }
 DOWN = {
-    "small": [(64, 256, 4, 2), (128, 128, 4, 2), (256, 128, 8, 2), (64, 128, 4, 3)],
+    "small": [
+        (64, 256, 4, 2),
+        (128, 128, 4, 2),
+        (256, 128, 8, 2),
+        (64, 128, 4, 3),
+        (32, 128, 4, 3),
+        (64, 64, 4, 4),
+    ],
     "large": [(128, 64, 8, 4), (256, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
 }
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
@@ -178,7 +194,7 @@ def main() -> int:
     p.add_argument(
         "--lora-only",
         action="store_true",
-        help="tune the LoRA rows only; the LoRA-free rows of the committed table are kept",
+        help="tune the LoRA rows only (rows not re-tuned are kept from the committed table)",
     )
     args = p.parse_args()
     import json
@@ -207,11 +223,20 @@ def main() -> int:
     entries, log = [], []
     dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
     modes = (True,) if args.lora_only else (False, True)
-    if args.lora_only:  # keep the committed LoRA-free rows (their comments name their run)
-        header["kept"] = "the previous table (LoRA-free rows)"
-        for key, row in H200_ROWS.items():
-            if key[:4] == dims and not key[4]:
-                entries.append((key, row, 0, 0.0, 0.0))
+    # Rows of the committed table for this shape that this run does not re-tune are kept
+    # (noted as such), and a tuned T takes the committed bucket it falls in, if any.
+    committed = {k: r for k, r in H200_ROWS.items() if k[:4] == dims}
+    header["kept"] = f"the committed table before this run ({args.model})"
+
+    def key_of(t: int, on: bool) -> tuple:
+        ups = sorted(k[5] for k in committed if k[4] == on)
+        return (*dims, on, next((u for u in ups if t <= u), bound[t]))
+
+    def rows() -> list:
+        tuned = {e[0] for e in entries}
+        kept = [(k, r, 0, 0.0, 0.0) for k, r in committed.items() if k not in tuned]
+        return entries + kept
+
     for t in tokens:
         layer = Layer(model, experts, lora, t, args.iters)
         for on in modes:
@@ -226,13 +251,13 @@ def main() -> int:
             best, h_ms = search(layer, heur, on, steps, others)
             ms = min(s["ms"] for s in steps if s["ms"] is not None)
             log.append(dict(T=t, lora=on, steps=steps))
-            entries.append(((*dims, on, bound[t]), _row(best, on), t, h_ms, ms))
-            write_table(args.out, entries, header)  # after each step: a timeout keeps it
+            entries.append((key_of(t, on), _row(best, on), t, h_ms, ms))
+            write_table(args.out, rows(), header)  # after each step: a timeout keeps it
         del layer
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(header=header, log=log), f, indent=1)
-    print(f"tune: {len(entries)} entries in {time.time() - start:.0f} s -> {args.out}")
+    print(f"tune: {len(entries)} entries tuned in {time.time() - start:.0f} s -> {args.out}")
     return 0
 
 
