@@ -1,5 +1,5 @@
 """Device helpers shared by the expert GEMM kernels: program ordering, block rows, dots,
-and the per-slot LoRA expand. Pure tile arithmetic; no policy."""
+and the LoRA expand (slot groups per dot). Pure tile arithmetic; no policy."""
 
 from __future__ import annotations
 
