@@ -166,8 +166,9 @@ def write_table(path: str, entries: list, header: dict) -> None:
         "tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs; LoRA rows also start",
         "from the LoRA-free tiles); each candidate timed as the whole",
         f"layer under CUDA-graph replay, L2 flushed, median of {header['iters']} replays, output",
-        "checked against the reference; fastest kept. A T bucket runs from the geometric mean",
-        "of its T and the previous tuned T. Comments: heuristic ms -> chosen ms at that T.",
+        "checked against the reference; fastest kept. A tuned T takes the committed bucket it",
+        "falls in, else one from the geometric mean of its T and the previous tuned T.",
+        "Comments: starting config ms -> chosen ms at that T.",
         "",
         "(E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,",
         "warps, stages), down (same)[, LoRA knobs]).",
@@ -251,7 +252,11 @@ def main() -> int:
             best, h_ms = search(layer, heur, on, steps, others)
             ms = min(s["ms"] for s in steps if s["ms"] is not None)
             log.append(dict(T=t, lora=on, steps=steps))
-            entries.append((key_of(t, on), _row(best, on), t, h_ms, ms))
+            key = key_of(t, on)
+            if any(e[0] == key for e in entries):  # two tuned T in one committed bucket
+                print(f"    T={t} falls in the bucket of an earlier T here: not written")
+                continue
+            entries.append((key, _row(best, on), t, h_ms, ms))
             write_table(args.out, rows(), header)  # after each step: a timeout keeps it
         del layer
     if args.json:

@@ -81,6 +81,9 @@ CASES = [
         expand_lanes=16,
     ),
     Case("expand-two-slots-per-dot", slots=(5, -1, 0, 4), ranks=(8,) * 6, expand_lanes=32),
+    Case("slot-beyond-bank", slots=(0, 5, -1, 1, 3)),  # slots >= L: no adapter, as slot -1
+    # P = 2400 > SINGLE_PROGRAM_PAIRS: alignment and shrink tiles in three launches
+    Case("three-launch-align", tokens=300, top_k=8, experts=16, slots=(0, 1, 2, -1)),
     # shrink tiles: buckets of ~20 pairs -> two 16-row tiles each; 32-row tiles
     Case("shrink-two-tiles-per-bucket", experts=2, top_k=1, tokens=80, slots=(0, 1)),
     Case("shrink-tile-32-rows", experts=2, top_k=2, tokens=40, slots=(0, -1), extra={"tm": 32}),
@@ -120,8 +123,10 @@ def _inputs(case: Case, seed: int):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_forward_matches_reference(case: Case, seed: int) -> None:
     shape, experts, lora, x, ids, weights, slots = _inputs(case, seed)
+    num_slots = len(case.ranks or ())
+    ref_slots = torch.where((slots >= 0) & (slots < num_slots), slots, -1)  # the kernels' rule
     ref = moe_lora_reference(
-        x, ids, weights, slots, experts, lora, shape, weights_on_input=case.weights_on_input
+        x, ids, weights, ref_slots, experts, lora, shape, weights_on_input=case.weights_on_input
     )
     out = poison_(torch.empty_like(x))
     fused_moe_lora(
@@ -177,6 +182,7 @@ ALIGN_CASES = [  # (T, K, E, L, BLOCK_M, id)
     (3, 2, 64, 3, 16, "mostly-empty"),
     (300, 8, 16, 3, 16, "multi-program"),  # P > SINGLE_PROGRAM_PAIRS: three launches
     (2, 2, 32, 3, 16, "one-pair-blocks"),  # P <= E/4: the decode layout
+    (400, 4, 200, 32, 16, "expert-chunks"),  # E * (L + 1) > 4096: several OFFSETS chunks
 ]
 
 
@@ -188,29 +194,45 @@ def test_align_invariants(tokens, top_k, experts, slots_n, block_m, case_id, see
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     ids = ids.to(torch.int32)
     slots = torch.randint(-1, slots_n, (tokens,), generator=g, dtype=torch.int32)
-    al = align_pairs(ids, slots, experts, slots_n, block_m, lora_tile_m=8)
-    pairs = tokens * top_k
+    if tokens > 1:  # expert parallel drops, and a slot beyond the bank (= no adapter)
+        ids[0, 0], ids[-1, -1], slots[-1] = -1, experts + 3, slots_n + 2
+    for tile_m in (1, 8, 64):
+        al = align_pairs(ids, slots, experts, slots_n, block_m, lora_tile_m=tile_m)
+        _check_blocks(al, ids, slots, slots_n, experts, block_m)
+        _check_lora_tiles(al, ids, slots, slots_n, experts)
+
+
+def _check_blocks(al, ids, slots, slots_n: int, experts: int, block_m: int) -> None:
+    """Every routed pair exactly once, blocks of one expert, slots sorted inside a block."""
+    top_k = ids.shape[1]
+    pairs = ids.numel()
+    flat = ids.reshape(-1).long()
+    routed = [p for p in range(pairs) if 0 <= flat[p] < experts]
     sp = al.sorted_pair_ids.long()
     used = int(al.num_padded)
     assert used % block_m == 0 and used <= sp.numel()
-    real = sp[:used][sp[:used] < pairs]  # entries past the used length are never read
-    assert sorted(real.tolist()) == list(range(pairs))  # every pair exactly once
-    flat = ids.reshape(-1).long()
+    eff = torch.where((slots >= 0) & (slots < slots_n), slots, -1).long()
+    real = []  # entries past the used length, or in blocks of expert -1, are never read
     for b in range(used // block_m):
         rows = sp[b * block_m : (b + 1) * block_m]
         assert ((rows >= 0) & (rows <= pairs)).all()  # every used entry written
         rows = rows[rows < pairs]
+        if al.block_experts[b] < 0:  # decode layout: a dropped pair's block, skipped
+            continue
+        real += rows.tolist()
         assert (flat[rows] == al.block_experts[b]).all()  # block routes to its expert
-        s = slots.long()[rows // top_k]
+        s = eff[rows // top_k]
         assert (s[1:] >= s[:-1]).all()  # slots sorted inside a block
     assert (al.block_experts[used // block_m :] == -1).all()
-    _check_lora_tiles(al, ids, slots, pairs)
+    assert sorted(real) == routed  # every routed pair in exactly one block
 
 
-def _check_lora_tiles(al, ids, slots, pairs: int) -> None:
-    """The shrink tiles cover every pair with an adapter exactly once, each tile a run of
-    sorted pairs of one (expert, slot) with at most lora_tile_m rows."""
+def _check_lora_tiles(al, ids, slots, slots_n: int, experts: int) -> None:
+    """The shrink tiles cover every pair with an adapter and a local expert exactly once,
+    each tile a run of sorted pairs of one (expert, slot) with at most lora_tile_m rows."""
     top_k = ids.shape[1]
+    pairs = ids.numel()
+    flat = ids.reshape(-1).long()
     n = int(al.num_lora_tiles)
     assert 0 <= n <= al.max_lora_tiles  # 0 when every token has slot -1
     seen = []
@@ -220,10 +242,10 @@ def _check_lora_tiles(al, ids, slots, pairs: int) -> None:
         assert 0 < end - start <= al.lora_tile_m
         rows = al.sorted_pair_ids[start:end].long()
         assert (rows < pairs).all()
-        assert (ids.reshape(-1).long()[rows] == expert).all()
+        assert (flat[rows] == expert).all()
         assert (slots.long()[rows // top_k] == slot).all()
         seen += rows.tolist()
-    want = [p for p in range(pairs) if slots[p // top_k] >= 0]
+    want = [p for p in range(pairs) if 0 <= slots[p // top_k] < slots_n and 0 <= flat[p] < experts]
     assert sorted(seen) == want
 
 
@@ -233,3 +255,12 @@ def test_launcher_errors_name_the_input(seed: int) -> None:
         REGISTRY["triton"].forward(x[:, :16], ids, weights, slots, experts, lora, shape)
     with pytest.raises(ValueError, match="token_slots"):
         REGISTRY["triton"].forward(x, ids, weights, slots[:2], experts, lora, shape)
+
+
+def test_zero_tokens(seed: int) -> None:
+    """T = 0 (an empty batch bucket): an empty y, and ADD leaves `out` as it was."""
+    shape, experts, lora, x, ids, weights, slots = _inputs(Case("empty", tokens=4), seed)
+    got = REGISTRY["triton"].forward(x[:0], ids[:0], weights[:0], slots[:0], experts, lora, shape)
+    assert got.shape == (0, shape.hidden_size)
+    out = torch.randn(0, shape.hidden_size)
+    fused_moe_lora(x[:0], ids[:0], weights[:0], slots[:0], experts, lora, shape, out=out, add=True)

@@ -7,8 +7,10 @@ block holds few distinct slots and the LoRA loops in the kernels visit only thos
 How: a pair's bucket is key = expert * (L + 1) + slot + 1. COUNT: an atomic add per pair
 on counts[key] returns the pair's rank inside its bucket. OFFSETS: one program turns the
 counts into each expert's padded start (cumsum over experts) and each bucket's start
-inside it, writes the padding sentinels, block experts and the used length. SCATTER:
-sorted[key_start[key] + rank] = pair. Up to SINGLE_PROGRAM_PAIRS pairs the three phases
+inside it (and, for the LoRA shrink tiles, each bucket's first tile index), writes the
+padding sentinels, block experts and the used length. SCATTER: sorted[key_start[key] +
+rank] = pair, and a pair whose rank is a multiple of the tile rows writes the shrink tile
+that starts at it (so tile writing is spread over the pairs, not looped per bucket). Up to SINGLE_PROGRAM_PAIRS pairs the three phases
 run in one program (one launch, barriers between phases); above, as three launches
 (COUNT and SCATTER over many programs) after a memset of counts.
 
@@ -96,6 +98,7 @@ def _align_kernel(
     counts_ptr,
     rank_ptr,
     key_start_ptr,
+    tile_start_ptr,
     sorted_pair_ids_ptr,
     block_experts_ptr,
     num_padded_ptr,
@@ -156,25 +159,13 @@ def _align_kernel(
             pad_start = pad_end - padded
             bucket_start = pad_start[:, None] + tl.cumsum(c, axis=1) - c
             tl.store(key_start_ptr + idx, bucket_start, cs_mask)
-            if TILES:  # bin 0 (no adapter) gets no shrink tiles
+            if TILES:  # each bucket's first shrink tile; bin 0 (no adapter) gets none
                 n_t = tl.where(cs_mask & (offs_s >= 1)[None, :], (c + TILE_M - 1) // TILE_M, 0)
                 row_t = tl.sum(n_t, axis=1)
                 t_start = (tl.cumsum(row_t, axis=0) - row_t + tile_carry)[:, None] + (
                     tl.cumsum(n_t, axis=1) - n_t
                 )
-                t_expert = tl.zeros_like(n_t) + offs_e[:, None]
-                t_slot = tl.zeros_like(n_t) + offs_s[None, :] - 1
-                for j in range(0, tl.max(tl.max(n_t, axis=1), axis=0)):
-                    m = j < n_t
-                    row = lora_tiles_ptr + (t_start + j) * 4
-                    tl.store(row, bucket_start + j * TILE_M, mask=m)
-                    tl.store(
-                        row + 1,
-                        tl.minimum(bucket_start + c, bucket_start + (j + 1) * TILE_M),
-                        mask=m,
-                    )
-                    tl.store(row + 2, t_expert, mask=m)
-                    tl.store(row + 3, t_slot, mask=m)
+                tl.store(tile_start_ptr + idx, t_start, cs_mask)
                 tile_carry = tile_carry + tl.sum(row_t, axis=0)
             pad_pos = (pad_start + total)[:, None] + offs_j[None, :]
             tl.store(
@@ -197,9 +188,18 @@ def _align_kernel(
             key, ok = _pair_keys(
                 topk_ids_ptr, slots_ptr, offs, num_pairs, top_k, num_experts, num_slots, HAS_SLOTS
             )
-            dest = tl.load(key_start_ptr + key, mask=ok, other=0)
-            dest += tl.load(rank_ptr + offs, mask=ok, other=0)
-            tl.store(sorted_pair_ids_ptr + dest, offs, mask=ok)
+            bucket = tl.load(key_start_ptr + key, mask=ok, other=0)
+            rank = tl.load(rank_ptr + offs, mask=ok, other=0)
+            tl.store(sorted_pair_ids_ptr + bucket + rank, offs, mask=ok)
+            if TILES:  # the pair opening a run of TILE_M in its bucket writes that tile
+                opens = ok & (key % bins != 0) & (rank % TILE_M == 0)
+                row = lora_tiles_ptr + (tl.load(tile_start_ptr + key, mask=opens, other=0)
+                                        + rank // TILE_M) * 4  # fmt: skip
+                end = bucket + tl.load(counts_ptr + key, mask=opens, other=0)
+                tl.store(row, bucket + rank, mask=opens)
+                tl.store(row + 1, tl.minimum(end, bucket + rank + TILE_M), mask=opens)
+                tl.store(row + 2, key // bins, mask=opens)
+                tl.store(row + 3, key % bins - 1, mask=opens)
 
 
 @triton.jit
@@ -287,6 +287,7 @@ def align_pairs(
         num_experts * bins, dtype=torch.int32, device=device
     )
     key_start = torch.empty_like(counts)
+    tile_start = torch.empty_like(counts) if tiles else counts
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     block_s = triton.next_power_of_2(bins)
     args = dict(
@@ -295,6 +296,7 @@ def align_pairs(
         counts_ptr=counts,
         rank_ptr=rank,
         key_start_ptr=key_start,
+        tile_start_ptr=tile_start,
         sorted_pair_ids_ptr=sorted_pair_ids,
         block_experts_ptr=block_experts,
         num_padded_ptr=num_padded,

@@ -50,6 +50,8 @@ def fused_moe_lora(
     w2_b [L, E, H/tp, R]).
     """
     num_tokens, hidden = x.shape
+    if num_tokens == 0:  # nothing routed: the op form's output is empty (or left as is)
+        return out if out is not None else x.new_empty(0, hidden)
     top_k = topk_ids.shape[1]
     num_experts = experts.w13.shape[0]
     inter_size = experts.w2.shape[2]

@@ -57,7 +57,9 @@ def mma(a, b, acc, IEEE: tl.constexpr):
 def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
     """Slots one expand dot covers: as many as fit `lanes` K lanes (a power of two, at least
     one slot, at most the slots there are)."""
-    fit = max(1, lanes // block_r)
+    fit = 1
+    while fit * 2 * block_r <= lanes:
+        fit *= 2
     return min(fit, triton.next_power_of_2(max(1, num_slots)))
 
 
