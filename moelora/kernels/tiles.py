@@ -144,3 +144,60 @@ def lora_expand(
             else:
                 acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
     return acc_g, acc_u
+
+
+@triton.jit
+def lora_shrink_slice(
+    zq,
+    out_ptr,
+    stride_om,
+    stride_or,
+    pair,
+    slot,
+    num_slots,
+    a_ptr,
+    stride_al,
+    stride_ar,
+    stride_ak,
+    offs_k,
+    k_mask,
+    rank,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """out[pair] += zq [BLOCK_M, BLOCK_K] @ A[slot][:, offs_k]^T: the LoRA shrink's share of
+    this tile's K columns (fp32 atomic adds; out zeroed by the caller). Same slot groups as
+    lora_expand: one dot per group present, each row keeps its own slot's lanes. a_ptr is
+    at (slot 0, expert); A is [L, E, R, K]."""
+    offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
+    q_slot = offs_q // BLOCK_R
+    q_r = offs_q % BLOCK_R
+    q_ok = q_r < rank
+    has = slot >= 0
+    first = tl.min(tl.where(has, slot, num_slots), axis=0)
+    last = tl.max(slot, axis=0)  # -1 when no row of the block has an adapter
+    g_lo = first // SLOTS_PER_DOT
+    g_hi = tl.where(last >= 0, last // SLOTS_PER_DOT, -1)
+    for g in range(g_lo, g_hi + 1):
+        s0 = g * SLOTS_PER_DOT
+        in_group = has & (slot >= s0) & (slot < s0 + SLOTS_PER_DOT)
+        if tl.max(in_group.to(tl.int32), axis=0) > 0:
+            lane_slot = s0 + q_slot
+            a = tl.load(
+                a_ptr
+                + lane_slot[None, :].to(tl.int64) * stride_al
+                + q_r[None, :] * stride_ar
+                + offs_k[:, None] * stride_ak,
+                mask=(q_ok & (lane_slot < num_slots))[None, :] & k_mask[:, None],
+                other=0.0,
+            )
+            zz = zq
+            if UPCAST:
+                zz = zq.to(tl.float32)
+                a = a.to(tl.float32)
+            part = mma(zz, a, tl.zeros((zq.shape[0], SLOTS_PER_DOT * BLOCK_R), tl.float32), IEEE)
+            sel = (slot[:, None] == lane_slot[None, :]) & q_ok[None, :]
+            o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + q_r[None, :] * stride_or
+            tl.atomic_add(o_ptrs, part, mask=sel, sem="relaxed")  # a reduction over K tiles
