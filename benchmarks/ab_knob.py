@@ -2,8 +2,9 @@
 LoRA under each value (the tune's timer: graph replay, L2 flushed, output checked against
 the reference first).
 
-Usage (GPU): python -m benchmarks.ab_knob --knob fuse_z_shrink --values 0,1
+Usage (GPU): python -m benchmarks.ab_knob --knob expand_lanes --values 16,32,64
              [--tokens 64,1024,4096,16384] [--iters 20] [--model qwen3-30b-a3b]
+(Booleans as 0 / 1.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _value(knob: str, text: str):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--knob", required=True, help="a TileConfig field, e.g. fuse_z_shrink")
+    p.add_argument("--knob", required=True, help="a TileConfig field, e.g. expand_lanes")
     p.add_argument("--values", required=True, help="comma-separated (0/1 for booleans)")
     p.add_argument("--tokens", default="64,1024,4096,16384")
     p.add_argument("--iters", type=int, default=20)

@@ -60,11 +60,10 @@ DOWN = {
     "large": [(128, 64, 8, 4), (256, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
 }
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
-# LoRA knobs, searched after the tiles (KERNEL_LOG.md v7, v8): K lanes per expand dot, the
-# down shrink fused into the up epilogue or not, rows per shrink tile, shrink K chunks.
+# LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows
+# per shrink tile, shrink K chunks.
 LORA_KNOBS = {
     "expand_lanes": (16, 32, 64),
-    "fuse_z_shrink": (False, True),
     "shrink_block_m": (16, 32, 64),
     "shrink_split_k": (1, 2, 4, 8),
 }

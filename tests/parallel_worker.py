@@ -49,7 +49,6 @@ class Case:
     add_inputs: AddInputs = AddInputs.OVERWRITE
     lora: bool = True
     backend: str = "reference"
-    fuse_z: bool = False  # triton: the down LoRA shrink fused into the up kernel's epilogue
 
 
 def _inputs(case: Case, seed: int):
@@ -73,20 +72,6 @@ def _inputs(case: Case, seed: int):
 
 
 def run_case(case: Case, seed: int) -> tuple[float, float]:
-    from moelora.kernels import moe_lora
-
-    pick = moe_lora.pick_config
-    if case.fuse_z:  # this process only: every triton forward takes the fused variant
-        moe_lora.pick_config = lambda *a, **k: dataclasses.replace(
-            pick(*a, **k), fuse_z_shrink=True
-        )
-    try:
-        return _run_case(case, seed)
-    finally:
-        moe_lora.pick_config = pick
-
-
-def _run_case(case: Case, seed: int) -> tuple[float, float]:
     shape, experts, bank, x, ids, wts, slots = _inputs(case, seed)
     lora_cfg = LoRAConfig(enabled=case.lora, max_rank=8, max_loras=3, add_inputs=case.add_inputs)
     deployment = Deployment(

@@ -37,7 +37,7 @@ def test_off_table_shapes_take_the_heuristic_and_rules(tokens: int) -> None:
 
 def test_committed_table_knobs_are_valid() -> None:
     for key, knobs in configs.H200_LORA_KNOBS.items():
-        assert set(knobs) <= {"expand_lanes", "fuse_z_shrink", "shrink_block_m", "shrink_split_k"}
+        assert set(knobs) <= {"expand_lanes", "shrink_block_m", "shrink_split_k"}
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key
         assert not knobs or key[4], f"{key}: LoRA knobs on a LoRA-free row"

@@ -45,7 +45,6 @@ class Case:
     drop_ids: bool = False  # expert parallel: some ids outside [0, E)
     split_k: int = 1  # LoRA shrink K chunks (fp32 atomic adds into a zeroed intermediate)
     expand_lanes: int = 128  # K lanes of one expand dot: 128 // R slots per dot
-    fuse_z: bool = False  # the down LoRA's shrink in the up kernel's epilogue
     extra: dict = field(default_factory=dict)
 
 
@@ -82,19 +81,6 @@ CASES = [
         expand_lanes=16,
     ),
     Case("expand-two-slots-per-dot", slots=(5, -1, 0, 4), ranks=(8,) * 6, expand_lanes=32),
-    # down shrink fused into the up epilogue: I = 48 -> N tiles 32 + masked 16 (atomics)
-    Case("fused-z-shrink", inter=48, fuse_z=True),
-    Case("fused-z-shrink-swigluoai-bias", act=A.SWIGLUOAI, bias=True, fuse_z=True),
-    Case("fused-z-shrink-relu2-fp16", act=A.RELU2_NO_MUL, dtype=torch.float16, fuse_z=True),
-    Case(
-        "fused-z-shrink-many-slots",
-        slots=tuple(range(-1, 9)),
-        ranks=(16,) * 9,
-        tokens=10,
-        fuse_z=True,
-        expand_lanes=32,
-    ),
-    Case("fused-z-shrink-weights-on-input", top_k=1, weights_on_input=True, fuse_z=True),
     Case("slot-beyond-bank", slots=(0, 5, -1, 1, 3)),  # slots >= L: no adapter, as slot -1
     # P = 2400 > SINGLE_PROGRAM_PAIRS: alignment and shrink tiles in three launches
     Case("three-launch-align", tokens=300, top_k=8, experts=16, slots=(0, 1, 2, -1)),
@@ -156,7 +142,6 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             TILES,
             shrink_split_k=case.split_k,
             expand_lanes=case.expand_lanes,
-            fuse_z_shrink=case.fuse_z,
             shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
         ),
         weights_on_input=case.weights_on_input,

@@ -55,7 +55,6 @@ WORLD2 = [
         **TRITON,
     ),
     Case("triton-fs-tp2-add-inputs", tp=2, fully_sharded=True, add_inputs=AddInputs.ADD, **TRITON),
-    Case("triton-fs-tp2-fused-z-shrink", tp=2, fully_sharded=True, fuse_z=True, **TRITON),
     Case("triton-tp2-silu", tp=2, **TRITON),  # plain TP on triton: no collective inside
 ]
 WORLD4 = [

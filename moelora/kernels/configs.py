@@ -22,10 +22,6 @@
 - expand lanes (LoRA): 32 K lanes per expand dot (2 slots of rank 16): fewest lanes
   measured fastest at every T on the H200 (128 lanes, 8 slots per dot, was 1.3-1.6x
   slower at T >= 1024: idle lanes cost MMA and registers; KERNEL_LOG.md v7).
-- fuse_z_shrink (LoRA): off. The up kernel's epilogue can add each tile's share of the
-  down LoRA's shrink (fp32 atomics) instead of a lora_shrink launch that reads z back;
-  CPU-tested, not yet measured on a GPU (KERNEL_LOG.md v8 candidate), so off until a
-  tune picks it.
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 
@@ -54,7 +50,6 @@ class TileConfig:
     group_m: int = 8
     shrink_split_k: int = 1
     expand_lanes: int = 32
-    fuse_z_shrink: bool = False
     shrink_block_m: int = 16
 
 

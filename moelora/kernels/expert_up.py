@@ -16,11 +16,10 @@ import triton
 import triton.language as tl
 
 from ..activations import Activation
-from ..errors import InputError
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import block_rows, grouped_pid, lora_expand, lora_shrink_slice, mma, slots_per_dot
+from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
 
 
 @triton.jit
@@ -33,8 +32,6 @@ def _expert_up_kernel(
     slots_ptr,
     inter_ptr,
     lora_b_ptr,
-    inter2_ptr,
-    a2_ptr,
     sorted_pair_ids_ptr,
     block_experts_ptr,
     num_padded_ptr,
@@ -65,18 +62,11 @@ def _expert_up_kernel(
     stride_ls,
     stride_ln,
     stride_lr,
-    stride_2m,
-    stride_2r,
-    stride_al,
-    stride_ae,
-    stride_ar,
-    stride_ak,
     num_pid_m,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
-    SHRINK_Z: tl.constexpr,
     WEIGHT_INPUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -162,30 +152,9 @@ def _expert_up_kernel(
             acc_u += tl.load(
                 b_base + (gate_rows + up_offset) * stride_bn, mask=n_mask, other=0.0
             ).to(tl.float32)[None, :]
-    z = apply_act(acc_g, acc_u, ACT, alpha, limit).to(z_ptr.dtype.element_ty)
+    z = apply_act(acc_g, acc_u, ACT, alpha, limit)
     z_ptrs = z_ptr + pair[:, None].to(tl.int64) * stride_zm + offs_n[None, :] * stride_zn
-    tl.store(z_ptrs, z, mask=row_valid[:, None] & n_mask[None, :])
-    if SHRINK_Z:  # the down LoRA's shrink, this tile's share of I (the stored z values)
-        lora_shrink_slice(
-            z,
-            inter2_ptr,
-            stride_2m,
-            stride_2r,
-            pair,
-            slot,
-            num_slots,
-            a2_ptr + expert * stride_ae,
-            stride_al,
-            stride_ar,
-            stride_ak,
-            offs_n,
-            n_mask,
-            rank,
-            BLOCK_R,
-            SLOTS_PER_DOT,
-            UPCAST,
-            IEEE,
-        )
+    tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
 
 
 def expert_up(
@@ -208,17 +177,11 @@ def expert_up(
     num_warps: int = 4,
     num_stages: int = 3,
     expand_lanes: int = 32,
-    shrink_a: torch.Tensor | None = None,
-    shrink_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R]; topk_weights [T, K] only for weights_on_input.
-    Returns z [P, I] in x's dtype (padding and dropped pairs unwritten).
-
-    shrink_a [L, E, R, I] with shrink_out [P, R] fp32, zeroed by the caller (LoRA only): the
-    down LoRA's shrink of z is added into shrink_out too, each N tile its share of I
-    (instead of a separate lora_shrink of z)."""
+    Returns z [P, I] in x's dtype (padding and dropped pairs unwritten)."""
     num_tokens, hidden = x.shape
     parts = activation.width_factor
     num_experts, rows, _ = w13.shape
@@ -233,13 +196,6 @@ def expert_up(
         check_dtype_match("lora w13_b", lora_b, x)
         check_shape("LoRA intermediate", inter, (num_tokens * top_k, parts, lora_b.shape[4]))
     num_pairs = num_tokens * top_k
-    shrink_z = shrink_a is not None
-    if shrink_z:
-        if not has_lora:
-            raise InputError("shrink_a", "given without lora_b", "the LoRA B of w13 as well")
-        check_shape("lora w2_a", shrink_a, (lora_b.shape[0], num_experts, None, inter_size))
-        check_dtype_match("lora w2_a", shrink_a, x)
-        check_shape("down shrink output", shrink_out, (num_pairs, shrink_a.shape[2]))
     if out is None:
         out = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     swiglu = activation is Activation.SWIGLUOAI
@@ -257,8 +213,6 @@ def expert_up(
         slots_ptr=token_slots if has_lora else dummy,
         inter_ptr=inter if has_lora else dummy,
         lora_b_ptr=lora_b if has_lora else dummy,
-        inter2_ptr=shrink_out if shrink_z else dummy,
-        a2_ptr=shrink_a if shrink_z else dummy,
         sorted_pair_ids_ptr=aligned.sorted_pair_ids,
         block_experts_ptr=aligned.block_experts,
         num_padded_ptr=aligned.num_padded,
@@ -289,18 +243,11 @@ def expert_up(
         stride_ls=lora_b.stride(2) if has_lora else 0,
         stride_ln=lora_b.stride(3) if has_lora else 0,
         stride_lr=lora_b.stride(4) if has_lora else 0,
-        stride_2m=shrink_out.stride(0) if shrink_z else 0,
-        stride_2r=shrink_out.stride(1) if shrink_z else 0,
-        stride_al=shrink_a.stride(0) if shrink_z else 0,
-        stride_ae=shrink_a.stride(1) if shrink_z else 0,
-        stride_ar=shrink_a.stride(2) if shrink_z else 0,
-        stride_ak=shrink_a.stride(3) if shrink_z else 0,
         num_pid_m=aligned.num_blocks,
         GATED=activation.is_gated,
         ACT=act_code(activation),
         HAS_BIAS=b13 is not None,
         HAS_LORA=has_lora,
-        SHRINK_Z=shrink_z,
         WEIGHT_INPUT=topk_weights is not None,
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,

@@ -1,6 +1,5 @@
-"""One MoE + multi-LoRA expert layer from the launchers: align (+ LoRA shrink tiles) ->
-(shrink of x) -> up GEMM with LoRA and activation (+ the shrink of z when the config fuses
-it) -> (shrink of z) -> down GEMM with weighted LoRA -> top-k reduce.
+"""One MoE + multi-LoRA expert layer from the launchers: align (+ LoRA shrink tiles) -> (shrink) -> up GEMM with
+LoRA and activation -> (shrink of z) -> down GEMM with weighted LoRA -> top-k reduce.
 
 No host synchronisation and static shapes per T, so the whole call is CUDA-graph capturable
 (its workspaces come from the graph's private pool). Composition only: no policy here
@@ -69,10 +68,6 @@ def fused_moe_lora(
     num_pairs = num_tokens * top_k
 
     inter13 = inter2 = None
-    # down LoRA shrink fused into the up kernel's epilogue (a tile-config knob)
-    fuse_z = use_lora and cfg.fuse_z_shrink
-    if fuse_z:
-        inter2 = torch.zeros(num_pairs, lora.w2_a.shape[2], dtype=torch.float32, device=x.device)
     if use_lora:
         inter13 = lora_shrink(
             x,
@@ -105,10 +100,8 @@ def fused_moe_lora(
         num_warps=cfg.up.num_warps,
         num_stages=cfg.up.num_stages,
         expand_lanes=cfg.expand_lanes,
-        shrink_a=lora.w2_a if fuse_z else None,
-        shrink_out=inter2,
     )
-    if use_lora and not fuse_z:
+    if use_lora:
         inter2 = lora_shrink(
             z,
             lora.w2_a,
@@ -119,8 +112,8 @@ def fused_moe_lora(
             block_k=cfg.shrink_block_k,
             split_k=cfg.shrink_split_k,
         )
-    if use_lora and lora_comm is not None:
-        inter2 = lora_comm.reduce_rank(inter2.view(inter2.shape[0], -1))
+        if lora_comm is not None:
+            inter2 = lora_comm.reduce_rank(inter2.view(inter2.shape[0], -1))
     o = expert_down(
         z,
         experts.w2,
