@@ -3,7 +3,8 @@
 For each T (and LoRA off / on) a coordinate search from the heuristic config: the up
 kernel's tiles, then the down kernel's, then BLOCK_M halved / doubled; with LoRA the search
 also starts from the LoRA-free tiles and ends with the LoRA knobs (expand lanes, shrink
-tile rows, shrink K chunks). Each candidate is
+tile rows, shrink K chunks); every search then tries z in the sorted order, and with it the
+down GEMM's TMA tiles. Each candidate is
 the whole layer (alignment to y) under CUDA-graph replay with L2 flushed (the runner's
 timer, median of --iters replays), and its output must match the reference on the first
 rows, else it is dropped. The fastest candidate is kept; the table lists, per entry, the
@@ -140,8 +141,14 @@ def search(
         for knob, values in LORA_KNOBS.items():
             for v in values:
                 consider(dataclasses.replace(best, **{knob: v}))
+    # z layout, then TMA in the down GEMM (which needs the sorted layout)
+    consider(dataclasses.replace(best, z_sorted=not best.z_sorted, down_tma=False))
+    consider(dataclasses.replace(best, z_sorted=True, down_tma=True))
     print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
     return best, base_ms
+
+
+LAYOUT_KNOBS = ("z_sorted", "down_tma")  # both modes; written only when on
 
 
 def _knobs(cfg: TileConfig) -> dict:
@@ -151,8 +158,10 @@ def _knobs(cfg: TileConfig) -> dict:
 def _row(cfg: TileConfig, lora: bool) -> tuple:
     t = lambda g: (g.block_n, g.block_k, g.num_warps, g.num_stages)  # noqa: E731
     row = (cfg.block_m, t(cfg.up), t(cfg.down))
-    if lora:
-        row += (_knobs(cfg),)
+    knobs = _knobs(cfg) if lora else {}
+    knobs.update({k: True for k in LAYOUT_KNOBS if getattr(cfg, k)})
+    if knobs:
+        row += (knobs,)
     return row
 
 
@@ -163,7 +172,8 @@ def write_table(path: str, entries: list, header: dict) -> None:
         f"Run: {header['device']}, torch {header['torch']}, triton {header['triton']}, "
         f"commit {header['commit']}, {header['time']}.",
         "How chosen: per (shape, LoRA on/off, T) a coordinate search from the heuristic (up",
-        "tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs; LoRA rows also start",
+        "tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then z layout / TMA;",
+        "LoRA rows also start",
         "from the LoRA-free tiles); each candidate timed as the whole",
         f"layer under CUDA-graph replay, L2 flushed, median of {header['iters']} replays, output",
         "checked against the reference; fastest kept. A tuned T takes the committed bucket it",
@@ -171,7 +181,7 @@ def write_table(path: str, entries: list, header: dict) -> None:
         "Comments: starting config ms -> chosen ms at that T.",
         "",
         "(E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,",
-        "warps, stages), down (same)[, LoRA knobs]).",
+        "warps, stages), down (same)[, knobs]).",
         '"""',
         "",
         "H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {",

@@ -49,6 +49,7 @@ class Case:
     add_inputs: AddInputs = AddInputs.OVERWRITE
     lora: bool = True
     backend: str = "reference"
+    tiles: tuple = ()  # triton: (TileConfig field, value) pairs on top of the chosen config
 
 
 def _inputs(case: Case, seed: int):
@@ -72,6 +73,19 @@ def _inputs(case: Case, seed: int):
 
 
 def run_case(case: Case, seed: int) -> tuple[float, float]:
+    from moelora.kernels import moe_lora
+
+    pick = moe_lora.pick_config
+    if case.tiles:  # this process only: every triton forward takes these knobs
+        knobs = dict(case.tiles)
+        moe_lora.pick_config = lambda *a, **k: dataclasses.replace(pick(*a, **k), **knobs)
+    try:
+        return _run_case(case, seed)
+    finally:
+        moe_lora.pick_config = pick
+
+
+def _run_case(case: Case, seed: int) -> tuple[float, float]:
     shape, experts, bank, x, ids, wts, slots = _inputs(case, seed)
     lora_cfg = LoRAConfig(enabled=case.lora, max_rank=8, max_loras=3, add_inputs=case.add_inputs)
     deployment = Deployment(

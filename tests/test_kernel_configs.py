@@ -14,9 +14,7 @@ def test_table_row_knobs_override_the_rules(monkeypatch) -> None:
     key = (*QWEN3, True, 64)
     row = TileConfig(32, GemmTiles(64, 64), GemmTiles(64, 64))
     monkeypatch.setattr(configs, "H200_TABLE", {key: row})
-    monkeypatch.setattr(
-        configs, "H200_LORA_KNOBS", {key: {"expand_lanes": 32, "shrink_block_m": 64}}
-    )
+    monkeypatch.setattr(configs, "H200_KNOBS", {key: {"expand_lanes": 32, "shrink_block_m": 64}})
     cfg = pick_config(33, *QWEN3, lora=True)
     assert (cfg.block_m, cfg.expand_lanes, cfg.shrink_block_m) == (32, 32, 64)
     assert cfg.shrink_split_k == configs._shrink_split(33 * 8)  # not in the row: the rule
@@ -36,8 +34,21 @@ def test_off_table_shapes_take_the_heuristic_and_rules(tokens: int) -> None:
 
 
 def test_committed_table_knobs_are_valid() -> None:
-    for key, knobs in configs.H200_LORA_KNOBS.items():
-        assert set(knobs) <= {"expand_lanes", "shrink_block_m", "shrink_split_k"}
+    lora_knobs = {"expand_lanes", "shrink_block_m", "shrink_split_k"}
+    for key, knobs in configs.H200_KNOBS.items():
+        assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma"}, key
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key
-        assert not knobs or key[4], f"{key}: LoRA knobs on a LoRA-free row"
+        assert key[4] or not set(knobs) & lora_knobs, f"{key}: LoRA knobs on a LoRA-free row"
+        assert knobs.get("z_sorted", False) or not knobs.get("down_tma"), (
+            f"{key}: TMA needs z_sorted"
+        )
+
+
+def test_layout_knobs_apply_to_lora_free_rows(monkeypatch) -> None:
+    key = (*QWEN3, False, 64)
+    row = TileConfig(32, GemmTiles(64, 64), GemmTiles(64, 64))
+    monkeypatch.setattr(configs, "H200_TABLE", {key: row})
+    monkeypatch.setattr(configs, "H200_KNOBS", {key: {"z_sorted": True, "down_tma": True}})
+    cfg = pick_config(40, *QWEN3, lora=False)
+    assert (cfg.block_m, cfg.z_sorted, cfg.down_tma) == (32, True, True)

@@ -45,6 +45,8 @@ class Case:
     drop_ids: bool = False  # expert parallel: some ids outside [0, E)
     split_k: int = 1  # LoRA shrink K chunks (fp32 atomic adds into a zeroed intermediate)
     expand_lanes: int = 128  # K lanes of one expand dot: 128 // R slots per dot
+    z_sorted: bool = False  # z rows in the sorted pair order (contiguous per block)
+    down_tma: bool = False  # down GEMM's z and w2 tiles by TMA descriptors (z_sorted)
     extra: dict = field(default_factory=dict)
 
 
@@ -81,6 +83,21 @@ CASES = [
         expand_lanes=16,
     ),
     Case("expand-two-slots-per-dot", slots=(5, -1, 0, 4), ranks=(8,) * 6, expand_lanes=32),
+    # z in the sorted order, with and without TMA tile copies in the down GEMM
+    Case("z-sorted", z_sorted=True),
+    Case("z-sorted-split-k", z_sorted=True, hidden=96, inter=48, split_k=4),
+    Case("down-tma", down_tma=True),
+    Case(
+        "down-tma-swigluoai-bias-fp16",
+        act=A.SWIGLUOAI,
+        bias=True,
+        dtype=torch.float16,
+        down_tma=True,
+    ),
+    Case("down-tma-masked-tails", hidden=48, inter=48, act=A.GELU, down_tma=True),
+    Case("down-tma-decode-drop", experts=32, tokens=2, drop_ids=True, down_tma=True),
+    Case("down-tma-no-lora", ranks=None, down_tma=True),
+    Case("down-tma-multi-block", experts=2, top_k=1, tokens=40, down_tma=True),
     Case("slot-beyond-bank", slots=(0, 5, -1, 1, 3)),  # slots >= L: no adapter, as slot -1
     # P = 2400 > SINGLE_PROGRAM_PAIRS: alignment and shrink tiles in three launches
     Case("three-launch-align", tokens=300, top_k=8, experts=16, slots=(0, 1, 2, -1)),
@@ -142,6 +159,8 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             TILES,
             shrink_split_k=case.split_k,
             expand_lanes=case.expand_lanes,
+            z_sorted=case.z_sorted or case.down_tma,
+            down_tma=case.down_tma,
             shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
         ),
         weights_on_input=case.weights_on_input,

@@ -55,6 +55,13 @@ WORLD2 = [
         **TRITON,
     ),
     Case("triton-fs-tp2-add-inputs", tp=2, fully_sharded=True, add_inputs=AddInputs.ADD, **TRITON),
+    Case(
+        "triton-fs-tp2-down-tma",  # z in the sorted order, TMA tiles, under fully sharded
+        tp=2,
+        fully_sharded=True,
+        tiles=(("z_sorted", True), ("down_tma", True)),
+        **TRITON,
+    ),
     Case("triton-tp2-silu", tp=2, **TRITON),  # plain TP on triton: no collective inside
 ]
 WORLD4 = [

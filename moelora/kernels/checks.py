@@ -37,3 +37,20 @@ def check_dtype_match(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         raise InputError(name, f"dtype {t.dtype}", f"{like.dtype} (the dtype of x); cast it")
     if t.device != like.device:
         raise InputError(name, f"on {t.device}", f"on {like.device} (the device of x)")
+
+
+def tma_tiles_ok(
+    a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int
+) -> bool:
+    """Whether a [M, K] and b [E, N, K] can be read by TMA tile copies of [block_m, block_k]
+    and [1, block_n, block_k]: 16-byte aligned bases and strides, contiguous last dims,
+    power-of-two boxes of at most 256 per side, at least 16 bytes per box row."""
+    tensors_ok = all(
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+        for t in (a, b)
+    )
+    boxes = (block_m, block_n, block_k)
+    boxes_ok = all(v <= 256 and v & (v - 1) == 0 for v in boxes)
+    return tensors_ok and boxes_ok and block_k * a.element_size() >= 16

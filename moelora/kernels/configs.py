@@ -22,6 +22,11 @@
 - expand lanes (LoRA): 32 K lanes per expand dot (2 slots of rank 16): fewest lanes
   measured fastest at every T on the H200 (128 lanes, 8 slots per dot, was 1.3-1.6x
   slower at T >= 1024: idle lanes cost MMA and registers; KERNEL_LOG.md v7).
+- z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
+  shrink read contiguous rows instead of gathering them) and, with it, the down GEMM's z
+  and w2 tiles copied by the TMA (SGLang measured 10-40% on its down GEMM with both).
+  CPU-tested, not yet measured here (KERNEL_LOG.md, next steps), so off until a tune picks
+  them.
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 
@@ -50,6 +55,8 @@ class TileConfig:
     group_m: int = 8
     shrink_split_k: int = 1
     expand_lanes: int = 32
+    z_sorted: bool = False
+    down_tma: bool = False
     shrink_block_m: int = 16
 
 
@@ -58,9 +65,9 @@ def _from_row(row: tuple) -> TileConfig:
     return TileConfig(block_m, GemmTiles(*up), GemmTiles(*down))
 
 
-def _row_lora_knobs(row: tuple) -> dict:
-    """A LoRA row's measured shrink / expand knobs (its optional 4th element); knobs it does
-    not name come from the rules below."""
+def _row_knobs(row: tuple) -> dict:
+    """A row's measured knobs (its optional 4th element: LoRA shrink / expand knobs, z
+    layout, TMA); knobs it does not name come from the rules below."""
     return dict(row[3]) if len(row) > 3 else {}
 
 
@@ -69,8 +76,8 @@ def _row_lora_knobs(row: tuple) -> dict:
 H200_TABLE: dict[tuple[int, int, int, int, bool, int], TileConfig] = {
     key: _from_row(row) for key, row in H200_ROWS.items()
 }
-H200_LORA_KNOBS: dict[tuple[int, int, int, int, bool, int], dict] = {
-    key: _row_lora_knobs(row) for key, row in H200_ROWS.items()
+H200_KNOBS: dict[tuple[int, int, int, int, bool, int], dict] = {
+    key: _row_knobs(row) for key, row in H200_ROWS.items()
 }
 
 
@@ -123,13 +130,13 @@ def pick_config(
     cfg, knobs = None, {}
     for key, row in sorted(H200_TABLE.items(), key=lambda kv: kv[0][5]):
         if key[:5] == (num_experts, top_k, hidden, inter, lora) and num_tokens <= key[5]:
-            cfg, knobs = row, H200_LORA_KNOBS[key]
+            cfg, knobs = row, H200_KNOBS[key]
             break
     if cfg is None:
         m = num_tokens * top_k / num_experts
         cfg = _lora_heuristic(m) if lora else _heuristic(m)
     if not lora:
-        return cfg
+        return dataclasses.replace(cfg, **knobs)
     rules = dict(
         shrink_split_k=_shrink_split(num_tokens * top_k),
         shrink_block_m=_shrink_block_m(num_tokens * top_k / num_experts),

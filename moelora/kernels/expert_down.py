@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import InputError
 from .align import AlignedPairs
-from .checks import check_dtype_match, check_shape, precision_flags
+from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok
 from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
 
 
@@ -23,6 +24,8 @@ from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
 def _expert_down_kernel(
     z_ptr,
     w_ptr,
+    z_desc,
+    w_desc,
     b_ptr,
     o_ptr,
     topk_weights_ptr,
@@ -58,6 +61,8 @@ def _expert_down_kernel(
     num_pid_m,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    Z_SORTED: tl.constexpr,
+    TMA: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -81,7 +86,11 @@ def _expert_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    z_ptrs = z_ptr + pair[:, None].to(tl.int64) * stride_zm + offs_k[None, :] * stride_zk
+    if Z_SORTED:  # z rows in the sorted order: this block's rows are contiguous
+        z_row = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    else:
+        z_row = pair.to(tl.int64)
+    z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
     w_ptrs = (
         w_ptr
         + expert * stride_we
@@ -90,9 +99,14 @@ def _expert_down_kernel(
     )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
-        k_mask = (k0 + offs_k) < inter_size
-        zt = tl.load(z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        if TMA:  # tensor-memory-accelerator tile copies; out-of-range reads are zeros
+            zt = z_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
+            w = w.reshape(BLOCK_N, BLOCK_K).trans()
+        else:
+            k_mask = (k0 + offs_k) < inter_size
+            zt = tl.load(z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
         if UPCAST:
             zt = zt.to(tl.float32)
             w = w.to(tl.float32)
@@ -157,14 +171,23 @@ def expert_down(
     num_stages: int = 3,
     lora_n_offset: int = 0,
     expand_lanes: int = 32,
+    z_sorted: bool = False,
+    num_pairs: int | None = None,
+    tma: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """z [P, I], w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
+    """z [P, I] (z_sorted: [P_pad, I] in the sorted order, with num_pairs = P; tma: its
+    tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
     lora_b [L, E, H_b, R] holding o's columns [lora_n_offset, lora_n_offset + H_b) (the whole
     H by default; an H/tp slice under fully sharded LoRA); topk_weights [T, K] (None: weights
     were applied to the input). Returns o [P, H] in z's dtype (rows of dropped pairs
     unwritten)."""
-    num_pairs, inter_size = z.shape
+    inter_size = z.shape[1]
+    if not z_sorted:
+        num_pairs = z.shape[0]
+    elif num_pairs is None:
+        raise InputError("num_pairs", "None with z_sorted", "T * K (z rows are sorted slots)")
+    check_shape("z", z, (aligned.sorted_pair_ids.shape[0] if z_sorted else num_pairs, None))
     num_experts, hidden, _ = w2.shape
     check_shape("w2", w2, (num_experts, hidden, inter_size))
     check_dtype_match("w2", w2, z)
@@ -187,10 +210,19 @@ def expert_down(
     block_r = max(16, triton.next_power_of_2(rank))
     dummy = z  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(z)
+    block_m = aligned.block_m
+    use_tma = tma and z_sorted and tma_tiles_ok(z, w2, block_m, block_n, block_k)
+    if use_tma:
+        z_desc = TensorDescriptor(z, list(z.shape), list(z.stride()), [block_m, block_k])
+        w_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [1, block_n, block_k])
+    else:
+        z_desc = w_desc = z  # never read: TMA off
     grid = (aligned.num_blocks * triton.cdiv(hidden, block_n),)
     _expert_down_kernel[grid](
         z_ptr=z,
         w_ptr=w2,
+        z_desc=z_desc,
+        w_desc=w_desc,
         b_ptr=b2 if b2 is not None else dummy,
         o_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
@@ -226,6 +258,8 @@ def expert_down(
         num_pid_m=aligned.num_blocks,
         HAS_BIAS=b2 is not None,
         HAS_LORA=has_lora,
+        Z_SORTED=z_sorted,
+        TMA=use_tma,
         MUL_WEIGHT=topk_weights is not None,
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,

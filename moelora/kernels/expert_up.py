@@ -68,6 +68,7 @@ def _expert_up_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     WEIGHT_INPUT: tl.constexpr,
+    Z_SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -153,7 +154,11 @@ def _expert_up_kernel(
                 b_base + (gate_rows + up_offset) * stride_bn, mask=n_mask, other=0.0
             ).to(tl.float32)[None, :]
     z = apply_act(acc_g, acc_u, ACT, alpha, limit)
-    z_ptrs = z_ptr + pair[:, None].to(tl.int64) * stride_zm + offs_n[None, :] * stride_zn
+    if Z_SORTED:  # row = the pair's place in the sorted order (contiguous per block)
+        z_row = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    else:
+        z_row = pair.to(tl.int64)
+    z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_n[None, :] * stride_zn
     tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
 
 
@@ -177,11 +182,14 @@ def expert_up(
     num_warps: int = 4,
     num_stages: int = 3,
     expand_lanes: int = 32,
+    z_sorted: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R]; topk_weights [T, K] only for weights_on_input.
-    Returns z [P, I] in x's dtype (padding and dropped pairs unwritten)."""
+    Returns z [P, I] in x's dtype (padding and dropped pairs unwritten); z_sorted: z
+    [P_pad, I] with a pair's row at its place in aligned.sorted_pair_ids (each block's rows
+    contiguous, for the down GEMM's tile loads), padding rows unwritten."""
     num_tokens, hidden = x.shape
     parts = activation.width_factor
     num_experts, rows, _ = w13.shape
@@ -196,8 +204,10 @@ def expert_up(
         check_dtype_match("lora w13_b", lora_b, x)
         check_shape("LoRA intermediate", inter, (num_tokens * top_k, parts, lora_b.shape[4]))
     num_pairs = num_tokens * top_k
+    z_rows = aligned.sorted_pair_ids.shape[0] if z_sorted else num_pairs
     if out is None:
-        out = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+        out = torch.empty(z_rows, inter_size, dtype=x.dtype, device=x.device)
+    check_shape("z", out, (z_rows, inter_size))
     swiglu = activation is Activation.SWIGLUOAI
     rank = lora_b.shape[4] if has_lora else 1
     block_r = max(16, triton.next_power_of_2(rank))
@@ -249,6 +259,7 @@ def expert_up(
         HAS_BIAS=b13 is not None,
         HAS_LORA=has_lora,
         WEIGHT_INPUT=topk_weights is not None,
+        Z_SORTED=z_sorted,
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

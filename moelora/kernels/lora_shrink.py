@@ -58,6 +58,7 @@ def _lora_shrink_kernel(
     BLOCK_R: tl.constexpr,
     PARTS_PER_PROG: tl.constexpr,
     SPLIT: tl.constexpr,
+    ROWS_SORTED: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -75,7 +76,10 @@ def _lora_shrink_kernel(
     offs_m = start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < end
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
-    row = (pair // row_div).to(tl.int64)
+    if ROWS_SORTED:  # input rows in the sorted order (z of a z_sorted up GEMM)
+        row = offs_m.to(tl.int64)
+    else:
+        row = (pair // row_div).to(tl.int64)
     # lanes: (part, r) of the parts this program covers
     offs_q = tl.arange(0, PARTS_PER_PROG * BLOCK_R)
     q_part = tl.program_id(1) * PARTS_PER_PROG + offs_q // BLOCK_R
@@ -120,7 +124,7 @@ def lora_shrink(
     aligned: AlignedPairs,
     *,
     num_pairs: int,
-    rows_are_tokens: bool,
+    rows: str,
     top_k: int,
     block_k: int,
     split_k: int = 1,
@@ -128,7 +132,8 @@ def lora_shrink(
     num_stages: int = 3,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """inp: x [T, H] (rows_are_tokens) or z [P, I]; lora_a [L, E, S, R, in] (w13) or
+    """inp: x [T, H] (rows "tokens"), z [P, I] (rows "pairs") or z [P_pad, I] in the sorted
+    order (rows "sorted"); lora_a [L, E, S, R, in] (w13) or
     [L, E, R, in] (w2, S = 1); aligned: with its LoRA tiles (align_pairs(lora_tile_m=...)).
     Returns inter [P, S, R] fp32; rows of slot -1 unwritten (zero when split_k > 1: the
     intermediate is zeroed for the atomic adds)."""
@@ -140,8 +145,14 @@ def lora_shrink(
     _, _, parts, rank, k_dim = a5.shape
     check_shape("lora A", a5, (None, None, parts, rank, inp.shape[1]))
     check_dtype_match("lora A", a5, inp)
-    rows = num_pairs // top_k if rows_are_tokens else num_pairs
-    check_shape("LoRA shrink input", inp, (rows, k_dim))
+    want_rows = {
+        "tokens": num_pairs // top_k,
+        "pairs": num_pairs,
+        "sorted": aligned.sorted_pair_ids.shape[0],
+    }
+    if rows not in want_rows:
+        raise InputError("rows", repr(rows), "'tokens', 'pairs' or 'sorted'")
+    check_shape("LoRA shrink input", inp, (want_rows[rows], k_dim))
     # K chunks of whole BLOCK_K tiles; chunks past the end leave their programs idle.
     k_chunk = triton.cdiv(triton.cdiv(k_dim, max(1, split_k)), block_k) * block_k
     split = triton.cdiv(k_dim, k_chunk)
@@ -162,7 +173,7 @@ def lora_shrink(
         sorted_pair_ids_ptr=aligned.sorted_pair_ids,
         tiles_ptr=aligned.lora_tiles,
         num_tiles_ptr=aligned.num_lora_tiles,
-        row_div=top_k if rows_are_tokens else 1,
+        row_div=top_k if rows == "tokens" else 1,
         parts=parts,
         rank=rank,
         k_dim=k_dim,
@@ -182,6 +193,7 @@ def lora_shrink(
         BLOCK_R=block_r,
         PARTS_PER_PROG=per_prog,
         SPLIT=split > 1,
+        ROWS_SORTED=rows == "sorted",
         UPCAST=upcast,
         IEEE=ieee,
         num_warps=num_warps,

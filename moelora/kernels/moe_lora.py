@@ -74,7 +74,7 @@ def fused_moe_lora(
             lora.w13_a,
             aligned,
             num_pairs=num_pairs,
-            rows_are_tokens=True,
+            rows="tokens",
             top_k=top_k,
             block_k=cfg.shrink_block_k,
             split_k=cfg.shrink_split_k,
@@ -100,6 +100,7 @@ def fused_moe_lora(
         num_warps=cfg.up.num_warps,
         num_stages=cfg.up.num_stages,
         expand_lanes=cfg.expand_lanes,
+        z_sorted=cfg.z_sorted,
     )
     if use_lora:
         inter2 = lora_shrink(
@@ -107,7 +108,7 @@ def fused_moe_lora(
             lora.w2_a,
             aligned,
             num_pairs=num_pairs,
-            rows_are_tokens=False,
+            rows="sorted" if cfg.z_sorted else "pairs",
             top_k=top_k,
             block_k=cfg.shrink_block_k,
             split_k=cfg.shrink_split_k,
@@ -131,6 +132,9 @@ def fused_moe_lora(
         num_stages=cfg.down.num_stages,
         lora_n_offset=lora_comm.hidden_offset if lora_comm is not None else 0,
         expand_lanes=cfg.expand_lanes,
+        z_sorted=cfg.z_sorted,
+        num_pairs=num_pairs,
+        tma=cfg.down_tma,
     )
     return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
 
