@@ -159,7 +159,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             TILES,
             shrink_split_k=case.split_k,
             expand_lanes=case.expand_lanes,
-            z_sorted=case.z_sorted or case.down_tma,
+            z_sorted=case.z_sorted,
             down_tma=case.down_tma,
             shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
         ),

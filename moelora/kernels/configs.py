@@ -23,8 +23,8 @@
   measured fastest at every T on the H200 (128 lanes, 8 slots per dot, was 1.3-1.6x
   slower at T >= 1024: idle lanes cost MMA and registers; KERNEL_LOG.md v7).
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
-  shrink read contiguous rows instead of gathering them) and, with it, the down GEMM's z
-  and w2 tiles copied by the TMA (SGLang measured 10-40% on its down GEMM with both).
+  shrink read contiguous rows instead of gathering them) and the down GEMM's z and w2
+  tiles copied by the TMA (down_tma implies z_sorted) (SGLang measured 10-40% on its down GEMM with both).
   CPU-tested, not yet measured here (KERNEL_LOG.md, next steps), so off until a tune picks
   them.
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).

@@ -62,6 +62,7 @@ def fused_moe_lora(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     slots = token_slots.to(torch.int32).contiguous() if use_lora else None
+    z_sorted = cfg.z_sorted or cfg.down_tma  # the TMA tiles of z need the sorted rows
     aligned = align_pairs(
         topk_ids, slots, num_experts, num_slots, cfg.block_m, cfg.shrink_block_m if use_lora else 0
     )
@@ -100,7 +101,7 @@ def fused_moe_lora(
         num_warps=cfg.up.num_warps,
         num_stages=cfg.up.num_stages,
         expand_lanes=cfg.expand_lanes,
-        z_sorted=cfg.z_sorted,
+        z_sorted=z_sorted,
     )
     if use_lora:
         inter2 = lora_shrink(
@@ -108,7 +109,7 @@ def fused_moe_lora(
             lora.w2_a,
             aligned,
             num_pairs=num_pairs,
-            rows="sorted" if cfg.z_sorted else "pairs",
+            rows="sorted" if z_sorted else "pairs",
             top_k=top_k,
             block_k=cfg.shrink_block_k,
             split_k=cfg.shrink_split_k,
@@ -132,7 +133,7 @@ def fused_moe_lora(
         num_stages=cfg.down.num_stages,
         lora_n_offset=lora_comm.hidden_offset if lora_comm is not None else 0,
         expand_lanes=cfg.expand_lanes,
-        z_sorted=cfg.z_sorted,
+        z_sorted=z_sorted,
         num_pairs=num_pairs,
         tma=cfg.down_tma,
     )
