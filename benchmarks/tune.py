@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import re
 import time
 
 import torch
@@ -32,6 +34,8 @@ from moelora.presets import resolve_model
 from moelora.reference import moe_lora_reference
 
 from .runner import commit, time_graph
+
+TABLE_FILE = os.path.join(os.path.dirname(__file__), "..", "moelora", "kernels", "h200_table.py")
 
 # Candidates (BLOCK_N, BLOCK_K, num_warps, num_stages). Gated up tiles hold gate and up
 # accumulators, so an up BLOCK_N of 128 is a 256-wide N tile (vLLM's H200 choice for this
@@ -166,19 +170,20 @@ def _row(cfg: TileConfig, lora: bool) -> tuple:
 
 
 def write_table(path: str, entries: list, header: dict) -> None:
+    """entries: (key, row, T, start ms, chosen ms, note); T = 0 marks a kept row whose note
+    is its old comment."""
     lines = [
         '"""H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.',
         "",
-        f"Run: {header['device']}, torch {header['torch']}, triton {header['triton']}, "
-        f"commit {header['commit']}, {header['time']}.",
-        "How chosen: per (shape, LoRA on/off, T) a coordinate search from the heuristic (up",
-        "tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then z layout / TMA;",
-        "LoRA rows also start",
-        "from the LoRA-free tiles); each candidate timed as the whole",
-        f"layer under CUDA-graph replay, L2 flushed, median of {header['iters']} replays, output",
-        "checked against the reference; fastest kept. A tuned T takes the committed bucket it",
-        "falls in, else one from the geometric mean of its T and the previous tuned T.",
-        "Comments: starting config ms -> chosen ms at that T.",
+        f"Last run: {header['device']}, torch {header['torch']}, triton {header['triton']}, "
+        f"commit {header['commit']}, {header['time']}; each row's comment names the run that",
+        "chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the",
+        "heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then",
+        "z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed",
+        f"as the whole layer under CUDA-graph replay, L2 flushed, median of {header['iters']}",
+        "replays, output checked against the reference; fastest kept. A tuned T takes the",
+        "committed bucket it falls in, else one from the geometric mean of its T and the",
+        "previous tuned T. Comments: starting config ms -> chosen ms at that T.",
         "",
         "(E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,",
         "warps, stages), down (same)[, knobs]).",
@@ -186,12 +191,27 @@ def write_table(path: str, entries: list, header: dict) -> None:
         "",
         "H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {",
     ]
-    for key, row, t, h_ms, ms in sorted(entries, key=lambda e: (e[0][4], e[0][5])):
-        note = f"T={t}: {h_ms:.4f} -> {ms:.4f} ms" if t else f"kept from {header['kept']}"
+    for key, row, t, h_ms, ms, note in sorted(entries, key=lambda e: (e[0][4], e[0][5])):
+        if t:
+            note = f"T={t}: {h_ms:.4f} -> {ms:.4f} ms ({header['commit']} run)"
         lines.append(f"    {key!r}: {row!r},  # {note}")
     lines.append("}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def committed_notes(path: str = TABLE_FILE) -> dict:
+    """Each row's comment in a table file (which run chose it): rows are written one
+    comment each, in the file's dict order."""
+    with open(path) as f:
+        text = f.read()
+    scope: dict = {}
+    exec(compile(text, path, "exec"), scope)  # the table is a plain dict literal
+    rows = scope["H200_ROWS"]
+    notes = re.findall(r"\),  # (.*)\n", text)
+    if len(notes) != len(rows):
+        return {k: "kept from the committed table" for k in rows}
+    return dict(zip(rows, notes))
 
 
 def main() -> int:
@@ -237,15 +257,16 @@ def main() -> int:
     # Rows of the committed table for this shape that this run does not re-tune are kept
     # (noted as such), and a tuned T takes the committed bucket it falls in, if any.
     committed = {k: r for k, r in H200_ROWS.items() if k[:4] == dims}
-    header["kept"] = f"the committed table before this run ({args.model})"
 
     def key_of(t: int, on: bool) -> tuple:
         ups = sorted(k[5] for k in committed if k[4] == on)
         return (*dims, on, next((u for u in ups if t <= u), bound[t]))
 
+    notes = committed_notes()
+
     def rows() -> list:
         tuned = {e[0] for e in entries}
-        kept = [(k, r, 0, 0.0, 0.0) for k, r in committed.items() if k not in tuned]
+        kept = [(k, r, 0, 0.0, 0.0, notes[k]) for k, r in committed.items() if k not in tuned]
         return entries + kept
 
     for t in tokens:
@@ -266,7 +287,7 @@ def main() -> int:
             if any(e[0] == key for e in entries):  # two tuned T in one committed bucket
                 print(f"    T={t} falls in the bucket of an earlier T here: not written")
                 continue
-            entries.append((key, _row(best, on), t, h_ms, ms))
+            entries.append((key, _row(best, on), t, h_ms, ms, ""))
             write_table(args.out, rows(), header)  # after each step: a timeout keeps it
         del layer
     if args.json:
