@@ -10,23 +10,24 @@
   Gated up kernels hold two accumulators, so their BLOCK_N is half the down kernel's.
 - num_warps 4 / 8 and num_stages 3 / 4: Triton tutorial defaults for these tile sizes.
 - shrink split-K (LoRA): 8 / 4 / 2 / 1 K chunks for P = T*K pairs <= 2048 / 8192 / 32768 /
-  above, so the shrink grid (about one program per aligned block) reaches thousands of
-  programs at small T, while the fp32 atomic traffic (P * S*R * 4 bytes per chunk) stays a
-  few MB. Predicted from the v5 numbers, then measured on the H200 against split 1 in one
-  run (KERNEL_LOG.md v6: +LoRA T=64 0.375 vs 0.420 ms, 1024 0.641 vs 0.652, 4096 1.219 vs
-  1.226); applied on top of table entries (the table's runs predate it).
+  above, so the shrink grid reaches thousands of programs at small T while the fp32
+  atomic traffic (P * S*R * 4 bytes per chunk) stays a few MB. Predicted from the v5
+  numbers, then measured on the H200 against split 1 in one run (KERNEL_LOG.md v6: +LoRA
+  T=64 0.375 vs 0.420 ms, 1024 0.641 vs 0.652, 4096 1.219 vs 1.226). Table rows that name
+  their own split (the v7 tunes) override it.
 - shrink tile rows (LoRA): a shrink tile is a run of one (expert, slot) bucket, m/L rows
   on average with m pairs per expert and L adapters in use; 16 rows (the smallest dot) up
   to m = 256, 32 up to 1024, then 64, so a bucket is one or two tiles at 8 adapters.
-  Reasoned, then measured on the H200 (KERNEL_LOG.md v7).
-- expand lanes (LoRA): 32 K lanes per expand dot (2 slots of rank 16): fewest lanes
-  measured fastest at every T on the H200 (128 lanes, 8 slots per dot, was 1.3-1.6x
-  slower at T >= 1024: idle lanes cost MMA and registers; KERNEL_LOG.md v7).
+  Reasoned; the H200 tunes chose 16-64 per T (KERNEL_LOG.md v7).
+- expand lanes (LoRA): 32 K lanes per expand dot (2 slots of rank 16). In the v7 tunes on
+  the H200, 128 lanes (8 slots per dot) were 1.3-1.6x slower at T >= 1024 (idle lanes cost
+  MMA and registers), 64 lost to 32 everywhere but T = 1024, and 16 and 32 each won at
+  some T (table rows keep their own).
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
-  shrink read contiguous rows instead of gathering them) and the down GEMM's z and w2
-  tiles copied by the TMA (down_tma implies z_sorted) (SGLang measured 10-40% on its down GEMM with both).
-  CPU-tested, not yet measured here (KERNEL_LOG.md, next steps), so off until a tune picks
-  them.
+  shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
+  tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
+  GEMM with both). CPU-tested, not yet measured here (KERNEL_LOG.md, "Next"), so off
+  until a tune picks them.
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 
