@@ -17,7 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok
-from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
+from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
 
 
 @triton.jit
@@ -86,10 +86,7 @@ def _expert_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    if Z_SORTED:  # z rows in the sorted order: this block's rows are contiguous
-        z_row = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    else:
-        z_row = pair.to(tl.int64)
+    z_row = z_rows(pid_m, pair, BLOCK_M, Z_SORTED)
     z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
     w_ptrs = (
         w_ptr

@@ -19,7 +19,7 @@ from ..activations import Activation
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot
+from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
 
 
 @triton.jit
@@ -154,10 +154,7 @@ def _expert_up_kernel(
                 b_base + (gate_rows + up_offset) * stride_bn, mask=n_mask, other=0.0
             ).to(tl.float32)[None, :]
     z = apply_act(acc_g, acc_u, ACT, alpha, limit)
-    if Z_SORTED:  # row = the pair's place in the sorted order (contiguous per block)
-        z_row = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    else:
-        z_row = pair.to(tl.int64)
+    z_row = z_rows(pid_m, pair, BLOCK_M, Z_SORTED)
     z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_n[None, :] * stride_zn
     tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
 

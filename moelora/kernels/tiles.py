@@ -45,6 +45,15 @@ def block_rows(
 
 
 @triton.jit
+def z_rows(pid_m, pair, BLOCK_M: tl.constexpr, Z_SORTED: tl.constexpr):
+    """int64 row of z for each row of block pid_m: its place in the sorted order
+    (Z_SORTED: a block's rows are contiguous) or its pair index."""
+    if Z_SORTED:
+        return (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return pair.to(tl.int64)
+
+
+@triton.jit
 def mma(a, b, acc, IEEE: tl.constexpr):
     """acc += a @ b; IEEE keeps fp32 operands exact (no tf32) for fp32 inputs."""
     if IEEE:
