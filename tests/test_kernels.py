@@ -47,6 +47,7 @@ class Case:
     expand_lanes: int = 128  # K lanes of one expand dot: 128 // R slots per dot
     z_sorted: bool = False  # z rows in the sorted pair order (contiguous per block)
     down_tma: bool = False  # down GEMM's z and w2 tiles by TMA descriptors (z_sorted)
+    decode: bool = False  # the decode path: GEMV kernels from the top-k ids, no alignment
     extra: dict = field(default_factory=dict)
 
 
@@ -104,6 +105,20 @@ CASES = [
     # shrink tiles: buckets of ~20 pairs -> two 16-row tiles each; 32-row tiles
     Case("shrink-two-tiles-per-bucket", experts=2, top_k=1, tokens=80, slots=(0, 1)),
     Case("shrink-tile-32-rows", experts=2, top_k=2, tokens=40, slots=(0, -1), extra={"tm": 32}),
+    # the decode path (GEMV up with the z shrink by atomics, down with the top-k sum)
+    *[Case(f"decode-act-{a.value}", act=a, decode=True) for a in Activation],
+    Case("decode-T1", tokens=1, slots=(2,), decode=True),
+    Case(
+        "decode-swigluoai-bias-fp16", act=A.SWIGLUOAI, bias=True, dtype=torch.float16, decode=True
+    ),
+    Case("decode-weights-on-input", top_k=1, weights_on_input=True, bias=True, decode=True),
+    Case("decode-drop-ids", drop_ids=True, decode=True),  # ids -1 / >= E contribute nothing
+    Case("decode-rank-not-pow2", ranks=(24, 8), max_rank=24, slots=(1, 0, -1), decode=True),
+    Case("decode-slot-minus1-only", slots=(-1,), decode=True),
+    Case("decode-slot-beyond-bank", slots=(0, 5, -1, 1, 3), decode=True),
+    Case("decode-no-lora-bank", ranks=None, bias=True, decode=True),
+    Case("decode-masked-tails", hidden=48, inter=40, act=A.GELU, decode=True),  # 2 K steps
+    Case("decode-K-eq-E-odd-K", experts=3, top_k=3, decode=True),  # K not a power of two
 ]
 
 
@@ -162,6 +177,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             z_sorted=case.z_sorted,
             down_tma=case.down_tma,
             shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
+            decode=case.decode,
         ),
         weights_on_input=case.weights_on_input,
     )
@@ -192,6 +208,17 @@ def test_backend_add_inputs(mode: AddInputs, seed: int) -> None:
     assert got is out
     want = ref + prior if mode is AddInputs.ADD else ref
     assert_close(out, want, what=mode.value)
+
+
+def test_decode_add_into_out(seed: int) -> None:
+    """The decode path's down kernel adds into `out` (add=True) as the aligned path does."""
+    shape, experts, lora, x, ids, weights, slots = _inputs(Case("dec-add", bias=True), seed)
+    ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
+    prior = torch.randn_like(x)
+    out = prior.clone()
+    cfg = dataclasses.replace(TILES, decode=True)
+    fused_moe_lora(x, ids, weights, slots, experts, lora, shape, out=out, add=True, config=cfg)
+    assert_close(out, ref + prior, what="decode add")
 
 
 ALIGN_CASES = [  # (T, K, E, L, BLOCK_M, id)

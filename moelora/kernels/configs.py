@@ -59,6 +59,7 @@ class TileConfig:
     z_sorted: bool = False
     down_tma: bool = False
     shrink_block_m: int = 16
+    decode: bool = False  # the decode path (no alignment; up/down tiles are its GEMV tiles)
 
 
 def _from_row(row: tuple) -> TileConfig:

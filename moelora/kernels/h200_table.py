@@ -1,18 +1,16 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Runs: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-30, one row per tune run as
-each row's comment says: e30482d (`tune --tokens 1,16`: T = 1 and 16, with and without
-LoRA), b8a648a (`tune --lora-only`: the other LoRA rows; that run's stamp read 83e8460
-from the device's stale git metadata, and its extra expand_fp16 knob never won and is
-gone, KERNEL_LOG.md v7), 9db1f65 (the other LoRA-free rows; base kernels unchanged since).
-How chosen: per (shape, LoRA on/off, T) a coordinate search from the heuristic (up
-tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs; LoRA rows also start
-from the LoRA-free tiles); each candidate timed as the whole layer under CUDA-graph
-replay, L2 flushed, median of 20 replays, output checked against the reference; fastest
-kept. Comments: the run's starting config ms -> chosen ms at that T.
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 9dbd42c, 2026-11-30; each row's comment names the run that
+chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
+heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
+z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
+as the whole layer under CUDA-graph replay, L2 flushed, median of 20
+replays, output checked against the reference; fastest kept. A tuned T takes the
+committed bucket it falls in, else one from the geometric mean of its T and the
+previous tuned T. Comments: starting config ms -> chosen ms at that T.
 
 (E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,
-warps, stages), down (same)[, LoRA knobs]).
+warps, stages), down (same)[, knobs]).
 """
 
 H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
@@ -28,13 +26,24 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
     ),  # T=16: 0.2320 -> 0.2275 ms (e30482d run)
     (128, 8, 2048, 768, False, 128): (16, (64, 256, 4, 2), (64, 128, 4, 3)),  # kept from 9db1f65
     (128, 8, 2048, 768, False, 512): (32, (64, 128, 4, 2), (256, 128, 8, 2)),  # kept from 9db1f65
-    (128, 8, 2048, 768, False, 2048): (128, (128, 64, 8, 4), (256, 64, 8, 4)),  # kept from 9db1f65
-    (128, 8, 2048, 768, False, 8192): (128, (128, 64, 8, 4), (256, 64, 8, 4)),  # kept from 9db1f65
+    (128, 8, 2048, 768, False, 2048): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True},
+    ),  # T=1024: 0.3927 -> 0.3892 ms (9dbd42c run)
+    (128, 8, 2048, 768, False, 8192): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True},
+    ),  # T=4096: 0.7855 -> 0.7594 ms (9dbd42c run)
     (128, 8, 2048, 768, False, 2147483647): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 3),
-    ),  # kept from 9db1f65
+        {"z_sorted": True, "down_tma": True},
+    ),  # T=16384: 2.5448 -> 2.4301 ms (9dbd42c run)
     (128, 8, 2048, 768, True, 4): (
         16,
         (32, 128, 4, 4),
@@ -63,18 +72,30 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
-        {"expand_lanes": 32, "shrink_block_m": 16, "shrink_split_k": 4},
-    ),  # T=1024: 0.6373 -> 0.5896 ms (b8a648a run)
+        {"expand_lanes": 64, "shrink_block_m": 16, "shrink_split_k": 4},
+    ),  # T=1024: 0.5925 -> 0.5919 ms (9dbd42c run)
     (128, 8, 2048, 768, True, 8192): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
-        {"expand_lanes": 32, "shrink_block_m": 64, "shrink_split_k": 1},
-    ),  # T=4096: 1.0552 -> 1.0497 ms (b8a648a run)
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 32,
+            "shrink_split_k": 1,
+            "z_sorted": True,
+            "down_tma": True,
+        },
+    ),  # T=4096: 1.0505 -> 1.0252 ms (9dbd42c run)
     (128, 8, 2048, 768, True, 2147483647): (
         128,
         (128, 64, 8, 3),
         (256, 64, 8, 4),
-        {"expand_lanes": 16, "shrink_block_m": 64, "shrink_split_k": 1},
-    ),  # T=16384: 3.2886 -> 3.1221 ms (b8a648a run)
+        {
+            "expand_lanes": 16,
+            "shrink_block_m": 64,
+            "shrink_split_k": 1,
+            "z_sorted": True,
+            "down_tma": True,
+        },
+    ),  # T=16384: 3.0994 -> 3.0536 ms (9dbd42c run)
 }

@@ -1,5 +1,7 @@
 """One MoE + multi-LoRA expert layer from the launchers: align (+ LoRA shrink tiles) -> (shrink) -> up GEMM with
 LoRA and activation -> (shrink of z) -> down GEMM with weighted LoRA -> top-k reduce.
+With a decode config (a few tokens): (shrink of x) -> up GEMV with LoRA, activation and
+the z shrink -> down GEMV with weighted LoRA and the top-k sum: no alignment, 2-3 launches.
 
 No host synchronisation and static shapes per T, so the whole call is CUDA-graph capturable
 (its workspaces come from the graph's private pool). Composition only: no policy here
@@ -21,6 +23,9 @@ from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
 from .align import align_pairs
 from .configs import TileConfig, pick_config
+from .decode_down import decode_down
+from .decode_shrink import decode_shrink
+from .decode_up import decode_up
 from .expert_down import expert_down
 from .expert_up import expert_up
 from .lora_shrink import lora_shrink
@@ -62,6 +67,21 @@ def fused_moe_lora(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     slots = token_slots.to(torch.int32).contiguous() if use_lora else None
+    if cfg.decode:
+        return _decode_forward(
+            x,
+            topk_ids,
+            topk_weights,
+            slots,
+            experts,
+            lora if use_lora else None,
+            shape,
+            cfg,
+            weights_on_input=weights_on_input,
+            out=out,
+            add=add,
+            lora_comm=lora_comm,
+        )
     z_sorted = cfg.z_sorted or cfg.down_tma  # the TMA tiles of z need the sorted rows
     aligned = align_pairs(
         topk_ids, slots, num_experts, num_slots, cfg.block_m, cfg.shrink_block_m if use_lora else 0
@@ -138,6 +158,69 @@ def fused_moe_lora(
         tma=cfg.down_tma,
     )
     return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
+
+
+def _decode_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slots: torch.Tensor | None,
+    experts: ExpertWeights,
+    lora: LoRABank | None,
+    shape: MoEShape,
+    cfg: TileConfig,
+    *,
+    weights_on_input: bool,
+    out: torch.Tensor | None,
+    add: bool,
+    lora_comm: LoRAComm | None,
+) -> torch.Tensor:
+    """The decode path (fused_moe_lora's arguments, slots int32 or None without LoRA)."""
+    inter13 = z_inter = None
+    if lora is not None:
+        inter13, z_inter = decode_shrink(
+            x, lora.w13_a, topk_ids, slots, experts.w13.shape[0], lora.w2_a.shape[2]
+        )
+        if lora_comm is not None:
+            inter13 = _gather_parts(inter13, lora_comm)
+    z = decode_up(
+        x,
+        experts.w13,
+        experts.b13,
+        topk_ids,
+        activation=shape.activation,
+        alpha=shape.swiglu_alpha,
+        limit=shape.swiglu_limit,
+        topk_weights=topk_weights if weights_on_input else None,
+        token_slots=slots,
+        inter=inter13,
+        lora_b=lora.w13_b if lora is not None else None,
+        lora_a2=lora.w2_a if lora is not None else None,
+        z_inter=z_inter,
+        block_n=cfg.up.block_n,
+        block_k=cfg.up.block_k,
+        num_warps=cfg.up.num_warps,
+        num_stages=cfg.up.num_stages,
+    )
+    if lora_comm is not None and z_inter is not None:
+        z_inter = lora_comm.reduce_rank(z_inter)
+    return decode_down(
+        z,
+        experts.w2,
+        experts.b2,
+        topk_ids,
+        topk_weights=None if weights_on_input else topk_weights,
+        token_slots=slots,
+        z_inter=z_inter,
+        lora_b=lora.w2_b if lora is not None else None,
+        lora_n_offset=lora_comm.hidden_offset if lora_comm is not None else 0,
+        block_n=cfg.down.block_n,
+        block_k=cfg.down.block_k,
+        num_warps=cfg.down.num_warps,
+        num_stages=cfg.down.num_stages,
+        out=out,
+        add=add,
+    )
 
 
 def _gather_parts(inter: torch.Tensor, comm: LoRAComm) -> torch.Tensor:

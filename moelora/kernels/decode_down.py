@@ -1,0 +1,232 @@
+"""Decode-path down GEMV with the top-k reduction fused: y[t, n] = sum over the token's K
+pairs of w_j * (z[p] @ w2[e_j]^T + LoRA expand (+ b2)), one program per (token, BLOCK_N
+columns of H), straight from the top-k ids (no alignment, no [P, H] intermediate, no
+reduce launch).
+
+A program loads a [K, BLOCK_N, BLOCK_K] tile per step (BLOCK_N rows of each of the
+token's K experts), so a token's whole down read is in flight in few steps even when
+H / BLOCK_N programs do not fill the GPU. Sums in fp32; the output is rounded once.
+
+LoRA: the z-shrink intermediate z_inter [P, R] (fp32, added up by the decode up kernel)
+times B2 rows, in fp32. B2 may hold only the columns [lora_n_offset, + its rows) of y
+(fully sharded LoRA: this rank's H slice); other columns get no delta.
+Pairs routed outside [0, E) contribute nothing.
+
+Legend: T tokens, K top-k, P = T*K pairs, E experts, H hidden, I intermediate, R rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import InputError
+from .checks import check_dtype_match, check_shape
+
+MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
+
+
+@triton.jit
+def _decode_down_kernel(
+    z_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    topk_ids_ptr,
+    topk_weights_ptr,
+    slots_ptr,
+    z_inter_ptr,
+    lora_b_ptr,
+    top_k,
+    num_experts,
+    num_slots,
+    rank,
+    inter_size,
+    hidden,
+    lora_n_offset,
+    lora_n_size,
+    stride_zm,
+    stride_zk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_ym,
+    stride_yn,
+    stride_qm,
+    stride_qr,
+    stride_ll,
+    stride_le,
+    stride_ln,
+    stride_lr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    ADD: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_j = tl.arange(0, BLOCK_J)
+    pair = token * top_k + offs_j
+    expert = tl.load(topk_ids_ptr + pair, mask=offs_j < top_k, other=-1)
+    live = (expert >= 0) & (expert < num_experts)
+    expert = tl.where(live, expert, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    jn_mask = live[:, None] & n_mask[None, :]
+    w_ptrs = (
+        w_ptr
+        + expert[:, None, None] * stride_we
+        + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
+        + offs_k[None, None, :] * stride_wk
+    )
+    z_ptrs = z_ptr + pair[:, None] * stride_zm + offs_k[None, :] * stride_zk
+    acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_ok = (k0 + offs_k) < inter_size
+        zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+        z_ptrs += BLOCK_K * stride_zk
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_LORA:
+        slot = tl.load(slots_ptr + token)
+        if (slot >= 0) & (slot < num_slots):
+            offs_r = tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            offs_b = offs_n - lora_n_offset
+            b_ok = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
+            t = tl.load(
+                z_inter_ptr + pair[:, None] * stride_qm + offs_r[None, :] * stride_qr,
+                mask=live[:, None] & r_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                lora_b_ptr
+                + slot.to(tl.int64) * stride_ll
+                + expert[:, None, None] * stride_le
+                + tl.where(b_ok, offs_b, 0)[None, :, None] * stride_ln
+                + offs_r[None, None, :] * stride_lr,
+                mask=(live[:, None] & b_ok[None, :])[:, :, None] & r_ok[None, None, :],
+                other=0.0,
+            )
+            acc += tl.sum(b.to(tl.float32) * t[:, None, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(
+            b_ptr + expert[:, None] * stride_be + offs_n[None, :] * stride_bn,
+            mask=jn_mask,
+            other=0.0,
+        ).to(tl.float32)
+    if MUL_WEIGHT:
+        g = tl.load(topk_weights_ptr + pair, mask=live, other=0.0).to(tl.float32)
+        acc = acc * g[:, None]
+    y = tl.sum(tl.where(jn_mask, acc, 0.0), axis=0)
+    y_ptrs = y_ptr + token * stride_ym + offs_n * stride_yn
+    if ADD:
+        y += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def decode_down(
+    z: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    *,
+    topk_weights: torch.Tensor | None,
+    token_slots: torch.Tensor | None = None,
+    z_inter: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_n_offset: int = 0,
+    block_n: int,
+    block_k: int,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    out: torch.Tensor | None = None,
+    add: bool = False,
+) -> torch.Tensor:
+    """z [P, I] (decode_up), w2 [E, H, I], b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
+    [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
+    topk_weights [T, K] (None: applied to the input). Returns y [T, H] in z's dtype (into
+    `out` if given; add=True adds to it)."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs, inter_size = z.shape
+    check_shape("z", z, (num_tokens * top_k, None))
+    num_experts, hidden, _ = w2.shape
+    check_shape("w2", w2, (num_experts, hidden, inter_size))
+    check_dtype_match("w2", w2, z)
+    if b2 is not None:
+        check_shape("b2", b2, (num_experts, hidden))
+    has_lora = lora_b is not None
+    if has_lora:
+        check_shape("lora w2_b", lora_b, (None, num_experts, None, None))
+        check_dtype_match("lora w2_b", lora_b, z)
+        check_shape("z-shrink intermediate", z_inter, (num_pairs, lora_b.shape[3]))
+        if not 0 <= lora_n_offset <= hidden - lora_b.shape[2]:
+            raise InputError(
+                "lora w2_b",
+                f"rows [{lora_n_offset}, {lora_n_offset + lora_b.shape[2]}) of y",
+                f"a column range inside [0, H = {hidden})",
+            )
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=z.dtype, device=z.device)
+    check_shape("out", out, (num_tokens, hidden))
+    rank = lora_b.shape[3] if has_lora else 1
+    block_j = max(2, triton.next_power_of_2(top_k))
+    # a step's tile is [K, BLOCK_N, BLOCK_K] fp32 in registers: large top-k (K > 8) gets a
+    # narrower K step so the tile stays at the 8 x 16 x 128 elements tried for K = 8
+    block_k = max(16, min(block_k, MAX_TILE // (block_j * block_n)))
+    dummy = z  # never read: its constexpr flag is off
+    grid = (num_tokens, triton.cdiv(hidden, block_n))
+    _decode_down_kernel[grid](
+        z_ptr=z,
+        w_ptr=w2,
+        b_ptr=b2 if b2 is not None else dummy,
+        y_ptr=out,
+        topk_ids_ptr=topk_ids,
+        topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
+        slots_ptr=token_slots if has_lora else dummy,
+        z_inter_ptr=z_inter if has_lora else dummy,
+        lora_b_ptr=lora_b if has_lora else dummy,
+        top_k=top_k,
+        num_experts=num_experts,
+        num_slots=lora_b.shape[0] if has_lora else 0,
+        rank=rank,
+        inter_size=inter_size,
+        hidden=hidden,
+        lora_n_offset=lora_n_offset,
+        lora_n_size=lora_b.shape[2] if has_lora else 0,
+        stride_zm=z.stride(0),
+        stride_zk=z.stride(1),
+        stride_we=w2.stride(0),
+        stride_wn=w2.stride(1),
+        stride_wk=w2.stride(2),
+        stride_be=b2.stride(0) if b2 is not None else 0,
+        stride_bn=b2.stride(1) if b2 is not None else 0,
+        stride_ym=out.stride(0),
+        stride_yn=out.stride(1),
+        stride_qm=z_inter.stride(0) if has_lora else 0,
+        stride_qr=z_inter.stride(1) if has_lora else 0,
+        stride_ll=lora_b.stride(0) if has_lora else 0,
+        stride_le=lora_b.stride(1) if has_lora else 0,
+        stride_ln=lora_b.stride(2) if has_lora else 0,
+        stride_lr=lora_b.stride(3) if has_lora else 0,
+        HAS_BIAS=b2 is not None,
+        HAS_LORA=has_lora,
+        MUL_WEIGHT=topk_weights is not None,
+        ADD=add,
+        BLOCK_J=block_j,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

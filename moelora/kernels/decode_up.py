@@ -1,0 +1,280 @@
+"""Decode-path gate/up GEMV: z[p] = act(x[token(p)] @ w13[e]^T + LoRA expand (+ b13)),
+one program per (pair, BLOCK_N units of I), straight from the top-k ids (no alignment).
+
+At a handful of tokens the layer is the weight read: every pair streams its expert's
+rows once. The aligned GEMM pads each pair to a 16-row dot and its program count per
+expert is fixed by BLOCK_N; here a program holds BLOCK_N units (gate and up rows) and
+sums products in fp32 registers, so the grid is P * I / BLOCK_N small programs, many
+resident per SM, and the weight read has no wave tail (v9 in KERNEL_LOG.md).
+
+LoRA: the expand is an fp32 dot of the shrink intermediate with B rows (exact, no 16-bit
+split needed off the tensor cores), added before the activation. The z shrink follows in
+the epilogue: the program's z units times the matching columns of the down A, added with
+fp32 atomics into z_inter [P, R] (zeroed by decode_shrink), so no separate z-shrink launch
+and no second read of z. Pairs routed outside [0, E) are skipped (z rows unwritten).
+
+Legend: T tokens, K top-k, P = T*K pairs, E experts, H hidden, I intermediate, R rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..activations import Activation
+from .activation import act_code, apply_act
+from .checks import check_dtype_match, check_shape
+
+
+@triton.jit
+def _rows_dot(w_ptrs, xv, mask):
+    """[BLOCK_N] fp32: each row of the [BLOCK_N, BLOCK_K] tile at w_ptrs dotted with xv."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    return tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+
+
+@triton.jit
+def _expand(t, b_ptrs, r_ok, n_mask):
+    """[BLOCK_N] fp32: B rows [BLOCK_N, BLOCK_R] at b_ptrs times t (fp32 [BLOCK_R])."""
+    b = tl.load(b_ptrs, mask=n_mask[:, None] & r_ok[None, :], other=0.0)
+    return tl.sum(b.to(tl.float32) * t[None, :], axis=1)
+
+
+@triton.jit
+def _decode_up_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    z_ptr,
+    topk_ids_ptr,
+    topk_weights_ptr,
+    slots_ptr,
+    inter_ptr,
+    lora_b_ptr,
+    lora_a2_ptr,
+    z_inter_ptr,
+    top_k,
+    num_experts,
+    num_slots,
+    rank,
+    z_rank,
+    hidden,
+    inter_size,
+    up_offset,
+    row_step,
+    alpha,
+    limit,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_zm,
+    stride_zn,
+    stride_im,
+    stride_is,
+    stride_ir,
+    stride_ll,
+    stride_le,
+    stride_ls,
+    stride_ln,
+    stride_lr,
+    stride_al,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_qm,
+    stride_qr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    WEIGHT_INPUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids_ptr + pair)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    expert = expert.to(tl.int64)
+    token = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter_size
+    gate_rows = tl.where(n_mask, offs_n, 0) * row_step
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
+    wg_ptrs = w_base + gate_rows[:, None] * stride_wn
+    wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
+    x_ptrs = x_ptr + token * stride_xm + offs_k * stride_xk
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = (k0 + offs_k) < hidden
+        xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        acc_g += _rows_dot(wg_ptrs, xv, k_ok[None, :])
+        if GATED:
+            acc_u += _rows_dot(wu_ptrs, xv, k_ok[None, :])
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    offs_r = tl.arange(0, BLOCK_R)
+    slot = 0
+    if HAS_LORA:
+        slot = tl.load(slots_ptr + token)
+        if (slot >= 0) & (slot < num_slots):
+            r_ok = offs_r < rank
+            i_ptrs = inter_ptr + pair * stride_im + offs_r * stride_ir
+            b_ptrs = (
+                lora_b_ptr
+                + slot.to(tl.int64) * stride_ll
+                + expert * stride_le
+                + offs_n[:, None] * stride_ln
+                + offs_r[None, :] * stride_lr
+            )
+            t = tl.load(i_ptrs, mask=r_ok, other=0.0)
+            acc_g += _expand(t, b_ptrs, r_ok, n_mask)
+            if GATED:
+                t = tl.load(i_ptrs + stride_is, mask=r_ok, other=0.0)
+                acc_u += _expand(t, b_ptrs + stride_ls, r_ok, n_mask)
+    if WEIGHT_INPUT:
+        g = tl.load(topk_weights_ptr + pair).to(tl.float32)
+        acc_g = acc_g * g
+        acc_u = acc_u * g
+    if HAS_BIAS:
+        b_base = b_ptr + expert * stride_be
+        acc_g += tl.load(b_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            acc_u += tl.load(
+                b_base + (gate_rows + up_offset) * stride_bn, mask=n_mask, other=0.0
+            ).to(tl.float32)
+    z = apply_act(acc_g, acc_u, ACT, alpha, limit).to(z_ptr.dtype.element_ty)
+    tl.store(z_ptr + pair * stride_zm + offs_n * stride_zn, z, mask=n_mask)
+    if HAS_LORA:
+        if (slot >= 0) & (slot < num_slots):
+            # z shrink of these units: z (as stored) times A2[slot, e][:, units], summed over
+            # the units into z_inter[pair] by every N program of the pair
+            q_ok = offs_r < z_rank
+            a_ptrs = (
+                lora_a2_ptr
+                + slot.to(tl.int64) * stride_al
+                + expert * stride_ae
+                + offs_r[None, :] * stride_ar
+                + offs_n[:, None] * stride_ak
+            )
+            a = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
+            part = tl.sum(a.to(tl.float32) * z.to(tl.float32)[:, None], axis=0)
+            q_ptrs = z_inter_ptr + pair * stride_qm + offs_r * stride_qr
+            tl.atomic_add(q_ptrs, part, mask=q_ok, sem="relaxed")
+
+
+def decode_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    *,
+    activation: Activation,
+    alpha: float,
+    limit: float,
+    topk_weights: torch.Tensor | None = None,
+    token_slots: torch.Tensor | None = None,
+    inter: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_a2: torch.Tensor | None = None,
+    z_inter: torch.Tensor | None = None,
+    block_n: int,
+    block_k: int,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
+    [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
+    lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
+    added; topk_weights [T, K] only for weights_on_input. Returns z [P, I] in x's dtype."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    parts = activation.width_factor
+    num_experts, rows, _ = w13.shape
+    inter_size = rows // parts
+    num_pairs = num_tokens * top_k
+    check_shape("w13", w13, (num_experts, parts * inter_size, hidden))
+    check_dtype_match("w13", w13, x)
+    if b13 is not None:
+        check_shape("b13", b13, (num_experts, rows))
+    has_lora = lora_b is not None
+    if has_lora:
+        check_shape("lora w13_b", lora_b, (None, num_experts, parts, inter_size, None))
+        check_dtype_match("lora w13_b", lora_b, x)
+        check_shape("LoRA intermediate", inter, (num_pairs, parts, lora_b.shape[4]))
+        check_shape("lora w2_a", lora_a2, (lora_b.shape[0], num_experts, None, inter_size))
+        check_shape("z-shrink intermediate", z_inter, (num_pairs, lora_a2.shape[2]))
+    z = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    rank = lora_b.shape[4] if has_lora else 1
+    z_rank = lora_a2.shape[2] if has_lora else 1
+    swiglu = activation is Activation.SWIGLUOAI
+    dummy = x  # never read: its constexpr flag is off
+    grid = (num_pairs, triton.cdiv(inter_size, block_n))
+    _decode_up_kernel[grid](
+        x_ptr=x,
+        w_ptr=w13,
+        b_ptr=b13 if b13 is not None else dummy,
+        z_ptr=z,
+        topk_ids_ptr=topk_ids,
+        topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
+        slots_ptr=token_slots if has_lora else dummy,
+        inter_ptr=inter if has_lora else dummy,
+        lora_b_ptr=lora_b if has_lora else dummy,
+        lora_a2_ptr=lora_a2 if has_lora else dummy,
+        z_inter_ptr=z_inter if has_lora else dummy,
+        top_k=top_k,
+        num_experts=num_experts,
+        num_slots=lora_b.shape[0] if has_lora else 0,
+        rank=rank,
+        z_rank=z_rank,
+        hidden=hidden,
+        inter_size=inter_size,
+        up_offset=1 if swiglu else inter_size,
+        row_step=2 if swiglu else 1,
+        alpha=alpha,
+        limit=limit,
+        stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
+        stride_we=w13.stride(0),
+        stride_wn=w13.stride(1),
+        stride_wk=w13.stride(2),
+        stride_be=b13.stride(0) if b13 is not None else 0,
+        stride_bn=b13.stride(1) if b13 is not None else 0,
+        stride_zm=z.stride(0),
+        stride_zn=z.stride(1),
+        stride_im=inter.stride(0) if has_lora else 0,
+        stride_is=inter.stride(1) if has_lora else 0,
+        stride_ir=inter.stride(2) if has_lora else 0,
+        stride_ll=lora_b.stride(0) if has_lora else 0,
+        stride_le=lora_b.stride(1) if has_lora else 0,
+        stride_ls=lora_b.stride(2) if has_lora else 0,
+        stride_ln=lora_b.stride(3) if has_lora else 0,
+        stride_lr=lora_b.stride(4) if has_lora else 0,
+        stride_al=lora_a2.stride(0) if has_lora else 0,
+        stride_ae=lora_a2.stride(1) if has_lora else 0,
+        stride_ar=lora_a2.stride(2) if has_lora else 0,
+        stride_ak=lora_a2.stride(3) if has_lora else 0,
+        stride_qm=z_inter.stride(0) if has_lora else 0,
+        stride_qr=z_inter.stride(1) if has_lora else 0,
+        GATED=activation.is_gated,
+        ACT=act_code(activation),
+        HAS_BIAS=b13 is not None,
+        HAS_LORA=has_lora,
+        WEIGHT_INPUT=topk_weights is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=max(16, triton.next_power_of_2(max(rank, z_rank))),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return z
