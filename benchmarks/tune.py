@@ -4,7 +4,8 @@ For each T (and LoRA off / on) a coordinate search from the heuristic config: th
 kernel's tiles, then the down kernel's, then BLOCK_M halved / doubled; with LoRA the search
 also starts from the LoRA-free tiles and ends with the LoRA knobs (expand lanes, shrink
 tile rows, shrink K chunks); every search then tries z in the sorted order, and with it the
-down GEMM's TMA tiles. Each candidate is
+down GEMM's TMA tiles. At T <= DECODE_MAX_T the decode path's GEMV tiles are searched
+too, and win when faster than the aligned best. Each candidate is
 the whole layer (alignment to y) under CUDA-graph replay with L2 flushed (the runner's
 timer, median of --iters replays), and its output must match the reference on the first
 rows, else it is dropped. The fastest candidate is kept; the table lists, per entry, the
@@ -64,6 +65,30 @@ DOWN = {
     ],
     "large": [(128, 64, 8, 4), (256, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
 }
+# Decode path (TileConfig.decode, T <= DECODE_MAX_T): GEMV tiles (BLOCK_N rows of each
+# pair / token per program, BLOCK_K per step, warps, stages). Up: 4-32 units (x2 rows,
+# gate and up) of 2-8 KB per step; down: a [K, BLOCK_N, BLOCK_K] step of 4-16 KB. Chosen
+# to span 100-800 programs at T = 1 (P * I / BLOCK_N up, H / BLOCK_N down on 132 SMs).
+DECODE_MAX_T = 16
+DECODE_UP = [
+    (8, 256, 4, 1),
+    (4, 512, 4, 1),
+    (8, 512, 4, 1),
+    (16, 256, 4, 1),
+    (16, 512, 8, 1),
+    (4, 1024, 4, 1),
+    (32, 128, 4, 1),
+    (8, 256, 4, 3),
+]
+DECODE_DOWN = [
+    (16, 64, 4, 1),
+    (8, 128, 4, 1),
+    (4, 256, 4, 1),
+    (8, 64, 4, 1),
+    (16, 128, 8, 1),
+    (32, 64, 8, 1),
+    (16, 64, 4, 3),
+]
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
 # LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows
 # per shrink tile, shrink K chunks.
@@ -152,7 +177,23 @@ def search(
     return best, base_ms
 
 
-LAYOUT_KNOBS = ("z_sorted", "down_tma")  # both modes; written only when on
+def search_decode(layer: Layer, lora: bool, log: list) -> tuple[TileConfig, float | None]:
+    """The decode path's tiles: up candidates, then down candidates (coordinate search)."""
+    best = TileConfig(16, GemmTiles(*DECODE_UP[0]), GemmTiles(*DECODE_DOWN[0]), decode=True)
+    best_ms = layer.measure(best, lora)
+    log.append(dict(cfg=dataclasses.asdict(best), ms=best_ms))
+    for field, cands in (("up", DECODE_UP), ("down", DECODE_DOWN)):
+        for tiles in cands[1:]:
+            cfg = dataclasses.replace(best, **{field: GemmTiles(*tiles)})
+            ms = layer.measure(cfg, lora)
+            log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
+            if ms is not None and (best_ms is None or ms < best_ms):
+                best, best_ms = cfg, ms
+    print(f"    decode path: {best_ms} ms  up {best.up}  down {best.down}")
+    return best, best_ms
+
+
+LAYOUT_KNOBS = ("z_sorted", "down_tma", "decode")  # both modes; written only when on
 
 
 def _knobs(cfg: TileConfig) -> dict:
@@ -281,6 +322,11 @@ def main() -> int:
             others = (dataclasses.replace(pick_config(t, *dims), **_knobs(heur)),) if on else ()
             steps: list = []
             best, h_ms = search(layer, heur, on, steps, others)
+            if t <= DECODE_MAX_T:  # the decode path competes with the aligned best
+                aligned_ms = min(s["ms"] for s in steps if s["ms"] is not None)
+                dec, dec_ms = search_decode(layer, on, steps)
+                if dec_ms is not None and dec_ms < aligned_ms:
+                    best = dec
             ms = min(s["ms"] for s in steps if s["ms"] is not None)
             log.append(dict(T=t, lora=on, steps=steps))
             key = key_of(t, on)

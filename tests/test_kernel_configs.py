@@ -22,7 +22,7 @@ def test_table_row_knobs_override_the_rules(monkeypatch) -> None:
     assert base == configs._heuristic(33 * 8 / 128)
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 300, 5000, 70000])
+@pytest.mark.parametrize("tokens", [16, 300, 5000, 70000])
 def test_off_table_shapes_take_the_heuristic_and_rules(tokens: int) -> None:
     dims = (96, 6, 1536, 512)  # no table row
     m = tokens * 6 / 96
@@ -36,7 +36,7 @@ def test_off_table_shapes_take_the_heuristic_and_rules(tokens: int) -> None:
 def test_committed_table_knobs_are_valid() -> None:
     lora_knobs = {"expand_lanes", "shrink_block_m", "shrink_split_k"}
     for key, knobs in configs.H200_KNOBS.items():
-        assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma"}, key
+        assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma", "decode"}, key
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key
         assert key[4] or not set(knobs) & lora_knobs, f"{key}: LoRA knobs on a LoRA-free row"
@@ -52,3 +52,15 @@ def test_layout_knobs_apply_to_lora_free_rows(monkeypatch) -> None:
     monkeypatch.setattr(configs, "H200_KNOBS", {key: {"z_sorted": True, "down_tma": True}})
     cfg = pick_config(40, *QWEN3, lora=False)
     assert (cfg.block_m, cfg.z_sorted, cfg.down_tma) == (32, True, True)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_few_tokens_off_table_take_the_decode_path(lora: bool) -> None:
+    dims = (96, 6, 1536, 512)  # no table row
+    for tokens in (1, configs.DECODE_TOKENS):
+        cfg = pick_config(tokens, *dims, lora=lora)
+        assert cfg.decode and (cfg.up, cfg.down) == (
+            configs.DECODE_TILES.up,
+            configs.DECODE_TILES.down,
+        )
+    assert not pick_config(configs.DECODE_TOKENS + 1, *dims, lora=lora).decode

@@ -63,6 +63,23 @@ WORLD2 = [
         **TRITON,
     ),
     Case("triton-tp2-silu", tp=2, **TRITON),  # plain TP on triton: no collective inside
+    # the decode path under fully sharded LoRA (gather of the x shrink, all-reduce of the z
+    # shrink the up kernel added up, B2 at this rank's H offset) and under expert parallel
+    Case(
+        "triton-fs-tp2-decode-swigluoai-bias",
+        tp=2,
+        fully_sharded=True,
+        tiles=(("decode", True),),
+        **SWIGLU,
+        **TRITON,
+    ),
+    Case(
+        "triton-ep2-decode-add-inputs",
+        ep=2,
+        add_inputs=AddInputs.ADD,
+        tiles=(("decode", True),),
+        **TRITON,
+    ),
 ]
 WORLD4 = [
     Case("tp2-ep2-silu", tp=2, ep=2),

@@ -23,6 +23,11 @@
   the H200, 128 lanes (8 slots per dot) were 1.3-1.6x slower at T >= 1024 (idle lanes cost
   MMA and registers), 64 lost to 32 everywhere but T = 1024, and 16 and 32 each won at
   some T (table rows keep their own).
+- decode: the decode path (GEMV kernels straight from the top-k ids: no alignment, no
+  reduce launch) up to DECODE_TOKENS tokens, with up tiles of 8 units x 256 and down tiles
+  of 8 columns x 128 per pair: predicted from the weight-streaming arithmetic (T = 1 is
+  ~70 MB of expert weights; the aligned path measured 2.2x the floor there in six
+  launches), then measured on the H200 (KERNEL_LOG.md v9).
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
   shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
@@ -97,6 +102,10 @@ def _heuristic(pairs_per_expert: float) -> TileConfig:
     return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
 
 
+DECODE_TOKENS = 4
+DECODE_TILES = TileConfig(16, GemmTiles(8, 256, 4, 1), GemmTiles(8, 128, 4, 1), decode=True)
+
+
 def _lora_heuristic(pairs_per_expert: float) -> TileConfig:
     # With LoRA, BLOCK_M also sets how many slots share a block, and the expand loops over
     # them with full-block dots. Below m = 48 smaller blocks measured faster on the H200
@@ -134,6 +143,8 @@ def pick_config(
         if key[:5] == (num_experts, top_k, hidden, inter, lora) and num_tokens <= key[5]:
             cfg, knobs = row, H200_KNOBS[key]
             break
+    if cfg is None and num_tokens <= DECODE_TOKENS:
+        cfg = DECODE_TILES
     if cfg is None:
         m = num_tokens * top_k / num_experts
         cfg = _lora_heuristic(m) if lora else _heuristic(m)
