@@ -79,6 +79,8 @@ DECODE_UP = [
     (4, 1024, 4, 1),
     (32, 128, 4, 1),
     (8, 256, 4, 3),
+    (2, 2048, 4, 1),  # whole rows per step (b7d7a88 run: up tiles within 3% of each other)
+    (4, 2048, 8, 1),
 ]
 DECODE_DOWN = [
     (16, 64, 4, 1),
@@ -88,6 +90,9 @@ DECODE_DOWN = [
     (16, 128, 8, 1),
     (32, 64, 8, 1),
     (16, 64, 4, 3),
+    (2, 256, 4, 1),  # narrower / longer steps (b7d7a88 run: 4 x 256 won, 2x the default)
+    (4, 512, 4, 1),
+    (2, 512, 4, 1),
 ]
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
 # LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows

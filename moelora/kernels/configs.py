@@ -25,9 +25,9 @@
   some T (table rows keep their own).
 - decode: the decode path (GEMV kernels straight from the top-k ids: no alignment, no
   reduce launch) up to DECODE_TOKENS tokens, with up tiles of 8 units x 256 and down tiles
-  of 8 columns x 128 per pair: predicted from the weight-streaming arithmetic (T = 1 is
-  ~70 MB of expert weights; the aligned path measured 2.2x the floor there in six
-  launches), then measured on the H200 (KERNEL_LOG.md v9).
+  of 4 columns x 256 per pair: the decode tune's choice at T = 1 on the H200 (b7d7a88 run,
+  KERNEL_LOG.md v9: decode 0.0374 / 0.0498 ms vs aligned 0.0398 / 0.0519 LoRA off / on;
+  the down tile matters 2x, the up tiles are within 3%).
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
   shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
@@ -103,7 +103,7 @@ def _heuristic(pairs_per_expert: float) -> TileConfig:
 
 
 DECODE_TOKENS = 4
-DECODE_TILES = TileConfig(16, GemmTiles(8, 256, 4, 1), GemmTiles(8, 128, 4, 1), decode=True)
+DECODE_TILES = TileConfig(16, GemmTiles(8, 256, 4, 1), GemmTiles(4, 256, 4, 1), decode=True)
 
 
 def _lora_heuristic(pairs_per_expert: float) -> TileConfig:

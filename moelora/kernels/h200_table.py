@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 9dbd42c, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit b7d7a88, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
@@ -16,14 +16,15 @@ warps, stages), down (same)[, knobs]).
 H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
     (128, 8, 2048, 768, False, 4): (
         16,
-        (32, 128, 4, 4),
-        (32, 128, 4, 3),
-    ),  # T=1: 0.0404 -> 0.0397 ms (e30482d run)
+        (16, 512, 8, 1),
+        (4, 256, 4, 1),
+        {"decode": True},
+    ),  # T=1: 0.0398 -> 0.0374 ms (b7d7a88 run)
     (128, 8, 2048, 768, False, 32): (
         16,
-        (32, 128, 4, 4),
-        (64, 128, 4, 3),
-    ),  # T=16: 0.2320 -> 0.2275 ms (e30482d run)
+        (64, 256, 4, 2),
+        (64, 64, 4, 4),
+    ),  # T=16: 0.2262 -> 0.2240 ms (b7d7a88 run)
     (128, 8, 2048, 768, False, 128): (16, (64, 256, 4, 2), (64, 128, 4, 3)),  # kept from 9db1f65
     (128, 8, 2048, 768, False, 512): (32, (64, 128, 4, 2), (256, 128, 8, 2)),  # kept from 9db1f65
     (128, 8, 2048, 768, False, 2048): (
@@ -46,16 +47,16 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
     ),  # T=16384: 2.5448 -> 2.4301 ms (9dbd42c run)
     (128, 8, 2048, 768, True, 4): (
         16,
-        (32, 128, 4, 4),
-        (64, 128, 4, 3),
-        {"expand_lanes": 16, "shrink_block_m": 64, "shrink_split_k": 8},
-    ),  # T=1: 0.0528 -> 0.0515 ms (e30482d run)
+        (8, 256, 4, 1),
+        (4, 256, 4, 1),
+        {"expand_lanes": 32, "shrink_block_m": 16, "shrink_split_k": 1, "decode": True},
+    ),  # T=1: 0.0521 -> 0.0498 ms (b7d7a88 run)
     (128, 8, 2048, 768, True, 32): (
         16,
         (32, 128, 4, 4),
         (64, 128, 4, 3),
         {"expand_lanes": 16, "shrink_block_m": 16, "shrink_split_k": 4},
-    ),  # T=16: 0.2584 -> 0.2555 ms (e30482d run)
+    ),  # T=16: 0.2532 -> 0.2532 ms (b7d7a88 run)
     (128, 8, 2048, 768, True, 128): (
         16,
         (64, 128, 4, 3),

@@ -1,0 +1,52 @@
+"""Same-run A/B of the decode path against the aligned path at small T: for each T, the
+layer (LoRA off and on) under the decode config pick_config gives (its table row, or the
+decode heuristic) and under the aligned config (the row, or the heuristic without the
+decode rule). The tune's timer: graph replay, L2 flushed, output checked first.
+
+Usage (GPU): python -m benchmarks.ab_decode [--tokens 1,2,4,8,16] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from moelora.commands.validate import build_experts, build_lora
+from moelora.kernels import configs
+from moelora.presets import resolve_model
+
+from .tune import Layer
+
+
+def _pair(tokens: int, dims: tuple, lora: bool) -> tuple:
+    """(decode config, aligned config) for this T."""
+    cfg = configs.pick_config(tokens, *dims, lora=lora)
+    m = tokens * dims[1] / dims[0]
+    aligned = configs._lora_heuristic(m) if lora else configs._heuristic(m)
+    if not cfg.decode:
+        return configs.DECODE_TILES, cfg
+    return cfg, aligned
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--model", default="qwen3-30b-a3b")
+    args = p.parse_args()
+    model = resolve_model(args.model)
+    shape = model.shape
+    dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
+    experts = build_experts(model, "cuda")
+    lora = build_lora(model, 8, 16, "cuda")
+    print(f"{'T':>5} {'lora':>5} {'decode ms':>10} {'aligned ms':>11}  decode tiles")
+    for t in (int(v) for v in args.tokens.split(",")):
+        layer = Layer(model, experts, lora, t, args.iters)
+        for on in (False, True):
+            dec, ali = _pair(t, dims, on)
+            d_ms, a_ms = layer.measure(dec, on), layer.measure(ali, on)
+            cells = " ".join(f"{'drop' if v is None else f'{v:.4f}':>10}" for v in (d_ms, a_ms))
+            print(f"{t:>5} {on!s:>5} {cells}  up {dec.up} down {dec.down}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
