@@ -273,6 +273,12 @@ def main() -> int:
         action="store_true",
         help="tune the LoRA rows only (rows not re-tuned are kept from the committed table)",
     )
+    p.add_argument(
+        "--own-buckets",
+        action="store_true",
+        help="each tuned T gets its own bucket (upper bound T) instead of the committed "
+        "bucket it falls in, e.g. to split a bucket where the decode path wins only below",
+    )
     args = p.parse_args()
     import json
 
@@ -305,6 +311,8 @@ def main() -> int:
     committed = {k: r for k, r in H200_ROWS.items() if k[:4] == dims}
 
     def key_of(t: int, on: bool) -> tuple:
+        if args.own_buckets:
+            return (*dims, on, t)
         ups = sorted(k[5] for k in committed if k[4] == on)
         return (*dims, on, next((u for u in ups if t <= u), bound[t]))
 

@@ -87,6 +87,28 @@ def _decode_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
         + offs_k[None, None, :] * stride_wk
     )
+    # LoRA operands first (a few KB): their loads overlap the weight stream below
+    if HAS_LORA:
+        slot = tl.load(slots_ptr + token)
+        has = (slot >= 0) & (slot < num_slots)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < tl.where(has, rank, 0)  # all off without an adapter
+        offs_b = offs_n - lora_n_offset
+        b_ok = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
+        t = tl.load(
+            z_inter_ptr + pair[:, None] * stride_qm + offs_r[None, :] * stride_qr,
+            mask=live[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            lora_b_ptr
+            + tl.where(has, slot, 0).to(tl.int64) * stride_ll
+            + expert[:, None, None] * stride_le
+            + tl.where(b_ok, offs_b, 0)[None, :, None] * stride_ln
+            + offs_r[None, None, :] * stride_lr,
+            mask=(live[:, None] & b_ok[None, :])[:, :, None] & r_ok[None, None, :],
+            other=0.0,
+        )
     z_ptrs = z_ptr + pair[:, None] * stride_zm + offs_k[None, :] * stride_zk
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
@@ -96,28 +118,8 @@ def _decode_down_kernel(
         acc += tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_LORA:
-        slot = tl.load(slots_ptr + token)
-        if (slot >= 0) & (slot < num_slots):
-            offs_r = tl.arange(0, BLOCK_R)
-            r_ok = offs_r < rank
-            offs_b = offs_n - lora_n_offset
-            b_ok = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
-            t = tl.load(
-                z_inter_ptr + pair[:, None] * stride_qm + offs_r[None, :] * stride_qr,
-                mask=live[:, None] & r_ok[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                lora_b_ptr
-                + slot.to(tl.int64) * stride_ll
-                + expert[:, None, None] * stride_le
-                + tl.where(b_ok, offs_b, 0)[None, :, None] * stride_ln
-                + offs_r[None, None, :] * stride_lr,
-                mask=(live[:, None] & b_ok[None, :])[:, :, None] & r_ok[None, None, :],
-                other=0.0,
-            )
-            acc += tl.sum(b.to(tl.float32) * t[:, None, :], axis=2)
+    if HAS_LORA:  # zeros when the token has no adapter
+        acc += tl.sum(b.to(tl.float32) * t[:, None, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(
             b_ptr + expert[:, None] * stride_be + offs_n[None, :] * stride_bn,

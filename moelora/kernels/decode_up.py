@@ -35,13 +35,6 @@ def _rows_dot(w_ptrs, xv, mask):
 
 
 @triton.jit
-def _expand(t, b_ptrs, r_ok, n_mask):
-    """[BLOCK_N] fp32: B rows [BLOCK_N, BLOCK_R] at b_ptrs times t (fp32 [BLOCK_R])."""
-    b = tl.load(b_ptrs, mask=n_mask[:, None] & r_ok[None, :], other=0.0)
-    return tl.sum(b.to(tl.float32) * t[None, :], axis=1)
-
-
-@triton.jit
 def _decode_up_kernel(
     x_ptr,
     w_ptr,
@@ -111,6 +104,36 @@ def _decode_up_kernel(
     w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
     wg_ptrs = w_base + gate_rows[:, None] * stride_wn
     wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
+    # LoRA operands first (a few KB): their loads overlap the weight stream below
+    offs_r = tl.arange(0, BLOCK_R)
+    if HAS_LORA:
+        slot = tl.load(slots_ptr + token)
+        has = (slot >= 0) & (slot < num_slots)
+        slot = tl.where(has, slot, 0).to(tl.int64)
+        r_ok = offs_r < tl.where(has, rank, 0)  # all off without an adapter
+        i_ptrs = inter_ptr + pair * stride_im + offs_r * stride_ir
+        b_ptrs = (
+            lora_b_ptr
+            + slot * stride_ll
+            + expert * stride_le
+            + offs_n[:, None] * stride_ln
+            + offs_r[None, :] * stride_lr
+        )
+        nr_mask = n_mask[:, None] & r_ok[None, :]
+        t_g = tl.load(i_ptrs, mask=r_ok, other=0.0)
+        b_g = tl.load(b_ptrs, mask=nr_mask, other=0.0)
+        if GATED:
+            t_u = tl.load(i_ptrs + stride_is, mask=r_ok, other=0.0)
+            b_u = tl.load(b_ptrs + stride_ls, mask=nr_mask, other=0.0)
+        q_ok = offs_r < tl.where(has, z_rank, 0)
+        a_ptrs = (
+            lora_a2_ptr
+            + slot * stride_al
+            + expert * stride_ae
+            + offs_r[None, :] * stride_ar
+            + offs_n[:, None] * stride_ak
+        )
+        a2 = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
     x_ptrs = x_ptr + token * stride_xm + offs_k * stride_xk
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -123,25 +146,10 @@ def _decode_up_kernel(
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
-    offs_r = tl.arange(0, BLOCK_R)
-    slot = 0
-    if HAS_LORA:
-        slot = tl.load(slots_ptr + token)
-        if (slot >= 0) & (slot < num_slots):
-            r_ok = offs_r < rank
-            i_ptrs = inter_ptr + pair * stride_im + offs_r * stride_ir
-            b_ptrs = (
-                lora_b_ptr
-                + slot.to(tl.int64) * stride_ll
-                + expert * stride_le
-                + offs_n[:, None] * stride_ln
-                + offs_r[None, :] * stride_lr
-            )
-            t = tl.load(i_ptrs, mask=r_ok, other=0.0)
-            acc_g += _expand(t, b_ptrs, r_ok, n_mask)
-            if GATED:
-                t = tl.load(i_ptrs + stride_is, mask=r_ok, other=0.0)
-                acc_u += _expand(t, b_ptrs + stride_ls, r_ok, n_mask)
+    if HAS_LORA:  # zeros when the token has no adapter
+        acc_g += tl.sum(b_g.to(tl.float32) * t_g[None, :], axis=1)
+        if GATED:
+            acc_u += tl.sum(b_u.to(tl.float32) * t_u[None, :], axis=1)
     if WEIGHT_INPUT:
         g = tl.load(topk_weights_ptr + pair).to(tl.float32)
         acc_g = acc_g * g
@@ -156,21 +164,11 @@ def _decode_up_kernel(
     z = apply_act(acc_g, acc_u, ACT, alpha, limit).to(z_ptr.dtype.element_ty)
     tl.store(z_ptr + pair * stride_zm + offs_n * stride_zn, z, mask=n_mask)
     if HAS_LORA:
-        if (slot >= 0) & (slot < num_slots):
-            # z shrink of these units: z (as stored) times A2[slot, e][:, units], summed over
-            # the units into z_inter[pair] by every N program of the pair
-            q_ok = offs_r < z_rank
-            a_ptrs = (
-                lora_a2_ptr
-                + slot.to(tl.int64) * stride_al
-                + expert * stride_ae
-                + offs_r[None, :] * stride_ar
-                + offs_n[:, None] * stride_ak
-            )
-            a = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
-            part = tl.sum(a.to(tl.float32) * z.to(tl.float32)[:, None], axis=0)
-            q_ptrs = z_inter_ptr + pair * stride_qm + offs_r * stride_qr
-            tl.atomic_add(q_ptrs, part, mask=q_ok, sem="relaxed")
+        # z shrink of these units: z (as stored) times A2[slot, e][:, units], summed over the
+        # units into z_inter[pair] by every N program of the pair
+        part = tl.sum(a2.to(tl.float32) * z.to(tl.float32)[:, None], axis=0)
+        q_ptrs = z_inter_ptr + pair * stride_qm + offs_r * stride_qr
+        tl.atomic_add(q_ptrs, part, mask=q_ok, sem="relaxed")
 
 
 def decode_up(

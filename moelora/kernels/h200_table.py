@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit b7d7a88, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit bb19efa, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
@@ -16,10 +16,10 @@ warps, stages), down (same)[, knobs]).
 H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
     (128, 8, 2048, 768, False, 4): (
         16,
-        (16, 512, 8, 1),
-        (4, 256, 4, 1),
+        (2, 2048, 4, 1),
+        (2, 256, 4, 1),
         {"decode": True},
-    ),  # T=1: 0.0398 -> 0.0374 ms (b7d7a88 run)
+    ),  # T=1: 0.0363 -> 0.0350 ms (bb19efa run)
     (128, 8, 2048, 768, False, 32): (
         16,
         (64, 256, 4, 2),
@@ -47,10 +47,10 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
     ),  # T=16384: 2.5448 -> 2.4301 ms (9dbd42c run)
     (128, 8, 2048, 768, True, 4): (
         16,
-        (8, 256, 4, 1),
-        (4, 256, 4, 1),
+        (8, 256, 4, 3),
+        (2, 256, 4, 1),
         {"expand_lanes": 32, "shrink_block_m": 16, "shrink_split_k": 1, "decode": True},
-    ),  # T=1: 0.0521 -> 0.0498 ms (b7d7a88 run)
+    ),  # T=1: 0.0491 -> 0.0465 ms (bb19efa run)
     (128, 8, 2048, 768, True, 32): (
         16,
         (32, 128, 4, 4),
