@@ -20,11 +20,8 @@ from .tune import Layer
 def _pair(tokens: int, dims: tuple, lora: bool) -> tuple:
     """(decode config, aligned config) for this T."""
     cfg = configs.pick_config(tokens, *dims, lora=lora)
-    m = tokens * dims[1] / dims[0]
-    aligned = configs._lora_heuristic(m) if lora else configs._heuristic(m)
-    if not cfg.decode:
-        return configs.DECODE_TILES, cfg
-    return cfg, aligned
+    aligned = configs.aligned_config(cfg, tokens, dims[0], dims[1], lora)
+    return (cfg if cfg.decode else configs.DECODE_TILES), aligned
 
 
 def main() -> None:

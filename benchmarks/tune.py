@@ -28,7 +28,7 @@ import torch
 
 from moelora.commands.validate import build_experts, build_inputs, build_lora
 from moelora.compare import compare
-from moelora.kernels.configs import GemmTiles, TileConfig, pick_config
+from moelora.kernels.configs import GemmTiles, TileConfig, aligned_config, pick_config
 from moelora.kernels.h200_table import H200_ROWS
 from moelora.kernels.moe_lora import fused_moe_lora
 from moelora.presets import resolve_model
@@ -94,6 +94,7 @@ DECODE_DOWN = [
     (4, 512, 4, 1),
     (2, 512, 4, 1),
 ]
+DECODE_SHRINK = [(2, 1024), (1, 2048), (2, 2048), (4, 512), (4, 1024), (8, 256)]
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
 # LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows
 # per shrink tile, shrink K chunks.
@@ -182,19 +183,30 @@ def search(
     return best, base_ms
 
 
-def search_decode(layer: Layer, lora: bool, log: list) -> tuple[TileConfig, float | None]:
-    """The decode path's tiles: up candidates, then down candidates (coordinate search)."""
-    best = TileConfig(16, GemmTiles(*DECODE_UP[0]), GemmTiles(*DECODE_DOWN[0]), decode=True)
+def search_decode(
+    layer: Layer, lora: bool, log: list, start: TileConfig
+) -> tuple[TileConfig, float | None]:
+    """The decode path's tiles: up candidates, then down candidates, then (LoRA) the x
+    shrink's, a coordinate search from `start` when it is a decode config (a committed
+    row), else from the first candidates."""
+    best = start
+    if not start.decode:
+        best = TileConfig(16, GemmTiles(*DECODE_UP[0]), GemmTiles(*DECODE_DOWN[0]), decode=True)
     best_ms = layer.measure(best, lora)
     log.append(dict(cfg=dataclasses.asdict(best), ms=best_ms))
-    for field, cands in (("up", DECODE_UP), ("down", DECODE_DOWN)):
-        for tiles in cands[1:]:
-            cfg = dataclasses.replace(best, **{field: GemmTiles(*tiles)})
-            ms = layer.measure(cfg, lora)
-            log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
-            if ms is not None and (best_ms is None or ms < best_ms):
-                best, best_ms = cfg, ms
-    print(f"    decode path: {best_ms} ms  up {best.up}  down {best.down}")
+    steps = [("up", GemmTiles(*t)) for t in DECODE_UP]
+    steps += [("down", GemmTiles(*t)) for t in DECODE_DOWN]
+    if lora:  # rows x BLOCK_K per program of the x shrink
+        steps += [("decode_shrink", v) for v in DECODE_SHRINK]
+    for field, value in steps:
+        cfg = dataclasses.replace(best, **{field: value})
+        if cfg == best:
+            continue
+        ms = layer.measure(cfg, lora)
+        log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
+        if ms is not None and (best_ms is None or ms < best_ms):
+            best, best_ms = cfg, ms
+    print(f"    decode path: {best_ms} ms  up {best.up}  down {best.down}  {best.decode_shrink}")
     return best, best_ms
 
 
@@ -210,6 +222,8 @@ def _row(cfg: TileConfig, lora: bool) -> tuple:
     row = (cfg.block_m, t(cfg.up), t(cfg.down))
     knobs = _knobs(cfg) if lora else {}
     knobs.update({k: True for k in LAYOUT_KNOBS if getattr(cfg, k)})
+    if cfg.decode and lora:
+        knobs["decode_shrink"] = cfg.decode_shrink
     if knobs:
         row += (knobs,)
     return row
@@ -330,14 +344,16 @@ def main() -> int:
                 print(f"budget reached: T={t} lora={on} and later keep the heuristic")
                 break
             print(f"T={t} lora={on}", flush=True)
-            heur = pick_config(t, *dims, lora=on)
+            chosen = pick_config(t, *dims, lora=on)  # the committed row or the heuristic
+            heur = aligned_config(chosen, t, dims[0], dims[1], on)
             # with LoRA, also start from the LoRA-free tiles (their knobs from the rules)
-            others = (dataclasses.replace(pick_config(t, *dims), **_knobs(heur)),) if on else ()
+            base = aligned_config(pick_config(t, *dims), t, dims[0], dims[1], False)
+            others = (dataclasses.replace(base, **_knobs(heur)),) if on else ()
             steps: list = []
             best, h_ms = search(layer, heur, on, steps, others)
             if t <= DECODE_MAX_T:  # the decode path competes with the aligned best
                 aligned_ms = min(s["ms"] for s in steps if s["ms"] is not None)
-                dec, dec_ms = search_decode(layer, on, steps)
+                dec, dec_ms = search_decode(layer, on, steps, chosen)
                 if dec_ms is not None and dec_ms < aligned_ms:
                     best = dec
             ms = min(s["ms"] for s in steps if s["ms"] is not None)

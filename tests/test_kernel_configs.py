@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from moelora.kernels import configs
@@ -36,7 +38,7 @@ def test_off_table_shapes_take_the_heuristic_and_rules(tokens: int) -> None:
 def test_committed_table_knobs_are_valid() -> None:
     lora_knobs = {"expand_lanes", "shrink_block_m", "shrink_split_k"}
     for key, knobs in configs.H200_KNOBS.items():
-        assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma", "decode"}, key
+        assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma", "decode", "decode_shrink"}, key
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key
         assert key[4] or not set(knobs) & lora_knobs, f"{key}: LoRA knobs on a LoRA-free row"
@@ -64,3 +66,13 @@ def test_few_tokens_off_table_take_the_decode_path(lora: bool) -> None:
             configs.DECODE_TILES.down,
         )
     assert not pick_config(configs.DECODE_TOKENS + 1, *dims, lora=lora).decode
+
+
+def test_aligned_config_of_a_decode_row_is_the_aligned_heuristic() -> None:
+    decode = dataclasses.replace(configs.DECODE_TILES, expand_lanes=64)
+    got = configs.aligned_config(decode, 4, 128, 8, True)
+    want = configs._lora_heuristic(4 * 8 / 128)
+    assert not got.decode and (got.block_m, got.up, got.down) == (want.block_m, want.up, want.down)
+    assert got.expand_lanes == 64  # the row's other knobs stay
+    aligned = configs._heuristic(2.0)
+    assert configs.aligned_config(aligned, 32, 128, 8, False) is aligned

@@ -119,6 +119,8 @@ CASES = [
     Case("decode-no-lora-bank", ranks=None, bias=True, decode=True),
     Case("decode-masked-tails", hidden=48, inter=40, act=A.GELU, decode=True),  # 2 K steps
     Case("decode-K-eq-E-odd-K", experts=3, top_k=3, decode=True),  # K not a power of two
+    # x shrink: 4 A rows per program, 2 K steps of 16 (H = 32), z zeroing spread thinner
+    Case("decode-shrink-tiles", hidden=32, decode=True, extra={"ds": (4, 16)}),
 ]
 
 
@@ -178,6 +180,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             down_tma=case.down_tma,
             shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
             decode=case.decode,
+            decode_shrink=case.extra.get("ds", TILES.decode_shrink),
         ),
         weights_on_input=case.weights_on_input,
     )

@@ -28,6 +28,8 @@
   of 4 columns x 256 per pair: the decode tune's choice at T = 1 on the H200 (b7d7a88 run,
   KERNEL_LOG.md v9: decode 0.0374 / 0.0498 ms vs aligned 0.0398 / 0.0519 LoRA off / on;
   the down tile matters 2x, the up tiles are within 3%).
+- decode_shrink (LoRA, decode path): 2 A rows x 1024 columns per program (4 KB per step,
+  the whole A read in flight in two steps at T = 1); reasoned, the decode tune searches it.
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
   shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
@@ -65,6 +67,7 @@ class TileConfig:
     down_tma: bool = False
     shrink_block_m: int = 16
     decode: bool = False  # the decode path (no alignment; up/down tiles are its GEMV tiles)
+    decode_shrink: tuple[int, int] = (2, 1024)  # decode x shrink: (A rows, BLOCK_K) per program
 
 
 def _from_row(row: tuple) -> TileConfig:
@@ -132,6 +135,18 @@ def _shrink_split(pairs: int) -> int:
         if pairs <= max_pairs:
             return split
     return 1
+
+
+def aligned_config(cfg: TileConfig, num_tokens: int, num_experts: int, top_k: int, lora: bool):
+    """cfg itself on the aligned path; a decode cfg's aligned alternative (the heuristic
+    tiles, cfg's other knobs kept): what the tune and the decode A/B compare against."""
+    if not cfg.decode:
+        return cfg
+    m = num_tokens * top_k / num_experts
+    tiles = _lora_heuristic(m) if lora else _heuristic(m)
+    return dataclasses.replace(
+        cfg, block_m=tiles.block_m, up=tiles.up, down=tiles.down, decode=False
+    )
 
 
 def pick_config(

@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit bb19efa, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit d848c8e, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
@@ -19,7 +19,13 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (2, 2048, 4, 1),
         (2, 256, 4, 1),
         {"decode": True},
-    ),  # T=1: 0.0363 -> 0.0350 ms (bb19efa run)
+    ),  # T=1: 0.0343 -> 0.0343 ms (d848c8e run)
+    (128, 8, 2048, 768, False, 8): (
+        16,
+        (16, 512, 8, 1),
+        (16, 128, 8, 1),
+        {"decode": True},
+    ),  # T=8: 0.1585 -> 0.1448 ms (d848c8e run)
     (128, 8, 2048, 768, False, 32): (
         16,
         (64, 256, 4, 2),
@@ -47,10 +53,16 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
     ),  # T=16384: 2.5448 -> 2.4301 ms (9dbd42c run)
     (128, 8, 2048, 768, True, 4): (
         16,
-        (8, 256, 4, 3),
+        (2, 2048, 4, 1),
         (2, 256, 4, 1),
         {"expand_lanes": 32, "shrink_block_m": 16, "shrink_split_k": 1, "decode": True},
-    ),  # T=1: 0.0491 -> 0.0465 ms (bb19efa run)
+    ),  # T=1: 0.0481 -> 0.0428 ms (d848c8e run)
+    (128, 8, 2048, 768, True, 8): (
+        16,
+        (32, 128, 4, 4),
+        (64, 128, 4, 3),
+        {"expand_lanes": 16, "shrink_block_m": 16, "shrink_split_k": 8},
+    ),  # T=8: 0.1794 -> 0.1794 ms (d848c8e run)
     (128, 8, 2048, 768, True, 32): (
         16,
         (32, 128, 4, 4),

@@ -178,8 +178,16 @@ def _decode_forward(
     """The decode path (fused_moe_lora's arguments, slots int32 or None without LoRA)."""
     inter13 = z_inter = None
     if lora is not None:
+        rows_per_prog, block_k = cfg.decode_shrink
         inter13, z_inter = decode_shrink(
-            x, lora.w13_a, topk_ids, slots, experts.w13.shape[0], lora.w2_a.shape[2]
+            x,
+            lora.w13_a,
+            topk_ids,
+            slots,
+            experts.w13.shape[0],
+            lora.w2_a.shape[2],
+            rows_per_prog=rows_per_prog,
+            block_k=block_k,
         )
         if lora_comm is not None:
             inter13 = _gather_parts(inter13, lora_comm)
