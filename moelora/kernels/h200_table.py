@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit d848c8e, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 7c66a6a, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
@@ -55,8 +55,14 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         16,
         (2, 2048, 4, 1),
         (2, 256, 4, 1),
-        {"expand_lanes": 32, "shrink_block_m": 16, "shrink_split_k": 1, "decode": True},
-    ),  # T=1: 0.0481 -> 0.0428 ms (d848c8e run)
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 16,
+            "shrink_split_k": 1,
+            "decode": True,
+            "decode_shrink": (1, 2048),
+        },
+    ),  # T=1: 0.0587 -> 0.0420 ms (7c66a6a run)
     (128, 8, 2048, 768, True, 8): (
         16,
         (32, 128, 4, 4),
