@@ -24,18 +24,16 @@
   MMA and registers), 64 lost to 32 everywhere but T = 1024, and 16 and 32 each won at
   some T (table rows keep their own).
 - decode: the decode path (GEMV kernels straight from the top-k ids: no alignment, no
-  reduce launch) at T = 1 and while T*K <= E / DECODE_PAIRS_PER_EXPERT_INV (a pair reads
-  its expert's weights itself, so pairs sharing an expert read them twice: with P = T*K
-  pairs over E experts about P^2 / 2E reads are repeats; at P = E/4 that is ~12% of
-  them). On the H200 at the Qwen3 shape (E = 128, K = 8) the decode path won at T <= 4
-  (P/E <= 0.25) with and without LoRA and lost at T = 8 with LoRA and at T = 16
-  (bb19efa / d848c8e runs, KERNEL_LOG.md v9); other shapes follow the same P/E rule,
-  unmeasured. Tiles: up tiles of 8 units x 256 and down tiles
-  of 4 columns x 256 per pair: the decode tune's choice at T = 1 on the H200 (b7d7a88 run,
-  KERNEL_LOG.md v9: decode 0.0374 / 0.0498 ms vs aligned 0.0398 / 0.0519 LoRA off / on;
-  the down tile matters 2x, the up tiles are within 3%).
-- decode_shrink (LoRA, decode path): 2 A rows x 1024 columns per program (4 KB per step,
-  the whole A read in flight in two steps at T = 1); reasoned, the decode tune searches it.
+  reduce launch) only where a table row measured it faster; off elsewhere. On the H200 it
+  won at the Qwen3 shape (E = 128, K = 8) at T <= 4 with and without LoRA and T <= 8
+  LoRA-free (bb19efa / d848c8e runs), with the tiles tuned for that shape (the down tile
+  alone moved it 2x). With those same tiles on other shapes it lost at T = 1 with LoRA
+  (Mixtral-8x7B 0.247 vs 0.224 ms, DeepSeek-V3 0.228 vs 0.205) and on gpt-oss-20b
+  LoRA-free (0.095 vs 0.073): e95b043 run, KERNEL_LOG.md v9. DECODE_TILES is where the
+  tune's decode search starts (the Qwen3 T = 1 choice).
+- decode_shrink (LoRA, decode path): A rows x BLOCK_K per program of the x shrink; default
+  2 x 1024 (4 KB per step, the whole A read in flight in two steps at T = 1), reasoned;
+  the Qwen3 T = 1 tune chose 1 x 2048 (0.0420 vs 0.0429 ms for the layer, 7c66a6a run).
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
   shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
@@ -111,8 +109,9 @@ def _heuristic(pairs_per_expert: float) -> TileConfig:
     return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
 
 
-DECODE_PAIRS_PER_EXPERT_INV = 4  # decode while T*K <= E / 4 (or T = 1), see above
-DECODE_TILES = TileConfig(16, GemmTiles(8, 256, 4, 1), GemmTiles(4, 256, 4, 1), decode=True)
+DECODE_TILES = TileConfig(
+    16, GemmTiles(2, 2048, 4, 1), GemmTiles(2, 256, 4, 1), decode=True, decode_shrink=(1, 2048)
+)
 
 
 def _lora_heuristic(pairs_per_expert: float) -> TileConfig:
@@ -143,11 +142,6 @@ def _shrink_split(pairs: int) -> int:
     return 1
 
 
-def decode_fits(num_tokens: int, num_experts: int, top_k: int) -> bool:
-    """The heuristic's decode rule (module docstring)."""
-    return num_tokens == 1 or num_tokens * top_k * DECODE_PAIRS_PER_EXPERT_INV <= num_experts
-
-
 def aligned_config(cfg: TileConfig, num_tokens: int, num_experts: int, top_k: int, lora: bool):
     """cfg itself on the aligned path; a decode cfg's aligned alternative (the heuristic
     tiles, cfg's other knobs kept): what the tune and the decode A/B compare against."""
@@ -169,8 +163,6 @@ def pick_config(
         if key[:5] == (num_experts, top_k, hidden, inter, lora) and num_tokens <= key[5]:
             cfg, knobs = row, H200_KNOBS[key]
             break
-    if cfg is None and decode_fits(num_tokens, num_experts, top_k):
-        cfg = DECODE_TILES
     if cfg is None:
         m = num_tokens * top_k / num_experts
         cfg = _lora_heuristic(m) if lora else _heuristic(m)
