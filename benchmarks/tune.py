@@ -97,11 +97,12 @@ DECODE_DOWN = [
 DECODE_SHRINK = [(2, 1024), (1, 2048), (2, 2048), (4, 512), (4, 1024), (8, 256)]
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
 # LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows
-# per shrink tile, shrink K chunks.
+# per shrink tile, shrink K chunks, and where the expand runs.
 LORA_KNOBS = {
     "expand_lanes": (16, 32, 64),
     "shrink_block_m": (16, 32, 64),
     "shrink_split_k": (1, 2, 4, 8),
+    "lora_delta": (False, True),  # expand over the shrink tiles (kernels/lora_delta.py)
 }
 
 

@@ -48,6 +48,7 @@ class Case:
     z_sorted: bool = False  # z rows in the sorted pair order (contiguous per block)
     down_tma: bool = False  # down GEMM's z and w2 tiles by TMA descriptors (z_sorted)
     decode: bool = False  # the decode path: GEMV kernels from the top-k ids, no alignment
+    lora_delta: bool = False  # LoRA expand over the shrink tiles, added by the GEMMs
     extra: dict = field(default_factory=dict)
 
 
@@ -105,6 +106,38 @@ CASES = [
     # shrink tiles: buckets of ~20 pairs -> two 16-row tiles each; 32-row tiles
     Case("shrink-two-tiles-per-bucket", experts=2, top_k=1, tokens=80, slots=(0, 1)),
     Case("shrink-tile-32-rows", experts=2, top_k=2, tokens=40, slots=(0, -1), extra={"tm": 32}),
+    # LoRA expand over the shrink tiles (delta rows added in the GEMM epilogues)
+    Case("delta-silu", lora_delta=True),
+    Case(
+        "delta-swigluoai-bias-fp16",
+        act=A.SWIGLUOAI,
+        bias=True,
+        dtype=torch.float16,
+        lora_delta=True,
+    ),
+    Case(
+        "delta-relu2-rank-not-pow2",
+        act=A.RELU2_NO_MUL,
+        ranks=(24, 8),
+        max_rank=24,
+        slots=(1, 0, -1),
+        lora_delta=True,
+    ),
+    Case("delta-weights-on-input", top_k=1, weights_on_input=True, bias=True, lora_delta=True),
+    Case(
+        "delta-many-slots-split-k",
+        slots=tuple(range(-1, 9)),
+        ranks=(16,) * 9,
+        tokens=10,
+        split_k=4,
+        lora_delta=True,
+    ),
+    Case("delta-masked-tails-drop", hidden=48, inter=40, drop_ids=True, lora_delta=True),
+    Case("delta-slot-beyond-bank", slots=(0, 5, -1, 1, 3), lora_delta=True),
+    Case(
+        "delta-down-tma-multi-block", experts=2, top_k=1, tokens=40, down_tma=True, lora_delta=True
+    ),
+    Case("delta-shrink-two-tiles", experts=2, top_k=1, tokens=80, slots=(0, 1), lora_delta=True),
     # the decode path (GEMV up with the z shrink by atomics, down with the top-k sum)
     *[Case(f"decode-act-{a.value}", act=a, decode=True) for a in Activation],
     Case("decode-T1", tokens=1, slots=(2,), decode=True),
@@ -180,6 +213,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             down_tma=case.down_tma,
             shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
             decode=case.decode,
+            lora_delta=case.lora_delta,
             decode_shrink=case.extra.get("ds", TILES.decode_shrink),
         ),
         weights_on_input=case.weights_on_input,

@@ -65,6 +65,16 @@ WORLD2 = [
     Case("triton-tp2-silu", tp=2, **TRITON),  # plain TP on triton: no collective inside
     # the decode path under fully sharded LoRA (gather of the x shrink, all-reduce of the z
     # shrink the up kernel added up, B2 at this rank's H offset) and under expert parallel
+    # the expand over the shrink tiles: used under expert parallel, ignored (the in-GEMM
+    # expand) under fully sharded LoRA, equal to the reference either way
+    Case("triton-ep2-lora-delta", ep=2, tiles=(("lora_delta", True),), **TRITON),
+    Case(
+        "triton-fs-tp2-lora-delta",
+        tp=2,
+        fully_sharded=True,
+        tiles=(("lora_delta", True),),
+        **TRITON,
+    ),
     Case(
         "triton-fs-tp2-decode-swigluoai-bias",
         tp=2,

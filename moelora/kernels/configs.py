@@ -34,6 +34,9 @@
 - decode_shrink (LoRA, decode path): A rows x BLOCK_K per program of the x shrink; default
   2 x 1024 (4 KB per step, the whole A read in flight in two steps at T = 1), reasoned;
   the Qwen3 T = 1 tune chose 1 x 2048 (0.0420 vs 0.0429 ms for the layer, 7c66a6a run).
+- lora_delta (LoRA): off; the expand runs over the (expert, slot) shrink tiles into a
+  delta buffer the GEMM epilogues add, instead of mixed-slot dots inside the GEMMs
+  (kernels/lora_delta.py). Off until a tune picks it; ignored under fully sharded LoRA.
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
   shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
@@ -72,6 +75,7 @@ class TileConfig:
     shrink_block_m: int = 16
     decode: bool = False  # the decode path (no alignment; up/down tiles are its GEMV tiles)
     decode_shrink: tuple[int, int] = (2, 1024)  # decode x shrink: (A rows, BLOCK_K) per program
+    lora_delta: bool = False  # LoRA expand over the shrink tiles into a delta the GEMMs add
 
 
 def _from_row(row: tuple) -> TileConfig:

@@ -17,7 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok
-from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
+from .tiles import add_delta, block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
 
 
 @triton.jit
@@ -32,6 +32,7 @@ def _expert_down_kernel(
     slots_ptr,
     inter_ptr,
     lora_b_ptr,
+    delta_ptr,
     sorted_pair_ids_ptr,
     block_experts_ptr,
     num_padded_ptr,
@@ -58,9 +59,13 @@ def _expert_down_kernel(
     stride_le,
     stride_ln,
     stride_lr,
+    stride_dm,
+    stride_ds,
+    stride_dn,
     num_pid_m,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    DELTA: tl.constexpr,
     Z_SORTED: tl.constexpr,
     TMA: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -111,34 +116,39 @@ def _expert_down_kernel(
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
-        # B2 may hold only the columns [lora_n_offset, + lora_n_size) of o (fully sharded
-        # LoRA: this rank's H slice): other columns load zeros and get no delta.
-        offs_b = offs_n - lora_n_offset
-        b_mask = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
-        acc, _ = lora_expand(
-            acc,
-            acc,
-            inter_ptr,
-            stride_im,
-            0,
-            stride_ir,
-            pair,
-            slot,
-            num_slots,
-            lora_b_ptr + expert * stride_le,
-            stride_ll,
-            0,
-            stride_ln,
-            stride_lr,
-            tl.where(b_mask, offs_b, 0),
-            b_mask,
-            rank,
-            BLOCK_R,
-            SLOTS_PER_DOT,
-            False,
-            UPCAST,
-            IEEE,
-        )
+        if DELTA:  # expanded over the shrink tiles (lora_delta; whole-H B2 only)
+            acc, _ = add_delta(
+                acc, acc, delta_ptr, stride_dm, 0, stride_dn, pair, slot, offs_n, n_mask, False
+            )
+        else:
+            # B2 may hold only the columns [lora_n_offset, + lora_n_size) of o (fully sharded
+            # LoRA: this rank's H slice): other columns load zeros and get no delta.
+            offs_b = offs_n - lora_n_offset
+            b_mask = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
+            acc, _ = lora_expand(
+                acc,
+                acc,
+                inter_ptr,
+                stride_im,
+                0,
+                stride_ir,
+                pair,
+                slot,
+                num_slots,
+                lora_b_ptr + expert * stride_le,
+                stride_ll,
+                0,
+                stride_ln,
+                stride_lr,
+                tl.where(b_mask, offs_b, 0),
+                b_mask,
+                rank,
+                BLOCK_R,
+                SLOTS_PER_DOT,
+                False,
+                UPCAST,
+                IEEE,
+            )
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(
             tl.float32
@@ -171,14 +181,15 @@ def expert_down(
     z_sorted: bool = False,
     num_pairs: int | None = None,
     tma: bool = False,
+    delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """z [P, I] (z_sorted: [P_pad, I] in the sorted order, with num_pairs = P; tma: its
     tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
     lora_b [L, E, H_b, R] holding o's columns [lora_n_offset, lora_n_offset + H_b) (the whole
     H by default; an H/tp slice under fully sharded LoRA); topk_weights [T, K] (None: weights
-    were applied to the input). Returns o [P, H] in z's dtype (rows of dropped pairs
-    unwritten)."""
+    were applied to the input); instead of inter, the expanded delta [P, 1, H] (lora_delta,
+    whole-H lora_b only). Returns o [P, H] in z's dtype (rows of dropped pairs unwritten)."""
     inter_size = z.shape[1]
     if not z_sorted:
         num_pairs = z.shape[0]
@@ -200,7 +211,12 @@ def expert_down(
                 f"rows [{lora_n_offset}, {lora_n_offset + lora_b.shape[2]}) of o",
                 f"a column range inside [0, H = {hidden})",
             )
-        inter = inter.reshape(num_pairs, lora_b.shape[3])
+        if delta is not None:
+            check_shape("LoRA delta", delta, (num_pairs, 1, hidden))
+            if lora_b.shape[2] != hidden:
+                raise InputError("delta", "with an H slice of lora w2_b", "the whole H")
+        else:
+            inter = inter.reshape(num_pairs, lora_b.shape[3])
     if out is None:
         out = torch.empty(num_pairs, hidden, dtype=z.dtype, device=z.device)
     rank = lora_b.shape[3] if has_lora else 1
@@ -224,8 +240,9 @@ def expert_down(
         o_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
         slots_ptr=token_slots if has_lora else dummy,
-        inter_ptr=inter if has_lora else dummy,
+        inter_ptr=inter if inter is not None else dummy,
         lora_b_ptr=lora_b if has_lora else dummy,
+        delta_ptr=delta if delta is not None else dummy,
         sorted_pair_ids_ptr=aligned.sorted_pair_ids,
         block_experts_ptr=aligned.block_experts,
         num_padded_ptr=aligned.num_padded,
@@ -246,15 +263,19 @@ def expert_down(
         stride_bn=b2.stride(1) if b2 is not None else 0,
         stride_om=out.stride(0),
         stride_on=out.stride(1),
-        stride_im=inter.stride(0) if has_lora else 0,
-        stride_ir=inter.stride(1) if has_lora else 0,
+        stride_im=inter.stride(0) if inter is not None else 0,
+        stride_ir=inter.stride(1) if inter is not None else 0,
         stride_ll=lora_b.stride(0) if has_lora else 0,
         stride_le=lora_b.stride(1) if has_lora else 0,
         stride_ln=lora_b.stride(2) if has_lora else 0,
         stride_lr=lora_b.stride(3) if has_lora else 0,
+        stride_dm=delta.stride(0) if delta is not None else 0,
+        stride_ds=delta.stride(1) if delta is not None else 0,
+        stride_dn=delta.stride(2) if delta is not None else 0,
         num_pid_m=aligned.num_blocks,
         HAS_BIAS=b2 is not None,
         HAS_LORA=has_lora,
+        DELTA=delta is not None,
         Z_SORTED=z_sorted,
         TMA=use_tma,
         MUL_WEIGHT=topk_weights is not None,

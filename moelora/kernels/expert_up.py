@@ -19,7 +19,7 @@ from ..activations import Activation
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
+from .tiles import add_delta, block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
 
 
 @triton.jit
@@ -32,6 +32,7 @@ def _expert_up_kernel(
     slots_ptr,
     inter_ptr,
     lora_b_ptr,
+    delta_ptr,
     sorted_pair_ids_ptr,
     block_experts_ptr,
     num_padded_ptr,
@@ -62,11 +63,15 @@ def _expert_up_kernel(
     stride_ls,
     stride_ln,
     stride_lr,
+    stride_dm,
+    stride_ds,
+    stride_dn,
     num_pid_m,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    DELTA: tl.constexpr,
     WEIGHT_INPUT: tl.constexpr,
     Z_SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -116,30 +121,45 @@ def _expert_up_kernel(
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
-        acc_g, acc_u = lora_expand(
-            acc_g,
-            acc_u,
-            inter_ptr,
-            stride_im,
-            stride_is,
-            stride_ir,
-            pair,
-            slot,
-            num_slots,
-            lora_b_ptr + expert * stride_le,
-            stride_ll,
-            stride_ls,
-            stride_ln,
-            stride_lr,
-            offs_n,
-            n_mask,
-            rank,
-            BLOCK_R,
-            SLOTS_PER_DOT,
-            GATED,
-            UPCAST,
-            IEEE,
-        )
+        if DELTA:  # expanded over the shrink tiles (lora_delta)
+            acc_g, acc_u = add_delta(
+                acc_g,
+                acc_u,
+                delta_ptr,
+                stride_dm,
+                stride_ds,
+                stride_dn,
+                pair,
+                slot,
+                offs_n,
+                n_mask,
+                GATED,
+            )
+        else:
+            acc_g, acc_u = lora_expand(
+                acc_g,
+                acc_u,
+                inter_ptr,
+                stride_im,
+                stride_is,
+                stride_ir,
+                pair,
+                slot,
+                num_slots,
+                lora_b_ptr + expert * stride_le,
+                stride_ll,
+                stride_ls,
+                stride_ln,
+                stride_lr,
+                offs_n,
+                n_mask,
+                rank,
+                BLOCK_R,
+                SLOTS_PER_DOT,
+                GATED,
+                UPCAST,
+                IEEE,
+            )
     if WEIGHT_INPUT:
         g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
         acc_g = acc_g * g[:, None]
@@ -180,10 +200,13 @@ def expert_up(
     num_stages: int = 3,
     expand_lanes: int = 32,
     z_sorted: bool = False,
+    delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
-    lora_shrink and lora_b [L, E, S, I, R]; topk_weights [T, K] only for weights_on_input.
+    lora_shrink and lora_b [L, E, S, I, R], or instead of inter the expanded delta
+    [P, S, I] (lora_delta; lora_b still gives the slot count); topk_weights [T, K] only for
+    weights_on_input.
     Returns z [P, I] in x's dtype (padding and dropped pairs unwritten); z_sorted: z
     [P_pad, I] with a pair's row at its place in aligned.sorted_pair_ids (each block's rows
     contiguous, for the down GEMM's tile loads), padding rows unwritten."""
@@ -199,7 +222,10 @@ def expert_up(
     if has_lora:
         check_shape("lora w13_b", lora_b, (None, num_experts, parts, inter_size, None))
         check_dtype_match("lora w13_b", lora_b, x)
-        check_shape("LoRA intermediate", inter, (num_tokens * top_k, parts, lora_b.shape[4]))
+        if delta is not None:
+            check_shape("LoRA delta", delta, (num_tokens * top_k, parts, inter_size))
+        else:
+            check_shape("LoRA intermediate", inter, (num_tokens * top_k, parts, lora_b.shape[4]))
     num_pairs = num_tokens * top_k
     z_rows = aligned.sorted_pair_ids.shape[0] if z_sorted else num_pairs
     if out is None:
@@ -218,8 +244,9 @@ def expert_up(
         z_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
         slots_ptr=token_slots if has_lora else dummy,
-        inter_ptr=inter if has_lora else dummy,
+        inter_ptr=inter if inter is not None else dummy,
         lora_b_ptr=lora_b if has_lora else dummy,
+        delta_ptr=delta if delta is not None else dummy,
         sorted_pair_ids_ptr=aligned.sorted_pair_ids,
         block_experts_ptr=aligned.block_experts,
         num_padded_ptr=aligned.num_padded,
@@ -242,19 +269,23 @@ def expert_up(
         stride_bn=b13.stride(1) if b13 is not None else 0,
         stride_zm=out.stride(0),
         stride_zn=out.stride(1),
-        stride_im=inter.stride(0) if has_lora else 0,
-        stride_is=inter.stride(1) if has_lora else 0,
-        stride_ir=inter.stride(2) if has_lora else 0,
+        stride_im=inter.stride(0) if inter is not None else 0,
+        stride_is=inter.stride(1) if inter is not None else 0,
+        stride_ir=inter.stride(2) if inter is not None else 0,
         stride_ll=lora_b.stride(0) if has_lora else 0,
         stride_le=lora_b.stride(1) if has_lora else 0,
         stride_ls=lora_b.stride(2) if has_lora else 0,
         stride_ln=lora_b.stride(3) if has_lora else 0,
         stride_lr=lora_b.stride(4) if has_lora else 0,
+        stride_dm=delta.stride(0) if delta is not None else 0,
+        stride_ds=delta.stride(1) if delta is not None else 0,
+        stride_dn=delta.stride(2) if delta is not None else 0,
         num_pid_m=aligned.num_blocks,
         GATED=activation.is_gated,
         ACT=act_code(activation),
         HAS_BIAS=b13 is not None,
         HAS_LORA=has_lora,
+        DELTA=delta is not None,
         WEIGHT_INPUT=topk_weights is not None,
         Z_SORTED=z_sorted,
         BLOCK_M=aligned.block_m,

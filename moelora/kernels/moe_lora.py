@@ -1,7 +1,9 @@
-"""One MoE + multi-LoRA expert layer from the launchers: align (+ LoRA shrink tiles) -> (shrink) -> up GEMM with
-LoRA and activation -> (shrink of z) -> down GEMM with weighted LoRA -> top-k reduce.
-With a decode config (a few tokens): (shrink of x) -> up GEMV with LoRA, activation and
-the z shrink -> down GEMV with weighted LoRA and the top-k sum: no alignment, 2-3 launches.
+"""One MoE + multi-LoRA expert layer from the launchers: align (+ LoRA shrink tiles) ->
+(shrink) -> up GEMM with LoRA and activation -> (shrink of z) -> down GEMM with weighted
+LoRA -> top-k reduce. With lora_delta, each shrink is followed by its expand over the
+shrink tiles, and the GEMMs add those delta rows instead of expanding. With a decode
+config (a few tokens): (shrink of x) -> up GEMV with LoRA, activation and the z shrink ->
+down GEMV with weighted LoRA and the top-k sum: no alignment, 2-3 launches.
 
 No host synchronisation and static shapes per T, so the whole call is CUDA-graph capturable
 (its workspaces come from the graph's private pool). Composition only: no policy here
@@ -28,6 +30,7 @@ from .decode_shrink import decode_shrink
 from .decode_up import decode_up
 from .expert_down import expert_down
 from .expert_up import expert_up
+from .lora_delta import lora_delta
 from .lora_shrink import lora_shrink
 from .topk_reduce import topk_reduce
 
@@ -88,7 +91,10 @@ def fused_moe_lora(
     )
     num_pairs = num_tokens * top_k
 
-    inter13 = inter2 = None
+    inter13 = inter2 = delta13 = delta2 = None
+    # the expand over the shrink tiles needs whole intermediates and whole-H B2: not under
+    # fully sharded LoRA (its collectives sit between shrink and expand)
+    use_delta = use_lora and cfg.lora_delta and lora_comm is None
     if use_lora:
         inter13 = lora_shrink(
             x,
@@ -102,6 +108,8 @@ def fused_moe_lora(
         )
         if lora_comm is not None:
             inter13 = _gather_parts(inter13, lora_comm)
+        if use_delta:
+            delta13 = lora_delta(inter13, lora.w13_b, aligned, dtype=x.dtype)
     z = expert_up(
         x,
         experts.w13,
@@ -122,6 +130,7 @@ def fused_moe_lora(
         num_stages=cfg.up.num_stages,
         expand_lanes=cfg.expand_lanes,
         z_sorted=z_sorted,
+        delta=delta13,
     )
     if use_lora:
         inter2 = lora_shrink(
@@ -136,6 +145,8 @@ def fused_moe_lora(
         )
         if lora_comm is not None:
             inter2 = lora_comm.reduce_rank(inter2.view(inter2.shape[0], -1))
+        if use_delta:
+            delta2 = lora_delta(inter2, lora.w2_b, aligned, dtype=x.dtype)
     o = expert_down(
         z,
         experts.w2,
@@ -156,6 +167,7 @@ def fused_moe_lora(
         z_sorted=z_sorted,
         num_pairs=num_pairs,
         tma=cfg.down_tma,
+        delta=delta2,
     )
     return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
 

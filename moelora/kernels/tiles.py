@@ -73,7 +73,7 @@ def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
 
 
 @triton.jit
-def _expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """acc += t (fp32) @ b. 16-bit b: t is split into a high and a low 16-bit part, so two
     native dots keep ~16 mantissa bits of the fp32 intermediate."""
     if UPCAST or IEEE:
@@ -148,8 +148,32 @@ def lora_expand(
             if TWO_PARTS:
                 t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
                 b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
-                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
-                acc_u = _expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
+                acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+                acc_u = expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
             else:
-                acc_g = _expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+                acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+    return acc_g, acc_u
+
+
+@triton.jit
+def add_delta(
+    acc_g,
+    acc_u,
+    delta_ptr,
+    stride_dm,
+    stride_ds,
+    stride_dn,
+    pair,
+    slot,
+    offs_n,
+    n_mask,
+    TWO_PARTS: tl.constexpr,
+):
+    """acc [BLOCK_M, BLOCK_N] += the LoRA delta rows (lora_delta) of rows with an adapter:
+    part 0 into acc_g, (TWO_PARTS) part 1 into acc_u. delta_ptr is at (pair 0, part 0)."""
+    mask = (slot >= 0)[:, None] & n_mask[None, :]
+    d_ptrs = delta_ptr + pair[:, None].to(tl.int64) * stride_dm + offs_n[None, :] * stride_dn
+    acc_g += tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if TWO_PARTS:
+        acc_u += tl.load(d_ptrs + stride_ds, mask=mask, other=0.0).to(tl.float32)
     return acc_g, acc_u

@@ -1,0 +1,141 @@
+"""LoRA expand over the shrink tiles: delta[p, s, :] = inter[p, s, :R] @ B[slot, expert, s]^T,
+written in the activation dtype for the GEMM epilogues to add (TileConfig.lora_delta).
+
+Why: at mid T an aligned block holds every adapter (T = 1024 on Qwen3-30B-A3B: ~8 pairs of
+each of 8 slots in a block of 128 rows), so the in-GEMM expand multiplies every row by
+every slot's B (rank lanes x slots, hi/lo split: +33% MMA work in the down GEMM at R = 16)
+after the main loop, with its loads exposed. The shrink tiles are runs of one (expert,
+slot) bucket, so here each row meets only its own B: one [BLOCK_M, R] x [R, BLOCK_N] dot
+pair (hi/lo, keeping the fp32 intermediate's precision) per tile and N tile. The price is
+the delta's write and read (P * S * N elements in x's dtype), so it pays where the mixed
+blocks cost more than that traffic (the tune decides per row).
+
+Rows of pairs without an adapter are not written (the GEMMs mask them by slot).
+
+Legend: P pairs, S parts (2 gated up, 1 down), N output columns (I or H), R rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import InputError
+from .align import AlignedPairs
+from .checks import check_shape, precision_flags
+from .tiles import expand_dot
+
+BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
+
+
+@triton.jit
+def _lora_delta_kernel(
+    inter_ptr,
+    b_ptr,
+    delta_ptr,
+    sorted_pair_ids_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    rank,
+    n_size,
+    stride_im,
+    stride_is,
+    stride_ir,
+    stride_bl,
+    stride_be,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_dm,
+    stride_ds,
+    stride_dn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    if tile >= tl.load(num_tiles_ptr):
+        return
+    start = tl.load(tiles_ptr + tile * 4)
+    end = tl.load(tiles_ptr + tile * 4 + 1)
+    expert = tl.load(tiles_ptr + tile * 4 + 2)
+    slot = tl.load(tiles_ptr + tile * 4 + 3)
+    if (expert < 0) | (slot < 0):
+        return
+    part = tl.program_id(1)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < end
+    pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    t = tl.load(
+        inter_ptr + pair[:, None] * stride_im + part * stride_is + offs_r[None, :] * stride_ir,
+        mask=row_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_size
+    b = tl.load(
+        b_ptr
+        + slot.to(tl.int64) * stride_bl
+        + expert.to(tl.int64) * stride_be
+        + part * stride_bs
+        + offs_n[None, :] * stride_bn
+        + offs_r[:, None] * stride_br,
+        mask=r_ok[:, None] & n_ok[None, :],
+        other=0.0,
+    )
+    acc = expand_dot(t, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST, IEEE)
+    d_ptrs = delta_ptr + pair[:, None] * stride_dm + part * stride_ds + offs_n[None, :] * stride_dn
+    tl.store(d_ptrs, acc.to(delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def lora_delta(
+    inter: torch.Tensor,
+    lora_b: torch.Tensor,
+    aligned: AlignedPairs,
+    *,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """inter [P, S, R] fp32 (lora_shrink), lora_b [L, E, S, N, R] (w13_b) or [L, E, N, R]
+    (w2_b, S = 1), aligned with its LoRA tiles. Returns delta [P, S, N] in `dtype`, rows of
+    pairs without an adapter unwritten."""
+    b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
+    _, _, parts, n_size, rank = b5.shape
+    num_pairs = inter.shape[0]
+    check_shape("LoRA intermediate", inter, (num_pairs, parts, rank))
+    if b5.dtype != dtype:
+        raise InputError("lora B", f"dtype {b5.dtype}", f"{dtype} (the dtype of x); cast it")
+    delta = torch.empty(num_pairs, parts, n_size, dtype=dtype, device=inter.device)
+    upcast, ieee = precision_flags(delta)
+    grid = (aligned.max_lora_tiles, parts, triton.cdiv(n_size, BLOCK_N))
+    _lora_delta_kernel[grid](
+        inter_ptr=inter,
+        b_ptr=b5,
+        delta_ptr=delta,
+        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
+        tiles_ptr=aligned.lora_tiles,
+        num_tiles_ptr=aligned.num_lora_tiles,
+        rank=rank,
+        n_size=n_size,
+        stride_im=inter.stride(0),
+        stride_is=inter.stride(1),
+        stride_ir=inter.stride(2),
+        stride_bl=b5.stride(0),
+        stride_be=b5.stride(1),
+        stride_bs=b5.stride(2),
+        stride_bn=b5.stride(3),
+        stride_br=b5.stride(4),
+        stride_dm=delta.stride(0),
+        stride_ds=delta.stride(1),
+        stride_dn=delta.stride(2),
+        BLOCK_M=max(16, triton.next_power_of_2(aligned.lora_tile_m)),
+        BLOCK_N=BLOCK_N,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        UPCAST=upcast,
+        IEEE=ieee,
+    )
+    return delta
