@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 7c66a6a, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 76a0024, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
@@ -91,30 +91,39 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
-        {"expand_lanes": 64, "shrink_block_m": 16, "shrink_split_k": 4},
-    ),  # T=1024: 0.5925 -> 0.5919 ms (9dbd42c run)
+        {
+            "expand_lanes": 64,
+            "shrink_block_m": 16,
+            "shrink_split_k": 1,
+            "lora_delta": True,
+            "z_sorted": True,
+            "down_tma": True,
+        },
+    ),  # T=1024: 0.5926 -> 0.5617 ms (76a0024 run)
     (128, 8, 2048, 768, True, 8192): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
         {
             "expand_lanes": 32,
-            "shrink_block_m": 32,
+            "shrink_block_m": 64,
             "shrink_split_k": 1,
+            "lora_delta": False,
             "z_sorted": True,
             "down_tma": True,
         },
-    ),  # T=4096: 1.0505 -> 1.0252 ms (9dbd42c run)
+    ),  # T=4096: 1.0220 -> 1.0193 ms (76a0024 run)
     (128, 8, 2048, 768, True, 2147483647): (
         128,
         (128, 64, 8, 3),
-        (256, 64, 8, 4),
+        (256, 64, 8, 3),
         {
             "expand_lanes": 16,
             "shrink_block_m": 64,
             "shrink_split_k": 1,
+            "lora_delta": False,
             "z_sorted": True,
             "down_tma": True,
         },
-    ),  # T=16384: 3.0994 -> 3.0536 ms (9dbd42c run)
+    ),  # T=16384: 3.1107 -> 3.0682 ms (76a0024 run)
 }
