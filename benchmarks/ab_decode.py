@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from moelora.commands.validate import build_experts, build_lora
 from moelora.kernels import configs
-from moelora.presets import resolve_model
 
-from .tune import Layer
+from .tune import Layer, load_model
 
 
 def _pair(tokens: int, dims: tuple, lora: bool) -> tuple:
@@ -30,11 +28,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--model", default="qwen3-30b-a3b")
     args = p.parse_args()
-    model = resolve_model(args.model)
-    shape = model.shape
-    dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
-    experts = build_experts(model, "cuda")
-    lora = build_lora(model, 8, 16, "cuda")
+    model, dims, experts, lora = load_model(args.model)
     print(f"{'T':>5} {'lora':>5} {'decode ms':>10} {'aligned ms':>11}  decode tiles")
     for t in (int(v) for v in args.tokens.split(",")):
         layer = Layer(model, experts, lora, t, args.iters)

@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from moelora.commands.validate import build_experts, build_lora
 from moelora.kernels.configs import TileConfig, pick_config
-from moelora.presets import resolve_model
 
-from .tune import Layer
+from .tune import Layer, load_model
 
 
 def _value(knob: str, text: str):
@@ -32,11 +30,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--model", default="qwen3-30b-a3b")
     args = p.parse_args()
-    model = resolve_model(args.model)
-    shape = model.shape
-    dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
-    experts = build_experts(model, "cuda")
-    lora = build_lora(model, 8, 16, "cuda")
+    model, dims, experts, lora = load_model(args.model)
     values = [_value(args.knob, v) for v in args.values.split(",")]
     print(f"{'T':>6} " + " ".join(f"{args.knob}={v!s:>6}" for v in values))
     for t in (int(v) for v in args.tokens.split(",")):

@@ -110,6 +110,15 @@ def _size(block_m: int) -> str:
     return "small" if block_m <= 32 else "large"
 
 
+def load_model(name: str) -> tuple:
+    """(model, dims (E, K, H, I), experts, LoRA bank of 8 adapters of rank 16) on the GPU:
+    the setup every tuning tool times against."""
+    model = resolve_model(name)
+    shape = model.shape
+    dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
+    return model, dims, build_experts(model, "cuda"), build_lora(model, 8, 16, "cuda")
+
+
 class Layer:
     """One model layer at one T: inputs, reference rows, and a timer per tile config."""
 
@@ -300,10 +309,7 @@ def main() -> int:
     import triton
 
     start = time.time()
-    model = resolve_model(args.model)
-    shape = model.shape
-    experts = build_experts(model, "cuda")
-    lora = build_lora(model, 8, 16, "cuda")
+    model, dims, experts, lora = load_model(args.model)
     tokens = [int(t) for t in args.tokens.split(",")]
     ordered = sorted(tokens)
     bound = {
@@ -319,7 +325,6 @@ def main() -> int:
         iters=args.iters,
     )
     entries, log = [], []
-    dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
     modes = (True,) if args.lora_only else (False, True)
     # Rows of the committed table for this shape that this run does not re-tune are kept
     # (noted as such), and a tuned T takes the committed bucket it falls in, if any.

@@ -24,7 +24,7 @@ import triton.language as tl
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags
-from .tiles import expand_dot
+from .tiles import expand_dot, lora_tile
 
 BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
 
@@ -59,15 +59,10 @@ def _lora_delta_kernel(
     tile = tl.program_id(0)
     if tile >= tl.load(num_tiles_ptr):
         return
-    start = tl.load(tiles_ptr + tile * 4)
-    end = tl.load(tiles_ptr + tile * 4 + 1)
-    expert = tl.load(tiles_ptr + tile * 4 + 2)
-    slot = tl.load(tiles_ptr + tile * 4 + 3)
+    offs_m, row_ok, expert, slot = lora_tile(tiles_ptr, tile, BLOCK_M)
     if (expert < 0) | (slot < 0):
         return
     part = tl.program_id(1)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < end
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank

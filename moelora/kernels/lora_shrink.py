@@ -27,7 +27,7 @@ import triton.language as tl
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import mma
+from .tiles import lora_tile, mma
 
 
 @triton.jit
@@ -65,16 +65,11 @@ def _lora_shrink_kernel(
     tile = tl.program_id(0)
     if tile >= tl.load(num_tiles_ptr):
         return
-    start = tl.load(tiles_ptr + tile * 4)
-    end = tl.load(tiles_ptr + tile * 4 + 1)
-    expert = tl.load(tiles_ptr + tile * 4 + 2)
-    slot = tl.load(tiles_ptr + tile * 4 + 3)
+    offs_m, row_ok, expert, slot = lora_tile(tiles_ptr, tile, BLOCK_M)
     if (expert < 0) | (slot < 0):
         return
     k_start = tl.program_id(2) * k_chunk
     k_end = tl.minimum(k_start + k_chunk, k_dim)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < end
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
     if ROWS_SORTED:  # input rows in the sorted order (z of a z_sorted up GEMM)
         row = offs_m.to(tl.int64)

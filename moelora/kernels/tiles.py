@@ -45,6 +45,18 @@ def block_rows(
 
 
 @triton.jit
+def lora_tile(tiles_ptr, tile, BLOCK_M: tl.constexpr):
+    """LoRA shrink tile `tile` (align.py): (offs_m its BLOCK_M sorted-order rows, row_ok
+    inside the tile, expert, slot; expert or slot < 0: no work)."""
+    start = tl.load(tiles_ptr + tile * 4)
+    end = tl.load(tiles_ptr + tile * 4 + 1)
+    expert = tl.load(tiles_ptr + tile * 4 + 2)
+    slot = tl.load(tiles_ptr + tile * 4 + 3)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    return offs_m, offs_m < end, expert, slot
+
+
+@triton.jit
 def z_rows(pid_m, pair, BLOCK_M: tl.constexpr, Z_SORTED: tl.constexpr):
     """int64 row of z for each row of block pid_m: its place in the sorted order
     (Z_SORTED: a block's rows are contiguous) or its pair index."""
