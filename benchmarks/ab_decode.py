@@ -1,7 +1,8 @@
 """Same-run A/B of the decode path against the aligned path at small T: for each T, the
-layer (LoRA off and on) under the decode config pick_config gives (its table row, or the
-decode heuristic) and under the aligned config (the row, or the heuristic without the
-decode rule). The tune's timer: graph replay, L2 flushed, output checked first.
+layer (LoRA off and on) under the decode config (the table row when it is one, else
+configs.DECODE_TILES) and under the aligned config (the table row when it is aligned, else
+the off-table heuristic with the LoRA rules: configs.aligned_config). The tune's timer:
+graph replay, L2 flushed, output checked first.
 
 Usage (GPU): python -m benchmarks.ab_decode [--tokens 1,2,4,8,16] [--iters 20]
 """

@@ -4,7 +4,8 @@ the reference first).
 
 Usage (GPU): python -m benchmarks.ab_knob --knob expand_lanes --values 16,32,64
              [--tokens 64,1024,4096,16384] [--iters 20] [--model qwen3-30b-a3b]
-(Booleans as 0 / 1.)
+(Scalar knobs only; booleans as 0 / 1. At a T whose row is a decode config the LoRA knobs
+of the aligned path change nothing.)
 """
 
 from __future__ import annotations

@@ -28,7 +28,13 @@ import torch
 
 from moelora.commands.validate import build_experts, build_inputs, build_lora
 from moelora.compare import compare
-from moelora.kernels.configs import GemmTiles, TileConfig, aligned_config, pick_config
+from moelora.kernels.configs import (
+    DECODE_TILES,
+    GemmTiles,
+    TileConfig,
+    aligned_config,
+    pick_config,
+)
 from moelora.kernels.h200_table import H200_ROWS
 from moelora.kernels.moe_lora import fused_moe_lora
 from moelora.presets import resolve_model
@@ -69,7 +75,7 @@ DOWN = {
 # pair / token per program, BLOCK_K per step, warps, stages). Up: 4-32 units (x2 rows,
 # gate and up) of 2-8 KB per step; down: a [K, BLOCK_N, BLOCK_K] step of 4-16 KB. Chosen
 # to span 100-800 programs at T = 1 (P * I / BLOCK_N up, H / BLOCK_N down on 132 SMs).
-DECODE_MAX_T = 16
+DECODE_MAX_T = 16  # largest T bucket bound where the decode path is tried
 DECODE_UP = [
     (8, 256, 4, 1),
     (4, 512, 4, 1),
@@ -198,10 +204,8 @@ def search_decode(
 ) -> tuple[TileConfig, float | None]:
     """The decode path's tiles: up candidates, then down candidates, then (LoRA) the x
     shrink's, a coordinate search from `start` when it is a decode config (a committed
-    row), else from the first candidates."""
-    best = start
-    if not start.decode:
-        best = TileConfig(16, GemmTiles(*DECODE_UP[0]), GemmTiles(*DECODE_DOWN[0]), decode=True)
+    row), else from configs.DECODE_TILES."""
+    best = start if start.decode else DECODE_TILES
     best_ms = layer.measure(best, lora)
     log.append(dict(cfg=dataclasses.asdict(best), ms=best_ms))
     steps = [("up", GemmTiles(*t)) for t in DECODE_UP]
@@ -230,7 +234,7 @@ def _knobs(cfg: TileConfig) -> dict:
 def _row(cfg: TileConfig, lora: bool) -> tuple:
     t = lambda g: (g.block_n, g.block_k, g.num_warps, g.num_stages)  # noqa: E731
     row = (cfg.block_m, t(cfg.up), t(cfg.down))
-    knobs = _knobs(cfg) if lora else {}
+    knobs = _knobs(cfg) if lora and not cfg.decode else {}  # the decode path has no such knobs
     knobs.update({k: True for k in LAYOUT_KNOBS if getattr(cfg, k)})
     if cfg.decode and lora:
         knobs["decode_shrink"] = cfg.decode_shrink
@@ -301,7 +305,8 @@ def main() -> int:
         "--own-buckets",
         action="store_true",
         help="each tuned T gets its own bucket (upper bound T) instead of the committed "
-        "bucket it falls in, e.g. to split a bucket where the decode path wins only below",
+        "bucket it falls in, e.g. to split a bucket where the decode path wins only below; "
+        "T above the largest tuned one keep the committed rows (or the heuristic)",
     )
     args = p.parse_args()
     import json
@@ -357,12 +362,14 @@ def main() -> int:
             others = (dataclasses.replace(base, **_knobs(heur)),) if on else ()
             steps: list = []
             best, h_ms = search(layer, heur, on, steps, others)
-            if t <= DECODE_MAX_T:  # the decode path competes with the aligned best
-                aligned_ms = min(s["ms"] for s in steps if s["ms"] is not None)
+            # the decode path competes with the aligned best where its whole bucket is in the
+            # decode range (a win measured at T must not stand for larger T unmeasured)
+            if key_of(t, on)[5] <= DECODE_MAX_T:
+                aligned_ms = min((s["ms"] for s in steps if s["ms"] is not None), default=None)
                 dec, dec_ms = search_decode(layer, on, steps, chosen)
-                if dec_ms is not None and dec_ms < aligned_ms:
+                if dec_ms is not None and (aligned_ms is None or dec_ms < aligned_ms):
                     best = dec
-            ms = min(s["ms"] for s in steps if s["ms"] is not None)
+            ms = min((s["ms"] for s in steps if s["ms"] is not None), default=float("nan"))
             log.append(dict(T=t, lora=on, steps=steps))
             key = key_of(t, on)
             if any(e[0] == key for e in entries):  # two tuned T in one committed bucket

@@ -24,7 +24,7 @@ def test_table_row_knobs_override_the_rules(monkeypatch) -> None:
     assert base == configs._heuristic(33 * 8 / 128)
 
 
-@pytest.mark.parametrize("tokens", [16, 300, 5000, 70000])
+@pytest.mark.parametrize("tokens", [1, 16, 300, 5000, 70000])
 def test_off_table_shapes_take_the_heuristic_and_rules(tokens: int) -> None:
     dims = (96, 6, 1536, 512)  # no table row
     m = tokens * 6 / 96
@@ -41,6 +41,8 @@ def test_committed_table_knobs_are_valid() -> None:
         assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma", "decode", "decode_shrink"}, key
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key
+        rows, block_k = knobs.get("decode_shrink", (1, 16))
+        assert rows & (rows - 1) == 0 and block_k & (block_k - 1) == 0, key  # powers of two
         assert key[4] or not set(knobs) & lora_knobs, f"{key}: LoRA knobs on a LoRA-free row"
         assert knobs.get("z_sorted", False) or not knobs.get("down_tma"), (
             f"{key}: TMA needs z_sorted"
@@ -65,11 +67,14 @@ def test_decode_path_only_from_table_rows(lora: bool) -> None:
     assert pick_config(1, *QWEN3, lora=lora).decode
 
 
-def test_aligned_config_of_a_decode_row_is_the_aligned_heuristic() -> None:
-    decode = dataclasses.replace(configs.DECODE_TILES, expand_lanes=64)
+def test_aligned_config_of_a_decode_row_is_the_off_table_config() -> None:
+    """The aligned side of a decode row takes the heuristic tiles and the LoRA rules, not
+    the decode row's (untuned) LoRA knobs."""
+    decode = dataclasses.replace(configs.DECODE_TILES, expand_lanes=64, shrink_split_k=1)
     got = configs.aligned_config(decode, 4, 128, 8, True)
     want = configs._lora_heuristic(4 * 8 / 128)
     assert not got.decode and (got.block_m, got.up, got.down) == (want.block_m, want.up, want.down)
-    assert got.expand_lanes == 64  # the row's other knobs stay
+    assert got.shrink_split_k == configs._shrink_split(4 * 8) and got.expand_lanes == 32
+    assert got == pick_config(4, 128, 8, 1536, 512, lora=True)  # = the off-table choice
     aligned = configs._heuristic(2.0)
     assert configs.aligned_config(aligned, 32, 128, 8, False) is aligned

@@ -17,7 +17,7 @@ from moelora.backends.registry import REGISTRY
 from moelora.compare import assert_close, poison_
 from moelora.config import AddInputs, MoEShape
 from moelora.kernels.align import align_pairs
-from moelora.kernels.configs import GemmTiles, TileConfig
+from moelora.kernels.configs import DECODE_TILES, GemmTiles, TileConfig
 from moelora.kernels.moe_lora import fused_moe_lora
 from moelora.reference import moe_lora_reference
 from moelora.weights import random_expert_weights, random_lora_bank
@@ -138,6 +138,17 @@ CASES = [
         "delta-down-tma-multi-block", experts=2, top_k=1, tokens=40, down_tma=True, lora_delta=True
     ),
     Case("delta-shrink-two-tiles", experts=2, top_k=1, tokens=80, slots=(0, 1), lora_delta=True),
+    # delta with the one-pair-per-block alignment (P <= E/4), and with three align launches
+    Case("delta-one-pair-blocks-drop", experts=32, tokens=2, drop_ids=True, lora_delta=True),
+    Case(
+        "delta-three-launch-align",
+        tokens=300,
+        top_k=8,
+        experts=16,
+        slots=(0, 1, 2, -1),
+        lora_delta=True,
+    ),
+    Case("delta-rank-128", ranks=(128, 5, 64), max_rank=128, lora_delta=True),  # widest rank
     # the decode path (GEMV up with the z shrink by atomics, down with the top-k sum)
     *[Case(f"decode-act-{a.value}", act=a, decode=True) for a in Activation],
     Case("decode-T1", tokens=1, slots=(2,), decode=True),
@@ -154,6 +165,24 @@ CASES = [
     Case("decode-K-eq-E-odd-K", experts=3, top_k=3, decode=True),  # K not a power of two
     # x shrink: 4 A rows per program, 2 K steps of 16 (H = 32), z zeroing spread thinner
     Case("decode-shrink-tiles", hidden=32, decode=True, extra={"ds": (4, 16)}),
+    Case("decode-shrink-one-row", hidden=48, decode=True, extra={"ds": (1, 32)}),  # 1 A row
+    # the committed decode tiles (2-unit GEMV programs, 2-column down tiles, 1-row shrink)
+    Case(
+        "decode-committed-tiles", act=A.SWIGLUOAI, bias=True, decode=True, extra={"cfg": "DECODE"}
+    ),
+    Case("decode-top-k-10", experts=12, top_k=10, tokens=2, decode=True),  # K > 8: narrower K step
+    Case("decode-rank-128", ranks=(128, 5, 64), max_rank=128, decode=True),  # widest rank
+    Case(
+        "decode-32-slots",
+        slots=(-2, 0, 31, 33, 5, -1, 16),
+        ranks=(8,) * 32,
+        max_rank=8,
+        tokens=7,
+        decode=True,
+    ),
+    Case(
+        "decode-shared-experts", experts=4, top_k=2, tokens=40, decode=True
+    ),  # pairs share experts
 ]
 
 
@@ -206,7 +235,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
         shape,
         out=out,
         config=dataclasses.replace(
-            TILES,
+            DECODE_TILES if case.extra.get("cfg") == "DECODE" else TILES,
             shrink_split_k=case.split_k,
             expand_lanes=case.expand_lanes,
             z_sorted=case.z_sorted,
@@ -221,11 +250,13 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
     assert_close(out, ref, what=case.id)
 
 
-def test_slot_minus1_rows_equal_base_exactly(seed: int) -> None:
-    """Slot -1 tokens in a mixed batch get bit-for-bit the base output."""
+@pytest.mark.parametrize("path", ["aligned", "delta", "decode"])
+def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
+    """Slot -1 tokens in a mixed batch get bit-for-bit the base output, on every path."""
     shape, experts, lora, x, ids, weights, slots = _inputs(Case("mixed", tokens=8), seed)
-    mixed = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=TILES)
-    base = fused_moe_lora(x, ids, weights, None, experts, None, shape, config=TILES)
+    cfg = dataclasses.replace(TILES, lora_delta=path == "delta", decode=path == "decode")
+    mixed = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)
+    base = fused_moe_lora(x, ids, weights, None, experts, None, shape, config=cfg)
     rows = slots < 0
     assert rows.any()
     assert torch.equal(mixed[rows], base[rows])

@@ -68,6 +68,15 @@ WORLD2 = [
     # the expand over the shrink tiles: used under expert parallel, ignored (the in-GEMM
     # expand) under fully sharded LoRA, equal to the reference either way
     Case("triton-ep2-lora-delta", ep=2, tiles=(("lora_delta", True),), **TRITON),
+    Case("triton-tp2-decode", tp=2, tiles=(("decode", True),), **TRITON),  # plain TP, LoRA
+    Case(
+        "triton-fs-tp2-decode-relu2",  # non-gated (S = 1) under fully sharded LoRA
+        tp=2,
+        fully_sharded=True,
+        activation=Activation.RELU2_NO_MUL,
+        tiles=(("decode", True),),
+        **TRITON,
+    ),
     Case(
         "triton-fs-tp2-lora-delta",
         tp=2,

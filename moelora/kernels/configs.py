@@ -147,14 +147,23 @@ def _shrink_split(pairs: int) -> int:
 
 
 def aligned_config(cfg: TileConfig, num_tokens: int, num_experts: int, top_k: int, lora: bool):
-    """cfg itself on the aligned path; a decode cfg's aligned alternative (the heuristic
-    tiles, cfg's other knobs kept): what the tune and the decode A/B compare against."""
+    """cfg itself on the aligned path; for a decode cfg, the config the aligned path would
+    take off the table (heuristic tiles, LoRA knobs from the rules): what the tune and the
+    decode A/B compare against. (A decode row's own LoRA knobs are not tuned.)"""
     if not cfg.decode:
         return cfg
+    return _off_table(num_tokens, num_experts, top_k, lora)
+
+
+def _off_table(num_tokens: int, num_experts: int, top_k: int, lora: bool) -> TileConfig:
+    """The heuristic config with the LoRA rules applied."""
     m = num_tokens * top_k / num_experts
-    tiles = _lora_heuristic(m) if lora else _heuristic(m)
+    if not lora:
+        return _heuristic(m)
     return dataclasses.replace(
-        cfg, block_m=tiles.block_m, up=tiles.up, down=tiles.down, decode=False
+        _lora_heuristic(m),
+        shrink_split_k=_shrink_split(num_tokens * top_k),
+        shrink_block_m=_shrink_block_m(m),
     )
 
 
@@ -162,18 +171,13 @@ def pick_config(
     num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, lora: bool = False
 ) -> TileConfig:
     """Tiles for one forward. Static per (shape, T): a CUDA graph per bucket sees one config."""
-    cfg, knobs = None, {}
     for key, row in sorted(H200_TABLE.items(), key=lambda kv: kv[0][5]):
         if key[:5] == (num_experts, top_k, hidden, inter, lora) and num_tokens <= key[5]:
-            cfg, knobs = row, H200_KNOBS[key]
-            break
-    if cfg is None:
-        m = num_tokens * top_k / num_experts
-        cfg = _lora_heuristic(m) if lora else _heuristic(m)
-    if not lora:
-        return dataclasses.replace(cfg, **knobs)
-    rules = dict(
-        shrink_split_k=_shrink_split(num_tokens * top_k),
-        shrink_block_m=_shrink_block_m(num_tokens * top_k / num_experts),
-    )
-    return dataclasses.replace(cfg, **{**rules, **knobs})
+            if not lora:
+                return dataclasses.replace(row, **H200_KNOBS[key])
+            rules = dict(
+                shrink_split_k=_shrink_split(num_tokens * top_k),
+                shrink_block_m=_shrink_block_m(num_tokens * top_k / num_experts),
+            )
+            return dataclasses.replace(row, **{**rules, **H200_KNOBS[key]})
+    return _off_table(num_tokens, num_experts, top_k, lora)

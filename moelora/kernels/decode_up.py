@@ -11,7 +11,10 @@ LoRA: the expand is an fp32 dot of the shrink intermediate with B rows (exact, n
 split needed off the tensor cores), added before the activation. The z shrink follows in
 the epilogue: the program's z units times the matching columns of the down A, added with
 fp32 atomics into z_inter [P, R] (zeroed by decode_shrink), so no separate z-shrink launch
-and no second read of z. Pairs routed outside [0, E) are skipped (z rows unwritten).
+and no second read of z. The atomics make the LoRA result's last bits depend on the order
+the programs finish (not bitwise repeatable run to run, like the split-K shrink); the
+LoRA-free path is deterministic. Pairs routed outside [0, E) are skipped (z rows
+unwritten).
 
 Legend: T tokens, K top-k, P = T*K pairs, E experts, H hidden, I intermediate, R rank.
 """
