@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit e343130, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit d1f71a2, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
@@ -51,18 +51,24 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (256, 64, 8, 3),
         {"z_sorted": True, "down_tma": True},
     ),  # T=16384: 2.5448 -> 2.4301 ms (9dbd42c run)
-    (128, 8, 2048, 768, True, 4): (
+    (128, 8, 2048, 768, True, 1): (
         16,
         (2, 2048, 4, 1),
         (2, 256, 4, 1),
-        {
-            "expand_lanes": 32,
-            "shrink_block_m": 16,
-            "shrink_split_k": 1,
-            "decode": True,
-            "decode_shrink": (1, 2048),
-        },
-    ),  # T=1: 0.0587 -> 0.0420 ms (7c66a6a run)
+        {"decode": True, "decode_shrink": (1, 2048)},
+    ),  # T=1: 0.0536 -> 0.0420 ms (d1f71a2 run)
+    (128, 8, 2048, 768, True, 2): (
+        16,
+        (2, 2048, 4, 1),
+        (2, 256, 4, 1),
+        {"decode": True, "decode_shrink": (1, 2048)},
+    ),  # T=2: 0.0743 -> 0.0658 ms (d1f71a2 run)
+    (128, 8, 2048, 768, True, 4): (
+        16,
+        (2, 2048, 4, 1),
+        (8, 128, 4, 1),
+        {"decode": True, "decode_shrink": (1, 2048)},
+    ),  # T=4: 0.1123 -> 0.1069 ms (d1f71a2 run)
     (128, 8, 2048, 768, True, 8): (
         16,
         (32, 128, 4, 4),
