@@ -26,8 +26,8 @@
 - decode: the decode path (GEMV kernels straight from the top-k ids: no alignment, no
   reduce launch) only where a table row measured it faster; off elsewhere. On the H200 it
   won at the Qwen3 shape (E = 128, K = 8) at T <= 4 with and without LoRA and T <= 8
-  LoRA-free (bb19efa / d848c8e / d1f71a2 runs; at T = 4 with LoRA by 1%), with the tiles tuned for that shape (the down tile
-  alone moved it 2x). With those same tiles on other shapes it lost at T = 1 with LoRA
+  LoRA-free (bb19efa / d848c8e / d1f71a2 runs; at T = 4 with LoRA by 1%), with the tiles
+  tuned for that shape (the down tile alone moved it 2x). With those same tiles on other shapes it lost at T = 1 with LoRA
   (Mixtral-8x7B 0.247 vs 0.224 ms, DeepSeek-V3 0.228 vs 0.205) and on gpt-oss-20b
   LoRA-free (0.095 vs 0.073): e95b043 run, KERNEL_LOG.md v9. DECODE_TILES is where the
   tune's decode search starts (the Qwen3 T = 1 choice).
