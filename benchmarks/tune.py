@@ -109,6 +109,7 @@ LORA_KNOBS = {
     "shrink_block_m": (16, 32, 64),
     "shrink_split_k": (1, 2, 4, 8),
     "lora_delta": (False, True),  # expand over the shrink tiles (kernels/lora_delta.py)
+    "delta_in_reduce": (False, True),  # with lora_delta: the reduce adds the down delta
 }
 
 
@@ -192,6 +193,8 @@ def search(
         for knob, values in LORA_KNOBS.items():
             for v in values:
                 consider(dataclasses.replace(best, **{knob: v}))
+        # both delta knobs at once (the second alone does nothing without the first)
+        consider(dataclasses.replace(best, lora_delta=True, delta_in_reduce=True))
     # z layout, then TMA in the down GEMM (which needs the sorted layout)
     consider(dataclasses.replace(best, z_sorted=not best.z_sorted, down_tma=False))
     consider(dataclasses.replace(best, z_sorted=True, down_tma=True))

@@ -36,7 +36,13 @@ def test_off_table_shapes_take_the_heuristic_and_rules(tokens: int) -> None:
 
 
 def test_committed_table_knobs_are_valid() -> None:
-    lora_knobs = {"expand_lanes", "shrink_block_m", "shrink_split_k", "lora_delta"}
+    lora_knobs = {
+        "expand_lanes",
+        "shrink_block_m",
+        "shrink_split_k",
+        "lora_delta",
+        "delta_in_reduce",
+    }
     for key, knobs in configs.H200_KNOBS.items():
         assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma", "decode", "decode_shrink"}, key
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key

@@ -49,6 +49,7 @@ class Case:
     down_tma: bool = False  # down GEMM's z and w2 tiles by TMA descriptors (z_sorted)
     decode: bool = False  # the decode path: GEMV kernels from the top-k ids, no alignment
     lora_delta: bool = False  # LoRA expand over the shrink tiles, added by the GEMMs
+    delta_in_reduce: bool = False  # with lora_delta: the down delta added by the reduce
     extra: dict = field(default_factory=dict)
 
 
@@ -149,6 +150,39 @@ CASES = [
         lora_delta=True,
     ),
     Case("delta-rank-128", ranks=(128, 5, 64), max_rank=128, lora_delta=True),  # widest rank
+    # the down delta added (weighted) by the top-k reduce, the down GEMM LoRA-free
+    Case("delta-in-reduce", lora_delta=True, delta_in_reduce=True),
+    Case(
+        "delta-in-reduce-swigluoai-bias-fp16",
+        act=A.SWIGLUOAI,
+        bias=True,
+        dtype=torch.float16,
+        lora_delta=True,
+        delta_in_reduce=True,
+    ),
+    Case(
+        "delta-in-reduce-weights-on-input",
+        top_k=1,
+        weights_on_input=True,
+        bias=True,
+        lora_delta=True,
+        delta_in_reduce=True,
+    ),
+    Case(
+        "delta-in-reduce-drop-beyond-bank",
+        slots=(0, 5, -1, 1, 3),
+        drop_ids=True,
+        lora_delta=True,
+        delta_in_reduce=True,
+    ),
+    Case(
+        "delta-in-reduce-many-tokens",
+        tokens=9,
+        slots=(2, -1, 0, 1),
+        hidden=48,
+        lora_delta=True,
+        delta_in_reduce=True,
+    ),
     # the decode path (GEMV up with the z shrink by atomics, down with the top-k sum)
     *[Case(f"decode-act-{a.value}", act=a, decode=True) for a in Activation],
     Case("decode-T1", tokens=1, slots=(2,), decode=True),
@@ -243,6 +277,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             shrink_block_m=case.extra.get("tm", TILES.shrink_block_m),
             decode=case.decode,
             lora_delta=case.lora_delta,
+            delta_in_reduce=case.delta_in_reduce,
             decode_shrink=case.extra.get("ds", TILES.decode_shrink),
         ),
         weights_on_input=case.weights_on_input,
@@ -250,11 +285,16 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
     assert_close(out, ref, what=case.id)
 
 
-@pytest.mark.parametrize("path", ["aligned", "delta", "decode"])
+@pytest.mark.parametrize("path", ["aligned", "delta", "delta-in-reduce", "decode"])
 def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
     """Slot -1 tokens in a mixed batch get bit-for-bit the base output, on every path."""
     shape, experts, lora, x, ids, weights, slots = _inputs(Case("mixed", tokens=8), seed)
-    cfg = dataclasses.replace(TILES, lora_delta=path == "delta", decode=path == "decode")
+    cfg = dataclasses.replace(
+        TILES,
+        lora_delta=path.startswith("delta"),
+        delta_in_reduce=path == "delta-in-reduce",
+        decode=path == "decode",
+    )
     mixed = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)
     base = fused_moe_lora(x, ids, weights, None, experts, None, shape, config=cfg)
     rows = slots < 0
@@ -278,15 +318,21 @@ def test_backend_add_inputs(mode: AddInputs, seed: int) -> None:
     assert_close(out, want, what=mode.value)
 
 
-def test_decode_add_into_out(seed: int) -> None:
-    """The decode path's down kernel adds into `out` (add=True) as the aligned path does."""
+@pytest.mark.parametrize(
+    "knobs",
+    [{"decode": True}, {"lora_delta": True, "delta_in_reduce": True}],
+    ids=["decode", "delta-in-reduce"],
+)
+def test_add_into_out(knobs: dict, seed: int) -> None:
+    """The decode path's down kernel and the reduce with the delta add into `out`
+    (add=True) as the aligned path does."""
     shape, experts, lora, x, ids, weights, slots = _inputs(Case("dec-add", bias=True), seed)
     ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
     prior = torch.randn_like(x)
     out = prior.clone()
-    cfg = dataclasses.replace(TILES, decode=True)
+    cfg = dataclasses.replace(TILES, **knobs)
     fused_moe_lora(x, ids, weights, slots, experts, lora, shape, out=out, add=True, config=cfg)
-    assert_close(out, ref + prior, what="decode add")
+    assert_close(out, ref + prior, what=f"add {knobs}")
 
 
 ALIGN_CASES = [  # (T, K, E, L, BLOCK_M, id)

@@ -68,6 +68,13 @@ WORLD2 = [
     # the expand over the shrink tiles: used under expert parallel, ignored (the in-GEMM
     # expand) under fully sharded LoRA, equal to the reference either way
     Case("triton-ep2-lora-delta", ep=2, tiles=(("lora_delta", True),), **TRITON),
+    Case(
+        "triton-ep2-delta-in-reduce-add-inputs",
+        ep=2,
+        add_inputs=AddInputs.ADD,
+        tiles=(("lora_delta", True), ("delta_in_reduce", True)),
+        **TRITON,
+    ),
     Case("triton-tp2-decode", tp=2, tiles=(("decode", True),), **TRITON),  # plain TP, LoRA
     Case(
         "triton-fs-tp2-decode-relu2",  # non-gated (S = 1) under fully sharded LoRA

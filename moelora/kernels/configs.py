@@ -37,6 +37,10 @@
 - lora_delta (LoRA): off; the expand runs over the (expert, slot) shrink tiles into a
   delta buffer the GEMM epilogues add, instead of mixed-slot dots inside the GEMMs
   (kernels/lora_delta.py). Off until a tune picks it; ignored under fully sharded LoRA.
+- delta_in_reduce (with lora_delta): off; the down delta is added by the top-k reduce (a
+  streaming read, weighted there) instead of the down GEMM's epilogue, which then runs
+  LoRA-free. Reasoned from the d1f71a2 profile (the epilogue load cost 0.030 ms at
+  T = 1024 for 33.5 MB); not yet measured on a GPU.
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
   shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
@@ -76,6 +80,7 @@ class TileConfig:
     decode: bool = False  # the decode path (no alignment; up/down tiles are its GEMV tiles)
     decode_shrink: tuple[int, int] = (2, 1024)  # decode x shrink: (A rows, BLOCK_K) per program
     lora_delta: bool = False  # LoRA expand over the shrink tiles into a delta the GEMMs add
+    delta_in_reduce: bool = False  # with lora_delta: the top-k reduce adds the down delta
 
 
 def _from_row(row: tuple) -> TileConfig:

@@ -147,6 +147,8 @@ def fused_moe_lora(
             inter2 = lora_comm.reduce_rank(inter2.view(inter2.shape[0], -1))
         if use_delta:
             delta2 = lora_delta(inter2, lora.w2_b, aligned, dtype=x.dtype)
+    # with delta_in_reduce the down GEMM runs LoRA-free and the reduce adds the delta
+    down_lora = use_lora and not (use_delta and cfg.delta_in_reduce)
     o = expert_down(
         z,
         experts.w2,
@@ -154,9 +156,9 @@ def fused_moe_lora(
         aligned,
         top_k=top_k,
         topk_weights=None if weights_on_input else topk_weights,
-        token_slots=slots,
-        inter=inter2,
-        lora_b=lora.w2_b if use_lora else None,
+        token_slots=slots if down_lora else None,
+        inter=inter2 if down_lora else None,
+        lora_b=lora.w2_b if down_lora else None,
         block_n=cfg.down.block_n,
         block_k=cfg.down.block_k,
         group_m=cfg.group_m,
@@ -167,9 +169,21 @@ def fused_moe_lora(
         z_sorted=z_sorted,
         num_pairs=num_pairs,
         tma=cfg.down_tma,
-        delta=delta2,
+        delta=delta2 if down_lora else None,
     )
-    return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
+    if down_lora or delta2 is None:
+        return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
+    return topk_reduce(
+        o,
+        topk_ids,
+        num_experts,
+        out=out,
+        add=add,
+        delta=delta2.view(num_pairs, -1),
+        token_slots=slots,
+        num_slots=num_slots,
+        topk_weights=None if weights_on_input else topk_weights,
+    )
 
 
 def _decode_forward(
