@@ -110,6 +110,7 @@ LORA_KNOBS = {
     "shrink_split_k": (1, 2, 4, 8),
     "lora_delta": (False, True),  # expand over the shrink tiles (kernels/lora_delta.py)
     "delta_in_reduce": (False, True),  # with lora_delta: the reduce adds the down delta
+    "shrink_expand": (False, True),  # with lora_delta: the shrinks expand (unsplit)
 }
 
 
@@ -193,8 +194,12 @@ def search(
         for knob, values in LORA_KNOBS.items():
             for v in values:
                 consider(dataclasses.replace(best, **{knob: v}))
-        # both delta knobs at once (the second alone does nothing without the first)
-        consider(dataclasses.replace(best, lora_delta=True, delta_in_reduce=True))
+        # the delta knobs together (the others do nothing without lora_delta)
+        for extra in ({"delta_in_reduce": True}, {"shrink_expand": True}):
+            consider(dataclasses.replace(best, lora_delta=True, **extra))
+        consider(
+            dataclasses.replace(best, lora_delta=True, delta_in_reduce=True, shrink_expand=True)
+        )
     # z layout, then TMA in the down GEMM (which needs the sorted layout)
     consider(dataclasses.replace(best, z_sorted=not best.z_sorted, down_tma=False))
     consider(dataclasses.replace(best, z_sorted=True, down_tma=True))

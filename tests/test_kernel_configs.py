@@ -42,6 +42,7 @@ def test_committed_table_knobs_are_valid() -> None:
         "shrink_split_k",
         "lora_delta",
         "delta_in_reduce",
+        "shrink_expand",
     }
     for key, knobs in configs.H200_KNOBS.items():
         assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma", "decode", "decode_shrink"}, key

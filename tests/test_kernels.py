@@ -50,6 +50,7 @@ class Case:
     decode: bool = False  # the decode path: GEMV kernels from the top-k ids, no alignment
     lora_delta: bool = False  # LoRA expand over the shrink tiles, added by the GEMMs
     delta_in_reduce: bool = False  # with lora_delta: the down delta added by the reduce
+    shrink_expand: bool = False  # with lora_delta: the shrink kernels write the delta rows
     extra: dict = field(default_factory=dict)
 
 
@@ -175,6 +176,49 @@ CASES = [
         lora_delta=True,
         delta_in_reduce=True,
     ),
+    # the shrink programs expand their intermediate themselves (no delta launches)
+    Case("shrink-expand", lora_delta=True, shrink_expand=True, split_k=4),  # split ignored
+    Case(
+        "shrink-expand-swigluoai-bias-fp16",
+        act=A.SWIGLUOAI,
+        bias=True,
+        dtype=torch.float16,
+        lora_delta=True,
+        shrink_expand=True,
+    ),
+    Case(
+        "shrink-expand-relu2-rank-not-pow2",
+        act=A.RELU2_NO_MUL,
+        ranks=(24, 8),
+        max_rank=24,
+        slots=(1, 0, -1),
+        lora_delta=True,
+        shrink_expand=True,
+    ),
+    Case(
+        "shrink-expand-rank-128-one-part-per-prog",
+        ranks=(128, 5, 64),
+        max_rank=128,
+        lora_delta=True,
+        shrink_expand=True,
+    ),
+    Case(
+        "shrink-expand-z-sorted-in-reduce",
+        z_sorted=True,
+        hidden=48,
+        inter=40,
+        lora_delta=True,
+        shrink_expand=True,
+        delta_in_reduce=True,
+    ),
+    Case(
+        "shrink-expand-weights-on-input-drop",
+        top_k=1,
+        weights_on_input=True,
+        drop_ids=True,
+        lora_delta=True,
+        shrink_expand=True,
+    ),
     Case(
         "delta-in-reduce-many-tokens",
         tokens=9,
@@ -278,6 +322,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             decode=case.decode,
             lora_delta=case.lora_delta,
             delta_in_reduce=case.delta_in_reduce,
+            shrink_expand=case.shrink_expand,
             decode_shrink=case.extra.get("ds", TILES.decode_shrink),
         ),
         weights_on_input=case.weights_on_input,
@@ -285,14 +330,15 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
     assert_close(out, ref, what=case.id)
 
 
-@pytest.mark.parametrize("path", ["aligned", "delta", "delta-in-reduce", "decode"])
+@pytest.mark.parametrize("path", ["aligned", "delta", "delta-in-reduce", "shrink-expand", "decode"])
 def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
     """Slot -1 tokens in a mixed batch get bit-for-bit the base output, on every path."""
     shape, experts, lora, x, ids, weights, slots = _inputs(Case("mixed", tokens=8), seed)
     cfg = dataclasses.replace(
         TILES,
-        lora_delta=path.startswith("delta"),
+        lora_delta=path.startswith("delta") or path == "shrink-expand",
         delta_in_reduce=path == "delta-in-reduce",
+        shrink_expand=path == "shrink-expand",
         decode=path == "decode",
     )
     mixed = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)

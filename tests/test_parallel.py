@@ -69,6 +69,12 @@ WORLD2 = [
     # expand) under fully sharded LoRA, equal to the reference either way
     Case("triton-ep2-lora-delta", ep=2, tiles=(("lora_delta", True),), **TRITON),
     Case(
+        "triton-ep2-shrink-expand",
+        ep=2,
+        tiles=(("lora_delta", True), ("shrink_expand", True)),
+        **TRITON,
+    ),
+    Case(
         "triton-ep2-delta-in-reduce-add-inputs",
         ep=2,
         add_inputs=AddInputs.ADD,

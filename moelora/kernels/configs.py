@@ -41,6 +41,10 @@
   streaming read, weighted there) instead of the down GEMM's epilogue, which then runs
   LoRA-free. Reasoned from the d1f71a2 profile (the epilogue load cost 0.030 ms at
   T = 1024 for 33.5 MB); not yet measured on a GPU.
+- shrink_expand (with lora_delta): off; each shrink program expands its whole-K
+  intermediate into the delta rows itself (no lora_delta launches, the intermediate never
+  stored; the shrink runs unsplit). Reasoned (two launches and a round trip fewer, ~0.01
+  ms at T = 1024 by the d1f71a2 profile); not yet measured on a GPU.
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
   shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
@@ -81,6 +85,7 @@ class TileConfig:
     decode_shrink: tuple[int, int] = (2, 1024)  # decode x shrink: (A rows, BLOCK_K) per program
     lora_delta: bool = False  # LoRA expand over the shrink tiles into a delta the GEMMs add
     delta_in_reduce: bool = False  # with lora_delta: the top-k reduce adds the down delta
+    shrink_expand: bool = False  # with lora_delta: the shrink kernels expand (no split-K)
 
 
 def _from_row(row: tuple) -> TileConfig:

@@ -27,7 +27,60 @@ import triton.language as tl
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags
-from .tiles import lora_tile, mma
+from .tiles import expand_dot, lora_tile, mma
+
+EXPAND_BLOCK_N = 64  # columns per expand step when the shrink expands (reasoned, not tuned)
+
+
+@triton.jit
+def _expand_rows(
+    acc,
+    q_part,
+    q_r,
+    q_ok,
+    pair,
+    row_ok,
+    b_ptr,
+    delta_ptr,
+    n_size,
+    parts,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_dm,
+    stride_ds,
+    stride_dn,
+    PARTS_PER_PROG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """delta[pair, part, :] = acc's lanes of that part @ B[part]^T, for each part of the
+    program, BLOCK_N columns at a time (lora_delta's product, from registers). b_ptr is at
+    (slot, expert, part 0). Lanes of the other parts meet zero B rows."""
+    for i in tl.static_range(PARTS_PER_PROG):
+        part = tl.program_id(1) * PARTS_PER_PROG + i
+        lanes = q_ok & (q_part == part)
+        n_end = tl.where(part < parts, n_size, 0)  # a part past the last one writes nothing
+        for n0 in range(0, n_size, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < n_end
+            b = tl.load(
+                b_ptr + part * stride_bs + offs_n[None, :] * stride_bn + q_r[:, None] * stride_br,
+                mask=lanes[:, None] & n_ok[None, :],
+                other=0.0,
+            )
+            d = expand_dot(
+                acc, b, tl.zeros((acc.shape[0], BLOCK_N), dtype=tl.float32), UPCAST, IEEE
+            )
+            d_ptrs = (
+                delta_ptr
+                + pair[:, None].to(tl.int64) * stride_dm
+                + part * stride_ds
+                + offs_n[None, :] * stride_dn
+            )
+            d_mask = row_ok[:, None] & n_ok[None, :]
+            tl.store(d_ptrs, d.to(delta_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -53,12 +106,25 @@ def _lora_shrink_kernel(
     stride_om,
     stride_os,
     stride_or,
+    b_ptr,
+    delta_ptr,
+    n_size,
+    stride_bl,
+    stride_be,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_dm,
+    stride_ds,
+    stride_dn,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PARTS_PER_PROG: tl.constexpr,
     SPLIT: tl.constexpr,
     ROWS_SORTED: tl.constexpr,
+    EXPAND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -101,16 +167,40 @@ def _lora_shrink_kernel(
             xin = xin.to(tl.float32)
             w = w.to(tl.float32)
         acc = mma(xin, w, acc, IEEE)
-    o_ptrs = (
-        inter_ptr
-        + pair[:, None].to(tl.int64) * stride_om
-        + (q_part * stride_os + q_r * stride_or)[None, :]
-    )
-    o_mask = row_ok[:, None] & q_ok[None, :]
-    if SPLIT:
-        tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")  # a reduction
+    if EXPAND:  # the delta rows straight from the whole-K intermediate (no split)
+        _expand_rows(
+            acc,
+            q_part,
+            q_r,
+            q_ok,
+            pair,
+            row_ok,
+            b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be,
+            delta_ptr,
+            n_size,
+            parts,
+            stride_bs,
+            stride_bn,
+            stride_br,
+            stride_dm,
+            stride_ds,
+            stride_dn,
+            PARTS_PER_PROG,
+            BLOCK_N,
+            UPCAST,
+            IEEE,
+        )
     else:
-        tl.store(o_ptrs, acc, mask=o_mask)
+        o_ptrs = (
+            inter_ptr
+            + pair[:, None].to(tl.int64) * stride_om
+            + (q_part * stride_os + q_r * stride_or)[None, :]
+        )
+        o_mask = row_ok[:, None] & q_ok[None, :]
+        if SPLIT:
+            tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")  # a reduction
+        else:
+            tl.store(o_ptrs, acc, mask=o_mask)
 
 
 def lora_shrink(
@@ -126,12 +216,18 @@ def lora_shrink(
     num_warps: int = 4,
     num_stages: int = 3,
     out: torch.Tensor | None = None,
+    expand_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """inp: x [T, H] (rows "tokens"), z [P, I] (rows "pairs") or z [P_pad, I] in the sorted
     order (rows "sorted"); lora_a [L, E, S, R, in] (w13) or
     [L, E, R, in] (w2, S = 1); aligned: with its LoRA tiles (align_pairs(lora_tile_m=...)).
     Returns inter [P, S, R] fp32; rows of slot -1 unwritten (zero when split_k > 1: the
-    intermediate is zeroed for the atomic adds)."""
+    intermediate is zeroed for the atomic adds).
+
+    expand_b (lora_b: w13_b [L, E, S, N, R] or w2_b [L, E, N, R]): the expand follows in the
+    same program (lora_delta's product, the intermediate never stored; split_k ignored, a
+    whole-K intermediate is needed) and the result is the delta [P, S, N] in inp's dtype,
+    rows of pairs without an adapter unwritten."""
     if aligned.lora_tiles is None:
         raise InputError(
             "aligned", "pairs aligned without LoRA tiles", "align_pairs(..., lora_tile_m > 0)"
@@ -148,10 +244,20 @@ def lora_shrink(
     if rows not in want_rows:
         raise InputError("rows", repr(rows), "'tokens', 'pairs' or 'sorted'")
     check_shape("LoRA shrink input", inp, (want_rows[rows], k_dim))
+    b5 = None
+    if expand_b is not None:
+        b5 = expand_b if expand_b.dim() == 5 else expand_b.unsqueeze(2)
+        check_shape("lora B", b5, (a5.shape[0], a5.shape[1], parts, None, rank))
+        check_dtype_match("lora B", b5, inp)
+        split_k = 1
     # K chunks of whole BLOCK_K tiles; chunks past the end leave their programs idle.
     k_chunk = triton.cdiv(triton.cdiv(k_dim, max(1, split_k)), block_k) * block_k
     split = triton.cdiv(k_dim, k_chunk)
-    if out is None:
+    delta = None
+    if b5 is not None:
+        delta = torch.empty(num_pairs, parts, b5.shape[3], dtype=inp.dtype, device=inp.device)
+        out = delta  # never written as an intermediate: EXPAND stores the delta instead
+    elif out is None:
         alloc = torch.zeros if split > 1 else torch.empty
         out = alloc(num_pairs, parts, rank, dtype=torch.float32, device=inp.device)
     elif split > 1:
@@ -183,12 +289,25 @@ def lora_shrink(
         stride_om=out.stride(0),
         stride_os=out.stride(1),
         stride_or=out.stride(2),
+        b_ptr=b5 if b5 is not None else a5,
+        delta_ptr=delta if delta is not None else out,
+        n_size=b5.shape[3] if b5 is not None else 0,
+        stride_bl=b5.stride(0) if b5 is not None else 0,
+        stride_be=b5.stride(1) if b5 is not None else 0,
+        stride_bs=b5.stride(2) if b5 is not None else 0,
+        stride_bn=b5.stride(3) if b5 is not None else 0,
+        stride_br=b5.stride(4) if b5 is not None else 0,
+        stride_dm=delta.stride(0) if delta is not None else 0,
+        stride_ds=delta.stride(1) if delta is not None else 0,
+        stride_dn=delta.stride(2) if delta is not None else 0,
         BLOCK_M=max(16, triton.next_power_of_2(aligned.lora_tile_m)),
         BLOCK_K=block_k,
         BLOCK_R=block_r,
         PARTS_PER_PROG=per_prog,
         SPLIT=split > 1,
         ROWS_SORTED=rows == "sorted",
+        EXPAND=b5 is not None,
+        BLOCK_N=EXPAND_BLOCK_N,
         UPCAST=upcast,
         IEEE=ieee,
         num_warps=num_warps,

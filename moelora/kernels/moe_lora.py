@@ -95,21 +95,12 @@ def fused_moe_lora(
     # the expand over the shrink tiles needs whole intermediates and whole-H B2: not under
     # fully sharded LoRA (its collectives sit between shrink and expand)
     use_delta = use_lora and cfg.lora_delta and lora_comm is None
+    side = dict(aligned=aligned, cfg=cfg, num_pairs=num_pairs, top_k=top_k, delta=use_delta)
     if use_lora:
-        inter13 = lora_shrink(
-            x,
-            lora.w13_a,
-            aligned,
-            num_pairs=num_pairs,
-            rows="tokens",
-            top_k=top_k,
-            block_k=cfg.shrink_block_k,
-            split_k=cfg.shrink_split_k,
+        gather = None if lora_comm is None else lambda t: _gather_parts(t, lora_comm)
+        inter13, delta13 = _lora_side(
+            x, lora.w13_a, lora.w13_b, rows="tokens", collect=gather, **side
         )
-        if lora_comm is not None:
-            inter13 = _gather_parts(inter13, lora_comm)
-        if use_delta:
-            delta13 = lora_delta(inter13, lora.w13_b, aligned, dtype=x.dtype)
     z = expert_up(
         x,
         experts.w13,
@@ -133,20 +124,12 @@ def fused_moe_lora(
         delta=delta13,
     )
     if use_lora:
-        inter2 = lora_shrink(
-            z,
-            lora.w2_a,
-            aligned,
-            num_pairs=num_pairs,
-            rows="sorted" if z_sorted else "pairs",
-            top_k=top_k,
-            block_k=cfg.shrink_block_k,
-            split_k=cfg.shrink_split_k,
+        reduce = (
+            None if lora_comm is None else lambda t: lora_comm.reduce_rank(t.view(t.shape[0], -1))
         )
-        if lora_comm is not None:
-            inter2 = lora_comm.reduce_rank(inter2.view(inter2.shape[0], -1))
-        if use_delta:
-            delta2 = lora_delta(inter2, lora.w2_b, aligned, dtype=x.dtype)
+        inter2, delta2 = _lora_side(
+            z, lora.w2_a, lora.w2_b, rows="sorted" if z_sorted else "pairs", collect=reduce, **side
+        )
     # with delta_in_reduce the down GEMM runs LoRA-free and the reduce adds the delta
     down_lora = use_lora and not (use_delta and cfg.delta_in_reduce)
     o = expert_down(
@@ -184,6 +167,39 @@ def fused_moe_lora(
         num_slots=num_slots,
         topk_weights=None if weights_on_input else topk_weights,
     )
+
+
+def _lora_side(
+    inp: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    *,
+    aligned,
+    cfg: TileConfig,
+    rows: str,
+    num_pairs: int,
+    top_k: int,
+    delta: bool,
+    collect,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One LoRA side (gate/up from x, or down from z): the shrink, then `collect` (fully
+    sharded LoRA's collective on the intermediate, or None), then with `delta` the expand
+    over the shrink tiles, inside the shrink when cfg.shrink_expand. -> (inter, delta)."""
+    kw = dict(
+        num_pairs=num_pairs,
+        rows=rows,
+        top_k=top_k,
+        block_k=cfg.shrink_block_k,
+        split_k=cfg.shrink_split_k,
+    )
+    if delta and cfg.shrink_expand:
+        return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, **kw)
+    inter = lora_shrink(inp, lora_a, aligned, **kw)
+    if collect is not None:
+        inter = collect(inter)
+    if not delta:
+        return inter, None
+    return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype)
 
 
 def _decode_forward(
