@@ -249,7 +249,9 @@ CASES = [
         "decode-committed-tiles", act=A.SWIGLUOAI, bias=True, decode=True, extra={"cfg": "DECODE"}
     ),
     Case("decode-top-k-10", experts=12, top_k=10, tokens=2, decode=True),  # K > 8: narrower K step
-    Case("decode-rank-128", ranks=(128, 5, 64), max_rank=128, decode=True),  # widest rank
+    Case(
+        "decode-rank-128", ranks=(128, 5, 64), max_rank=128, decode=True, extra={"ds": (16, 32)}
+    ),  # widest rank
     Case(
         "decode-32-slots",
         slots=(-2, 0, 31, 33, 5, -1, 16),
@@ -259,7 +261,7 @@ CASES = [
         decode=True,
     ),
     Case(
-        "decode-shared-experts", experts=4, top_k=2, tokens=40, decode=True
+        "decode-shared-experts", experts=4, top_k=2, tokens=12, decode=True
     ),  # pairs share experts
 ]
 
