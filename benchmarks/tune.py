@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -109,9 +110,9 @@ LORA_KNOBS = {
     "shrink_block_m": (16, 32, 64),
     "shrink_split_k": (1, 2, 4, 8),
     "lora_delta": (False, True),  # expand over the shrink tiles (kernels/lora_delta.py)
-    "delta_in_reduce": (False, True),  # with lora_delta: the reduce adds the down delta
-    "shrink_expand": (False, True),  # with lora_delta: the shrinks expand (unsplit)
 }
+# with lora_delta only (each alone is a no-op without it): tried as combinations
+DELTA_KNOBS = ("delta_in_reduce", "shrink_expand")
 
 
 def _size(block_m: int) -> str:
@@ -194,12 +195,9 @@ def search(
         for knob, values in LORA_KNOBS.items():
             for v in values:
                 consider(dataclasses.replace(best, **{knob: v}))
-        # the delta knobs together (the others do nothing without lora_delta)
-        for extra in ({"delta_in_reduce": True}, {"shrink_expand": True}):
-            consider(dataclasses.replace(best, lora_delta=True, **extra))
-        consider(
-            dataclasses.replace(best, lora_delta=True, delta_in_reduce=True, shrink_expand=True)
-        )
+        for on in itertools.product((False, True), repeat=len(DELTA_KNOBS)):
+            if any(on):  # lora_delta plus each combination of its knobs
+                consider(dataclasses.replace(best, lora_delta=True, **dict(zip(DELTA_KNOBS, on))))
     # z layout, then TMA in the down GEMM (which needs the sorted layout)
     consider(dataclasses.replace(best, z_sorted=not best.z_sorted, down_tma=False))
     consider(dataclasses.replace(best, z_sorted=True, down_tma=True))
@@ -236,7 +234,10 @@ LAYOUT_KNOBS = ("z_sorted", "down_tma", "decode")  # both modes; written only wh
 
 
 def _knobs(cfg: TileConfig) -> dict:
-    return {k: getattr(cfg, k) for k in LORA_KNOBS}
+    knobs = {k: getattr(cfg, k) for k in LORA_KNOBS}
+    if cfg.lora_delta:
+        knobs.update({k: getattr(cfg, k) for k in DELTA_KNOBS})
+    return knobs
 
 
 def _row(cfg: TileConfig, lora: bool) -> tuple:

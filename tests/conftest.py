@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# kernel workspaces start as NaN: a kernel reading a row nobody wrote fails the test
+os.environ.setdefault("MOELORA_POISON_WORKSPACES", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # pytest-xdist runs one worker per core: one intra-op thread each avoids oversubscription,

@@ -177,7 +177,26 @@ CASES = [
         delta_in_reduce=True,
     ),
     # the shrink programs expand their intermediate themselves (no delta launches)
-    Case("shrink-expand", lora_delta=True, shrink_expand=True, split_k=4),  # split ignored
+    Case("shrink-expand", lora_delta=True, shrink_expand=True),
+    # split_k 4 over 3 K chunks (H = 96) must be ignored: the delta needs the whole K
+    Case(
+        "shrink-expand-split-ignored",
+        hidden=96,
+        inter=48,
+        split_k=4,
+        lora_delta=True,
+        shrink_expand=True,
+    ),
+    # N = 2 * 80 and 160 columns: several 64-column expand steps with a masked tail
+    Case(
+        "shrink-expand-n-steps-z-sorted",
+        act=A.SWIGLUOAI,
+        hidden=160,
+        inter=80,
+        z_sorted=True,
+        lora_delta=True,
+        shrink_expand=True,
+    ),
     Case(
         "shrink-expand-swigluoai-bias-fp16",
         act=A.SWIGLUOAI,

@@ -74,6 +74,22 @@ WORLD2 = [
         tiles=(("lora_delta", True), ("shrink_expand", True)),
         **TRITON,
     ),
+    # the delta knobs under fully sharded LoRA: ignored (the in-GEMM expand runs)
+    Case(
+        "triton-fs-tp2-all-delta-knobs",
+        tp=2,
+        fully_sharded=True,
+        tiles=(("lora_delta", True), ("delta_in_reduce", True), ("shrink_expand", True)),
+        **TRITON,
+    ),
+    Case(
+        "triton-fs-tp2-all-delta-knobs-relu2",
+        tp=2,
+        fully_sharded=True,
+        activation=Activation.RELU2_NO_MUL,
+        tiles=(("lora_delta", True), ("delta_in_reduce", True), ("shrink_expand", True)),
+        **TRITON,
+    ),
     Case(
         "triton-ep2-delta-in-reduce-add-inputs",
         ep=2,

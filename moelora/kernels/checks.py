@@ -22,6 +22,19 @@ def precision_flags(t: torch.Tensor) -> tuple[bool, bool]:
     return upcast, t.dtype == torch.float32
 
 
+POISON_ENV = "MOELORA_POISON_WORKSPACES"
+
+
+def workspace(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised buffer a kernel writes only in part (rows of pairs without an
+    adapter, padding, dropped pairs): torch.empty, or NaN-filled (floats) when
+    MOELORA_POISON_WORKSPACES=1 (the CPU tests set it), so that a kernel reading a row
+    nobody wrote shows up as NaN instead of passing on leftover memory."""
+    if os.environ.get(POISON_ENV, "0") in ("", "0") or not dtype.is_floating_point:
+        return torch.empty(*shape, dtype=dtype, device=device)
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int | None, ...]) -> None:
     """None in `expected` matches any size."""
     ok = t.dim() == len(expected) and all(

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..errors import InputError
-from .checks import check_dtype_match, check_shape
+from .checks import check_dtype_match, check_shape, workspace
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -178,7 +178,7 @@ def decode_down(
                 f"a column range inside [0, H = {hidden})",
             )
     if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=z.dtype, device=z.device)
+        out = workspace(num_tokens, hidden, dtype=z.dtype, device=z.device)
     check_shape("out", out, (num_tokens, hidden))
     rank = lora_b.shape[3] if has_lora else 1
     block_j = max(2, triton.next_power_of_2(top_k))

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_dtype_match, check_shape
+from .checks import check_dtype_match, check_shape, workspace
 
 
 @triton.jit
@@ -118,8 +118,8 @@ def decode_shrink(
     check_dtype_match("lora w13_a", lora_a, x)
     num_pairs = num_tokens * top_k
     block_r = max(16, triton.next_power_of_2(rank))
-    inter = torch.empty(num_pairs, parts, rank, dtype=torch.float32, device=x.device)
-    z_inter = torch.empty(num_pairs, z_rank, dtype=torch.float32, device=x.device)
+    inter = workspace(num_pairs, parts, rank, dtype=torch.float32, device=x.device)
+    z_inter = workspace(num_pairs, z_rank, dtype=torch.float32, device=x.device)
     num_rows = num_pairs * parts * block_r
     block_k = min(block_k, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_rows, rows_per_prog),)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..activations import Activation
 from .activation import act_code, apply_act
-from .checks import check_dtype_match, check_shape
+from .checks import check_dtype_match, check_shape, workspace
 
 
 @triton.jit
@@ -215,7 +215,7 @@ def decode_up(
         check_shape("LoRA intermediate", inter, (num_pairs, parts, lora_b.shape[4]))
         check_shape("lora w2_a", lora_a2, (lora_b.shape[0], num_experts, None, inter_size))
         check_shape("z-shrink intermediate", z_inter, (num_pairs, lora_a2.shape[2]))
-    z = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    z = workspace(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     rank = lora_b.shape[4] if has_lora else 1
     z_rank = lora_a2.shape[2] if has_lora else 1
     swiglu = activation is Activation.SWIGLUOAI

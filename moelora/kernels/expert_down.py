@@ -16,7 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import InputError
 from .align import AlignedPairs
-from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok
+from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok, workspace
 from .tiles import add_delta, block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
 
 
@@ -218,7 +218,7 @@ def expert_down(
         else:
             inter = inter.reshape(num_pairs, lora_b.shape[3])
     if out is None:
-        out = torch.empty(num_pairs, hidden, dtype=z.dtype, device=z.device)
+        out = workspace(num_pairs, hidden, dtype=z.dtype, device=z.device)
     rank = lora_b.shape[3] if has_lora else 1
     block_r = max(16, triton.next_power_of_2(rank))
     dummy = z  # never read: its constexpr flag is off

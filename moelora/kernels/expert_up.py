@@ -18,7 +18,7 @@ import triton.language as tl
 from ..activations import Activation
 from .activation import act_code, apply_act
 from .align import AlignedPairs
-from .checks import check_dtype_match, check_shape, precision_flags
+from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .tiles import add_delta, block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
 
 
@@ -229,7 +229,7 @@ def expert_up(
     num_pairs = num_tokens * top_k
     z_rows = aligned.sorted_pair_ids.shape[0] if z_sorted else num_pairs
     if out is None:
-        out = torch.empty(z_rows, inter_size, dtype=x.dtype, device=x.device)
+        out = workspace(z_rows, inter_size, dtype=x.dtype, device=x.device)
     check_shape("z", out, (z_rows, inter_size))
     swiglu = activation is Activation.SWIGLUOAI
     rank = lora_b.shape[4] if has_lora else 1

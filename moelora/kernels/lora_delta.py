@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..errors import InputError
 from .align import AlignedPairs
-from .checks import check_shape, precision_flags
+from .checks import check_shape, precision_flags, workspace
 from .tiles import expand_dot, lora_tile
 
 BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
@@ -107,7 +107,7 @@ def lora_delta(
     check_shape("LoRA intermediate", inter, (num_pairs, parts, rank))
     if b5.dtype != dtype:
         raise InputError("lora B", f"dtype {b5.dtype}", f"{dtype} (the dtype of x); cast it")
-    delta = torch.empty(num_pairs, parts, n_size, dtype=dtype, device=inter.device)
+    delta = workspace(num_pairs, parts, n_size, dtype=dtype, device=inter.device)
     upcast, ieee = precision_flags(delta)
     grid = (aligned.max_lora_tiles, parts, triton.cdiv(n_size, BLOCK_N))
     _lora_delta_kernel[grid](

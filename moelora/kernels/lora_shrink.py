@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..errors import InputError
 from .align import AlignedPairs
-from .checks import check_dtype_match, check_shape, precision_flags
+from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .tiles import expand_dot, lora_tile, mma
 
 EXPAND_BLOCK_N = 64  # columns per expand step when the shrink expands (reasoned, not tuned)
@@ -61,6 +61,9 @@ def _expand_rows(
     for i in tl.static_range(PARTS_PER_PROG):
         part = tl.program_id(1) * PARTS_PER_PROG + i
         lanes = q_ok & (q_part == part)
+        # this part's lanes only: another part's intermediate must not reach the 16-bit
+        # split (an fp16 overflow there would give inf * 0 = NaN in this part's delta)
+        t = tl.where(lanes[None, :], acc, 0.0)
         n_end = tl.where(part < parts, n_size, 0)  # a part past the last one writes nothing
         for n0 in range(0, n_size, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -70,9 +73,7 @@ def _expand_rows(
                 mask=lanes[:, None] & n_ok[None, :],
                 other=0.0,
             )
-            d = expand_dot(
-                acc, b, tl.zeros((acc.shape[0], BLOCK_N), dtype=tl.float32), UPCAST, IEEE
-            )
+            d = expand_dot(t, b, tl.zeros((acc.shape[0], BLOCK_N), dtype=tl.float32), UPCAST, IEEE)
             d_ptrs = (
                 delta_ptr
                 + pair[:, None].to(tl.int64) * stride_dm
@@ -245,6 +246,8 @@ def lora_shrink(
         raise InputError("rows", repr(rows), "'tokens', 'pairs' or 'sorted'")
     check_shape("LoRA shrink input", inp, (want_rows[rows], k_dim))
     b5 = None
+    if expand_b is not None and out is not None:
+        raise InputError("out", "given with expand_b", "no out: the result is a new delta")
     if expand_b is not None:
         b5 = expand_b if expand_b.dim() == 5 else expand_b.unsqueeze(2)
         check_shape("lora B", b5, (a5.shape[0], a5.shape[1], parts, None, rank))
@@ -255,10 +258,10 @@ def lora_shrink(
     split = triton.cdiv(k_dim, k_chunk)
     delta = None
     if b5 is not None:
-        delta = torch.empty(num_pairs, parts, b5.shape[3], dtype=inp.dtype, device=inp.device)
+        delta = workspace(num_pairs, parts, b5.shape[3], dtype=inp.dtype, device=inp.device)
         out = delta  # never written as an intermediate: EXPAND stores the delta instead
     elif out is None:
-        alloc = torch.zeros if split > 1 else torch.empty
+        alloc = torch.zeros if split > 1 else workspace
         out = alloc(num_pairs, parts, rank, dtype=torch.float32, device=inp.device)
     elif split > 1:
         out.zero_()

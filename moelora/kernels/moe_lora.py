@@ -193,6 +193,8 @@ def _lora_side(
         split_k=cfg.shrink_split_k,
     )
     if delta and cfg.shrink_expand:
+        # no collective between shrink and expand: only without fully sharded LoRA
+        assert collect is None, "shrink_expand needs whole intermediates"
         return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, **kw)
     inter = lora_shrink(inp, lora_a, aligned, **kw)
     if collect is not None:

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_shape
+from ..errors import InputError
+from .checks import check_shape, workspace
 
 
 @triton.jit
@@ -107,12 +108,20 @@ def topk_reduce(
     hidden = o.shape[1]
     check_shape("per-pair output", o, (num_tokens * top_k, hidden))
     if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=o.dtype, device=o.device)
+        out = workspace(num_tokens, hidden, dtype=o.dtype, device=o.device)
     check_shape("out", out, (num_tokens, hidden))
     has_delta = delta is not None
     if has_delta:
         check_shape("LoRA delta", delta, (num_tokens * top_k, hidden))
+        if token_slots is None or num_slots <= 0:
+            raise InputError(
+                "token_slots", "missing with a LoRA delta", "the token slots and num_slots > 0"
+            )
         check_shape("token_slots", token_slots, (num_tokens,))
+        token_slots = token_slots.contiguous()
+        if topk_weights is not None:
+            check_shape("topk_weights", topk_weights, (num_tokens, top_k))
+            topk_weights = topk_weights.contiguous()
     block_n = min(block_n, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(hidden, block_n))
     _topk_reduce_kernel[grid](
