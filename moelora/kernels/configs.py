@@ -36,7 +36,8 @@
   the Qwen3 T = 1 tune chose 1 x 2048 (0.0420 vs 0.0429 ms for the layer, 7c66a6a run).
 - lora_delta (LoRA): off; the expand runs over the (expert, slot) shrink tiles into a
   delta buffer the GEMM epilogues add, instead of mixed-slot dots inside the GEMMs
-  (kernels/lora_delta.py). Off until a tune picks it; ignored under fully sharded LoRA.
+  (kernels/lora_delta.py). Off by default; the H200 table uses it at T = 1024 (76a0024
+  tune: 0.5926 -> 0.5617 ms with z_sorted + TMA); ignored under fully sharded LoRA.
 - delta_in_reduce (with lora_delta): off; the down delta is added by the top-k reduce (a
   streaming read, weighted there) instead of the down GEMM's epilogue, which then runs
   LoRA-free. Reasoned from the d1f71a2 profile (the epilogue load cost 0.030 ms at
