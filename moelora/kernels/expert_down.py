@@ -214,7 +214,11 @@ def expert_down(
         if delta is not None:
             check_shape("LoRA delta", delta, (num_pairs, 1, hidden))
             if lora_b.shape[2] != hidden:
-                raise InputError("delta", "with an H slice of lora w2_b", "the whole H")
+                raise InputError(
+                    "delta",
+                    f"given with lora w2_b holding {lora_b.shape[2]} of H = {hidden} rows",
+                    "whole-H w2_b; under fully sharded LoRA pass inter, not delta",
+                )
         else:
             inter = inter.reshape(num_pairs, lora_b.shape[3])
     if out is None:

@@ -33,6 +33,38 @@ BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
 
 
 @triton.jit
+def expand_tile(
+    t,
+    b_ptr,
+    lane_r,
+    lane_ok,
+    offs_n,
+    n_ok,
+    delta_ptr,
+    pair,
+    row_ok,
+    stride_bn,
+    stride_br,
+    stride_dm,
+    stride_dn,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """delta rows [BLOCK_M, BLOCK_N] = t (fp32 [BLOCK_M, lanes]) @ B lanes, stored in the
+    delta's dtype: B rows lane_r of one (slot, expert, part) at b_ptr (lanes not lane_ok
+    load zeros), delta_ptr at that part. Shared by the delta kernel and the expanding
+    shrink."""
+    b = tl.load(
+        b_ptr + offs_n[None, :] * stride_bn + lane_r[:, None] * stride_br,
+        mask=lane_ok[:, None] & n_ok[None, :],
+        other=0.0,
+    )
+    d = expand_dot(t, b, tl.zeros((t.shape[0], offs_n.shape[0]), dtype=tl.float32), UPCAST, IEEE)
+    d_ptrs = delta_ptr + pair[:, None].to(tl.int64) * stride_dm + offs_n[None, :] * stride_dn
+    tl.store(d_ptrs, d.to(delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _lora_delta_kernel(
     inter_ptr,
     b_ptr,
@@ -75,20 +107,24 @@ def _lora_delta_kernel(
         other=0.0,
     )
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n_size
-    b = tl.load(
-        b_ptr
-        + slot.to(tl.int64) * stride_bl
-        + expert.to(tl.int64) * stride_be
-        + part * stride_bs
-        + offs_n[None, :] * stride_bn
-        + offs_r[:, None] * stride_br,
-        mask=r_ok[:, None] & n_ok[None, :],
-        other=0.0,
+    b_part = b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+    expand_tile(
+        t,
+        b_part + part * stride_bs,
+        offs_r,
+        r_ok,
+        offs_n,
+        offs_n < n_size,
+        delta_ptr + part * stride_ds,
+        pair,
+        row_ok,
+        stride_bn,
+        stride_br,
+        stride_dm,
+        stride_dn,
+        UPCAST,
+        IEEE,
     )
-    acc = expand_dot(t, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST, IEEE)
-    d_ptrs = delta_ptr + pair[:, None] * stride_dm + part * stride_ds + offs_n[None, :] * stride_dn
-    tl.store(d_ptrs, acc.to(delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 def lora_delta(

@@ -27,7 +27,8 @@ import triton.language as tl
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
-from .tiles import expand_dot, lora_tile, mma
+from .lora_delta import expand_tile
+from .tiles import lora_tile, mma
 
 EXPAND_BLOCK_N = 64  # columns per expand step when the shrink expands (reasoned, not tuned)
 
@@ -67,21 +68,23 @@ def _expand_rows(
         n_end = tl.where(part < parts, n_size, 0)  # a part past the last one writes nothing
         for n0 in range(0, n_size, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < n_end
-            b = tl.load(
-                b_ptr + part * stride_bs + offs_n[None, :] * stride_bn + q_r[:, None] * stride_br,
-                mask=lanes[:, None] & n_ok[None, :],
-                other=0.0,
+            expand_tile(
+                t,
+                b_ptr + part * stride_bs,
+                q_r,
+                lanes,
+                offs_n,
+                offs_n < n_end,
+                delta_ptr + part * stride_ds,
+                pair,
+                row_ok,
+                stride_bn,
+                stride_br,
+                stride_dm,
+                stride_dn,
+                UPCAST,
+                IEEE,
             )
-            d = expand_dot(t, b, tl.zeros((acc.shape[0], BLOCK_N), dtype=tl.float32), UPCAST, IEEE)
-            d_ptrs = (
-                delta_ptr
-                + pair[:, None].to(tl.int64) * stride_dm
-                + part * stride_ds
-                + offs_n[None, :] * stride_dn
-            )
-            d_mask = row_ok[:, None] & n_ok[None, :]
-            tl.store(d_ptrs, d.to(delta_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -247,7 +250,9 @@ def lora_shrink(
     check_shape("LoRA shrink input", inp, (want_rows[rows], k_dim))
     b5 = None
     if expand_b is not None and out is not None:
-        raise InputError("out", "given with expand_b", "no out: the result is a new delta")
+        raise InputError(
+            "out", "given with expand_b", "out=None (the expanded delta is a new tensor)"
+        )
     if expand_b is not None:
         b5 = expand_b if expand_b.dim() == 5 else expand_b.unsqueeze(2)
         check_shape("lora B", b5, (a5.shape[0], a5.shape[1], parts, None, rank))

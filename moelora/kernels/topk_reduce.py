@@ -115,7 +115,9 @@ def topk_reduce(
         check_shape("LoRA delta", delta, (num_tokens * top_k, hidden))
         if token_slots is None or num_slots <= 0:
             raise InputError(
-                "token_slots", "missing with a LoRA delta", "the token slots and num_slots > 0"
+                "token_slots",
+                f"{'None' if token_slots is None else 'given'} with num_slots = {num_slots}",
+                "the [T] token slots and num_slots > 0 whenever a LoRA delta is passed",
             )
         check_shape("token_slots", token_slots, (num_tokens,))
         token_slots = token_slots.contiguous()
