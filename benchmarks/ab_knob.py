@@ -4,6 +4,8 @@ the reference first).
 
 Usage (GPU): python -m benchmarks.ab_knob --knob expand_lanes --values 16,32,64
              [--tokens 64,1024,4096,16384] [--iters 20] [--model qwen3-30b-a3b]
+             [--set lora_delta=1,z_sorted=1]
+(--set fixes other knobs on every side first, e.g. the knobs that only act with lora_delta.)
 (Scalar knobs only; booleans as 0 / 1. At a T whose row is a decode config the LoRA knobs
 of the aligned path change nothing.)
 """
@@ -30,13 +32,21 @@ def main() -> None:
     p.add_argument("--tokens", default="64,1024,4096,16384")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--model", default="qwen3-30b-a3b")
+    p.add_argument("--set", default="", help="knob=value,... applied to every side first")
     args = p.parse_args()
+    fixed = {}
+    for item in filter(None, args.set.split(",")):
+        knob, sep, text = item.partition("=")
+        if not sep or not hasattr(TileConfig(16, None, None), knob):
+            raise SystemExit(f"--set: {item!r} is not knob=value with a TileConfig field")
+        fixed[knob] = _value(knob, text)
     model, dims, experts, lora = load_model(args.model)
     values = [_value(args.knob, v) for v in args.values.split(",")]
+    print(f"fixed: {fixed or 'nothing'}")
     print(f"{'T':>6} " + " ".join(f"{args.knob}={v!s:>6}" for v in values))
     for t in (int(v) for v in args.tokens.split(",")):
         layer = Layer(model, experts, lora, t, args.iters)
-        base = pick_config(t, *dims, lora=True)
+        base = dataclasses.replace(pick_config(t, *dims, lora=True), **fixed)
         times = [layer.measure(dataclasses.replace(base, **{args.knob: v}), True) for v in values]
         cells = " ".join(
             f"{'drop' if ms is None else f'{ms:.4f}':>{len(args.knob) + 7}}" for ms in times
