@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit d1f71a2, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit e65c412, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
@@ -102,10 +102,12 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "shrink_block_m": 16,
             "shrink_split_k": 4,
             "lora_delta": True,
+            "delta_in_reduce": True,
+            "shrink_expand": False,
             "z_sorted": True,
             "down_tma": True,
         },
-    ),  # T=1024: 0.5628 -> 0.5615 ms (e343130 run)
+    ),  # T=1024: 0.5611 -> 0.5411 ms (e65c412 run)
     (128, 8, 2048, 768, True, 8192): (
         128,
         (128, 64, 8, 4),
