@@ -30,6 +30,7 @@ import triton.language as tl
 # P = 2048 cost about what the two extra launches and the memset cost in a graph.
 SINGLE_PROGRAM_PAIRS = 2048
 BLOCK_P = 1024  # pairs per step: 8 per thread at 4 warps
+ALIGN_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -313,7 +314,7 @@ def align_pairs(
         BLOCK_E=max(1, min(128, 4096 // block_s)),
         BLOCK_S=block_s,
         BLOCK_M=block_m,
-        num_warps=4,
+        num_warps=ALIGN_WARPS,
     )
     phases = dict(ZERO=False, COUNT=False, OFFSETS=False, SCATTER=False)
     if single:
