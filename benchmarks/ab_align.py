@@ -4,7 +4,7 @@ under variants of its launch constants, plus each launch's GPU time from torch.p
 Usage (GPU): python -m benchmarks.ab_align [--tokens 256,1024,4096,16384] [--iters 50]
              [--variants "BLOCK_P=1024;BLOCK_P=256,ALIGN_WARPS=8"]
 Each variant sets module constants of moelora.kernels.align (BLOCK_P, ALIGN_WARPS,
-SINGLE_PROGRAM_PAIRS) for its run only. The layout is checked against the default
+SINGLE_PROGRAM_PAIRS, SINGLE_BLOCK_P, OFFSETS_WARPS) for its run only. The layout is checked against the default
 variant's (same sorted pairs per block) before timing.
 """
 

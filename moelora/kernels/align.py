@@ -25,12 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
-# Largest P aligned by one program (one launch, no memset). Estimated, not measured: a
-# program issues BLOCK_P atomics per step (~1 us each step), so 2 steps each way at
-# P = 2048 cost about what the two extra launches and the memset cost in a graph.
+# Largest P aligned by one program (one launch, no memset). Measured on the H200
+# (benchmarks/ab_align.py at 4661a39): P = 8192 in one program took 38-56 us against 14-17
+# in three launches, and P = 2048 in one took 20.5 us against 23.6 as three.
 SINGLE_PROGRAM_PAIRS = 2048
-BLOCK_P = 1024  # pairs per step: 8 per thread at 4 warps
-ALIGN_WARPS = 4
+# Pairs per step: one program's step in single mode; each COUNT / SCATTER program's step in
+# three-launch mode, where more, smaller programs spread the atomics over more SMs. Both
+# launch with ALIGN_WARPS. H200 at 4661a39, three-launch mode with slots (8 adapters),
+# graph replay: (1024, 4 warps) -> (256, 8 warps) took 29.8 -> 16.6 us at T = 1024, 29.8 ->
+# 19.2 at 4096, 36.8 -> 28.7 at 16384 (LoRA-free 18.4 -> 13.6 at 1024); single mode at
+# T = 256 with slots 28.3 -> 20.5 us with (1024, 8 warps), where (256, 8) took 23.6.
+SINGLE_BLOCK_P = 1024
+BLOCK_P = 256
+ALIGN_WARPS = 8
+OFFSETS_WARPS = 8  # the OFFSETS program of three-launch mode (one program: the cumsums)
 
 
 @dataclass(frozen=True)
@@ -280,10 +288,10 @@ def align_pairs(
             num_pairs, block_m, num_padded, tile_args, lora_tiles, num_lora_tiles,
         )  # fmt: skip
     cap = max_padded_pairs(num_pairs, num_experts, block_m)
+    single = num_pairs <= SINGLE_PROGRAM_PAIRS
     sorted_pair_ids = torch.empty(cap, dtype=torch.int32, device=device)
     block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
     bins = num_slots + 1 if has_slots else 1
-    single = num_pairs <= SINGLE_PROGRAM_PAIRS
     counts = (torch.empty if single else torch.zeros)(
         num_experts * bins, dtype=torch.int32, device=device
     )
@@ -309,7 +317,7 @@ def align_pairs(
         HAS_SLOTS=has_slots,
         TILE_M=max(1, lora_tile_m),
         **tile_args,
-        BLOCK_P=BLOCK_P,
+        BLOCK_P=SINGLE_BLOCK_P if single else BLOCK_P,
         # experts per OFFSETS step: ~4K counters in registers, at most 128 experts
         BLOCK_E=max(1, min(128, 4096 // block_s)),
         BLOCK_S=block_s,
@@ -323,7 +331,7 @@ def align_pairs(
     else:
         grid = (triton.cdiv(num_pairs, BLOCK_P),)
         _align_kernel[grid](**args, **{**phases, "COUNT": True})
-        _align_kernel[(1,)](**args, **{**phases, "OFFSETS": True})
+        _align_kernel[(1,)](**{**args, "num_warps": OFFSETS_WARPS}, **{**phases, "OFFSETS": True})
         _align_kernel[grid](**args, **{**phases, "SCATTER": True})
     return AlignedPairs(
         sorted_pair_ids, block_experts, num_padded, block_m, lora_tiles, num_lora_tiles,
