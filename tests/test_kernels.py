@@ -408,6 +408,7 @@ ALIGN_CASES = [  # (T, K, E, L, BLOCK_M, id)
     (8, 8, 8, 1, 4, "K-eq-E"),
     (3, 2, 64, 3, 16, "mostly-empty"),
     (300, 8, 16, 3, 16, "multi-program"),  # P > SINGLE_PROGRAM_PAIRS: three launches
+    (200, 6, 16, 3, 16, "wide-single"),  # WIDE_SINGLE_PAIRS < P <= SINGLE_PROGRAM_PAIRS
     (2, 2, 32, 3, 16, "one-pair-blocks"),  # P <= E/4: the decode layout
     (400, 4, 200, 32, 16, "expert-chunks"),  # E * (L + 1) > 4096: several OFFSETS chunks
 ]

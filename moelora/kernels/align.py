@@ -29,16 +29,24 @@ import triton.language as tl
 # (benchmarks/ab_align.py at 4661a39): P = 8192 in one program took 38-56 us against 14-17
 # in three launches, and P = 2048 in one took 20.5 us against 23.6 as three.
 SINGLE_PROGRAM_PAIRS = 2048
-# Pairs per step: one program's step in single mode; each COUNT / SCATTER program's step in
-# three-launch mode, where more, smaller programs spread the atomics over more SMs. Both
-# launch with ALIGN_WARPS. H200 at 4661a39, three-launch mode with slots (8 adapters),
-# graph replay: (1024, 4 warps) -> (256, 8 warps) took 29.8 -> 16.6 us at T = 1024, 29.8 ->
-# 19.2 at 4096, 36.8 -> 28.7 at 16384 (LoRA-free 18.4 -> 13.6 at 1024); single mode at
-# T = 256 with slots 28.3 -> 20.5 us with (1024, 8 warps), where (256, 8) took 23.6.
+# Pairs per step and warps: of the one program in single mode; of each COUNT / SCATTER
+# program in three-launch mode, where more, smaller programs spread the atomics over more
+# SMs. H200 at 4661a39, three-launch mode with slots (8 adapters), graph replay: (1024, 4
+# warps) -> (256, 8 warps) took 29.8 -> 16.6 us at T = 1024, 29.8 -> 19.2 at 4096, 36.8 ->
+# 28.7 at 16384 (LoRA-free 18.4 -> 13.6 at 1024); single mode at T = 256 with slots 28.3 ->
+# 20.5 us with (1024, 8 warps), where (256, 8) took 23.6.
+# f393d39 (same tool): single mode at T = 256 (P = 2048) with slots 20.8 -> 17.9 us with
+# (2048, 16 warps), LoRA-free 12.4 -> 10.3; at T = 64 (P = 512) 16 warps took 0.2-0.7 us
+# more, so P <= 1024 keeps (1024, 8 warps). The OFFSETS program at 16 warps: 6.4 -> 5.4
+# us with slots (4 warps: 10.5).
 SINGLE_BLOCK_P = 1024
+SINGLE_WARPS = 8
+WIDE_SINGLE_PAIRS = 1024  # single mode above this P: (WIDE_BLOCK_P, WIDE_WARPS)
+WIDE_BLOCK_P = 2048
+WIDE_WARPS = 16
 BLOCK_P = 256
 ALIGN_WARPS = 8
-OFFSETS_WARPS = 8  # the OFFSETS program of three-launch mode (one program: the cumsums)
+OFFSETS_WARPS = 16  # the OFFSETS program of three-launch mode (one program: the cumsums)
 
 
 @dataclass(frozen=True)
@@ -317,7 +325,7 @@ def align_pairs(
         HAS_SLOTS=has_slots,
         TILE_M=max(1, lora_tile_m),
         **tile_args,
-        BLOCK_P=SINGLE_BLOCK_P if single else BLOCK_P,
+        BLOCK_P=BLOCK_P,
         # experts per OFFSETS step: ~4K counters in registers, at most 128 experts
         BLOCK_E=max(1, min(128, 4096 // block_s)),
         BLOCK_S=block_s,
@@ -326,6 +334,9 @@ def align_pairs(
     )
     phases = dict(ZERO=False, COUNT=False, OFFSETS=False, SCATTER=False)
     if single:
+        wide = num_pairs > WIDE_SINGLE_PAIRS
+        args["BLOCK_P"] = WIDE_BLOCK_P if wide else SINGLE_BLOCK_P
+        args["num_warps"] = WIDE_WARPS if wide else SINGLE_WARPS
         _align_kernel[(1,)](**args, **{**phases, "ZERO": True, "COUNT": True, "OFFSETS": True,
                                        "SCATTER": True})  # fmt: skip
     else:
