@@ -1,5 +1,5 @@
 """Same-run A/B of one TileConfig knob on the committed configs: for each T, the layer with
-LoRA under each value (the tune's timer: graph replay, L2 flushed, output checked against
+LoRA (--base: without) under each value (the tune's timer: graph replay, L2 flushed, output checked against
 the reference first).
 
 Usage (GPU): python -m benchmarks.ab_knob --knob expand_lanes --values 16,32,64
@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--model", default="qwen3-30b-a3b")
     p.add_argument("--set", default="", help="knob=value,... applied to every side first")
+    p.add_argument("--base", action="store_true", help="the LoRA-free layer (its table rows)")
     args = p.parse_args()
     fixed = {}
     for item in filter(None, args.set.split(",")):
@@ -46,8 +47,11 @@ def main() -> None:
     print(f"{'T':>6} " + " ".join(f"{args.knob}={v!s:>6}" for v in values))
     for t in (int(v) for v in args.tokens.split(",")):
         layer = Layer(model, experts, lora, t, args.iters)
-        base = dataclasses.replace(pick_config(t, *dims, lora=True), **fixed)
-        times = [layer.measure(dataclasses.replace(base, **{args.knob: v}), True) for v in values]
+        lora_on = not args.base
+        base = dataclasses.replace(pick_config(t, *dims, lora=lora_on), **fixed)
+        times = [
+            layer.measure(dataclasses.replace(base, **{args.knob: v}), lora_on) for v in values
+        ]
         cells = " ".join(
             f"{'drop' if ms is None else f'{ms:.4f}':>{len(args.knob) + 7}}" for ms in times
         )

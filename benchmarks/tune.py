@@ -218,6 +218,7 @@ def search_decode(
     steps += [("down", GemmTiles(*t)) for t in DECODE_DOWN]
     if lora:  # rows x BLOCK_K per program of the x shrink
         steps += [("decode_shrink", v) for v in DECODE_SHRINK]
+    steps += [("pdl", not best.pdl)]  # PDL launches with L2 weight prefetch (kernels/pdl.py)
     for field, value in steps:
         cfg = dataclasses.replace(best, **{field: value})
         if cfg == best:
@@ -226,11 +227,14 @@ def search_decode(
         log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
         if ms is not None and (best_ms is None or ms < best_ms):
             best, best_ms = cfg, ms
-    print(f"    decode path: {best_ms} ms  up {best.up}  down {best.down}  {best.decode_shrink}")
+    print(
+        f"    decode path: {best_ms} ms  up {best.up}  down {best.down}  {best.decode_shrink}"
+        f"  pdl={best.pdl}"
+    )
     return best, best_ms
 
 
-LAYOUT_KNOBS = ("z_sorted", "down_tma", "decode")  # both modes; written only when on
+LAYOUT_KNOBS = ("z_sorted", "down_tma", "decode", "pdl")  # both modes; written only when on
 
 
 def _knobs(cfg: TileConfig) -> dict:

@@ -282,6 +282,8 @@ CASES = [
     Case(
         "decode-shared-experts", experts=4, top_k=2, tokens=12, decode=True
     ),  # pairs share experts
+    # pdl requested where it cannot run (interpreter): ignored, same result
+    Case("decode-pdl-requested", act=A.SWIGLUOAI, bias=True, decode=True, extra={"pdl": True}),
 ]
 
 
@@ -345,6 +347,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             delta_in_reduce=case.delta_in_reduce,
             shrink_expand=case.shrink_expand,
             decode_shrink=case.extra.get("ds", TILES.decode_shrink),
+            pdl=case.extra.get("pdl", False),
         ),
         weights_on_input=case.weights_on_input,
     )

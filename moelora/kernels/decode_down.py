@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ..errors import InputError
 from .checks import check_dtype_match, check_shape, workspace
+from .pdl import chain_point, line_elems, prefetch_lines, prefetch_rows
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -61,6 +62,7 @@ def _decode_down_kernel(
     stride_le,
     stride_ln,
     stride_lr,
+    prefetch_row_len,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -69,6 +71,9 @@ def _decode_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+    LINE: tl.constexpr,
+    LINES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -87,6 +92,18 @@ def _decode_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
         + offs_k[None, None, :] * stride_wk
     )
+    if PDL:  # before the wait: ask L2 for the rows of each expert this program reads
+        n0 = pid_n * BLOCK_N
+        rows_here = tl.minimum(BLOCK_N, hidden - n0)
+        prefetch_rows(
+            w_ptr,
+            expert * stride_we + n0 * stride_wn,
+            live,
+            rows_here * prefetch_row_len,
+            LINE,
+            LINES,
+        )
+    chain_point(PDL)
     # LoRA operands first (a few KB): their loads overlap the weight stream below
     if HAS_LORA:
         slot = tl.load(slots_ptr + token)
@@ -153,11 +170,13 @@ def decode_down(
     num_stages: int = 3,
     out: torch.Tensor | None = None,
     add: bool = False,
+    pdl: bool = False,
+    chained: bool = False,
 ) -> torch.Tensor:
     """z [P, I] (decode_up), w2 [E, H, I], b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
     topk_weights [T, K] (None: applied to the input). Returns y [T, H] in z's dtype (into
-    `out` if given; add=True adds to it)."""
+    `out` if given; add=True adds to it). pdl / chained: as decode_up's."""
     num_tokens, top_k = topk_ids.shape
     num_pairs, inter_size = z.shape
     check_shape("z", z, (num_tokens * top_k, None))
@@ -228,7 +247,13 @@ def decode_down(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        # a program's BLOCK_N rows of an expert are one contiguous run when rows are packed
+        prefetch_row_len=inter_size if w2.stride(2) == 1 and w2.stride(1) == inter_size else 0,
+        PDL=pdl,
+        LINE=line_elems(w2),
+        LINES=prefetch_lines(block_n * inter_size, line_elems(w2), block_j),
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl and chained,
     )
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_dtype_match, check_shape, workspace
+from .pdl import chain_point
 
 
 @triton.jit
@@ -53,7 +54,9 @@ def _decode_shrink_kernel(
     ROWS_PER_PROG: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    chain_point(PDL)  # the layer's first kernel: lets the up kernel start early (pdl.py)
     offs_q = tl.program_id(0) * ROWS_PER_PROG + tl.arange(0, ROWS_PER_PROG)
     q_ok = offs_q < num_rows
     # row q = (pair, part, r) with r over BLOCK_R (rank padded); rows r >= rank are zeros
@@ -103,6 +106,7 @@ def decode_shrink(
     rows_per_prog: int = 2,
     block_k: int = 1024,
     num_warps: int = 4,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], lora_a (w13_a) [L, E, S, R, H], topk_ids [T, K], token_slots [T] int32 ->
     (inter [P, S, R] fp32, z_inter [P, z_rank] fp32 zeros: the down A's rank, which under
@@ -154,6 +158,7 @@ def decode_shrink(
         ROWS_PER_PROG=rows_per_prog,
         BLOCK_K=block_k,
         ZERO_BLOCK=max(16, min(1024, triton.next_power_of_2(z_per_prog))),
+        PDL=pdl,
         num_warps=num_warps,
     )
     return inter, z_inter

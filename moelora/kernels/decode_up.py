@@ -28,6 +28,7 @@ import triton.language as tl
 from ..activations import Activation
 from .activation import act_code, apply_act
 from .checks import check_dtype_match, check_shape, workspace
+from .pdl import chain_point, line_elems, prefetch_lines, prefetch_rows
 
 
 @triton.jit
@@ -84,6 +85,7 @@ def _decode_up_kernel(
     stride_ak,
     stride_qm,
     stride_qr,
+    prefetch_len,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -92,6 +94,9 @@ def _decode_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+    LINE: tl.constexpr,
+    LINES: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -107,6 +112,14 @@ def _decode_up_kernel(
     w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
     wg_ptrs = w_base + gate_rows[:, None] * stride_wn
     wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
+    if PDL:  # before the wait: ask L2 for this program's weight rows (pdl.py)
+        w_rows = w_ptr + expert * stride_we
+        prefetch_rows(w_rows, gate_rows * stride_wn, n_mask, prefetch_len, LINE, LINES)
+        if GATED:
+            prefetch_rows(
+                w_rows, (gate_rows + up_offset) * stride_wn, n_mask, prefetch_len, LINE, LINES
+            )
+    chain_point(PDL)
     # LoRA operands first (a few KB): their loads overlap the weight stream below
     offs_r = tl.arange(0, BLOCK_R)
     if HAS_LORA:
@@ -193,11 +206,15 @@ def decode_up(
     block_k: int,
     num_warps: int = 4,
     num_stages: int = 3,
+    pdl: bool = False,
+    chained: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
-    added; topk_weights [T, K] only for weights_on_input. Returns z [P, I] in x's dtype."""
+    added; topk_weights [T, K] only for weights_on_input. Returns z [P, I] in x's dtype.
+    pdl (pdl.pdl_active already checked): L2 weight prefetch and the chain point; chained:
+    launched with PDL after the kernel before it in the layer (never the layer's first)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     parts = activation.width_factor
@@ -275,7 +292,12 @@ def decode_up(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(max(rank, z_rank))),
+        prefetch_len=hidden if w13.stride(2) == 1 else 0,  # rows contiguous, else none
+        PDL=pdl,
+        LINE=line_elems(w13),
+        LINES=prefetch_lines(hidden, line_elems(w13), block_n),
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl and chained,
     )
     return z

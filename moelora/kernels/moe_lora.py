@@ -32,6 +32,7 @@ from .expert_down import expert_down
 from .expert_up import expert_up
 from .lora_delta import lora_delta
 from .lora_shrink import lora_shrink
+from .pdl import pdl_active
 from .topk_reduce import topk_reduce
 
 
@@ -219,7 +220,9 @@ def _decode_forward(
     add: bool,
     lora_comm: LoRAComm | None,
 ) -> torch.Tensor:
-    """The decode path (fused_moe_lora's arguments, slots int32 or None without LoRA)."""
+    """The decode path (fused_moe_lora's arguments, slots int32 or None without LoRA).
+    PDL only without collectives between the kernels (pdl.py's chain rule)."""
+    pdl = lora_comm is None and pdl_active(cfg.pdl, x.device)
     inter13 = z_inter = None
     if lora is not None:
         rows_per_prog, block_k = cfg.decode_shrink
@@ -232,6 +235,7 @@ def _decode_forward(
             lora.w2_a.shape[2],
             rows_per_prog=rows_per_prog,
             block_k=block_k,
+            pdl=pdl,
         )
         if lora_comm is not None:
             inter13 = _gather_parts(inter13, lora_comm)
@@ -253,6 +257,8 @@ def _decode_forward(
         block_k=cfg.up.block_k,
         num_warps=cfg.up.num_warps,
         num_stages=cfg.up.num_stages,
+        pdl=pdl,
+        chained=lora is not None,  # after decode_shrink; else the layer's first kernel
     )
     if lora_comm is not None and z_inter is not None:
         z_inter = lora_comm.reduce_rank(z_inter)
@@ -272,6 +278,8 @@ def _decode_forward(
         num_stages=cfg.down.num_stages,
         out=out,
         add=add,
+        pdl=pdl,
+        chained=True,
     )
 
 

@@ -1,0 +1,157 @@
+"""PDL on the decode path (kernels/pdl.py): never active without a Hopper GPU, and the
+kernels' PDL branch, compiled for sm_90 here without a GPU, asks L2 for its weights,
+signals its dependents and waits before any load of a chain intermediate.
+
+The branch cannot run in the interpreter (no griddepcontrol or prefetch there); its
+results are validated on the GPU (`moelora validate` runs the table's decode rows). The
+tests run under TRITON_INTERPRET=1, where the kernels are not compilable, so this file,
+run as a script with the interpreter off, compiles them and prints their PTX as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moelora.kernels.decode_down import _decode_down_kernel
+from moelora.kernels.decode_shrink import _decode_shrink_kernel
+from moelora.kernels.decode_up import _decode_up_kernel
+from moelora.kernels.pdl import pdl_active, prefetch_lines
+
+BF16_PTRS = {"x_ptr", "w_ptr", "b_ptr", "z_ptr", "lora_b_ptr", "lora_a2_ptr", "a_ptr", "y_ptr"}
+I32_PTRS = {"topk_ids_ptr", "slots_ptr"}
+FLOATS = {"alpha", "limit"}
+
+
+def _signature(fn, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16" if name in BF16_PTRS else "*i32" if name in I32_PTRS else "*fp32"
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    return sig
+
+
+def _compile(fn, constexprs: dict) -> list[str]:
+    src = ASTSource(fn=fn, signature=_signature(fn, constexprs), constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return kernel.asm["ptx"].splitlines()
+
+
+UP = dict(GATED=True, ACT=0, HAS_BIAS=False, HAS_LORA=True, WEIGHT_INPUT=False, BLOCK_N=2,
+          BLOCK_K=256, BLOCK_R=16, LINE=64, LINES=32)  # fmt: skip
+DOWN = dict(HAS_BIAS=False, HAS_LORA=True, MUL_WEIGHT=True, ADD=True, BLOCK_J=8, BLOCK_N=2,
+            BLOCK_K=256, BLOCK_R=16, LINE=64, LINES=32)  # fmt: skip
+SHRINK = dict(BLOCK_R=16, ROWS_PER_PROG=1, BLOCK_K=256, ZERO_BLOCK=16)
+KERNELS = [(_decode_up_kernel, UP, True), (_decode_down_kernel, DOWN, True),
+           (_decode_shrink_kernel, SHRINK, False)]  # fmt: skip
+IDS = ["up", "down", "shrink"]
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict:
+    """{(kernel id, PDL on): PTX lines}, compiled in a child process with the interpreter off."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {tuple(json.loads(k)): v for k, v in json.loads(done.stdout).items()}
+
+
+# chain intermediates: written by the kernel before in the layer (or by this one), so never
+# read before the wait
+INTERMEDIATES = {"inter_ptr", "z_inter_ptr", "z_ptr"}
+INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(.*);")
+REG = re.compile(r"%[a-z]+\d+")
+
+
+def _params_of(lines: list[str]) -> dict[str, set[int]]:
+    """For each PTX register, the kernel parameters (by index) its value derives from,
+    through any instruction (PTX reuses registers in loops: the union over definitions)."""
+    origin: dict[str, set[int]] = {}
+    for _ in range(2):  # a second pass carries values defined after their use in a loop
+        for line in lines:
+            m = INSTR.match(line)
+            if not m or m.group(1).startswith(("st.", "prefetch", "bra", "atom", "red.")):
+                continue
+            rest = m.group(2)
+            if rest.startswith("{"):
+                head, _, tail = rest.partition("}")
+                dests, srcs = REG.findall(head), REG.findall(tail)
+            else:
+                regs = REG.findall(rest)
+                dests, srcs = regs[:1], regs[1:]
+            found = set().union(*(origin.get(r, set()) for r in srcs))
+            found |= {int(i) for i in re.findall(r"_param_(\d+)", rest)}
+            for d in dests:
+                origin.setdefault(d, set()).update(found)
+    return origin
+
+
+def _first(lines: list[str], pattern: str) -> int:
+    hits = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+    return hits[0] if hits else -1
+
+
+@pytest.mark.parametrize("name,prefetches", list(zip(IDS, (True, True, False))))
+def test_pdl_branch_prefetches_then_signals_then_waits(ptx, name, prefetches) -> None:
+    lines = ptx[(name, True)]
+    wait = _first(lines, r"griddepcontrol\.wait")
+    launch = _first(lines, r"griddepcontrol\.launch_dependents")
+    assert wait > 0 and 0 < launch < wait
+    fetch = [i for i, line in enumerate(lines) if "prefetch.global.L2" in line]
+    if prefetches:
+        assert fetch and max(fetch) < wait  # every prefetch issued before the wait
+    else:
+        assert not fetch
+    # no load before the wait has an address derived from a chain intermediate
+    fn, consts, _ = KERNELS[IDS.index(name)]
+    params = [a for a in fn.arg_names if a not in {**consts, "PDL": True}]
+    forbidden = {params.index(a) for a in INTERMEDIATES if a in params}
+    assert forbidden or name == "shrink"
+    origin = _params_of(lines)
+    early = [line for line in lines[:wait] if re.search(r"\bld\.global", line)]
+    for line in early:
+        address = line[line.index("[") :]
+        sources = set().union(*(origin.get(r, set()) for r in REG.findall(address)))
+        assert sources and not sources & forbidden, (line, sources)
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_pdl_off_leaves_no_pdl_instructions(ptx, name) -> None:
+    lines = ptx[(name, False)]
+    assert not [line for line in lines if re.search(r"griddepcontrol|prefetch\.global", line)]
+
+
+def test_pdl_never_active_on_cpu_or_in_the_interpreter() -> None:
+    assert not pdl_active(True, torch.device("cpu"))
+    assert not pdl_active(False, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "length,line,rows,want",
+    [(2048, 64, 2, 32), (1536, 64, 8, 32), (100, 64, 4, 2), (64, 64, 512, 1)],
+)
+def test_prefetch_lines(length, line, rows, want) -> None:
+    assert prefetch_lines(length, line, rows) == want
+
+
+if __name__ == "__main__":
+    out = {
+        json.dumps([name, on]): _compile(fn, {**consts, "PDL": on})
+        for name, (fn, consts, _) in zip(IDS, KERNELS)
+        for on in (False, True)
+    }
+    print(json.dumps(out))
