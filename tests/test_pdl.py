@@ -1,6 +1,6 @@
 """PDL on the decode path (kernels/pdl.py): never active without a Hopper GPU, and the
-kernels' PDL branch, compiled for sm_90 here without a GPU, asks L2 for its weights,
-signals its dependents and waits before any load of a chain intermediate.
+kernels' PDL branch, compiled for sm_90 here without a GPU, loads weights, signals its
+dependents and waits before any load of a chain intermediate.
 
 The branch cannot run in the interpreter (no griddepcontrol or prefetch there); its
 results are validated on the GPU (`moelora validate` runs the table's decode rows). The
@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from moelora.kernels.decode_down import _decode_down_kernel
 from moelora.kernels.decode_shrink import _decode_shrink_kernel
 from moelora.kernels.decode_up import _decode_up_kernel
-from moelora.kernels.pdl import pdl_active, prefetch_lines
+from moelora.kernels.pdl import pdl_active
 
 BF16_PTRS = {"x_ptr", "w_ptr", "b_ptr", "z_ptr", "lora_b_ptr", "lora_a2_ptr", "a_ptr", "y_ptr"}
 I32_PTRS = {"topk_ids_ptr", "slots_ptr"}
@@ -50,9 +50,9 @@ def _compile(fn, constexprs: dict) -> list[str]:
 
 
 UP = dict(GATED=True, ACT=0, HAS_BIAS=False, HAS_LORA=True, WEIGHT_INPUT=False, BLOCK_N=2,
-          BLOCK_K=256, BLOCK_R=16, LINE=64, LINES=32)  # fmt: skip
+          BLOCK_K=256, BLOCK_R=16)  # fmt: skip
 DOWN = dict(HAS_BIAS=False, HAS_LORA=True, MUL_WEIGHT=True, ADD=True, BLOCK_J=8, BLOCK_N=2,
-            BLOCK_K=256, BLOCK_R=16, LINE=64, LINES=32)  # fmt: skip
+            BLOCK_K=256, BLOCK_R=16)  # fmt: skip
 SHRINK = dict(BLOCK_R=16, ROWS_PER_PROG=1, BLOCK_K=256, ZERO_BLOCK=16)
 KERNELS = [(_decode_up_kernel, UP, True), (_decode_down_kernel, DOWN, True),
            (_decode_shrink_kernel, SHRINK, False)]  # fmt: skip
@@ -105,47 +105,39 @@ def _first(lines: list[str], pattern: str) -> int:
     return hits[0] if hits else -1
 
 
-@pytest.mark.parametrize("name,prefetches", list(zip(IDS, (True, True, False))))
-def test_pdl_branch_prefetches_then_signals_then_waits(ptx, name, prefetches) -> None:
+@pytest.mark.parametrize("name,early_weights", list(zip(IDS, (True, True, False))))
+def test_pdl_branch_loads_weights_then_signals_then_waits(ptx, name, early_weights) -> None:
     lines = ptx[(name, True)]
     wait = _first(lines, r"griddepcontrol\.wait")
     launch = _first(lines, r"griddepcontrol\.launch_dependents")
     assert wait > 0 and 0 < launch < wait
-    fetch = [i for i, line in enumerate(lines) if "prefetch.global.L2" in line]
-    if prefetches:
-        assert fetch and max(fetch) < wait  # every prefetch issued before the wait
-    else:
-        assert not fetch
-    # no load before the wait has an address derived from a chain intermediate
     fn, consts, _ = KERNELS[IDS.index(name)]
     params = [a for a in fn.arg_names if a not in {**consts, "PDL": True}]
     forbidden = {params.index(a) for a in INTERMEDIATES if a in params}
     assert forbidden or name == "shrink"
     origin = _params_of(lines)
     early = [line for line in lines[:wait] if re.search(r"\bld\.global", line)]
-    for line in early:
-        address = line[line.index("[") :]
-        sources = set().union(*(origin.get(r, set()) for r in REG.findall(address)))
+    sources_of = [
+        set().union(*(origin.get(r, set()) for r in REG.findall(line[line.index("[") :])))
+        for line in early
+    ]
+    # no load before the wait has an address derived from a chain intermediate
+    for line, sources in zip(early, sources_of):
         assert sources and not sources & forbidden, (line, sources)
+    # the up / down kernels load weight tiles before it (the point of the overlap)
+    w = params.index("w_ptr") if "w_ptr" in params else -1
+    assert any(w in sources for sources in sources_of) == early_weights
 
 
 @pytest.mark.parametrize("name", IDS)
 def test_pdl_off_leaves_no_pdl_instructions(ptx, name) -> None:
     lines = ptx[(name, False)]
-    assert not [line for line in lines if re.search(r"griddepcontrol|prefetch\.global", line)]
+    assert not [line for line in lines if "griddepcontrol" in line]
 
 
 def test_pdl_never_active_on_cpu_or_in_the_interpreter() -> None:
     assert not pdl_active(True, torch.device("cpu"))
     assert not pdl_active(False, torch.device("cpu"))
-
-
-@pytest.mark.parametrize(
-    "length,line,rows,want",
-    [(2048, 64, 2, 32), (1536, 64, 8, 32), (100, 64, 4, 2), (64, 64, 512, 1)],
-)
-def test_prefetch_lines(length, line, rows, want) -> None:
-    assert prefetch_lines(length, line, rows) == want
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..errors import InputError
 from .checks import check_dtype_match, check_shape, workspace
-from .pdl import chain_point, line_elems, prefetch_lines, prefetch_rows
+from .pdl import chain_point
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -62,7 +62,6 @@ def _decode_down_kernel(
     stride_le,
     stride_ln,
     stride_lr,
-    prefetch_row_len,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -72,8 +71,6 @@ def _decode_down_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
-    LINE: tl.constexpr,
-    LINES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -92,17 +89,10 @@ def _decode_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
         + offs_k[None, None, :] * stride_wk
     )
-    if PDL:  # before the wait: ask L2 for the rows of each expert this program reads
-        n0 = pid_n * BLOCK_N
-        rows_here = tl.minimum(BLOCK_N, hidden - n0)
-        prefetch_rows(
-            w_ptr,
-            expert * stride_we + n0 * stride_wn,
-            live,
-            rows_here * prefetch_row_len,
-            LINE,
-            LINES,
-        )
+    # the first K step's weight tile, loaded before the chain point: with PDL it streams
+    # while the up kernel still runs (pdl.py); it depends on nothing that kernel writes
+    k_ok = offs_k < inter_size
+    w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
     chain_point(PDL)
     # LoRA operands first (a few KB): their loads overlap the weight stream below
     if HAS_LORA:
@@ -127,8 +117,11 @@ def _decode_down_kernel(
             other=0.0,
         )
     z_ptrs = z_ptr + pair[:, None] * stride_zm + offs_k[None, :] * stride_zk
-    acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
+    zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+    z_ptrs += BLOCK_K * stride_zk
+    w_ptrs += BLOCK_K * stride_wk
+    for k0 in range(BLOCK_K, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
@@ -247,11 +240,7 @@ def decode_down(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        # a program's BLOCK_N rows of an expert are one contiguous run when rows are packed
-        prefetch_row_len=inter_size if w2.stride(2) == 1 and w2.stride(1) == inter_size else 0,
         PDL=pdl,
-        LINE=line_elems(w2),
-        LINES=prefetch_lines(block_n * inter_size, line_elems(w2), block_j),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl and chained,

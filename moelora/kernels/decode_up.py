@@ -28,7 +28,7 @@ import triton.language as tl
 from ..activations import Activation
 from .activation import act_code, apply_act
 from .checks import check_dtype_match, check_shape, workspace
-from .pdl import chain_point, line_elems, prefetch_lines, prefetch_rows
+from .pdl import chain_point
 
 
 @triton.jit
@@ -85,7 +85,6 @@ def _decode_up_kernel(
     stride_ak,
     stride_qm,
     stride_qr,
-    prefetch_len,
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -95,8 +94,6 @@ def _decode_up_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
-    LINE: tl.constexpr,
-    LINES: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -112,13 +109,12 @@ def _decode_up_kernel(
     w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
     wg_ptrs = w_base + gate_rows[:, None] * stride_wn
     wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
-    if PDL:  # before the wait: ask L2 for this program's weight rows (pdl.py)
-        w_rows = w_ptr + expert * stride_we
-        prefetch_rows(w_rows, gate_rows * stride_wn, n_mask, prefetch_len, LINE, LINES)
-        if GATED:
-            prefetch_rows(
-                w_rows, (gate_rows + up_offset) * stride_wn, n_mask, prefetch_len, LINE, LINES
-            )
+    # the first K step's weight tiles, loaded before the chain point: with PDL they stream
+    # while the kernel before still runs (pdl.py); they depend on nothing it writes
+    k_ok = offs_k < hidden
+    w_g = tl.load(wg_ptrs, mask=n_mask[:, None] & k_ok[None, :], other=0.0)
+    if GATED:
+        w_u = tl.load(wu_ptrs, mask=n_mask[:, None] & k_ok[None, :], other=0.0)
     chain_point(PDL)
     # LoRA operands first (a few KB): their loads overlap the weight stream below
     offs_r = tl.arange(0, BLOCK_R)
@@ -151,9 +147,15 @@ def _decode_up_kernel(
         )
         a2 = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
     x_ptrs = x_ptr + token * stride_xm + offs_k * stride_xk
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+    acc_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    if GATED:
+        acc_u = tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
+    x_ptrs += BLOCK_K * stride_xk
+    wg_ptrs += BLOCK_K * stride_wk
+    wu_ptrs += BLOCK_K * stride_wk
+    for k0 in range(BLOCK_K, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         acc_g += _rows_dot(wg_ptrs, xv, k_ok[None, :])
@@ -213,8 +215,9 @@ def decode_up(
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
     added; topk_weights [T, K] only for weights_on_input. Returns z [P, I] in x's dtype.
-    pdl (pdl.pdl_active already checked): L2 weight prefetch and the chain point; chained:
-    launched with PDL after the kernel before it in the layer (never the layer's first)."""
+    pdl (pdl.pdl_active already checked): the chain point after the first weight loads;
+    chained: launched with PDL after the kernel before it in the layer (never the layer's
+    first)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     parts = activation.width_factor
@@ -292,10 +295,7 @@ def decode_up(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(max(rank, z_rank))),
-        prefetch_len=hidden if w13.stride(2) == 1 else 0,  # rows contiguous, else none
         PDL=pdl,
-        LINE=line_elems(w13),
-        LINES=prefetch_lines(hidden, line_elems(w13), block_n),
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl and chained,
