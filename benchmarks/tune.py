@@ -100,6 +100,7 @@ DECODE_DOWN = [
     (2, 256, 4, 1),  # narrower / longer steps (b7d7a88 run: 4 x 256 won, 2x the default)
     (4, 512, 4, 1),
     (2, 512, 4, 1),
+    (2, 1024, 4, 1),  # all of I = 768 in one step: with PDL the whole read starts early
 ]
 DECODE_SHRINK = [(2, 1024), (1, 2048), (2, 2048), (4, 512), (4, 1024), (8, 256)]
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
@@ -214,11 +215,12 @@ def search_decode(
     best = start if start.decode else DECODE_TILES
     best_ms = layer.measure(best, lora)
     log.append(dict(cfg=dataclasses.asdict(best), ms=best_ms))
-    steps = [("up", GemmTiles(*t)) for t in DECODE_UP]
+    # PDL first (kernels/pdl.py), so the tiles are searched with the launch mode that won
+    steps = [("pdl", not best.pdl)]
+    steps += [("up", GemmTiles(*t)) for t in DECODE_UP]
     steps += [("down", GemmTiles(*t)) for t in DECODE_DOWN]
     if lora:  # rows x BLOCK_K per program of the x shrink
         steps += [("decode_shrink", v) for v in DECODE_SHRINK]
-    steps += [("pdl", not best.pdl)]  # PDL launches with L2 weight prefetch (kernels/pdl.py)
     for field, value in steps:
         cfg = dataclasses.replace(best, **{field: value})
         if cfg == best:

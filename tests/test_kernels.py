@@ -282,8 +282,11 @@ CASES = [
     Case(
         "decode-shared-experts", experts=4, top_k=2, tokens=12, decode=True
     ),  # pairs share experts
-    # pdl requested where it cannot run (interpreter): ignored, same result
+    # pdl requested: the first weight step loads early (the PDL instructions themselves
+    # cannot run in the interpreter); 2 K steps up and down, and a single one
     Case("decode-pdl-requested", act=A.SWIGLUOAI, bias=True, decode=True, extra={"pdl": True}),
+    Case("decode-pdl-2-steps", hidden=48, inter=40, act=A.GELU, decode=True, extra={"pdl": True}),
+    Case("decode-pdl-no-lora", ranks=None, hidden=48, decode=True, extra={"pdl": True}),
 ]
 
 

@@ -87,7 +87,7 @@ class TileConfig:
     lora_delta: bool = False  # LoRA expand over the shrink tiles into a delta the GEMMs add
     delta_in_reduce: bool = False  # with lora_delta: the top-k reduce adds the down delta
     shrink_expand: bool = False  # with lora_delta: the shrink kernels expand (no split-K)
-    pdl: bool = False  # decode path: PDL launches with L2 weight prefetch (kernels/pdl.py)
+    pdl: bool = False  # decode path: PDL launches, first weight step loaded early (pdl.py)
 
 
 def _from_row(row: tuple) -> TileConfig:

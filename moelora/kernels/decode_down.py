@@ -71,6 +71,7 @@ def _decode_down_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -89,10 +90,10 @@ def _decode_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
         + offs_k[None, None, :] * stride_wk
     )
-    # the first K step's weight tile, loaded before the chain point: with PDL it streams
-    # while the up kernel still runs (pdl.py); it depends on nothing that kernel writes
-    k_ok = offs_k < inter_size
-    w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
+    if EARLY:  # the first K step's weight tile, loaded before the chain point: it streams
+        # while the up kernel still runs (pdl.py) and depends on nothing that kernel writes
+        k_ok = offs_k < inter_size
+        w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
     chain_point(PDL)
     # LoRA operands first (a few KB): their loads overlap the weight stream below
     if HAS_LORA:
@@ -117,11 +118,13 @@ def _decode_down_kernel(
             other=0.0,
         )
     z_ptrs = z_ptr + pair[:, None] * stride_zm + offs_k[None, :] * stride_zk
-    zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
-    z_ptrs += BLOCK_K * stride_zk
-    w_ptrs += BLOCK_K * stride_wk
-    for k0 in range(BLOCK_K, inter_size, BLOCK_K):
+    acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
+    if EARLY:  # the first step, from the tile loaded early (the loop starts at the second)
+        zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+        z_ptrs += BLOCK_K * stride_zk
+        w_ptrs += BLOCK_K * stride_wk
+    for k0 in range(BLOCK_K if EARLY else 0, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
@@ -165,11 +168,12 @@ def decode_down(
     add: bool = False,
     pdl: bool = False,
     chained: bool = False,
+    early: bool = False,
 ) -> torch.Tensor:
     """z [P, I] (decode_up), w2 [E, H, I], b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
     topk_weights [T, K] (None: applied to the input). Returns y [T, H] in z's dtype (into
-    `out` if given; add=True adds to it). pdl / chained: as decode_up's."""
+    `out` if given; add=True adds to it). early / pdl / chained: as decode_up's."""
     num_tokens, top_k = topk_ids.shape
     num_pairs, inter_size = z.shape
     check_shape("z", z, (num_tokens * top_k, None))
@@ -241,6 +245,7 @@ def decode_down(
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
         PDL=pdl,
+        EARLY=early,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl and chained,

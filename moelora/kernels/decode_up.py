@@ -94,6 +94,7 @@ def _decode_up_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -109,12 +110,12 @@ def _decode_up_kernel(
     w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
     wg_ptrs = w_base + gate_rows[:, None] * stride_wn
     wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
-    # the first K step's weight tiles, loaded before the chain point: with PDL they stream
-    # while the kernel before still runs (pdl.py); they depend on nothing it writes
-    k_ok = offs_k < hidden
-    w_g = tl.load(wg_ptrs, mask=n_mask[:, None] & k_ok[None, :], other=0.0)
-    if GATED:
-        w_u = tl.load(wu_ptrs, mask=n_mask[:, None] & k_ok[None, :], other=0.0)
+    if EARLY:  # the first K step's weight tiles, loaded before the chain point: they stream
+        # while the kernel before still runs (pdl.py) and depend on nothing it writes
+        k_ok = offs_k < hidden
+        w_g = tl.load(wg_ptrs, mask=n_mask[:, None] & k_ok[None, :], other=0.0)
+        if GATED:
+            w_u = tl.load(wu_ptrs, mask=n_mask[:, None] & k_ok[None, :], other=0.0)
     chain_point(PDL)
     # LoRA operands first (a few KB): their loads overlap the weight stream below
     offs_r = tl.arange(0, BLOCK_R)
@@ -147,15 +148,17 @@ def _decode_up_kernel(
         )
         a2 = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
     x_ptrs = x_ptr + token * stride_xm + offs_k * stride_xk
-    xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-    acc_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if GATED:
-        acc_u = tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
-    x_ptrs += BLOCK_K * stride_xk
-    wg_ptrs += BLOCK_K * stride_wk
-    wu_ptrs += BLOCK_K * stride_wk
-    for k0 in range(BLOCK_K, hidden, BLOCK_K):
+    if EARLY:  # the first step, from the tiles loaded early (the loop starts at the second)
+        xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        acc_g += tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
+        if GATED:
+            acc_u += tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    for k0 in range(BLOCK_K if EARLY else 0, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         acc_g += _rows_dot(wg_ptrs, xv, k_ok[None, :])
@@ -210,14 +213,16 @@ def decode_up(
     num_stages: int = 3,
     pdl: bool = False,
     chained: bool = False,
+    early: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
     added; topk_weights [T, K] only for weights_on_input. Returns z [P, I] in x's dtype.
-    pdl (pdl.pdl_active already checked): the chain point after the first weight loads;
-    chained: launched with PDL after the kernel before it in the layer (never the layer's
-    first)."""
+    early: the first K step's weight tiles load before the chain point (TileConfig.pdl;
+    runs in the interpreter too); pdl (pdl.pdl_active already checked): the chain point's
+    PDL instructions; chained: launched with PDL after the kernel before it in the layer
+    (never the layer's first)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     parts = activation.width_factor
@@ -296,6 +301,7 @@ def decode_up(
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(max(rank, z_rank))),
         PDL=pdl,
+        EARLY=early,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl and chained,

@@ -259,6 +259,7 @@ def _decode_forward(
         num_stages=cfg.up.num_stages,
         pdl=pdl,
         chained=lora is not None,  # after decode_shrink; else the layer's first kernel
+        early=cfg.pdl,
     )
     if lora_comm is not None and z_inter is not None:
         z_inter = lora_comm.reduce_rank(z_inter)
@@ -280,6 +281,7 @@ def _decode_forward(
         add=add,
         pdl=pdl,
         chained=True,
+        early=cfg.pdl,
     )
 
 
