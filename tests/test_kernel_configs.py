@@ -45,7 +45,9 @@ def test_committed_table_knobs_are_valid() -> None:
         "shrink_expand",
     }
     for key, knobs in configs.H200_KNOBS.items():
-        assert set(knobs) <= lora_knobs | {"z_sorted", "down_tma", "decode", "decode_shrink"}, key
+        layout = {"z_sorted", "down_tma", "decode", "decode_shrink", "pdl"}
+        assert set(knobs) <= lora_knobs | layout, key
+        assert knobs.get("decode", False) or not knobs.get("pdl"), f"{key}: pdl needs decode"
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key
         rows, block_k = knobs.get("decode_shrink", (1, 16))

@@ -26,14 +26,21 @@
 - decode: the decode path (GEMV kernels straight from the top-k ids: no alignment, no
   reduce launch) only where a table row measured it faster; off elsewhere. On the H200 it
   won at the Qwen3 shape (E = 128, K = 8) at T <= 4 with and without LoRA and T <= 8
-  LoRA-free (bb19efa / d848c8e / d1f71a2 runs; at T = 4 with LoRA by 1%), with the tiles
-  tuned for that shape (the down tile alone moved it 2x). With those same tiles on other shapes it lost at T = 1 with LoRA
-  (Mixtral-8x7B 0.247 vs 0.224 ms, DeepSeek-V3 0.228 vs 0.205) and on gpt-oss-20b
-  LoRA-free (0.095 vs 0.073): e95b043 run, KERNEL_LOG.md v9. DECODE_TILES is where the
+  LoRA-free (bb19efa / d848c8e / d1f71a2 runs; at T = 4 with LoRA by 1%), and with PDL
+  (below) at T <= 8 in both modes (0b04468 run), with the tiles tuned for that shape (the
+  down tile alone moved it 2x). With those same tiles on other shapes it lost at T = 1
+  with LoRA (Mixtral-8x7B 0.247 vs 0.224 ms, DeepSeek-V3 0.228 vs 0.205) and on
+  gpt-oss-20b LoRA-free (0.095 vs 0.073): e95b043 run, KERNEL_LOG.md v9. DECODE_TILES is where the
   tune's decode search starts (the Qwen3 T = 1 choice).
 - decode_shrink (LoRA, decode path): A rows x BLOCK_K per program of the x shrink; default
   2 x 1024 (4 KB per step, the whole A read in flight in two steps at T = 1), reasoned;
   the Qwen3 T = 1 tune chose 1 x 2048 (0.0420 vs 0.0429 ms for the layer, 7c66a6a run).
+- pdl (decode path): off; the decode kernels after the layer's first are launched with
+  programmatic dependent launch and load their first weight step before waiting for the
+  kernel before (kernels/pdl.py). On the H200 the 0b04468 tune chose it at T = 1, 2, 4
+  LoRA-free and T = 1..8 with LoRA (T = 1 with LoRA 0.0420 -> 0.0366 ms, LoRA-free 0.0343
+  -> 0.0318); LoRA-free T = 8 kept it off. Ignored off the decode path, in the
+  interpreter, before compute capability 9.0, and under fully sharded LoRA.
 - lora_delta (LoRA): off; the expand runs over the (expert, slot) shrink tiles into a
   delta buffer the GEMM epilogues add, instead of mixed-slot dots inside the GEMMs
   (kernels/lora_delta.py). Off by default; the H200 table uses it at T = 1024 (76a0024
@@ -41,11 +48,15 @@
 - delta_in_reduce (with lora_delta): off; the down delta is added by the top-k reduce (a
   streaming read, weighted there) instead of the down GEMM's epilogue, which then runs
   LoRA-free. Reasoned from the d1f71a2 profile (the epilogue load cost 0.030 ms at
-  T = 1024 for 33.5 MB); not yet measured on a GPU.
+  T = 1024 for 33.5 MB); H200 A/B with lora_delta at e65c412: 0.5612 -> 0.5409 ms at
+  T = 1024, 1.133 -> 1.102 at 4096 (still slower there than the row without lora_delta),
+  and the T = 1024 table row takes it.
 - shrink_expand (with lora_delta): off; each shrink program expands its whole-K
   intermediate into the delta rows itself (no lora_delta launches, the intermediate never
   stored; the shrink runs unsplit). Reasoned (two launches and a round trip fewer, ~0.01
-  ms at T = 1024 by the d1f71a2 profile); not yet measured on a GPU.
+  ms at T = 1024 by the d1f71a2 profile); H200 A/B at e65c412 (with delta_in_reduce):
+  slower at T = 1024 (0.5409 -> 0.5527 ms), faster at 4096 (1.102 -> 1.066) but still
+  slower than that row without lora_delta (1.023); no table row takes it.
 - z_sorted / down_tma: off. z stored in the sorted pair order (the down GEMM and the z
   shrink read contiguous rows instead of gathering them), and the down GEMM's z and w2
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
