@@ -287,6 +287,14 @@ CASES = [
     Case("decode-pdl-requested", act=A.SWIGLUOAI, bias=True, decode=True, extra={"pdl": True}),
     Case("decode-pdl-2-steps", hidden=48, inter=40, act=A.GELU, decode=True, extra={"pdl": True}),
     Case("decode-pdl-no-lora", ranks=None, hidden=48, decode=True, extra={"pdl": True}),
+    # pdl on the aligned path: no PDL in the interpreter, the launchers' plumbing runs
+    Case(
+        "aligned-pdl-requested",
+        bias=True,
+        lora_delta=True,
+        delta_in_reduce=True,
+        extra={"pdl": True},
+    ),
 ]
 
 

@@ -135,6 +135,35 @@ def test_pdl_off_leaves_no_pdl_instructions(ptx, name) -> None:
     assert not [line for line in lines if "griddepcontrol" in line]
 
 
+ALIGNED = [
+    ("align", "_align_kernel"),
+    ("lora_shrink", "_lora_shrink_kernel"),
+    ("lora_delta", "_lora_delta_kernel"),
+    ("expert_up", "_expert_up_kernel"),
+    ("expert_down", "_expert_down_kernel"),
+    ("topk_reduce", "_topk_reduce_kernel"),
+]
+
+
+@pytest.mark.parametrize("module,kernel", ALIGNED, ids=[a[0] for a in ALIGNED])
+def test_aligned_kernels_wait_before_anything(module, kernel) -> None:
+    """The aligned path's kernels read nothing before the wait: the chain point is the
+    first statement of the kernel body (PDL a constexpr parameter)."""
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+
+    fn = getattr(importlib.import_module(f"moelora.kernels.{module}"), kernel)
+    src = textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))
+    func = ast.parse(src).body[0]
+    assert "PDL" in [a.arg for a in func.args.args]
+    body = [st for st in func.body if not isinstance(st, ast.Expr) or not isinstance(
+        st.value, ast.Constant)]  # fmt: skip
+    first = body[0]
+    assert isinstance(first, ast.Expr) and ast.unparse(first.value) == "chain_point(PDL)"
+
+
 def test_pdl_never_active_on_cpu_or_in_the_interpreter() -> None:
     assert not pdl_active(True, torch.device("cpu"))
     assert not pdl_active(False, torch.device("cpu"))

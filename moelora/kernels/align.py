@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import chain_point
+
 # Largest P aligned by one program (one launch, no memset). Measured on the H200
 # (benchmarks/ab_align.py at 4661a39): P = 8192 in one program took 38-56 us against 14-17
 # in three launches, and P = 2048 in one took 20.5 us against 23.6 as three.
@@ -137,7 +139,9 @@ def _align_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_P
     bins = num_slots + 1
@@ -265,10 +269,12 @@ def align_pairs(
     num_slots: int,
     block_m: int,
     lora_tile_m: int = 0,
+    pdl: bool = False,
 ) -> AlignedPairs:
     """topk_ids [T, K] (ids outside [0, E) are dropped: expert parallel); token_slots [T]
     int32 (-1 or out of [0, L) = no adapter) or None; lora_tile_m > 0 (with slots): also
-    the LoRA shrink tiles of at most that many rows. Returns the block layout of the pairs."""
+    the LoRA shrink tiles of at most that many rows; pdl: the OFFSETS and SCATTER launches
+    of three-launch mode use PDL (kernels/pdl.py). Returns the block layout of the pairs."""
     device = topk_ids.device
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -330,6 +336,7 @@ def align_pairs(
         BLOCK_E=max(1, min(128, 4096 // block_s)),
         BLOCK_S=block_s,
         BLOCK_M=block_m,
+        PDL=pdl,
         num_warps=ALIGN_WARPS,
     )
     phases = dict(ZERO=False, COUNT=False, OFFSETS=False, SCATTER=False)
@@ -342,8 +349,10 @@ def align_pairs(
     else:
         grid = (triton.cdiv(num_pairs, BLOCK_P),)
         _align_kernel[grid](**args, **{**phases, "COUNT": True})
-        _align_kernel[(1,)](**{**args, "num_warps": OFFSETS_WARPS}, **{**phases, "OFFSETS": True})
-        _align_kernel[grid](**args, **{**phases, "SCATTER": True})
+        # COUNT follows the counts memset; OFFSETS and SCATTER may start early (PDL)
+        offsets_args = {**args, "num_warps": OFFSETS_WARPS, "launch_pdl": pdl}
+        _align_kernel[(1,)](**offsets_args, **{**phases, "OFFSETS": True})
+        _align_kernel[grid](**args, launch_pdl=pdl, **{**phases, "SCATTER": True})
     return AlignedPairs(
         sorted_pair_ids, block_experts, num_padded, block_m, lora_tiles, num_lora_tiles,
         lora_tile_m if tiles else 0,

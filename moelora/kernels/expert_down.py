@@ -17,6 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok, workspace
+from .pdl import chain_point
 from .tiles import add_delta, block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
 
 
@@ -77,7 +78,9 @@ def _expert_down_kernel(
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -183,6 +186,7 @@ def expert_down(
     tma: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """z [P, I] (z_sorted: [P_pad, I] in the sorted order, with num_pairs = P; tma: its
     tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
@@ -293,5 +297,7 @@ def expert_down(
         IEEE=ieee,
         num_warps=num_warps,
         num_stages=num_stages,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out

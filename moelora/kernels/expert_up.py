@@ -19,6 +19,7 @@ from ..activations import Activation
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
+from .pdl import chain_point
 from .tiles import add_delta, block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
 
 
@@ -82,7 +83,9 @@ def _expert_up_kernel(
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(inter_size, BLOCK_N)
     pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -202,6 +205,7 @@ def expert_up(
     z_sorted: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R], or instead of inter the expanded delta
@@ -298,5 +302,7 @@ def expert_up(
         IEEE=ieee,
         num_warps=num_warps,
         num_stages=num_stages,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out

@@ -27,6 +27,7 @@ import triton.language as tl
 from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
+from .pdl import chain_point
 from .tiles import expand_dot, lora_tile
 
 BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
@@ -90,7 +91,9 @@ def _lora_delta_kernel(
     BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     tile = tl.program_id(0)
     if tile >= tl.load(num_tiles_ptr):
         return
@@ -133,6 +136,7 @@ def lora_delta(
     aligned: AlignedPairs,
     *,
     dtype: torch.dtype,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """inter [P, S, R] fp32 (lora_shrink), lora_b [L, E, S, N, R] (w13_b) or [L, E, N, R]
     (w2_b, S = 1), aligned with its LoRA tiles. Returns delta [P, S, N] in `dtype`, rows of
@@ -171,5 +175,7 @@ def lora_delta(
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
         UPCAST=upcast,
         IEEE=ieee,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return delta

@@ -28,6 +28,7 @@ from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .lora_delta import expand_tile
+from .pdl import chain_point
 from .tiles import lora_tile, mma
 
 EXPAND_BLOCK_N = 64  # columns per expand step when the shrink expands (reasoned, not tuned)
@@ -131,7 +132,9 @@ def _lora_shrink_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     tile = tl.program_id(0)
     if tile >= tl.load(num_tiles_ptr):
         return
@@ -221,6 +224,7 @@ def lora_shrink(
     num_stages: int = 3,
     out: torch.Tensor | None = None,
     expand_b: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """inp: x [T, H] (rows "tokens"), z [P, I] (rows "pairs") or z [P_pad, I] in the sorted
     order (rows "sorted"); lora_a [L, E, S, R, in] (w13) or
@@ -320,5 +324,7 @@ def lora_shrink(
         IEEE=ieee,
         num_warps=num_warps,
         num_stages=num_stages,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out

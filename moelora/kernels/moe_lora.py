@@ -87,8 +87,16 @@ def fused_moe_lora(
             lora_comm=lora_comm,
         )
     z_sorted = cfg.z_sorted or cfg.down_tma  # the TMA tiles of z need the sorted rows
+    # PDL between the layer's kernels: not with collectives between them (pdl.py)
+    pdl = lora_comm is None and pdl_active(cfg.pdl, x.device)
     aligned = align_pairs(
-        topk_ids, slots, num_experts, num_slots, cfg.block_m, cfg.shrink_block_m if use_lora else 0
+        topk_ids,
+        slots,
+        num_experts,
+        num_slots,
+        cfg.block_m,
+        cfg.shrink_block_m if use_lora else 0,
+        pdl=pdl,
     )
     num_pairs = num_tokens * top_k
 
@@ -96,7 +104,9 @@ def fused_moe_lora(
     # the expand over the shrink tiles needs whole intermediates and whole-H B2: not under
     # fully sharded LoRA (its collectives sit between shrink and expand)
     use_delta = use_lora and cfg.lora_delta and lora_comm is None
-    side = dict(aligned=aligned, cfg=cfg, num_pairs=num_pairs, top_k=top_k, delta=use_delta)
+    side = dict(
+        aligned=aligned, cfg=cfg, num_pairs=num_pairs, top_k=top_k, delta=use_delta, pdl=pdl
+    )
     if use_lora:
         gather = None if lora_comm is None else lambda t: _gather_parts(t, lora_comm)
         inter13, delta13 = _lora_side(
@@ -123,6 +133,7 @@ def fused_moe_lora(
         expand_lanes=cfg.expand_lanes,
         z_sorted=z_sorted,
         delta=delta13,
+        pdl=pdl,
     )
     if use_lora:
         reduce = (
@@ -154,9 +165,10 @@ def fused_moe_lora(
         num_pairs=num_pairs,
         tma=cfg.down_tma,
         delta=delta2 if down_lora else None,
+        pdl=pdl,
     )
     if down_lora or delta2 is None:
-        return topk_reduce(o, topk_ids, num_experts, out=out, add=add)
+        return topk_reduce(o, topk_ids, num_experts, out=out, add=add, pdl=pdl)
     return topk_reduce(
         o,
         topk_ids,
@@ -167,6 +179,7 @@ def fused_moe_lora(
         token_slots=slots,
         num_slots=num_slots,
         topk_weights=None if weights_on_input else topk_weights,
+        pdl=pdl,
     )
 
 
@@ -182,6 +195,7 @@ def _lora_side(
     top_k: int,
     delta: bool,
     collect,
+    pdl: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One LoRA side (gate/up from x, or down from z): the shrink, then `collect` (fully
     sharded LoRA's collective on the intermediate, or None), then with `delta` the expand
@@ -192,6 +206,7 @@ def _lora_side(
         top_k=top_k,
         block_k=cfg.shrink_block_k,
         split_k=cfg.shrink_split_k,
+        pdl=pdl,
     )
     if delta and cfg.shrink_expand:
         # no collective between shrink and expand: only without fully sharded LoRA
@@ -202,7 +217,7 @@ def _lora_side(
         inter = collect(inter)
     if not delta:
         return inter, None
-    return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype)
+    return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype, pdl=pdl)
 
 
 def _decode_forward(

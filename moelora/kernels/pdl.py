@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for a layer's chain of decode kernels.
+"""Programmatic dependent launch (PDL) for a layer's chain of kernels.
 
 A kernel launched with PDL may start while the kernel before it in the stream still runs:
 its programs begin once every program of that kernel has signalled
@@ -15,6 +15,11 @@ complete and visible before any kernel of the chain starts; later kernels are la
 with PDL and, before their gdc_wait, read only those inputs and the weights. Every kernel
 calls gdc_wait before its first load of a chain intermediate (a no-op when it was not
 launched with PDL). tests/test_pdl.py checks the compiled order.
+
+The aligned path's kernels (align's OFFSETS / SCATTER, the LoRA shrink and delta, both
+GEMMs, the top-k reduce) take the chain point as their first statement: nothing is read
+before the wait, so what overlaps is only the launch and the programs' start behind the
+kernel before.
 
 Measured on the H200 (5294ebe, benchmarks/results/h200_5294ebe_ab_pdl_*.log): an L2
 prefetch (`prefetch.global.L2` per 128-byte line of the program's weight rows) before the

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..errors import InputError
 from .checks import check_shape, workspace
+from .pdl import chain_point
 
 
 @triton.jit
@@ -48,7 +49,9 @@ def _topk_reduce_kernel(
     MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -99,6 +102,7 @@ def topk_reduce(
     topk_weights: torch.Tensor | None = None,
     block_m: int = 4,
     block_n: int = 1024,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """o [P, H] per-pair outputs, topk_ids [T, K] -> y [T, H] (into `out` if given; add=True
     adds to it). delta [P, H] (down-LoRA delta rows, written for tokens whose slot in
@@ -151,5 +155,7 @@ def topk_reduce(
         MUL_WEIGHT=has_delta and topk_weights is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
