@@ -3,9 +3,12 @@ under variants of its launch constants, plus each launch's GPU time from torch.p
 
 Usage (GPU): python -m benchmarks.ab_align [--tokens 256,1024,4096,16384] [--iters 50]
              [--variants "BLOCK_P=1024;BLOCK_P=256,ALIGN_WARPS=8"]
-Each variant sets module constants of moelora.kernels.align (BLOCK_P, ALIGN_WARPS,
-SINGLE_PROGRAM_PAIRS, SINGLE_BLOCK_P, OFFSETS_WARPS) for its run only. The layout is checked against the default
-variant's (same sorted pairs per block) before timing.
+Each variant sets module constants of moelora.kernels.align for its run only: three-launch
+mode BLOCK_P, ALIGN_WARPS, OFFSETS_WARPS; one-program mode (P <= SINGLE_PROGRAM_PAIRS)
+SINGLE_BLOCK_P, SINGLE_WARPS, or WIDE_BLOCK_P, WIDE_WARPS above WIDE_SINGLE_PAIRS pairs.
+(A constant of the other mode changes nothing at that T.) The layout (each expert's pairs,
+the blocks' experts, the used length, the LoRA tile count) is checked against the default
+variant's before timing.
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ def _parse(text: str) -> list[dict[str, int]]:
 
 
 def _layout(a: align.AlignedPairs) -> tuple:
-    """The layout as a comparable value: the used length, each block's expert, and each
-    expert's pairs as a set (the order inside a slot's run follows the atomics)."""
+    """The layout as a comparable value: the used length, each block's expert, each
+    expert's pairs as a set (the order inside a slot's run follows the atomics), and the
+    number of LoRA shrink tiles."""
     n = int(a.num_padded.item())
     ids = a.sorted_pair_ids[:n].view(-1, a.block_m).cpu().tolist()
     experts = a.block_experts[: n // a.block_m].cpu().tolist()
     per_expert: dict[int, set] = {}
     for e, row in zip(experts, ids):
         per_expert.setdefault(e, set()).update(row)
-    return n, experts, per_expert
+    tiles = None if a.num_lora_tiles is None else int(a.num_lora_tiles.item())
+    return n, experts, per_expert, tiles
 
 
 def _launch_times(fwd, iters: int) -> list[float]:

@@ -6,8 +6,8 @@ Usage (GPU): python -m benchmarks.ab_knob --knob expand_lanes --values 16,32,64
              [--tokens 64,1024,4096,16384] [--iters 20] [--model qwen3-30b-a3b]
              [--set lora_delta=1,z_sorted=1]
 (--set fixes other knobs on every side first, e.g. the knobs that only act with lora_delta.)
-(Scalar knobs only; booleans as 0 / 1. At a T whose row is a decode config the LoRA knobs
-of the aligned path change nothing.)
+(Scalar and tuple knobs; booleans as 0 / 1, tuples as AxB. At a T whose row is a decode
+config the LoRA knobs of the aligned path change nothing.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from .tune import Layer, load_model
 
 
 def _value(knob: str, text: str):
+    """A knob's value from text: 0 / 1 for booleans, AxB for tuples (decode_shrink=1x2048)."""
     kind = type(getattr(TileConfig(16, None, None), knob))
+    if kind is tuple:
+        return tuple(int(v) for v in text.split("x"))
     return bool(int(text)) if kind is bool else kind(text)
 
 

@@ -47,6 +47,7 @@ def test_committed_table_knobs_are_valid() -> None:
     for key, knobs in configs.H200_KNOBS.items():
         layout = {"z_sorted", "down_tma", "decode", "decode_shrink", "pdl"}
         assert set(knobs) <= lora_knobs | layout, key
+        # aligned-path PDL measured no gain (KERNEL_LOG.md v13b): decode rows only
         assert knobs.get("decode", False) or not knobs.get("pdl"), f"{key}: pdl needs decode"
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key

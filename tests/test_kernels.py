@@ -287,6 +287,16 @@ CASES = [
     Case("decode-pdl-requested", act=A.SWIGLUOAI, bias=True, decode=True, extra={"pdl": True}),
     Case("decode-pdl-2-steps", hidden=48, inter=40, act=A.GELU, decode=True, extra={"pdl": True}),
     Case("decode-pdl-no-lora", ranks=None, hidden=48, decode=True, extra={"pdl": True}),
+    Case("decode-pdl-drop-ids", drop_ids=True, decode=True, extra={"pdl": True}),
+    Case(
+        "decode-pdl-weights-on-input",
+        top_k=1,
+        weights_on_input=True,
+        bias=True,
+        decode=True,
+        extra={"pdl": True},
+    ),
+    Case("decode-pdl-top-k-10", experts=12, top_k=10, tokens=2, decode=True, extra={"pdl": True}),
     # pdl on the aligned path: no PDL in the interpreter, the launchers' plumbing runs
     Case(
         "aligned-pdl-requested",
@@ -401,8 +411,12 @@ def test_backend_add_inputs(mode: AddInputs, seed: int) -> None:
 
 @pytest.mark.parametrize(
     "knobs",
-    [{"decode": True}, {"lora_delta": True, "delta_in_reduce": True}],
-    ids=["decode", "delta-in-reduce"],
+    [
+        {"decode": True},
+        {"decode": True, "pdl": True},
+        {"lora_delta": True, "delta_in_reduce": True},
+    ],
+    ids=["decode", "decode-pdl", "delta-in-reduce"],
 )
 def test_add_into_out(knobs: dict, seed: int) -> None:
     """The decode path's down kernel and the reduce with the delta add into `out`

@@ -62,12 +62,19 @@ IDS = ["up", "down", "shrink"]
 @pytest.fixture(scope="module")
 def ptx() -> dict:
     """{(kernel id, PDL on): PTX lines}, compiled in a child process with the interpreter off."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    import moelora
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(moelora.__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return {tuple(json.loads(k)): v for k, v in json.loads(done.stdout).items()}
+    result = json.loads(done.stdout)
+    # the child compiled this tree's kernels, not another installed copy
+    assert result.pop("moelora") == os.path.abspath(moelora.__file__)
+    return {tuple(json.loads(k)): v for k, v in result.items()}
 
 
 # chain intermediates: written by the kernel before in the layer (or by this one), so never
@@ -108,7 +115,10 @@ def _first(lines: list[str], pattern: str) -> int:
 @pytest.mark.parametrize("name,early_weights", list(zip(IDS, (True, True, False))))
 def test_pdl_branch_loads_weights_then_signals_then_waits(ptx, name, early_weights) -> None:
     lines = ptx[(name, True)]
-    wait = _first(lines, r"griddepcontrol\.wait")
+    # the main path's wait: the last in the listing (an early-return block waits too, and
+    # sits before it); a layout putting it after the body fails here loudly, never silently
+    waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    wait = waits[-1] if waits else -1
     launch = _first(lines, r"griddepcontrol\.launch_dependents")
     assert wait > 0 and 0 < launch < wait
     fn, consts, _ = KERNELS[IDS.index(name)]
@@ -124,6 +134,9 @@ def test_pdl_branch_loads_weights_then_signals_then_waits(ptx, name, early_weigh
     # no load before the wait has an address derived from a chain intermediate
     for line, sources in zip(early, sources_of):
         assert sources and not sources & forbidden, (line, sources)
+    # and nothing is written, and nothing copied asynchronously, before it
+    writes = [ln for ln in lines[:wait] if re.search(r"\b(st\.|atom\.|red\.|cp\.async)", ln)]
+    assert not writes, writes
     # the up / down kernels load weight tiles before it (the point of the overlap)
     w = params.index("w_ptr") if "w_ptr" in params else -1
     assert any(w in sources for sources in sources_of) == early_weights
@@ -164,6 +177,101 @@ def test_aligned_kernels_wait_before_anything(module, kernel) -> None:
     assert isinstance(first, ast.Expr) and ast.unparse(first.value) == "chain_point(PDL)"
 
 
+def _kernel_ast(module: str, kernel: str):
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+
+    fn = getattr(importlib.import_module(f"moelora.kernels.{module}"), kernel)
+    return ast.parse(textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))).body[0]
+
+
+def _returns_before_wait(body: list, waited: bool = False) -> list[int]:
+    """Line numbers of `return`s reached without a chain_point call before them."""
+    import ast
+
+    bad = []
+    for st in body:
+        if isinstance(st, ast.Expr) and ast.unparse(st.value) == "chain_point(PDL)":
+            waited = True
+        elif isinstance(st, ast.Return) and not waited:
+            bad.append(st.lineno)
+        for field in ("body", "orelse"):
+            if isinstance(getattr(st, field, None), list) and not isinstance(st, ast.FunctionDef):
+                bad += _returns_before_wait(getattr(st, field), waited)
+    return bad
+
+
+ALL_KERNELS = [
+    *ALIGNED,
+    ("decode_up", "_decode_up_kernel"),
+    ("decode_down", "_decode_down_kernel"),
+    ("decode_shrink", "_decode_shrink_kernel"),
+]
+
+
+@pytest.mark.parametrize("module,kernel", ALL_KERNELS, ids=[a[0] for a in ALL_KERNELS])
+def test_every_exit_passes_the_chain_point(module, kernel) -> None:
+    """A program that returns early still waits: otherwise a kernel whose programs all
+    return (every pair another rank's) completes before the kernel before it, and what
+    follows may overlap that kernel's writes."""
+    func = _kernel_ast(module, kernel)
+    assert not _returns_before_wait(func.body), f"{kernel}: return before chain_point"
+
+
+def test_decode_chain_launch_modes(monkeypatch, seed) -> None:
+    """With PDL active, the layer's first kernel is launched normally and every later one
+    with PDL (the launchers' `chained`); under fully sharded LoRA no kernel uses PDL. The
+    interpreter cannot run PDL, so the launchers are wrapped: the calls are recorded, then
+    run with PDL off."""
+    import dataclasses
+
+    from moelora.activations import Activation
+    from moelora.config import MoEShape
+    from moelora.kernels import moe_lora
+    from moelora.kernels.configs import DECODE_TILES
+    from moelora.reference import moe_lora_reference
+    from moelora.weights import random_expert_weights, random_lora_bank
+
+    calls = []
+
+    def wrap(name):
+        real = getattr(moe_lora, name)
+
+        def launcher(*args, **kw):
+            calls.append((name, kw.get("pdl"), kw.get("chained", False)))
+            return real(*args, **{**kw, "pdl": False})
+
+        monkeypatch.setattr(moe_lora, name, launcher)
+
+    for name in ("decode_shrink", "decode_up", "decode_down"):
+        wrap(name)
+    monkeypatch.setattr(moe_lora, "pdl_active", lambda requested, device: requested)
+    g = torch.Generator().manual_seed(seed)
+    shape = MoEShape(4, 2, 32, 16, Activation.SILU, dtype=torch.float32)
+    experts = random_expert_weights(shape, generator=g)
+    lora = random_lora_bank(shape, 2, 4, generator=g)
+    x = torch.randn(3, 32, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(3)]).to(torch.int32)
+    w = torch.rand(3, 2, generator=g)
+    slots = torch.tensor([0, -1, 1], dtype=torch.int32)
+    cfg = dataclasses.replace(DECODE_TILES, pdl=True)
+    for bank in (lora, None):
+        calls.clear()
+        y = moe_lora.fused_moe_lora(x, ids, w, slots, experts, bank, shape, config=cfg)
+        ref = moe_lora_reference(x, ids, w, slots, experts, bank, shape)
+        assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
+        if bank is not None:
+            assert calls == [
+                ("decode_shrink", True, False),  # first: launched normally
+                ("decode_up", True, True),
+                ("decode_down", True, True),
+            ]
+        else:
+            assert calls == [("decode_up", True, False), ("decode_down", True, True)]
+
+
 def test_pdl_never_active_on_cpu_or_in_the_interpreter() -> None:
     assert not pdl_active(True, torch.device("cpu"))
     assert not pdl_active(False, torch.device("cpu"))
@@ -175,4 +283,7 @@ if __name__ == "__main__":
         for name, (fn, consts, _) in zip(IDS, KERNELS)
         for on in (False, True)
     }
+    import moelora
+
+    out["moelora"] = os.path.abspath(moelora.__file__)
     print(json.dumps(out))

@@ -39,8 +39,10 @@
   programmatic dependent launch and load their first weight step before waiting for the
   kernel before (kernels/pdl.py). On the H200 the 0b04468 tune chose it at T = 1, 2, 4
   LoRA-free and T = 1..8 with LoRA (T = 1 with LoRA 0.0420 -> 0.0366 ms, LoRA-free 0.0343
-  -> 0.0318); LoRA-free T = 8 kept it off. Ignored off the decode path, in the
-  interpreter, before compute capability 9.0, and under fully sharded LoRA.
+  -> 0.0318); LoRA-free T = 8 kept it off. On the aligned path it launches the kernels
+  with PDL, each waiting first (no early loads): within +-1.5% on the H200 (d6f8ea3, v13b),
+  so no table row sets it there (tests/test_kernel_configs.py holds rows to that). Off in
+  the interpreter, before compute capability 9.0, on ROCm and under fully sharded LoRA.
 - lora_delta (LoRA): off; the expand runs over the (expert, slot) shrink tiles into a
   delta buffer the GEMM epilogues add, instead of mixed-slot dots inside the GEMMs
   (kernels/lora_delta.py). Off by default; the H200 table uses it at T = 1024 (76a0024
@@ -98,7 +100,7 @@ class TileConfig:
     lora_delta: bool = False  # LoRA expand over the shrink tiles into a delta the GEMMs add
     delta_in_reduce: bool = False  # with lora_delta: the top-k reduce adds the down delta
     shrink_expand: bool = False  # with lora_delta: the shrink kernels expand (no split-K)
-    pdl: bool = False  # decode path: PDL launches, first weight step loaded early (pdl.py)
+    pdl: bool = False  # PDL launches (decode path: first weight step loaded early; pdl.py)
 
 
 def _from_row(row: tuple) -> TileConfig:

@@ -100,6 +100,9 @@ def _decode_up_kernel(
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair)
     if (expert < 0) | (expert >= num_experts):
+        # a program with nothing to do still waits: the kernel's completion must imply the
+        # kernel before's (pdl.py), also when every pair is another rank's (expert parallel)
+        chain_point(PDL)
         return
     expert = expert.to(tl.int64)
     token = (pair // top_k).to(tl.int64)
