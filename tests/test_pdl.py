@@ -9,11 +9,15 @@ run as a script with the interpreter off, compiles them and prints their PTX as 
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -148,6 +152,15 @@ def test_pdl_off_leaves_no_pdl_instructions(ptx, name) -> None:
     assert not [line for line in lines if "griddepcontrol" in line]
 
 
+def _kernel_ast(module: str, kernel: str) -> ast.FunctionDef:
+    fn = getattr(importlib.import_module(f"moelora.kernels.{module}"), kernel)
+    return ast.parse(textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))).body[0]
+
+
+def _is_chain_point(st: ast.stmt) -> bool:
+    return isinstance(st, ast.Expr) and ast.unparse(st.value) == "chain_point(PDL)"
+
+
 ALIGNED = [
     ("align", "_align_kernel"),
     ("lora_shrink", "_lora_shrink_kernel"),
@@ -162,38 +175,18 @@ ALIGNED = [
 def test_aligned_kernels_wait_before_anything(module, kernel) -> None:
     """The aligned path's kernels read nothing before the wait: the chain point is the
     first statement of the kernel body (PDL a constexpr parameter)."""
-    import ast
-    import importlib
-    import inspect
-    import textwrap
-
-    fn = getattr(importlib.import_module(f"moelora.kernels.{module}"), kernel)
-    src = textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))
-    func = ast.parse(src).body[0]
+    func = _kernel_ast(module, kernel)
     assert "PDL" in [a.arg for a in func.args.args]
     body = [st for st in func.body if not isinstance(st, ast.Expr) or not isinstance(
         st.value, ast.Constant)]  # fmt: skip
-    first = body[0]
-    assert isinstance(first, ast.Expr) and ast.unparse(first.value) == "chain_point(PDL)"
-
-
-def _kernel_ast(module: str, kernel: str):
-    import ast
-    import importlib
-    import inspect
-    import textwrap
-
-    fn = getattr(importlib.import_module(f"moelora.kernels.{module}"), kernel)
-    return ast.parse(textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))).body[0]
+    assert _is_chain_point(body[0])
 
 
 def _returns_before_wait(body: list, waited: bool = False) -> list[int]:
     """Line numbers of `return`s reached without a chain_point call before them."""
-    import ast
-
     bad = []
     for st in body:
-        if isinstance(st, ast.Expr) and ast.unparse(st.value) == "chain_point(PDL)":
+        if _is_chain_point(st):
             waited = True
         elif isinstance(st, ast.Return) and not waited:
             bad.append(st.lineno)

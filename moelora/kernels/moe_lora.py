@@ -72,6 +72,8 @@ def fused_moe_lora(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     slots = token_slots.to(torch.int32).contiguous() if use_lora else None
+    # PDL between the layer's kernels: not with collectives between them (pdl.py)
+    pdl = lora_comm is None and pdl_active(cfg.pdl, x.device)
     if cfg.decode:
         return _decode_forward(
             x,
@@ -86,10 +88,9 @@ def fused_moe_lora(
             out=out,
             add=add,
             lora_comm=lora_comm,
+            pdl=pdl,
         )
     z_sorted = cfg.z_sorted or cfg.down_tma  # the TMA tiles of z need the sorted rows
-    # PDL between the layer's kernels: not with collectives between them (pdl.py)
-    pdl = lora_comm is None and pdl_active(cfg.pdl, x.device)
     aligned = align_pairs(
         topk_ids,
         slots,
@@ -235,10 +236,10 @@ def _decode_forward(
     out: torch.Tensor | None,
     add: bool,
     lora_comm: LoRAComm | None,
+    pdl: bool,
 ) -> torch.Tensor:
-    """The decode path (fused_moe_lora's arguments, slots int32 or None without LoRA).
-    PDL only without collectives between the kernels (pdl.py's chain rule)."""
-    pdl = lora_comm is None and pdl_active(cfg.pdl, x.device)
+    """The decode path (fused_moe_lora's arguments, slots int32 or None without LoRA;
+    pdl: PDL launches, as fused_moe_lora decided)."""
     # the peeled first weight step only pays with PDL (alone it measured +12% at T = 8);
     # the interpreter runs it so that the CPU tests cover it
     early = cfg.pdl and (pdl or interpreted())
