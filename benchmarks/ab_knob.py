@@ -28,6 +28,17 @@ def _value(knob: str, text: str):
     return bool(int(text)) if kind is bool else kind(text)
 
 
+def parse_set(text: str) -> dict:
+    """'knob=value,...' (TileConfig fields) -> {knob: value}."""
+    fixed = {}
+    for item in filter(None, text.split(",")):
+        knob, sep, value = item.partition("=")
+        if not sep or not hasattr(TileConfig(16, None, None), knob):
+            raise SystemExit(f"--set: {item!r} is not knob=value with a TileConfig field")
+        fixed[knob] = _value(knob, value)
+    return fixed
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--knob", required=True, help="a TileConfig field, e.g. expand_lanes")
@@ -38,12 +49,7 @@ def main() -> None:
     p.add_argument("--set", default="", help="knob=value,... applied to every side first")
     p.add_argument("--base", action="store_true", help="the LoRA-free layer (its table rows)")
     args = p.parse_args()
-    fixed = {}
-    for item in filter(None, args.set.split(",")):
-        knob, sep, text = item.partition("=")
-        if not sep or not hasattr(TileConfig(16, None, None), knob):
-            raise SystemExit(f"--set: {item!r} is not knob=value with a TileConfig field")
-        fixed[knob] = _value(knob, text)
+    fixed = parse_set(args.set)
     model, dims, experts, lora = load_model(args.model)
     values = [_value(args.knob, v) for v in args.values.split(",")]
     print(f"fixed: {fixed or 'nothing'}")

@@ -297,6 +297,61 @@ CASES = [
         extra={"pdl": True},
     ),
     Case("decode-pdl-top-k-10", experts=12, top_k=10, tokens=2, decode=True, extra={"pdl": True}),
+    # expand_first: the in-GEMM expand as a pipelined loop before the K loop (no group
+    # skip: absent groups load nothing and add zeros)
+    Case("expand-first", extra={"ef": True}),
+    Case(
+        "expand-first-swigluoai-bias-fp16",
+        act=A.SWIGLUOAI,
+        bias=True,
+        dtype=torch.float16,
+        extra={"ef": True},
+    ),
+    Case("expand-first-relu2", act=A.RELU2_NO_MUL, extra={"ef": True}),
+    Case(
+        "expand-first-one-slot-per-dot",
+        slots=tuple(range(-1, 9)),
+        ranks=(16,) * 9,
+        tokens=10,
+        expand_lanes=16,
+        extra={"ef": True},
+    ),
+    Case(
+        "expand-first-absent-group",
+        slots=(5, -1, 0, 4),
+        ranks=(8,) * 6,
+        expand_lanes=32,
+        extra={"ef": True},
+    ),
+    Case(
+        "expand-first-rank-not-pow2",
+        ranks=(24, 8),
+        max_rank=24,
+        slots=(1, 0, -1),
+        extra={"ef": True},
+    ),
+    Case(
+        "expand-first-down-tma-multi-block",
+        experts=2,
+        top_k=1,
+        tokens=40,
+        slots=(0, 1, 2, -1, 1),
+        down_tma=True,
+        extra={"ef": True},
+    ),
+    Case(
+        "expand-first-drop-slot-beyond-bank",
+        slots=(0, 5, -1, 1, 3),
+        drop_ids=True,
+        extra={"ef": True},
+    ),
+    Case(
+        "expand-first-weights-on-input",
+        top_k=1,
+        weights_on_input=True,
+        bias=True,
+        extra={"ef": True},
+    ),
     # pdl on the aligned path: no PDL in the interpreter, the launchers' plumbing runs
     Case(
         "aligned-pdl-requested",
@@ -369,13 +424,16 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             shrink_expand=case.shrink_expand,
             decode_shrink=case.extra.get("ds", TILES.decode_shrink),
             pdl=case.extra.get("pdl", False),
+            expand_first=case.extra.get("ef", False),
         ),
         weights_on_input=case.weights_on_input,
     )
     assert_close(out, ref, what=case.id)
 
 
-@pytest.mark.parametrize("path", ["aligned", "delta", "delta-in-reduce", "shrink-expand", "decode"])
+@pytest.mark.parametrize(
+    "path", ["aligned", "expand-first", "delta", "delta-in-reduce", "shrink-expand", "decode"]
+)
 def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
     """Slot -1 tokens in a mixed batch get bit-for-bit the base output, on every path."""
     shape, experts, lora, x, ids, weights, slots = _inputs(Case("mixed", tokens=8), seed)
@@ -385,6 +443,7 @@ def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
         delta_in_reduce=path == "delta-in-reduce",
         shrink_expand=path == "shrink-expand",
         decode=path == "decode",
+        expand_first=path == "expand-first",
     )
     mixed = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)
     base = fused_moe_lora(x, ids, weights, None, experts, None, shape, config=cfg)

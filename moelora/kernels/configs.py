@@ -101,6 +101,7 @@ class TileConfig:
     delta_in_reduce: bool = False  # with lora_delta: the top-k reduce adds the down delta
     shrink_expand: bool = False  # with lora_delta: the shrink kernels expand (no split-K)
     pdl: bool = False  # PDL launches (decode path: first weight step loaded early; pdl.py)
+    expand_first: bool = False  # LoRA: the in-GEMM expand as a pipelined loop before the K loop
 
 
 def _from_row(row: tuple) -> TileConfig:

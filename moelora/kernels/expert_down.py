@@ -70,6 +70,7 @@ def _expert_down_kernel(
     Z_SORTED: tl.constexpr,
     TMA: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    EXPAND_FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -103,21 +104,74 @@ def _expert_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :] * stride_wn
     )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
-        if TMA:  # tensor-memory-accelerator tile copies; out-of-range reads are zeros
-            zt = z_desc.load([pid_m * BLOCK_M, k0])
-            w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
-            w = w.reshape(BLOCK_N, BLOCK_K).trans()
+    # two phases, the main K loop and the LoRA term; EXPAND_FIRST runs the expand first as
+    # its own pipelined loop (tiles.lora_expand), else it follows the main loop
+    for phase in tl.static_range(2):
+        if (phase == 0) != EXPAND_FIRST:
+            for k0 in range(0, inter_size, BLOCK_K):
+                if TMA:  # tensor-memory-accelerator tile copies; out-of-range reads are zeros
+                    zt = z_desc.load([pid_m * BLOCK_M, k0])
+                    w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
+                    w = w.reshape(BLOCK_N, BLOCK_K).trans()
+                else:
+                    k_mask = (k0 + offs_k) < inter_size
+                    zt = tl.load(z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+                    w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+                if UPCAST:
+                    zt = zt.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = mma(zt, w, acc, IEEE)
+                z_ptrs += BLOCK_K * stride_zk
+                w_ptrs += BLOCK_K * stride_wk
         else:
-            k_mask = (k0 + offs_k) < inter_size
-            zt = tl.load(z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        if UPCAST:
-            zt = zt.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = mma(zt, w, acc, IEEE)
-        z_ptrs += BLOCK_K * stride_zk
-        w_ptrs += BLOCK_K * stride_wk
+            acc = _down_lora(
+                acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
+                stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
+                num_slots, offs_n, n_mask, rank, lora_n_offset, lora_n_size, HAS_LORA, DELTA,
+                BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE, EXPAND_FIRST,
+            )  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(
+            tl.float32
+        )[None, :]
+    if MUL_WEIGHT:
+        g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+        acc = acc * g[:, None]
+    o_ptrs = o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_lora(
+    acc,
+    inter_ptr,
+    b_ptr,
+    delta_ptr,
+    stride_im,
+    stride_ir,
+    stride_ll,
+    stride_ln,
+    stride_lr,
+    stride_dm,
+    stride_dn,
+    pair,
+    slot,
+    num_slots,
+    offs_n,
+    n_mask,
+    rank,
+    lora_n_offset,
+    lora_n_size,
+    HAS_LORA: tl.constexpr,
+    DELTA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    PIPELINED: tl.constexpr,
+):
+    """The down kernel's LoRA term: the delta rows (lora_delta) or the expand of the fp32
+    intermediate (b_ptr at this expert's B2); nothing without LoRA."""
     if HAS_LORA:
         if DELTA:  # expanded over the shrink tiles (lora_delta; whole-H B2 only)
             acc, _ = add_delta(
@@ -129,38 +183,11 @@ def _expert_down_kernel(
             offs_b = offs_n - lora_n_offset
             b_mask = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
             acc, _ = lora_expand(
-                acc,
-                acc,
-                inter_ptr,
-                stride_im,
-                0,
-                stride_ir,
-                pair,
-                slot,
-                num_slots,
-                lora_b_ptr + expert * stride_le,
-                stride_ll,
-                0,
-                stride_ln,
-                stride_lr,
-                tl.where(b_mask, offs_b, 0),
-                b_mask,
-                rank,
-                BLOCK_R,
-                SLOTS_PER_DOT,
-                False,
-                UPCAST,
-                IEEE,
-            )
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(
-            tl.float32
-        )[None, :]
-    if MUL_WEIGHT:
-        g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
-        acc = acc * g[:, None]
-    o_ptrs = o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+                acc, acc, inter_ptr, stride_im, 0, stride_ir, pair, slot, num_slots, b_ptr,
+                stride_ll, 0, stride_ln, stride_lr, tl.where(b_mask, offs_b, 0), b_mask, rank,
+                BLOCK_R, SLOTS_PER_DOT, False, UPCAST, IEEE, PIPELINED,
+            )  # fmt: skip
+    return acc
 
 
 def expert_down(
@@ -184,6 +211,7 @@ def expert_down(
     z_sorted: bool = False,
     num_pairs: int | None = None,
     tma: bool = False,
+    expand_first: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
@@ -287,6 +315,7 @@ def expert_down(
         Z_SORTED=z_sorted,
         TMA=use_tma,
         MUL_WEIGHT=topk_weights is not None,
+        EXPAND_FIRST=expand_first and lora_b is not None and delta is None,
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -75,6 +75,7 @@ def _expert_up_kernel(
     DELTA: tl.constexpr,
     WEIGHT_INPUT: tl.constexpr,
     Z_SORTED: tl.constexpr,
+    EXPAND_FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,62 +108,33 @@ def _expert_up_kernel(
     wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_mask = (k0 + offs_k) < hidden
-        xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-        if UPCAST:
-            xt = xt.to(tl.float32)
-            wg = wg.to(tl.float32)
-        acc_g = mma(xt, wg, acc_g, IEEE)
-        if GATED:
-            wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-            if UPCAST:
-                wu = wu.to(tl.float32)
-            acc_u = mma(xt, wu, acc_u, IEEE)
-        x_ptrs += BLOCK_K * stride_xk
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
-    if HAS_LORA:
-        if DELTA:  # expanded over the shrink tiles (lora_delta)
-            acc_g, acc_u = add_delta(
-                acc_g,
-                acc_u,
-                delta_ptr,
-                stride_dm,
-                stride_ds,
-                stride_dn,
-                pair,
-                slot,
-                offs_n,
-                n_mask,
-                GATED,
-            )
+    # two phases, the main K loop and the LoRA expand; EXPAND_FIRST runs the expand first
+    # as its own pipelined loop (tiles.lora_expand), else it follows the main loop
+    for phase in tl.static_range(2):
+        if (phase == 0) != EXPAND_FIRST:
+            for k0 in range(0, hidden, BLOCK_K):
+                k_mask = (k0 + offs_k) < hidden
+                xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+                if UPCAST:
+                    xt = xt.to(tl.float32)
+                    wg = wg.to(tl.float32)
+                acc_g = mma(xt, wg, acc_g, IEEE)
+                if GATED:
+                    wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+                    if UPCAST:
+                        wu = wu.to(tl.float32)
+                    acc_u = mma(xt, wu, acc_u, IEEE)
+                x_ptrs += BLOCK_K * stride_xk
+                wg_ptrs += BLOCK_K * stride_wk
+                wu_ptrs += BLOCK_K * stride_wk
         else:
-            acc_g, acc_u = lora_expand(
-                acc_g,
-                acc_u,
-                inter_ptr,
-                stride_im,
-                stride_is,
-                stride_ir,
-                pair,
-                slot,
-                num_slots,
-                lora_b_ptr + expert * stride_le,
-                stride_ll,
-                stride_ls,
-                stride_ln,
-                stride_lr,
-                offs_n,
-                n_mask,
-                rank,
-                BLOCK_R,
-                SLOTS_PER_DOT,
-                GATED,
-                UPCAST,
-                IEEE,
-            )
+            acc_g, acc_u = _up_lora(
+                acc_g, acc_u, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr,
+                stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
+                stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask, rank,
+                HAS_LORA, DELTA, GATED, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE, EXPAND_FIRST,
+            )  # fmt: skip
     if WEIGHT_INPUT:
         g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
         acc_g = acc_g * g[:, None]
@@ -180,6 +152,55 @@ def _expert_up_kernel(
     z_row = z_rows(pid_m, pair, BLOCK_M, Z_SORTED)
     z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_n[None, :] * stride_zn
     tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _up_lora(
+    acc_g,
+    acc_u,
+    inter_ptr,
+    b_ptr,
+    delta_ptr,
+    stride_im,
+    stride_is,
+    stride_ir,
+    stride_ll,
+    stride_ls,
+    stride_ln,
+    stride_lr,
+    stride_dm,
+    stride_ds,
+    stride_dn,
+    pair,
+    slot,
+    num_slots,
+    offs_n,
+    n_mask,
+    rank,
+    HAS_LORA: tl.constexpr,
+    DELTA: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    PIPELINED: tl.constexpr,
+):
+    """The up kernel's LoRA term: the delta rows (lora_delta) or the expand of the fp32
+    intermediate (b_ptr at this expert's B); nothing without LoRA."""
+    if HAS_LORA:
+        if DELTA:  # expanded over the shrink tiles (lora_delta)
+            acc_g, acc_u = add_delta(
+                acc_g, acc_u, delta_ptr, stride_dm, stride_ds, stride_dn, pair, slot, offs_n,
+                n_mask, GATED,
+            )  # fmt: skip
+        else:
+            acc_g, acc_u = lora_expand(
+                acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
+                num_slots, b_ptr, stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask,
+                rank, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE, PIPELINED,
+            )  # fmt: skip
+    return acc_g, acc_u
 
 
 def expert_up(
@@ -203,6 +224,7 @@ def expert_up(
     num_stages: int = 3,
     expand_lanes: int = 32,
     z_sorted: bool = False,
+    expand_first: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
@@ -292,6 +314,7 @@ def expert_up(
         DELTA=delta is not None,
         WEIGHT_INPUT=topk_weights is not None,
         Z_SORTED=z_sorted,
+        EXPAND_FIRST=expand_first and has_lora and delta is None,
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

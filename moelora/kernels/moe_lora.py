@@ -134,6 +134,7 @@ def fused_moe_lora(
         num_stages=cfg.up.num_stages,
         expand_lanes=cfg.expand_lanes,
         z_sorted=z_sorted,
+        expand_first=cfg.expand_first,
         delta=delta13,
         pdl=pdl,
     )
@@ -166,6 +167,7 @@ def fused_moe_lora(
         z_sorted=z_sorted,
         num_pairs=num_pairs,
         tma=cfg.down_tma,
+        expand_first=cfg.expand_first,
         delta=delta2 if down_lora else None,
         pdl=pdl,
     )

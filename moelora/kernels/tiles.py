@@ -122,6 +122,7 @@ def lora_expand(
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PIPELINED: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += per row: inter[pair] (fp32 [R]) @ B[slot]^T, for the gate
     part into acc_g and (TWO_PARTS) the up part into acc_u.
@@ -131,6 +132,9 @@ def lora_expand(
     stacks those slots' B matrices. So the loads of a group are one round trip (all its
     slots' B tiles at once, both parts) instead of one per slot, at the price of dot lanes
     for slots absent from the block; groups with no row in the block are skipped.
+    PIPELINED (expand_first): no per-group skip (a branch in the loop body stops Triton's
+    software pipelining), so the groups' loads are issued stages ahead of their dots; an
+    absent group's masked loads read nothing and its dots add zeros.
     inter_ptr is at part 0 (part stride stride_is); b_ptr at (slot 0, expert, part 0)."""
     offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
     q_slot = offs_q // BLOCK_R
@@ -141,29 +145,72 @@ def lora_expand(
     last = tl.max(slot, axis=0)  # -1 when no row of the block has an adapter
     g_lo = first // SLOTS_PER_DOT
     g_hi = tl.where(last >= 0, last // SLOTS_PER_DOT, -1)
-    for g in range(g_lo, g_hi + 1):
-        s0 = g * SLOTS_PER_DOT
-        in_group = has & (slot >= s0) & (slot < s0 + SLOTS_PER_DOT)
-        if tl.max(in_group.to(tl.int32), axis=0) > 0:
-            lane_slot = s0 + q_slot
-            sel = (slot[:, None] == lane_slot[None, :]) & q_ok[None, :]
-            t_ptrs = inter_ptr + pair[:, None] * stride_im + q_r[None, :] * stride_ir
-            b_ptrs = (
-                b_ptr
-                + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
-                + offs_n[None, :] * stride_bn
-                + q_r[:, None] * stride_br
-            )
-            b_mask = (q_ok & (lane_slot < num_slots))[:, None] & n_mask[None, :]
-            t_g = tl.load(t_ptrs, mask=sel, other=0.0)
-            b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            if TWO_PARTS:
-                t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
-                b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
-                acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
-                acc_u = expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
-            else:
-                acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+    if PIPELINED:
+        for g in tl.range(g_lo, g_hi + 1, num_stages=2):
+            acc_g, acc_u = _expand_group(
+                acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, num_slots,
+                b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, q_slot, q_r,
+                q_ok, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE,
+            )  # fmt: skip
+    else:
+        for g in range(g_lo, g_hi + 1):
+            s0 = g * SLOTS_PER_DOT
+            in_group = has & (slot >= s0) & (slot < s0 + SLOTS_PER_DOT)
+            if tl.max(in_group.to(tl.int32), axis=0) > 0:
+                acc_g, acc_u = _expand_group(
+                    acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
+                    num_slots, b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n,
+                    n_mask, q_slot, q_r, q_ok, s0, TWO_PARTS, UPCAST, IEEE,
+                )  # fmt: skip
+    return acc_g, acc_u
+
+
+@triton.jit
+def _expand_group(
+    acc_g,
+    acc_u,
+    inter_ptr,
+    stride_im,
+    stride_is,
+    stride_ir,
+    pair,
+    slot,
+    num_slots,
+    b_ptr,
+    stride_bl,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    offs_n,
+    n_mask,
+    q_slot,
+    q_r,
+    q_ok,
+    s0,
+    TWO_PARTS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One expand dot group of lora_expand: the slots [s0, s0 + SLOTS_PER_DOT)."""
+    lane_slot = s0 + q_slot
+    sel = (slot[:, None] == lane_slot[None, :]) & q_ok[None, :]
+    t_ptrs = inter_ptr + pair[:, None] * stride_im + q_r[None, :] * stride_ir
+    b_ptrs = (
+        b_ptr
+        + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
+        + offs_n[None, :] * stride_bn
+        + q_r[:, None] * stride_br
+    )
+    b_mask = (q_ok & (lane_slot < num_slots))[:, None] & n_mask[None, :]
+    t_g = tl.load(t_ptrs, mask=sel, other=0.0)
+    b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    if TWO_PARTS:
+        t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
+        b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
+        acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+        acc_u = expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
+    else:
+        acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
     return acc_g, acc_u
 
 
