@@ -111,7 +111,10 @@ LORA_KNOBS = {
     "shrink_block_m": (16, 32, 64),
     "shrink_split_k": (1, 2, 4, 8),
     "lora_delta": (False, True),  # expand over the shrink tiles (kernels/lora_delta.py)
+    "expand_first": (False, True),  # the in-GEMM expand pipelined before the K loop
 }
+# both modes, aligned path: half-height tail blocks (bit 1 up GEMM, bit 2 down GEMM)
+HALF_TAIL = (0, 1, 2, 3)
 # with lora_delta only (each alone is a no-op without it): tried as combinations
 DELTA_KNOBS = ("delta_in_reduce", "shrink_expand")
 
@@ -202,7 +205,36 @@ def search(
     # z layout, then TMA in the down GEMM (which needs the sorted layout)
     consider(dataclasses.replace(best, z_sorted=not best.z_sorted, down_tma=False))
     consider(dataclasses.replace(best, z_sorted=True, down_tma=True))
+    for half_tail in HALF_TAIL:
+        consider(dataclasses.replace(best, half_tail=half_tail))
     print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
+    return best, base_ms
+
+
+def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
+    """--knobs-only: a coordinate search over the knobs alone (LoRA knobs, z layout / TMA,
+    half-height tails) from `start`, the committed row, its tiles kept."""
+    best, best_ms = start, layer.measure(start, lora)
+    base_ms = best_ms
+    log.append(dict(cfg=dataclasses.asdict(start), ms=best_ms))
+    steps = [("half_tail", v) for v in HALF_TAIL]
+    steps += [("z_sorted", not start.z_sorted), ("down_tma", not start.down_tma)]
+    if lora:
+        steps += [(k, v) for k, values in LORA_KNOBS.items() for v in values]
+        steps += [(k, v) for k in DELTA_KNOBS for v in (False, True)]
+    for knob, value in steps:
+        if knob in DELTA_KNOBS and not best.lora_delta:
+            continue  # each acts only with lora_delta
+        cfg = dataclasses.replace(best, **{knob: value})
+        if knob == "down_tma" and value:
+            cfg = dataclasses.replace(cfg, z_sorted=True)
+        if cfg == best:
+            continue
+        ms = layer.measure(cfg, lora)
+        log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
+        if ms is not None and (best_ms is None or ms < best_ms):
+            best, best_ms = cfg, ms
+    print(f"    committed {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
     return best, base_ms
 
 
@@ -251,6 +283,8 @@ def _row(cfg: TileConfig, lora: bool) -> tuple:
     row = (cfg.block_m, t(cfg.up), t(cfg.down))
     knobs = _knobs(cfg) if lora and not cfg.decode else {}  # the decode path has no such knobs
     knobs.update({k: True for k in LAYOUT_KNOBS if getattr(cfg, k)})
+    if cfg.half_tail and not cfg.decode:
+        knobs["half_tail"] = cfg.half_tail
     if cfg.decode and lora:
         knobs["decode_shrink"] = cfg.decode_shrink
     if knobs:
@@ -268,7 +302,9 @@ def write_table(path: str, entries: list, header: dict) -> None:
         f"commit {header['commit']}, {header['time']}; each row's comment names the run that",
         "chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the",
         "heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then",
-        "z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed",
+        "z layout / TMA, then half-height tails; LoRA rows also start from the LoRA-free",
+        "tiles; a --knobs-only run searches a committed row's knobs only, its tiles kept);",
+        "each candidate timed",
         f"as the whole layer under CUDA-graph replay, L2 flushed, median of {header['iters']}",
         "replays, output checked against the reference; fastest kept. A tuned T takes the",
         "committed bucket it falls in, else one from the geometric mean of its T and the",
@@ -315,6 +351,12 @@ def main() -> int:
         "--lora-only",
         action="store_true",
         help="tune the LoRA rows only (rows not re-tuned are kept from the committed table)",
+    )
+    p.add_argument(
+        "--knobs-only",
+        action="store_true",
+        help="keep each committed row's tiles and search its knobs only (search_knobs); "
+        "decode rows and T without a committed row are skipped",
     )
     p.add_argument(
         "--own-buckets",
@@ -376,6 +418,16 @@ def main() -> int:
             base = aligned_config(pick_config(t, *dims), t, dims[0], dims[1], False)
             others = (dataclasses.replace(base, **_knobs(heur)),) if on else ()
             steps: list = []
+            if args.knobs_only:
+                if chosen.decode or key_of(t, on) not in committed:
+                    print("    no committed aligned row: skipped (--knobs-only)")
+                    continue
+                best, h_ms = search_knobs(layer, chosen, on, steps)
+                ms = min((s["ms"] for s in steps if s["ms"] is not None), default=float("nan"))
+                log.append(dict(T=t, lora=on, steps=steps))
+                entries.append((key_of(t, on), _row(best, on), t, h_ms, ms, ""))
+                write_table(args.out, rows(), header)
+                continue
             best, h_ms = search(layer, heur, on, steps, others)
             # the decode path competes with the aligned best where its whole bucket is in the
             # decode range (a win measured at T must not stand for larger T unmeasured)

@@ -489,6 +489,40 @@ def test_add_into_out(knobs: dict, seed: int) -> None:
     assert_close(out, ref + prior, what=f"add {knobs}")
 
 
+HALF_TAIL_KNOBS = {
+    "plain": {},
+    "no-lora": {"_no_lora": True},
+    "z-sorted": {"z_sorted": True},
+    "down-tma": {"down_tma": True},
+    "expand-first": {"expand_first": True},
+    "delta-in-reduce": {"lora_delta": True, "delta_in_reduce": True},
+    "swigluoai-bias-fp16": {"_case": {"act": A.SWIGLUOAI, "bias": True, "dtype": torch.float16}},
+}
+
+
+@pytest.mark.parametrize("name", list(HALF_TAIL_KNOBS))
+def test_half_tail_matches_reference(name: str, seed: int) -> None:
+    """half_tail with 32-row blocks: expert 0 has 40 pairs (a full block, then a tail of 8:
+    the half variant), expert 1 has 20 (one full-variant block: 20 > 16 rows), expert 2 has
+    10 (the half variant only); every path that reads the blocks matches the reference."""
+    knobs = dict(HALF_TAIL_KNOBS[name])
+    case = Case("half-tail", experts=3, top_k=1, tokens=70, **knobs.pop("_case", {}))
+    no_lora = knobs.pop("_no_lora", False)
+    shape, experts, lora, x, _, weights, slots = _inputs(case, seed)
+    if no_lora:
+        lora, slots = None, None
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([0] * 40 + [1] * 20 + [2] * 10, dtype=torch.int32)
+    ids = ids[torch.randperm(70, generator=g)].view(70, 1)
+    tails = torch.bincount(ids.flatten().long()) % 32
+    assert ((tails > 0) & (tails <= 16)).any() and (tails > 16).any()  # both variants run
+    ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
+    out = poison_(torch.empty_like(x))
+    cfg = dataclasses.replace(TILES, block_m=32, half_tail=3, **knobs)  # both GEMMs
+    fused_moe_lora(x, ids, weights, slots, experts, lora, shape, out=out, config=cfg)
+    assert_close(out, ref, what=f"half_tail {name}")
+
+
 ALIGN_CASES = [  # (T, K, E, L, BLOCK_M, id)
     (1, 2, 4, 2, 16, "decode"),
     (37, 3, 5, 4, 16, "several-blocks"),

@@ -24,7 +24,9 @@ def test_table_round_trip_keeps_rows_and_notes(tmp_path) -> None:
     notes = committed_notes()
     assert set(notes) == set(H200_ROWS) and all(notes.values())
     key = next(k for k in H200_ROWS if k[4])  # re-tune one LoRA row, with the layout knobs
-    cfg = dataclasses.replace(configs.H200_TABLE[key], expand_lanes=16, z_sorted=True)
+    cfg = dataclasses.replace(
+        configs.H200_TABLE[key], expand_lanes=16, z_sorted=True, expand_first=True, half_tail=2
+    )
     new_row = _row(cfg, True)
     entries = [(key, new_row, 64, 0.5, 0.4, "")]
     entries += [(k, r, 0, 0.0, 0.0, notes[k]) for k, r in H200_ROWS.items() if k != key]
@@ -37,3 +39,6 @@ def test_table_round_trip_keeps_rows_and_notes(tmp_path) -> None:
     assert all(back[k] == notes[k] for k in H200_ROWS if k != key)
     assert configs._from_row(rows[key]).block_m == cfg.block_m
     assert configs._row_knobs(rows[key])["z_sorted"] is True
+    # the knobs read back as written (what pick_config applies)
+    knobs = configs._row_knobs(rows[key])
+    assert knobs["expand_first"] is True and knobs["half_tail"] == 2

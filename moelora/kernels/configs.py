@@ -102,6 +102,7 @@ class TileConfig:
     shrink_expand: bool = False  # with lora_delta: the shrink kernels expand (no split-K)
     pdl: bool = False  # PDL launches (decode path: first weight step loaded early; pdl.py)
     expand_first: bool = False  # LoRA: the in-GEMM expand as a pipelined loop before the K loop
+    half_tail: int = 0  # bit 1 up, bit 2 down GEMM: half-height blocks where half is padding
 
 
 def _from_row(row: tuple) -> TileConfig:

@@ -18,7 +18,16 @@ from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok, workspace
 from .pdl import chain_point
-from .tiles import add_delta, block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
+from .tiles import (
+    add_delta,
+    block_rows,
+    grouped_pid,
+    lora_expand,
+    mma,
+    slots_per_dot,
+    tail_variants,
+    z_rows,
+)
 
 
 @triton.jit
@@ -71,6 +80,7 @@ def _expert_down_kernel(
     TMA: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     EXPAND_FIRST: tl.constexpr,
+    TAIL_VARIANTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -89,56 +99,84 @@ def _expert_down_kernel(
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
-    pair, row_valid, slot = block_rows(
-        sorted_pair_ids_ptr, slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M, HAS_LORA
-    )
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    z_row = z_rows(pid_m, pair, BLOCK_M, Z_SORTED)
-    z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
-    w_ptrs = (
-        w_ptr
-        + expert * stride_we
-        + offs_k[:, None] * stride_wk
-        + tl.where(n_mask, offs_n, 0)[None, :] * stride_wn
-    )
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # two phases, the main K loop and the LoRA term; EXPAND_FIRST runs the expand first as
-    # its own pipelined loop (tiles.lora_expand), else it follows the main loop
-    for phase in tl.static_range(2):
-        if (phase == 0) != EXPAND_FIRST:
-            for k0 in range(0, inter_size, BLOCK_K):
-                if TMA:  # tensor-memory-accelerator tile copies; out-of-range reads are zeros
-                    zt = z_desc.load([pid_m * BLOCK_M, k0])
-                    w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
-                    w = w.reshape(BLOCK_N, BLOCK_K).trans()
+    row0 = pid_m * BLOCK_M
+    # TAIL_VARIANTS = 2 (half_tail): a block whose second half is all padding (an expert's
+    # last block) runs the half-height variant, rows [row0, row0 + BLOCK_M // 2), so the
+    # padding costs no MMA there; every other block runs the full one. 1: full blocks only.
+    if TAIL_VARIANTS == 2:
+        half = tl.load(sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
+    for v in tl.static_range(TAIL_VARIANTS):
+        run = True
+        if TAIL_VARIANTS == 2:
+            run = half == (v == 1)
+        if run:
+            pair, row_valid, slot = block_rows(
+                sorted_pair_ids_ptr,
+                slots_ptr,
+                row0,
+                num_pairs,
+                top_k,
+                num_slots,
+                BLOCK_M >> v,
+                HAS_LORA,
+            )
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hidden
+            offs_k = tl.arange(0, BLOCK_K)
+            z_row = z_rows(row0, pair, BLOCK_M >> v, Z_SORTED)
+            z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
+            w_ptrs = (
+                w_ptr
+                + expert * stride_we
+                + offs_k[:, None] * stride_wk
+                + tl.where(n_mask, offs_n, 0)[None, :] * stride_wn
+            )
+            acc = tl.zeros((BLOCK_M >> v, BLOCK_N), dtype=tl.float32)
+            # two phases, the main K loop and the LoRA term; EXPAND_FIRST runs the expand first as
+            # its own pipelined loop (tiles.lora_expand), else it follows the main loop
+            for phase in tl.static_range(2):
+                if (phase == 0) != EXPAND_FIRST:
+                    for k0 in range(0, inter_size, BLOCK_K):
+                        # TMA: tensor-memory-accelerator tile copies (out-of-range reads are zeros);
+                        # z's descriptor holds full-height tiles, so the half variant loads z rows
+                        if TMA and v == 0:
+                            zt = z_desc.load([row0, k0])
+                        else:
+                            k_mask = (k0 + offs_k) < inter_size
+                            zt = tl.load(
+                                z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
+                            )
+                        if TMA:
+                            w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
+                            w = w.reshape(BLOCK_N, BLOCK_K).trans()
+                        else:
+                            w = tl.load(
+                                w_ptrs, mask=((k0 + offs_k) < inter_size)[:, None], other=0.0
+                            )
+                        if UPCAST:
+                            zt = zt.to(tl.float32)
+                            w = w.to(tl.float32)
+                        acc = mma(zt, w, acc, IEEE)
+                        z_ptrs += BLOCK_K * stride_zk
+                        w_ptrs += BLOCK_K * stride_wk
                 else:
-                    k_mask = (k0 + offs_k) < inter_size
-                    zt = tl.load(z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-                    w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-                if UPCAST:
-                    zt = zt.to(tl.float32)
-                    w = w.to(tl.float32)
-                acc = mma(zt, w, acc, IEEE)
-                z_ptrs += BLOCK_K * stride_zk
-                w_ptrs += BLOCK_K * stride_wk
-        else:
-            acc = _down_lora(
-                acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
-                stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
-                num_slots, offs_n, n_mask, rank, lora_n_offset, lora_n_size, HAS_LORA, DELTA,
-                BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE, EXPAND_FIRST,
-            )  # fmt: skip
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0).to(
-            tl.float32
-        )[None, :]
-    if MUL_WEIGHT:
-        g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
-        acc = acc * g[:, None]
-    o_ptrs = o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+                    acc = _down_lora(
+                        acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
+                        stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
+                        num_slots, offs_n, n_mask, rank, lora_n_offset, lora_n_size, HAS_LORA, DELTA,
+                        BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE, EXPAND_FIRST,
+                    )  # fmt: skip
+            if HAS_BIAS:
+                acc += tl.load(
+                    b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0
+                ).to(tl.float32)[None, :]
+            if MUL_WEIGHT:
+                g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+                acc = acc * g[:, None]
+            o_ptrs = o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+            tl.store(
+                o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :]
+            )
 
 
 @triton.jit
@@ -212,6 +250,7 @@ def expert_down(
     num_pairs: int | None = None,
     tma: bool = False,
     expand_first: bool = False,
+    half_tail: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
@@ -316,6 +355,7 @@ def expert_down(
         TMA=use_tma,
         MUL_WEIGHT=topk_weights is not None,
         EXPAND_FIRST=expand_first and lora_b is not None and delta is None,
+        TAIL_VARIANTS=tail_variants(half_tail, aligned.block_m),
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

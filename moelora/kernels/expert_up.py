@@ -20,7 +20,16 @@ from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .pdl import chain_point
-from .tiles import add_delta, block_rows, grouped_pid, lora_expand, mma, slots_per_dot, z_rows
+from .tiles import (
+    add_delta,
+    block_rows,
+    grouped_pid,
+    lora_expand,
+    mma,
+    slots_per_dot,
+    tail_variants,
+    z_rows,
+)
 
 
 @triton.jit
@@ -76,6 +85,7 @@ def _expert_up_kernel(
     WEIGHT_INPUT: tl.constexpr,
     Z_SORTED: tl.constexpr,
     EXPAND_FIRST: tl.constexpr,
+    TAIL_VARIANTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -94,64 +104,84 @@ def _expert_up_kernel(
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
-    pair, row_valid, slot = block_rows(
-        sorted_pair_ids_ptr, slots_ptr, pid_m, num_pairs, top_k, num_slots, BLOCK_M, HAS_LORA
-    )
-    token = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < inter_size
-    gate_rows = tl.where(n_mask, offs_n, 0) * row_step
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
-    wg_ptrs = w_base + gate_rows[None, :] * stride_wn
-    wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # two phases, the main K loop and the LoRA expand; EXPAND_FIRST runs the expand first
-    # as its own pipelined loop (tiles.lora_expand), else it follows the main loop
-    for phase in tl.static_range(2):
-        if (phase == 0) != EXPAND_FIRST:
-            for k0 in range(0, hidden, BLOCK_K):
-                k_mask = (k0 + offs_k) < hidden
-                xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-                if UPCAST:
-                    xt = xt.to(tl.float32)
-                    wg = wg.to(tl.float32)
-                acc_g = mma(xt, wg, acc_g, IEEE)
+    row0 = pid_m * BLOCK_M
+    # TAIL_VARIANTS = 2 (half_tail): a block whose second half is all padding (an expert's
+    # last block) runs the half-height variant, rows [row0, row0 + BLOCK_M // 2), so the
+    # padding costs no MMA there; every other block runs the full one. 1: full blocks only.
+    if TAIL_VARIANTS == 2:
+        half = tl.load(sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
+    for v in tl.static_range(TAIL_VARIANTS):
+        run = True
+        if TAIL_VARIANTS == 2:
+            run = half == (v == 1)
+        if run:
+            pair, row_valid, slot = block_rows(
+                sorted_pair_ids_ptr,
+                slots_ptr,
+                row0,
+                num_pairs,
+                top_k,
+                num_slots,
+                BLOCK_M >> v,
+                HAS_LORA,
+            )
+            token = (pair // top_k).to(tl.int64)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < inter_size
+            gate_rows = tl.where(n_mask, offs_n, 0) * row_step
+            offs_k = tl.arange(0, BLOCK_K)
+            x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
+            wg_ptrs = w_base + gate_rows[None, :] * stride_wn
+            wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
+            acc_g = tl.zeros((BLOCK_M >> v, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M >> v, BLOCK_N), dtype=tl.float32)
+            # two phases, the main K loop and the LoRA expand; EXPAND_FIRST runs the expand first
+            # as its own pipelined loop (tiles.lora_expand), else it follows the main loop
+            for phase in tl.static_range(2):
+                if (phase == 0) != EXPAND_FIRST:
+                    for k0 in range(0, hidden, BLOCK_K):
+                        k_mask = (k0 + offs_k) < hidden
+                        xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+                        wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+                        if UPCAST:
+                            xt = xt.to(tl.float32)
+                            wg = wg.to(tl.float32)
+                        acc_g = mma(xt, wg, acc_g, IEEE)
+                        if GATED:
+                            wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+                            if UPCAST:
+                                wu = wu.to(tl.float32)
+                            acc_u = mma(xt, wu, acc_u, IEEE)
+                        x_ptrs += BLOCK_K * stride_xk
+                        wg_ptrs += BLOCK_K * stride_wk
+                        wu_ptrs += BLOCK_K * stride_wk
+                else:
+                    acc_g, acc_u = _up_lora(
+                        acc_g, acc_u, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr,
+                        stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
+                        stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask, rank,
+                        HAS_LORA, DELTA, GATED, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE, EXPAND_FIRST,
+                    )  # fmt: skip
+            if WEIGHT_INPUT:
+                g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+                acc_g = acc_g * g[:, None]
+                acc_u = acc_u * g[:, None]
+            if HAS_BIAS:
+                b_base = b_ptr + expert * stride_be
+                acc_g += tl.load(b_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(
+                    tl.float32
+                )[None, :]
                 if GATED:
-                    wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-                    if UPCAST:
-                        wu = wu.to(tl.float32)
-                    acc_u = mma(xt, wu, acc_u, IEEE)
-                x_ptrs += BLOCK_K * stride_xk
-                wg_ptrs += BLOCK_K * stride_wk
-                wu_ptrs += BLOCK_K * stride_wk
-        else:
-            acc_g, acc_u = _up_lora(
-                acc_g, acc_u, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr,
-                stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
-                stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask, rank,
-                HAS_LORA, DELTA, GATED, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE, EXPAND_FIRST,
-            )  # fmt: skip
-    if WEIGHT_INPUT:
-        g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
-        acc_g = acc_g * g[:, None]
-        acc_u = acc_u * g[:, None]
-    if HAS_BIAS:
-        b_base = b_ptr + expert * stride_be
-        acc_g += tl.load(b_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[
-            None, :
-        ]
-        if GATED:
-            acc_u += tl.load(
-                b_base + (gate_rows + up_offset) * stride_bn, mask=n_mask, other=0.0
-            ).to(tl.float32)[None, :]
-    z = apply_act(acc_g, acc_u, ACT, alpha, limit)
-    z_row = z_rows(pid_m, pair, BLOCK_M, Z_SORTED)
-    z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_n[None, :] * stride_zn
-    tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+                    acc_u += tl.load(
+                        b_base + (gate_rows + up_offset) * stride_bn, mask=n_mask, other=0.0
+                    ).to(tl.float32)[None, :]
+            z = apply_act(acc_g, acc_u, ACT, alpha, limit)
+            z_row = z_rows(row0, pair, BLOCK_M >> v, Z_SORTED)
+            z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_n[None, :] * stride_zn
+            tl.store(
+                z_ptrs, z.to(z_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :]
+            )
 
 
 @triton.jit
@@ -225,6 +255,7 @@ def expert_up(
     expand_lanes: int = 32,
     z_sorted: bool = False,
     expand_first: bool = False,
+    half_tail: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
@@ -315,6 +346,7 @@ def expert_up(
         WEIGHT_INPUT=topk_weights is not None,
         Z_SORTED=z_sorted,
         EXPAND_FIRST=expand_first and has_lora and delta is None,
+        TAIL_VARIANTS=tail_variants(half_tail, aligned.block_m),
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

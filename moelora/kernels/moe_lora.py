@@ -135,6 +135,7 @@ def fused_moe_lora(
         expand_lanes=cfg.expand_lanes,
         z_sorted=z_sorted,
         expand_first=cfg.expand_first,
+        half_tail=bool(cfg.half_tail & 1),
         delta=delta13,
         pdl=pdl,
     )
@@ -168,6 +169,7 @@ def fused_moe_lora(
         num_pairs=num_pairs,
         tma=cfg.down_tma,
         expand_first=cfg.expand_first,
+        half_tail=bool(cfg.half_tail & 2),
         delta=delta2 if down_lora else None,
         pdl=pdl,
     )

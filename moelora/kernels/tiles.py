@@ -24,15 +24,16 @@ def grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def block_rows(
     sorted_pair_ids_ptr,
     slots_ptr,
-    pid_m,
+    row0,
     num_pairs,
     top_k,
     num_slots,
-    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
     HAS_LORA: tl.constexpr,
 ):
-    """pair [BLOCK_M] (sentinel num_pairs on padding rows), row_valid, slot (-1 = no adapter)."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """For the sorted rows [row0, row0 + ROWS): pair (sentinel num_pairs on padding rows),
+    row_valid, slot (-1 = no adapter)."""
+    offs_m = row0 + tl.arange(0, ROWS)
     pair = tl.load(sorted_pair_ids_ptr + offs_m)
     row_valid = pair < num_pairs
     pair = tl.where(row_valid, pair, 0)  # safe address for padding rows; results masked
@@ -40,7 +41,7 @@ def block_rows(
         slot = tl.load(slots_ptr + pair // top_k, mask=row_valid, other=-1)
         slot = tl.where(row_valid & (slot >= 0) & (slot < num_slots), slot, -1)
     else:
-        slot = tl.full([BLOCK_M], -1, tl.int32)
+        slot = tl.full([ROWS], -1, tl.int32)
     return pair, row_valid, slot
 
 
@@ -57,11 +58,11 @@ def lora_tile(tiles_ptr, tile, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def z_rows(pid_m, pair, BLOCK_M: tl.constexpr, Z_SORTED: tl.constexpr):
-    """int64 row of z for each row of block pid_m: its place in the sorted order
-    (Z_SORTED: a block's rows are contiguous) or its pair index."""
+def z_rows(row0, pair, ROWS: tl.constexpr, Z_SORTED: tl.constexpr):
+    """int64 row of z for each of the sorted rows [row0, row0 + ROWS): its place in the
+    sorted order (Z_SORTED: a block's rows are contiguous) or its pair index."""
     if Z_SORTED:
-        return (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        return (row0 + tl.arange(0, ROWS)).to(tl.int64)
     return pair.to(tl.int64)
 
 
@@ -73,6 +74,12 @@ def mma(a, b, acc, IEEE: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+def tail_variants(half_tail: bool, block_m: int) -> int:
+    """Row variants of the GEMM kernels: 2 with half_tail (blocks whose second half is
+    padding run BLOCK_M // 2 rows) where that half is still a dot tile (>= 16 rows)."""
+    return 2 if half_tail and block_m >= 32 else 1
 
 
 def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
