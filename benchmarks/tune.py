@@ -228,8 +228,8 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
         cfg = dataclasses.replace(best, **{knob: value})
         if knob == "down_tma" and value:
             cfg = dataclasses.replace(cfg, z_sorted=True)
-        if cfg == best:
-            continue
+        if cfg == best or (knob == "z_sorted" and cfg.down_tma):
+            continue  # the same config (down_tma implies z_sorted)
         ms = layer.measure(cfg, lora)
         log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
         if ms is not None and (best_ms is None or ms < best_ms):
@@ -283,6 +283,8 @@ def _row(cfg: TileConfig, lora: bool) -> tuple:
     row = (cfg.block_m, t(cfg.up), t(cfg.down))
     knobs = _knobs(cfg) if lora and not cfg.decode else {}  # the decode path has no such knobs
     knobs.update({k: True for k in LAYOUT_KNOBS if getattr(cfg, k)})
+    if cfg.down_tma:  # the TMA tiles of z need the sorted rows: down_tma implies z_sorted
+        knobs["z_sorted"] = True
     if cfg.half_tail and not cfg.decode:
         knobs["half_tail"] = cfg.half_tail
     if cfg.decode and lora:
@@ -303,12 +305,11 @@ def write_table(path: str, entries: list, header: dict) -> None:
         "chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the",
         "heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then",
         "z layout / TMA, then half-height tails; LoRA rows also start from the LoRA-free",
-        "tiles; a --knobs-only run searches a committed row's knobs only, its tiles kept);",
-        "each candidate timed",
-        f"as the whole layer under CUDA-graph replay, L2 flushed, median of {header['iters']}",
-        "replays, output checked against the reference; fastest kept. A tuned T takes the",
-        "committed bucket it falls in, else one from the geometric mean of its T and the",
-        "previous tuned T. Comments: starting config ms -> chosen ms at that T.",
+        "tiles), or in a --knobs-only run from the committed row over its knobs alone; each",
+        "candidate timed as the whole layer under CUDA-graph replay, L2 flushed, median of",
+        f"{header['iters']} replays, output checked against the reference; fastest kept. A",
+        "tuned T takes the committed bucket it falls in, else one from the geometric mean of",
+        "its T and the previous tuned T. Comments: starting config ms -> chosen ms at that T.",
         "",
         "(E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,",
         "warps, stages), down (same)[, knobs]).",

@@ -64,6 +64,23 @@
   tiles copied by the TMA (down_tma implies z_sorted; SGLang reports 10-40% on its down
   GEMM with both). CPU-tested, not yet measured here (KERNEL_LOG.md, "Next"), so off
   until a tune picks them.
+- expand_first (LoRA, in-GEMM expand): off; the expand runs before the main K loop as
+  its own software-pipelined loop (all its slot groups' loads issued ahead, no per-group
+  skip) instead of after it. Reasoned from benchmarks/lora_cost.py on the H200 (afe8054):
+  at T = 4096 one slot group per block already added 0.036 ms to the up GEMM, latency
+  with one CTA per SM, not MMA. Same-run A/B: +LoRA 4096 1.0116 -> 0.9796 ms, 16384
+  3.0066 -> 3.0039, 256 0.4432 -> 0.4695 (slower); the 543d834 knobs-only tune took it
+  at T = 4096 and 16384.
+- half_tail (both modes, aligned path; bit 1 the up GEMM, bit 2 the down GEMM): 0; a
+  block whose second half is all padding (an expert's last block) runs a half-height
+  variant compiled into the same kernel, so its padding rows cost no MMA. Reasoned: at
+  T = 4096 with 128-row blocks a quarter of the GEMM rows are padding under uniform
+  routing (40960 for 32768 pairs; 36864 with half tails). Same-run A/B on the H200
+  (543d834): LoRA-free 1024 0.3773 -> 0.3706 ms, 4096 0.7393 -> 0.7126, 16384 2.4963 ->
+  2.3636; +LoRA 4096 1.0098 -> 0.9977, 16384 3.0195 -> 3.0627 (the down kernel with the
+  LoRA expand spilled 18 registers with both variants). The knobs-only tune chose 3 at
+  T >= 256 LoRA-free and T = 1024 / 4096 with LoRA, 1 (up only) at 16384 with LoRA.
+  Needs BLOCK_M >= 32 (a half of 16 rows is below the smallest dot); ignored otherwise.
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 

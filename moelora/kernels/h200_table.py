@@ -1,13 +1,14 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 0b04468, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 543d834, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
-z layout / TMA; LoRA rows also start from the LoRA-free tiles); each candidate timed
-as the whole layer under CUDA-graph replay, L2 flushed, median of 20
-replays, output checked against the reference; fastest kept. A tuned T takes the
-committed bucket it falls in, else one from the geometric mean of its T and the
-previous tuned T. Comments: starting config ms -> chosen ms at that T.
+z layout / TMA, then half-height tails; LoRA rows also start from the LoRA-free
+tiles), or in a --knobs-only run from the committed row over its knobs alone; each
+candidate timed as the whole layer under CUDA-graph replay, L2 flushed, median of
+20 replays, output checked against the reference; fastest kept. A
+tuned T takes the committed bucket it falls in, else one from the geometric mean of
+its T and the previous tuned T. Comments: starting config ms -> chosen ms at that T.
 
 (E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,
 warps, stages), down (same)[, knobs]).
@@ -44,25 +45,30 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (64, 64, 4, 4),
     ),  # T=16: 0.2262 -> 0.2240 ms (b7d7a88 run)
     (128, 8, 2048, 768, False, 128): (16, (64, 256, 4, 2), (64, 128, 4, 3)),  # kept from 9db1f65
-    (128, 8, 2048, 768, False, 512): (32, (64, 128, 4, 2), (256, 128, 8, 2)),  # kept from 9db1f65
+    (128, 8, 2048, 768, False, 512): (
+        32,
+        (64, 128, 4, 2),
+        (256, 128, 8, 2),
+        {"half_tail": 3},
+    ),  # T=256: 0.3234 -> 0.3228 ms (543d834 run)
     (128, 8, 2048, 768, False, 2048): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
-        {"z_sorted": True, "down_tma": True},
-    ),  # T=1024: 0.3927 -> 0.3892 ms (9dbd42c run)
+        {"z_sorted": True, "down_tma": True, "half_tail": 3},
+    ),  # T=1024: 0.3797 -> 0.3715 ms (543d834 run)
     (128, 8, 2048, 768, False, 8192): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
-        {"z_sorted": True, "down_tma": True},
-    ),  # T=4096: 0.7855 -> 0.7594 ms (9dbd42c run)
+        {"z_sorted": True, "down_tma": True, "half_tail": 3},
+    ),  # T=4096: 0.7479 -> 0.7196 ms (543d834 run)
     (128, 8, 2048, 768, False, 2147483647): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 3),
-        {"z_sorted": True, "down_tma": True},
-    ),  # T=16384: 2.5448 -> 2.4301 ms (9dbd42c run)
+        {"down_tma": True, "half_tail": 3, "z_sorted": True},
+    ),  # T=16384: 2.4494 -> 2.4095 ms (543d834 run)
     (128, 8, 2048, 768, True, 1): (
         16,
         (16, 256, 4, 1),
@@ -103,23 +109,34 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         16,
         (64, 128, 4, 2),
         (128, 128, 4, 2),
-        {"expand_lanes": 32, "shrink_block_m": 16, "shrink_split_k": 1},
-    ),  # T=256: 0.4521 -> 0.4494 ms (b8a648a run)
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 16,
+            "shrink_split_k": 1,
+            "lora_delta": False,
+            "expand_first": False,
+            "z_sorted": True,
+            "down_tma": True,
+            "half_tail": 3,
+        },
+    ),  # T=256: 0.4396 -> 0.4358 ms (543d834 run)
     (128, 8, 2048, 768, True, 2048): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
         {
-            "expand_lanes": 32,
+            "expand_lanes": 64,
             "shrink_block_m": 16,
             "shrink_split_k": 4,
             "lora_delta": True,
+            "expand_first": False,
             "delta_in_reduce": True,
             "shrink_expand": False,
             "z_sorted": True,
             "down_tma": True,
+            "half_tail": 3,
         },
-    ),  # T=1024: 0.5611 -> 0.5411 ms (e65c412 run)
+    ),  # T=1024: 0.5202 -> 0.5074 ms (543d834 run)
     (128, 8, 2048, 768, True, 8192): (
         128,
         (128, 64, 8, 4),
@@ -129,10 +146,12 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "shrink_block_m": 64,
             "shrink_split_k": 1,
             "lora_delta": False,
-            "z_sorted": True,
+            "expand_first": True,
             "down_tma": True,
+            "half_tail": 3,
+            "z_sorted": True,
         },
-    ),  # T=4096: 1.0220 -> 1.0193 ms (76a0024 run)
+    ),  # T=4096: 1.0064 -> 0.9625 ms (543d834 run)
     (128, 8, 2048, 768, True, 2147483647): (
         128,
         (128, 64, 8, 3),
@@ -142,8 +161,10 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "shrink_block_m": 64,
             "shrink_split_k": 1,
             "lora_delta": False,
+            "expand_first": True,
             "z_sorted": True,
             "down_tma": True,
+            "half_tail": 1,
         },
-    ),  # T=16384: 3.1107 -> 3.0682 ms (76a0024 run)
+    ),  # T=16384: 3.0587 -> 2.8600 ms (543d834 run)
 }
