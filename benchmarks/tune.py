@@ -207,6 +207,7 @@ def search(
     consider(dataclasses.replace(best, z_sorted=True, down_tma=True))
     for half_tail in HALF_TAIL:
         consider(dataclasses.replace(best, half_tail=half_tail))
+    consider(dataclasses.replace(best, up_tma=not best.up_tma))
     print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
     return best, base_ms
 
@@ -219,6 +220,7 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
     log.append(dict(cfg=dataclasses.asdict(start), ms=best_ms))
     steps = [("half_tail", v) for v in HALF_TAIL]
     steps += [("z_sorted", not start.z_sorted), ("down_tma", not start.down_tma)]
+    steps += [("up_tma", not start.up_tma)]
     if lora:
         steps += [(k, v) for k, values in LORA_KNOBS.items() for v in values]
         steps += [(k, v) for k in DELTA_KNOBS for v in (False, True)]
@@ -268,7 +270,13 @@ def search_decode(
     return best, best_ms
 
 
-LAYOUT_KNOBS = ("z_sorted", "down_tma", "decode", "pdl")  # both modes; written only when on
+LAYOUT_KNOBS = (
+    "z_sorted",
+    "down_tma",
+    "up_tma",
+    "decode",
+    "pdl",
+)  # both modes; written only when on
 
 
 def _knobs(cfg: TileConfig) -> dict:

@@ -17,7 +17,8 @@ import pytest
 
 # (kernel, variant id) -> constexprs; the rest of each kernel's constexprs from BASE_*
 BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEIGHT_INPUT=False,
-               Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128, BLOCK_N=128,
+               Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, W_TMA=False, BLOCK_M=128,
+               BLOCK_N=128,
                BLOCK_K=64, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8, UPCAST=False, IEEE=False,
                PDL=False)  # fmt: skip
 BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=False,
@@ -30,6 +31,8 @@ VARIANTS = {
     ("up", "half-tail-expand-first"): dict(TAIL_VARIANTS=2, EXPAND_FIRST=True),
     ("up", "half-tail-delta"): dict(TAIL_VARIANTS=2, DELTA=True),
     ("up", "half-tail-no-lora"): dict(TAIL_VARIANTS=2, HAS_LORA=False),
+    ("up", "half-tail-tma"): dict(TAIL_VARIANTS=2, W_TMA=True),
+    ("up", "tma-expand-first"): dict(W_TMA=True, EXPAND_FIRST=True),
     ("down", "default"): {},
     ("down", "half-tail"): dict(TAIL_VARIANTS=2),
     ("down", "half-tail-expand-first"): dict(TAIL_VARIANTS=2, EXPAND_FIRST=True),

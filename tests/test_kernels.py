@@ -352,6 +352,27 @@ CASES = [
         bias=True,
         extra={"ef": True},
     ),
+    # up_tma: w13 tiles by TMA descriptors (gate / up rows in two blocks; the interleaved
+    # swigluoai layout falls back to pointer loads)
+    Case("up-tma", extra={"ut": True}),
+    Case("up-tma-relu2", act=A.RELU2_NO_MUL, extra={"ut": True}),
+    Case("up-tma-masked-tails", hidden=48, inter=40, act=A.GELU, extra={"ut": True}),
+    Case(
+        "up-tma-swigluoai-bias-fp16",
+        act=A.SWIGLUOAI,
+        bias=True,
+        dtype=torch.float16,
+        extra={"ut": True},
+    ),
+    Case(
+        "up-tma-expand-first-multi-block",
+        experts=2,
+        top_k=1,
+        tokens=40,
+        slots=(0, 1, 2, -1, 1),
+        extra={"ut": True, "ef": True},
+    ),
+    Case("up-tma-no-lora", ranks=None, extra={"ut": True}),
     # pdl on the aligned path: no PDL in the interpreter, the launchers' plumbing runs
     Case(
         "aligned-pdl-requested",
@@ -425,6 +446,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             decode_shrink=case.extra.get("ds", TILES.decode_shrink),
             pdl=case.extra.get("pdl", False),
             expand_first=case.extra.get("ef", False),
+            up_tma=case.extra.get("ut", False),
         ),
         weights_on_input=case.weights_on_input,
     )
@@ -495,6 +517,7 @@ HALF_TAIL_KNOBS = {
     "z-sorted": {"z_sorted": True},
     "down-tma": {"down_tma": True},
     "expand-first": {"expand_first": True},
+    "up-tma-down-tma": {"up_tma": True, "down_tma": True},
     "delta-in-reduce": {"lora_delta": True, "delta_in_reduce": True},
     "swigluoai-bias-fp16": {"_case": {"act": A.SWIGLUOAI, "bias": True, "dtype": torch.float16}},
 }

@@ -56,14 +56,18 @@ def tma_tiles_ok(
     a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int
 ) -> bool:
     """Whether a [M, K] and b [E, N, K] can be read by TMA tile copies of [block_m, block_k]
-    and [1, block_n, block_k]: 16-byte aligned bases and strides, contiguous last dims,
-    power-of-two boxes of at most 256 per side, at least 16 bytes per box row."""
-    tensors_ok = all(
+    and [1, block_n, block_k] (tma_box_ok for each)."""
+    return tma_box_ok(a, (block_m, block_k)) and tma_box_ok(b, (1, block_n, block_k))
+
+
+def tma_box_ok(t: torch.Tensor, box: tuple[int, ...]) -> bool:
+    """Whether t can be read by TMA tile copies of `box`: a 16-byte aligned base and
+    strides, a contiguous last dim, power-of-two box sides of at most 256, at least 16
+    bytes per box row."""
+    tensor_ok = (
         t.stride(-1) == 1
         and t.data_ptr() % 16 == 0
         and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
-        for t in (a, b)
     )
-    boxes = (block_m, block_n, block_k)
-    boxes_ok = all(v <= 256 and v & (v - 1) == 0 for v in boxes)
-    return tensors_ok and boxes_ok and block_k * a.element_size() >= 16
+    box_ok = all(v <= 256 and v & (v - 1) == 0 for v in box)
+    return tensor_ok and box_ok and box[-1] * t.element_size() >= 16

@@ -120,6 +120,7 @@ class TileConfig:
     pdl: bool = False  # PDL launches (decode path: first weight step loaded early; pdl.py)
     expand_first: bool = False  # LoRA: the in-GEMM expand as a pipelined loop before the K loop
     half_tail: int = 0  # bit 1 up, bit 2 down GEMM: half-height blocks where half is padding
+    up_tma: bool = False  # the up GEMM's w13 tiles by TMA (gate / up rows not interleaved)
 
 
 def _from_row(row: tuple) -> TileConfig:

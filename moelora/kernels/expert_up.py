@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..activations import Activation
 from .activation import act_code, apply_act
 from .align import AlignedPairs
-from .checks import check_dtype_match, check_shape, precision_flags, workspace
+from .checks import check_dtype_match, check_shape, precision_flags, tma_box_ok, workspace
 from .pdl import chain_point
 from .tiles import (
     add_delta,
@@ -36,6 +37,7 @@ from .tiles import (
 def _expert_up_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     b_ptr,
     z_ptr,
     topk_weights_ptr,
@@ -86,6 +88,7 @@ def _expert_up_kernel(
     Z_SORTED: tl.constexpr,
     EXPAND_FIRST: tl.constexpr,
     TAIL_VARIANTS: tl.constexpr,
+    W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -143,13 +146,23 @@ def _expert_up_kernel(
                     for k0 in range(0, hidden, BLOCK_K):
                         k_mask = (k0 + offs_k) < hidden
                         xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-                        wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
+                        if W_TMA:  # w13 tiles by TMA (rows past the end read as zeros)
+                            wg = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
+                            wg = wg.reshape(BLOCK_N, BLOCK_K).trans()
+                        else:
+                            wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
                         if UPCAST:
                             xt = xt.to(tl.float32)
                             wg = wg.to(tl.float32)
                         acc_g = mma(xt, wg, acc_g, IEEE)
                         if GATED:
-                            wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
+                            if W_TMA:  # up rows: a block of I rows after the gate rows
+                                wu = w_desc.load(
+                                    [expert.to(tl.int32), up_offset + pid_n * BLOCK_N, k0]
+                                )
+                                wu = wu.reshape(BLOCK_N, BLOCK_K).trans()
+                            else:
+                                wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
                             if UPCAST:
                                 wu = wu.to(tl.float32)
                             acc_u = mma(xt, wu, acc_u, IEEE)
@@ -256,6 +269,7 @@ def expert_up(
     z_sorted: bool = False,
     expand_first: bool = False,
     half_tail: bool = False,
+    tma: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
@@ -266,7 +280,9 @@ def expert_up(
     weights_on_input.
     Returns z [P, I] in x's dtype (padding and dropped pairs unwritten); z_sorted: z
     [P_pad, I] with a pair's row at its place in aligned.sorted_pair_ids (each block's rows
-    contiguous, for the down GEMM's tile loads), padding rows unwritten."""
+    contiguous, for the down GEMM's tile loads), padding rows unwritten. tma: w13's tiles
+    copied by the TMA where the layout allows (gate and up rows in two blocks, not
+    interleaved; aligned strides)."""
     num_tokens, hidden = x.shape
     parts = activation.width_factor
     num_experts, rows, _ = w13.shape
@@ -293,10 +309,16 @@ def expert_up(
     block_r = max(16, triton.next_power_of_2(rank))
     dummy = x  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(x)
+    use_tma = tma and not swiglu and tma_box_ok(w13, (1, block_n, block_k))
+    if use_tma:
+        w_desc = TensorDescriptor(w13, list(w13.shape), list(w13.stride()), [1, block_n, block_k])
+    else:
+        w_desc = w13  # never read: TMA off
     grid = (aligned.num_blocks * triton.cdiv(inter_size, block_n),)
     _expert_up_kernel[grid](
         x_ptr=x,
         w_ptr=w13,
+        w_desc=w_desc,
         b_ptr=b13 if b13 is not None else dummy,
         z_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
@@ -347,6 +369,7 @@ def expert_up(
         Z_SORTED=z_sorted,
         EXPAND_FIRST=expand_first and has_lora and delta is None,
         TAIL_VARIANTS=tail_variants(half_tail, aligned.block_m),
+        W_TMA=use_tma,
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -136,6 +136,7 @@ def fused_moe_lora(
         z_sorted=z_sorted,
         expand_first=cfg.expand_first,
         half_tail=bool(cfg.half_tail & 1),
+        tma=cfg.up_tma,
         delta=delta13,
         pdl=pdl,
     )
