@@ -81,6 +81,14 @@
   LoRA expand spilled 18 registers with both variants). The knobs-only tune chose 3 at
   T >= 256 LoRA-free and T = 1024 / 4096 with LoRA, 1 (up only) at 16384 with LoRA.
   Needs BLOCK_M >= 32 (a half of 16 rows is below the smallest dot); ignored otherwise.
+- up_tma: off; the up GEMM's w13 tiles copied by the TMA (gate rows and up rows as two
+  [1, BLOCK_N, BLOCK_K] boxes; the interleaved swigluoai layout keeps pointer loads), as
+  down_tma does for w2. Reasoned: the 8-warp up kernel ran at 255 registers (lora_cost,
+  afe8054), and the TMA takes the weight addresses off the threads. Same-run A/B on the
+  H200 (976c808): LoRA-free 4096 0.7171 -> 0.6990 ms, 1024 0.3694 -> 0.3688, 16384
+  2.3947 -> 2.4422 (slower); +LoRA 4096 0.9587 -> 0.9339, 1024 0.5063 -> 0.5013, 16384
+  2.8956 -> 2.9258 (slower). The knobs-only tune (976c808) took it at T = 1024 and 4096
+  in both modes.
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 

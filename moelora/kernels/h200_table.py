@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 543d834, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 976c808, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA, then half-height tails; LoRA rows also start from the LoRA-free
@@ -55,14 +55,14 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
-        {"z_sorted": True, "down_tma": True, "half_tail": 3},
-    ),  # T=1024: 0.3797 -> 0.3715 ms (543d834 run)
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 3},
+    ),  # T=1024: 0.3705 -> 0.3686 ms (976c808 run)
     (128, 8, 2048, 768, False, 8192): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
-        {"z_sorted": True, "down_tma": True, "half_tail": 3},
-    ),  # T=4096: 0.7479 -> 0.7196 ms (543d834 run)
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 3},
+    ),  # T=4096: 0.7180 -> 0.6994 ms (976c808 run)
     (128, 8, 2048, 768, False, 2147483647): (
         128,
         (128, 64, 8, 4),
@@ -125,7 +125,7 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (128, 64, 8, 4),
         (256, 64, 8, 4),
         {
-            "expand_lanes": 64,
+            "expand_lanes": 32,
             "shrink_block_m": 16,
             "shrink_split_k": 4,
             "lora_delta": True,
@@ -134,9 +134,10 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "shrink_expand": False,
             "z_sorted": True,
             "down_tma": True,
+            "up_tma": True,
             "half_tail": 3,
         },
-    ),  # T=1024: 0.5202 -> 0.5074 ms (543d834 run)
+    ),  # T=1024: 0.5066 -> 0.5036 ms (976c808 run)
     (128, 8, 2048, 768, True, 8192): (
         128,
         (128, 64, 8, 4),
@@ -147,11 +148,12 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "shrink_split_k": 1,
             "lora_delta": False,
             "expand_first": True,
-            "down_tma": True,
-            "half_tail": 3,
             "z_sorted": True,
+            "down_tma": True,
+            "up_tma": True,
+            "half_tail": 1,
         },
-    ),  # T=4096: 1.0064 -> 0.9625 ms (543d834 run)
+    ),  # T=4096: 0.9601 -> 0.9319 ms (976c808 run)
     (128, 8, 2048, 768, True, 2147483647): (
         128,
         (128, 64, 8, 3),
