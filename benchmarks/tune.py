@@ -312,8 +312,9 @@ def write_table(path: str, entries: list, header: dict) -> None:
         f"commit {header['commit']}, {header['time']}; each row's comment names the run that",
         "chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the",
         "heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then",
-        "z layout / TMA, then half-height tails; LoRA rows also start from the LoRA-free",
-        "tiles), or in a --knobs-only run from the committed row over its knobs alone; each",
+        "z layout / TMA, then half-height tails, then up-GEMM TMA; LoRA rows also start from",
+        "the LoRA-free tiles), or in a --knobs-only run from the committed row over its knobs",
+        "alone; each",
         "candidate timed as the whole layer under CUDA-graph replay, L2 flushed, median of",
         f"{header['iters']} replays, output checked against the reference; fastest kept. A",
         "tuned T takes the committed bucket it falls in, else one from the geometric mean of",
@@ -430,6 +431,9 @@ def main() -> int:
             if args.knobs_only:
                 if chosen.decode or key_of(t, on) not in committed:
                     print("    no committed aligned row: skipped (--knobs-only)")
+                    continue
+                if any(e[0] == key_of(t, on) for e in entries):
+                    print(f"    T={t} falls in the bucket of an earlier T here: not tuned")
                     continue
                 best, h_ms = search_knobs(layer, chosen, on, steps)
                 ms = min((s["ms"] for s in steps if s["ms"] is not None), default=float("nan"))

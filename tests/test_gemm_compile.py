@@ -38,22 +38,37 @@ VARIANTS = {
     ("down", "half-tail-expand-first"): dict(TAIL_VARIANTS=2, EXPAND_FIRST=True),
     ("down", "half-tail-tma"): dict(TAIL_VARIANTS=2, TMA=True),
     ("down", "half-tail-tma-no-lora"): dict(TAIL_VARIANTS=2, TMA=True, HAS_LORA=False),
+    # other dtypes: fp16 MMA; fp32 with exact (IEEE) dots, which are not MMA instructions
+    ("up", "fp16-half-tail-tma-expand-first"): dict(
+        TAIL_VARIANTS=2, W_TMA=True, EXPAND_FIRST=True, _dtype="fp16"
+    ),
+    ("down", "fp16-half-tail-tma-expand-first"): dict(
+        TAIL_VARIANTS=2, TMA=True, EXPAND_FIRST=True, _dtype="fp16"
+    ),
+    ("up", "fp32-half-tail-expand-first"): dict(
+        TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True, _dtype="fp32"
+    ),
+    ("down", "fp32-half-tail-expand-first"): dict(
+        TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True, _dtype="fp32"
+    ),
 }
 BF16_PTRS = {"x_ptr", "w_ptr", "b_ptr", "z_ptr", "o_ptr", "lora_b_ptr", "delta_ptr"}
 I32_PTRS = {"slots_ptr", "sorted_pair_ids_ptr", "block_experts_ptr", "num_padded_ptr"}
 
 
-def _signature(fn, consts: dict) -> dict:
+def _signature(fn, consts: dict, dtype: str) -> dict:
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
         elif name == "z_desc":
-            sig[name] = f"tensordesc<bf16[{consts['BLOCK_M']}, {consts['BLOCK_K']}]>"
+            sig[name] = f"tensordesc<{dtype}[{consts['BLOCK_M']}, {consts['BLOCK_K']}]>"
         elif name == "w_desc":
-            sig[name] = f"tensordesc<bf16[1, {consts['BLOCK_N']}, {consts['BLOCK_K']}]>"
+            sig[name] = f"tensordesc<{dtype}[1, {consts['BLOCK_N']}, {consts['BLOCK_K']}]>"
         elif name.endswith("_ptr"):
-            sig[name] = "*bf16" if name in BF16_PTRS else "*i32" if name in I32_PTRS else "*fp32"
+            sig[name] = (
+                f"*{dtype}" if name in BF16_PTRS else "*i32" if name in I32_PTRS else "*fp32"
+            )
         else:
             sig[name] = "fp32" if name in ("alpha", "limit") else "i32"
     return sig
@@ -72,7 +87,8 @@ def _compile_all() -> dict:
     for (name, variant), change in VARIANTS.items():
         fn, base = kernels[name]
         consts = {**base, **change}
-        src = ASTSource(fn=fn, signature=_signature(fn, consts), constexprs=consts)
+        dtype = consts.pop("_dtype", "bf16")
+        src = ASTSource(fn=fn, signature=_signature(fn, consts, dtype), constexprs=consts)
         try:
             kernel = triton.compile(
                 src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 4}
@@ -103,7 +119,10 @@ def compiled() -> dict:
 def test_gemm_variant_compiles_to_hopper_mma(compiled, key) -> None:
     got = compiled[key]
     assert isinstance(got, int), got  # a compile error
-    assert got > 0  # the dots became wgmma instructions
+    if "fp32" in key:
+        assert got == 0  # exact fp32 dots: no tf32 MMA
+    else:
+        assert got > 0  # the dots became wgmma instructions
 
 
 def test_half_tail_variant_adds_its_own_mma(compiled) -> None:

@@ -546,6 +546,54 @@ def test_half_tail_matches_reference(name: str, seed: int) -> None:
     assert_close(out, ref, what=f"half_tail {name}")
 
 
+def test_half_tail_runs_both_row_variants(monkeypatch, seed: int) -> None:
+    """The half-height variant really runs (a wrong choice would still be correct, only
+    slower): every GEMM dot's row count is recorded, and with half_tail both heights
+    appear in each kernel, only the full one without it."""
+    import moelora.kernels.expert_down as down_mod
+    import moelora.kernels.expert_up as up_mod
+
+    shape, experts, lora, x, _, weights, slots = _inputs(
+        Case("ht", experts=3, top_k=1, tokens=70), seed
+    )
+    ids = torch.tensor([0] * 40 + [1] * 20 + [2] * 10, dtype=torch.int32).view(70, 1)
+    for half_tail in (0, 3):
+        rows: dict[str, set] = {"up": set(), "down": set()}
+        for name, mod in (("up", up_mod), ("down", down_mod)):
+
+            def record(a, b, acc, ieee, _orig=mod.mma, _seen=rows[name]):
+                _seen.add(int(a.shape[0]))
+                return _orig(a, b, acc, ieee)
+
+            monkeypatch.setattr(mod, "mma", record)
+        cfg = dataclasses.replace(TILES, block_m=32, half_tail=half_tail)
+        fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)
+        want = {32, 16} if half_tail else {32}
+        assert rows == {"up": want, "down": want}, (half_tail, rows)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"expand_lanes": 16, "expand_first": True}, {"lora_delta": True}, {"decode": True}],
+    ids=["two-slots-per-dot", "expand-first-absent-groups", "delta", "decode"],
+)
+def test_unused_slots_are_never_read(knobs: dict, seed: int) -> None:
+    """Slots no token uses are not read on any path: their A and B hold inf (as a bank
+    being loaded might), and the output still matches the reference. Slots 0 and 3 are
+    used: with two slots per dot slot 1 shares a group with slot 0; with one slot per dot
+    the pipelined expand passes the absent groups 1 and 2."""
+    shape, experts, lora, x, ids, weights, _ = _inputs(Case("unused", tokens=8), seed)
+    lora = random_lora_bank(shape, 4, 16, generator=torch.Generator().manual_seed(seed))
+    slots = torch.tensor([0, 3] * 4, dtype=torch.int32)
+    ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
+    for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b):
+        t[1:3] = float("inf")
+    out = poison_(torch.empty_like(x))
+    cfg = dataclasses.replace(TILES, **knobs)
+    fused_moe_lora(x, ids, weights, slots, experts, lora, shape, out=out, config=cfg)
+    assert_close(out, ref, what=f"unused slots {knobs}")
+
+
 ALIGN_CASES = [  # (T, K, E, L, BLOCK_M, id)
     (1, 2, 4, 2, 16, "decode"),
     (37, 3, 5, 4, 16, "several-blocks"),

@@ -71,15 +71,16 @@
   with one CTA per SM, not MMA. Same-run A/B: +LoRA 4096 1.0116 -> 0.9796 ms, 16384
   3.0066 -> 3.0039, 256 0.4432 -> 0.4695 (slower); the 543d834 knobs-only tune took it
   at T = 4096 and 16384.
-- half_tail (both modes, aligned path; bit 1 the up GEMM, bit 2 the down GEMM): 0; a
+- half_tail (both modes, aligned path; 1 the up GEMM, 2 the down GEMM, 3 both): 0; a
   block whose second half is all padding (an expert's last block) runs a half-height
   variant compiled into the same kernel, so its padding rows cost no MMA. Reasoned: at
   T = 4096 with 128-row blocks a quarter of the GEMM rows are padding under uniform
   routing (40960 for 32768 pairs; 36864 with half tails). Same-run A/B on the H200
   (543d834): LoRA-free 1024 0.3773 -> 0.3706 ms, 4096 0.7393 -> 0.7126, 16384 2.4963 ->
   2.3636; +LoRA 4096 1.0098 -> 0.9977, 16384 3.0195 -> 3.0627 (the down kernel with the
-  LoRA expand spilled 18 registers with both variants). The knobs-only tune chose 3 at
-  T >= 256 LoRA-free and T = 1024 / 4096 with LoRA, 1 (up only) at 16384 with LoRA.
+  LoRA expand spilled 18 registers with both variants). The knobs-only tunes chose 3 at
+  T >= 256 LoRA-free and T = 256 / 1024 with LoRA, 1 (up only) at 4096 / 16384 with LoRA
+  (543d834 and 976c808 runs).
   Needs BLOCK_M >= 32 (a half of 16 rows is below the smallest dot); ignored otherwise.
 - up_tma: off; the up GEMM's w13 tiles copied by the TMA (gate rows and up rows as two
   [1, BLOCK_N, BLOCK_K] boxes; the interleaved swigluoai layout keeps pointer loads), as
@@ -127,7 +128,7 @@ class TileConfig:
     shrink_expand: bool = False  # with lora_delta: the shrink kernels expand (no split-K)
     pdl: bool = False  # PDL launches (decode path: first weight step loaded early; pdl.py)
     expand_first: bool = False  # LoRA: the in-GEMM expand as a pipelined loop before the K loop
-    half_tail: int = 0  # bit 1 up, bit 2 down GEMM: half-height blocks where half is padding
+    half_tail: int = 0  # 1 up, 2 down GEMM, 3 both: half-height blocks where half is padding
     up_tma: bool = False  # the up GEMM's w13 tiles by TMA (gate / up rows not interleaved)
 
 

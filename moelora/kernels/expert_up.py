@@ -5,6 +5,8 @@ fp32 shrink intermediate (unweighted), + b13; z = act(h) written to z [P, I]. Ga
 activations load the gate and up rows of the same units in one program, so the
 activation runs in the epilogue (gpt-oss: interleaved rows, even gate / odd up).
 With weights_on_input (Llama-4) the routing weight scales x, i.e. the GEMM + LoRA terms.
+Knobs (configs.py): the expand before the K loop (expand_first), a half-height variant for
+blocks whose second half is padding (half_tail), w13 tiles by TMA (up_tma).
 
 Legend: T tokens, K top-k, P = T*K pairs, E experts, H hidden, I intermediate, R rank.
 """
@@ -146,7 +148,9 @@ def _expert_up_kernel(
                     for k0 in range(0, hidden, BLOCK_K):
                         k_mask = (k0 + offs_k) < hidden
                         xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-                        if W_TMA:  # w13 tiles by TMA (rows past the end read as zeros)
+                        # W_TMA: w13 tiles by TMA; the gate box of a last, partial N tile
+                        # reaches into the up rows (or past w13: zeros), columns n_mask drops
+                        if W_TMA:
                             wg = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
                             wg = wg.reshape(BLOCK_N, BLOCK_K).trans()
                         else:

@@ -3,8 +3,9 @@
 Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 976c808, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
-z layout / TMA, then half-height tails; LoRA rows also start from the LoRA-free
-tiles), or in a --knobs-only run from the committed row over its knobs alone; each
+z layout / TMA, then half-height tails, then up-GEMM TMA; LoRA rows also start from
+the LoRA-free tiles), or in a --knobs-only run from the committed row over its knobs
+alone; each
 candidate timed as the whole layer under CUDA-graph replay, L2 flushed, median of
 20 replays, output checked against the reference; fastest kept. A
 tuned T takes the committed bucket it falls in, else one from the geometric mean of

@@ -141,7 +141,9 @@ def lora_expand(
     for slots absent from the block; groups with no row in the block are skipped.
     PIPELINED (expand_first): no per-group skip (a branch in the loop body stops Triton's
     software pipelining), so the groups' loads are issued stages ahead of their dots; an
-    absent group's masked loads read nothing and its dots add zeros.
+    absent group's loads are all masked off and its dots add zeros. On both paths the B
+    lanes of a slot with no row in the block are masked off: an unused slot's B is never
+    read, whatever it holds (0 * inf would be NaN).
     inter_ptr is at part 0 (part stride stride_is); b_ptr at (slot 0, expert, part 0)."""
     offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
     q_slot = offs_q // BLOCK_R
@@ -208,7 +210,8 @@ def _expand_group(
         + offs_n[None, :] * stride_bn
         + q_r[:, None] * stride_br
     )
-    b_mask = (q_ok & (lane_slot < num_slots))[:, None] & n_mask[None, :]
+    lane_used = tl.max(sel.to(tl.int32), axis=0) > 0  # a row of the block has the slot
+    b_mask = (q_ok & (lane_slot < num_slots) & lane_used)[:, None] & n_mask[None, :]
     t_g = tl.load(t_ptrs, mask=sel, other=0.0)
     b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
     if TWO_PARTS:
