@@ -31,6 +31,11 @@ class LoRABank:
     w13_b [L, E, S, I, R]
     w2_a  [L, E, R, I]
     w2_b  [L, E, H, R]
+
+    Every value must be finite, in slots no token uses too: the triton backend's in-GEMM
+    expand loads the B of every slot in a slot group that a block touches and multiplies
+    the unused ones by zero (0 * inf is NaN). SlotManager keeps unloaded slots zero and
+    the adapter loader rejects non-finite factors.
     """
 
     w13_a: torch.Tensor

@@ -2,9 +2,9 @@
 
 For each aligned block (one expert) and N tile of H: o = z @ w2[e]^T + LoRA expand of the
 fp32 shrink intermediate of z, + b2, then times the routing weight (unless the weight was
-applied to the input). o [P, H] is written per pair; topk_reduce sums it over K. Knobs (configs.py): the expand
-before the K loop (expand_first), a half-height variant for blocks whose second half is
-padding (half_tail), z and w2 tiles by TMA (down_tma).
+applied to the input). o [P, H] is written per pair; topk_reduce sums it over K.
+Knobs (configs.py): the expand before the K loop (expand_first), a half-height variant for
+blocks whose second half is padding (half_tail), z and w2 tiles by TMA (down_tma).
 
 Legend: P = T*K pairs, E experts, H hidden, I intermediate, R rank, L slots.
 """
