@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from sm90_child import run_compile_child
 
 # (kernel, variant id) -> constexprs; the rest of each kernel's constexprs from BASE_*
 BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEIGHT_INPUT=False,
@@ -101,18 +100,7 @@ def _compile_all() -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    import moelora
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(moelora.__file__)))
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
-    assert result.pop("moelora") == os.path.abspath(moelora.__file__)  # this tree's kernels
-    return result
+    return run_compile_child(__file__)
 
 
 @pytest.mark.parametrize("key", [f"{k}/{v}" for k, v in VARIANTS], ids=str)

@@ -15,13 +15,12 @@ import inspect
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import triton
+from sm90_child import run_compile_child
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -66,18 +65,7 @@ IDS = ["up", "down", "shrink"]
 @pytest.fixture(scope="module")
 def ptx() -> dict:
     """{(kernel id, PDL on): PTX lines}, compiled in a child process with the interpreter off."""
-    import moelora
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(moelora.__file__)))
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
-    # the child compiled this tree's kernels, not another installed copy
-    assert result.pop("moelora") == os.path.abspath(moelora.__file__)
+    result = run_compile_child(__file__, timeout=600)
     return {tuple(json.loads(k)): v for k, v in result.items()}
 
 
