@@ -76,21 +76,6 @@ def mma(a, b, acc, IEEE: tl.constexpr):
     return acc
 
 
-@triton.jit
-def runs_variant(
-    sorted_pair_ids_ptr, row0, num_pairs, v, BLOCK_M: tl.constexpr, TAIL_VARIANTS: tl.constexpr
-):
-    """Whether row variant v (BLOCK_M >> v rows) runs for the block at sorted row row0.
-    TAIL_VARIANTS = 2 (half_tail): a block whose second half is all padding (an expert's
-    last block: a block's valid rows are always at its front) runs the half-height
-    variant, so that padding costs no MMA, and every other block the full one.
-    TAIL_VARIANTS = 1: the full variant only."""
-    if TAIL_VARIANTS == 1:
-        return True
-    half = tl.load(sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
-    return half == (v == 1)
-
-
 def tail_variants(half_tail: bool, block_m: int) -> int:
     """Row variants of the GEMM kernels: 2 with half_tail (blocks whose second half is
     padding run BLOCK_M // 2 rows) where that half is still a dot tile (>= 16 rows)."""
