@@ -1,5 +1,6 @@
 """`moelora validate`: every registered fast backend against the reference on real layer
-shapes, in the serving dtype (bf16), on this machine's GPU. Prints pass/fail per case.
+shapes, in the serving dtype (bf16; `--dtype` for fp16 / fp32), on this machine's GPU.
+Prints pass/fail per case.
 
 Cases per model: T sweep (8 adapters, rank 16, eager), CUDA-graph replay with fresh inputs
 copied into the captured buffers, ranks 8/16/64/128, 1 adapter, and the LoRA-free path.
@@ -9,6 +10,7 @@ Adapters alternate rank R and R/2 (zero-padded), and every (L+1)-th token has sl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -59,6 +61,16 @@ class Problem:
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     token_slots: torch.Tensor | None
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def with_dtype(model: ModelConfig, dtype: str | None) -> ModelConfig:
+    """model in another dtype (`--dtype`), or as it is (None)."""
+    if dtype is None:
+        return model
+    return dataclasses.replace(model, shape=dataclasses.replace(model.shape, dtype=DTYPES[dtype]))
 
 
 def build_experts(model: ModelConfig, device: str, seed: int = 0) -> ExpertWeights:
@@ -185,6 +197,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="T sweep only, eager")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="the activations' and weights' dtype (default: each model's, bf16 for the presets)",
+    )
     p.set_defaults(run=run)
 
 
@@ -206,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     device = probe()
     for name in args.backends.split(","):
         for model_name in args.models.split(","):
-            model = resolve_model(model_name)
+            model = with_dtype(resolve_model(model_name), args.dtype)
             experts = build_experts(model, args.device, args.seed)
             for case in cases:
                 total += 1

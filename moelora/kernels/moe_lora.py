@@ -29,6 +29,7 @@ from .configs import TileConfig, pick_config
 from .decode_down import decode_down
 from .decode_shrink import decode_shrink
 from .decode_up import decode_up
+from .device_fit import fit_to_device
 from .expert_down import expert_down
 from .expert_up import expert_up
 from .lora_delta import lora_delta
@@ -66,7 +67,13 @@ def fused_moe_lora(
     num_experts = experts.w13.shape[0]
     inter_size = experts.w2.shape[2]
     use_lora = lora is not None and token_slots is not None
-    cfg = config or pick_config(num_tokens, num_experts, top_k, hidden, inter_size, use_lora)
+    # a picked config is fitted to the device (shared memory, TMA); an explicit one is not
+    cfg = config or fit_to_device(
+        pick_config(num_tokens, num_experts, top_k, hidden, inter_size, use_lora),
+        shape.activation.width_factor,
+        x.dtype,
+        x.device,
+    )
     num_slots = lora.num_slots if use_lora else 0
     x = x.contiguous()
     topk_ids = topk_ids.contiguous()

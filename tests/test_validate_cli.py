@@ -1,0 +1,24 @@
+"""`moelora validate --dtype`: the same cases in another dtype, judged by that dtype's
+tolerance (the interpreter on CPU with the tiny preset here; a GPU runs the real shapes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moelora import cli
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp32", "1e-05"), ("fp16", "2e-03")])
+def test_validate_runs_in_the_requested_dtype(dtype, tol, capsys) -> None:
+    args = ["--device", "cpu", "--models", "tiny", "--tokens", "3", "--quick", "--dtype", dtype]
+    code = cli.main(["validate", *args])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("triton")]
+    assert code == 0 and "validate: 1/1 passed" in out
+    assert len(rows) == 1 and f" {tol}  pass" in rows[0]
+
+
+def test_validate_refuses_an_unknown_dtype(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["validate", "--device", "cpu", "--models", "tiny", "--dtype", "fp8"])
+    assert exc.value.code == 2 and "fp8" in capsys.readouterr().err
