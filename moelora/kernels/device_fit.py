@@ -13,6 +13,11 @@ weight tiles [BLOCK_K, BLOCK_N] (the gated up GEMM loads its gate and up tiles),
 input's element size. This is what Triton allocated for the H200 rows (benchmarks/
 lora_cost.py at afe8054: up 128 x (2 x 128) x 64, 4 stages, bf16: 196608 bytes; down
 128 x 256 x 64, 4 stages: 196640, the 32 more its TMA barriers), hence a margin of 1 KB.
+Elsewhere the model is an upper bound, not a measurement: Triton 3.9's sm_90 compile (no
+GPU) of the fp32 up kernel at 3 stages allocates 196608 bytes where it counts 294912, so
+fp32 and smaller GPUs may get fewer stages than they could hold (slower, never failing for
+the GEMMs). Not fitted: the LoRA shrink's 3 stages (rank 128 in fp32 at large T may exceed
+a GPU's shared memory; not yet measured).
 """
 
 from __future__ import annotations
