@@ -15,8 +15,8 @@ lora_cost.py at afe8054: up 128 x (2 x 128) x 64, 4 stages, bf16: 196608 bytes; 
 128 x 256 x 64, 4 stages: 196640, the 32 more its TMA barriers), hence a margin of 1 KB.
 Elsewhere the model is an upper bound, not a measurement: Triton 3.9's sm_90 compile (no
 GPU) of the fp32 up kernel at 3 stages allocates 196608 bytes where it counts 294912, so
-fp32 and smaller GPUs may get fewer stages than they could hold (slower, never failing for
-the GEMMs). Not fitted: the LoRA shrink's 3 stages (rank 128 in fp32 at large T may exceed
+fp32 and smaller GPUs may get fewer stages than they could hold (slower; none of this has
+run on such a GPU yet). Not fitted: the LoRA shrink's 3 stages (rank 128 in fp32 at large T may exceed
 a GPU's shared memory; not yet measured).
 """
 
