@@ -53,7 +53,9 @@ def test_stage_bytes_match_what_triton_allocated_on_the_h200() -> None:
     "elem,limit,tma", [(4, H200, True), (2, A100, False), (4, A100, False), (2, L40S, False)]
 )
 @pytest.mark.parametrize("parts", [1, 2])
-def test_other_devices_and_fp32_get_configs_that_fit(elem, limit, tma, parts) -> None:
+def test_fit_config_fits_the_stage_model(elem, limit, tma, parts) -> None:
+    """fit_config itself, for any limit: the result fits the model and only the pipeline
+    (and, without tma, the TMA knobs) changes. The forward applies it on sm_90+ only."""
     shrunk = 0
     for cfg in _picked():
         got = fit_config(cfg, parts, elem, limit, tma)
@@ -69,7 +71,7 @@ def test_other_devices_and_fp32_get_configs_that_fit(elem, limit, tma, parts) ->
         same = dataclasses.replace(got, up=cfg.up, down=cfg.down)
         assert same == (cfg if tma else dataclasses.replace(cfg, up_tma=False, down_tma=False))
         assert tma or not (got.up_tma or got.down_tma)
-    assert shrunk  # these devices / dtypes do need smaller pipelines somewhere
+    assert shrunk  # these limits / dtypes do need smaller pipelines under the model
 
 
 def test_fit_tiles_order_and_floor() -> None:
@@ -114,3 +116,25 @@ def test_fused_moe_lora_fits_picked_configs_only(monkeypatch) -> None:
     explicit = TileConfig(16, GemmTiles(32, 32), GemmTiles(32, 32))
     moe_lora.fused_moe_lora(x, ids, w, None, experts, None, shape, config=explicit)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "major,dtype",
+    [(9, torch.bfloat16), (9, torch.float32), (8, torch.float32), (0, torch.bfloat16)],
+)
+def test_fit_to_device_by_capability(monkeypatch, major, dtype) -> None:
+    """sm_90+: stages fitted (16-bit configs unchanged, fp32 shrunk to fit), TMA kept;
+    below sm_90 (and ROCm, major 0): TMA knobs off, stages left alone."""
+    from moelora.kernels import device_fit
+
+    monkeypatch.setattr(device_fit, "_device_limits", lambda index: (H200, major))
+    cfg = pick_config(4096, *QWEN3, lora=True)
+    assert cfg.up_tma and cfg.down_tma and cfg.up.num_stages == 4  # the H200 row
+    got = fit_to_device(cfg, 2, dtype, torch.device("cuda", 0))
+    if major < 9:
+        assert got == dataclasses.replace(cfg, up_tma=False, down_tma=False)
+    elif dtype == torch.bfloat16:
+        assert got == cfg
+    else:
+        assert got.up.num_stages < cfg.up.num_stages and _fits(got, 2, 4, H200)
+        assert got.up_tma and got.down_tma

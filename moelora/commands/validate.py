@@ -181,7 +181,8 @@ def _graph_run(fwd, capture_inputs, fresh_inputs):
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "validate",
-        help="check fast backends against the reference on real layer shapes (bf16, this GPU)",
+        help="check fast backends against the reference on real layer shapes (this GPU; "
+        "bf16 unless --dtype)",
     )
     p.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated presets or config.json paths"

@@ -1,23 +1,29 @@
 """Fit a picked tile config to the GPU that runs it.
 
-The committed H200 table and the heuristics size their GEMM pipelines for 16-bit inputs
-on Hopper (228 KB of shared memory per block, TMA). Elsewhere the same config can fail at
-launch: fp32 inputs double every stage (the T >= 1024 rows then need 384 KB), an A100 has
-164 KB, an L40S 99 KB, and TMA copies are sm_90+. So a config that `pick_config` returned
-is fitted here before launch: pipeline stages dropped (then BLOCK_K halved) until the
-stages fit the device's shared memory, and the TMA knobs turned off below sm_90. A config a
-caller passes explicitly (the tune, a test) is launched as given.
+The committed H200 table and the heuristics size their GEMM pipelines for 16-bit inputs on
+Hopper (227 KB of shared memory per block, TMA). Two adjustments, to a config that
+`pick_config` returned (a config a caller passes explicitly, as the tune and the tests do,
+is launched as given):
+- TMA copies are sm_90+: below that the TMA knobs (up_tma, down_tma) are turned off.
+- On sm_90+, fp32 inputs double every pipeline stage (the stage model below counts 384 KB
+  for the up GEMM of the T >= 1024 H200 rows): stages are dropped, then BLOCK_K halved,
+  until the stages fit the device's shared memory.
 
 Shared memory of one GEMM pipeline stage: the row tile [BLOCK_M, BLOCK_K] and `parts`
 weight tiles [BLOCK_K, BLOCK_N] (the gated up GEMM loads its gate and up tiles), in the
-input's element size. This is what Triton allocated for the H200 rows (benchmarks/
-lora_cost.py at afe8054: up 128 x (2 x 128) x 64, 4 stages, bf16: 196608 bytes; down
-128 x 256 x 64, 4 stages: 196640, the 32 more its TMA barriers), hence a margin of 1 KB.
-Elsewhere the model is an upper bound, not a measurement: Triton 3.9's sm_90 compile (no
-GPU) of the fp32 up kernel at 3 stages allocates 196608 bytes where it counts 294912, so
-fp32 and smaller GPUs may get fewer stages than they could hold (slower; none of this has
-run on such a GPU yet). Not fitted: the LoRA shrink's 3 stages (rank 128 in fp32 at large T may exceed
-a GPU's shared memory; not yet measured).
+input's element size. This is what Triton 3.6 allocated for the H200 rows in bf16
+(benchmarks/lora_cost.py at afe8054: up 128 x (2 x 128) x 64, 4 stages: 196608 bytes;
+down 128 x 256 x 64, 4 stages: 196640, the 32 more its TMA barriers), hence a margin of
+1 KB. For fp32 it is an upper bound (Triton 3.9's sm_90 compile of the fp32 up kernel at 3
+stages allocates 196608 bytes where it counts 294912), so fp32 may get fewer stages than
+it could hold.
+
+Not covered, and so not claimed (a review compiled the fitted configs for sm_80 / 89 / 90
+with Triton 3.9): the LoRA expand's operand tiles, which at rank 128 in fp32 overflow the
+H200's shared memory at T >= 4096 even at 1 stage (262144 bytes); the LoRA shrink's three
+stages; and GPUs below sm_90, where Triton does not multi-buffer these loops and the same
+configs fit as they are in 16-bit, so their stages are left alone. None of this has run on
+such a GPU yet.
 """
 
 from __future__ import annotations
@@ -67,13 +73,14 @@ def fit_config(cfg: TileConfig, parts: int, elem: int, limit: int, tma: bool) ->
 
 
 @functools.cache
-def _device_limits(index: int) -> tuple[int, bool]:
-    """(shared memory bytes per block, TMA available) of CUDA device `index`."""
+def _device_limits(index: int) -> tuple[int, int]:
+    """(shared memory bytes per block, compute capability major) of CUDA device `index`
+    (ROCm: major 0, i.e. no TMA and no stage fitting)."""
     import triton
 
     props = triton.runtime.driver.active.utils.get_device_properties(index)
-    tma = not torch.version.hip and torch.cuda.get_device_capability(index)[0] >= 9
-    return int(props["max_shared_mem"]), tma
+    major = 0 if torch.version.hip else torch.cuda.get_device_capability(index)[0]
+    return int(props["max_shared_mem"]), major
 
 
 def fit_to_device(cfg: TileConfig, parts: int, dtype: torch.dtype, device: torch.device):
@@ -81,5 +88,7 @@ def fit_to_device(cfg: TileConfig, parts: int, dtype: torch.dtype, device: torch
     if device.type != "cuda":
         return cfg
     index = device.index if device.index is not None else torch.cuda.current_device()
-    limit, tma = _device_limits(index)
-    return fit_config(cfg, parts, dtype.itemsize, limit, tma)
+    limit, major = _device_limits(index)
+    if major < 9:  # no TMA; stages left alone (module docstring)
+        return dataclasses.replace(cfg, up_tma=False, down_tma=False)
+    return fit_config(cfg, parts, dtype.itemsize, limit, tma=True)
