@@ -84,11 +84,16 @@ def _device_limits(index: int) -> tuple[int, int]:
 
 
 def fit_to_device(cfg: TileConfig, parts: int, dtype: torch.dtype, device: torch.device):
-    """cfg fitted to `device` (module docstring); unchanged off CUDA (the interpreter)."""
+    """cfg fitted to `device` (module docstring); unchanged off CUDA (the interpreter).
+    Called on every forward: the fitted config is computed once per (config, device)."""
     if device.type != "cuda":
         return cfg
     index = device.index if device.index is not None else torch.cuda.current_device()
-    limit, major = _device_limits(index)
+    return _fitted(cfg, parts, dtype.itemsize, *_device_limits(index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fitted(cfg: TileConfig, parts: int, elem: int, limit: int, major: int) -> TileConfig:
     if major < 9:  # no TMA; stages left alone (module docstring)
         return dataclasses.replace(cfg, up_tma=False, down_tma=False)
-    return fit_config(cfg, parts, dtype.itemsize, limit, tma=True)
+    return fit_config(cfg, parts, elem, limit, tma=True)
