@@ -21,7 +21,7 @@ BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEI
                BLOCK_K=64, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8, UPCAST=False, IEEE=False,
                PDL=False)  # fmt: skip
 BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=False,
-                 MUL_WEIGHT=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
+                 MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
                  UPCAST=False, IEEE=False, PDL=False)  # fmt: skip
 VARIANTS = {
@@ -37,6 +37,7 @@ VARIANTS = {
     ("down", "half-tail-expand-first"): dict(TAIL_VARIANTS=2, EXPAND_FIRST=True),
     ("down", "half-tail-tma"): dict(TAIL_VARIANTS=2, TMA=True),
     ("down", "half-tail-tma-no-lora"): dict(TAIL_VARIANTS=2, TMA=True, HAS_LORA=False),
+    ("down", "atomic-half-tail-tma"): dict(TAIL_VARIANTS=2, TMA=True, ATOMIC=True),
     # other dtypes: fp16 MMA; fp32 with exact (IEEE) dots, which are not MMA instructions
     ("up", "fp16-half-tail-tma-expand-first"): dict(
         TAIL_VARIANTS=2, W_TMA=True, EXPAND_FIRST=True, _dtype="fp16"
@@ -64,6 +65,8 @@ def _signature(fn, consts: dict, dtype: str) -> dict:
             sig[name] = f"tensordesc<{dtype}[{consts['BLOCK_M']}, {consts['BLOCK_K']}]>"
         elif name == "w_desc":
             sig[name] = f"tensordesc<{dtype}[1, {consts['BLOCK_N']}, {consts['BLOCK_K']}]>"
+        elif name == "o_ptr" and consts.get("ATOMIC"):
+            sig[name] = "*fp32"  # the top-k sum (atomic_reduce)
         elif name.endswith("_ptr"):
             sig[name] = (
                 f"*{dtype}" if name in BF16_PTRS else "*i32" if name in I32_PTRS else "*fp32"
@@ -92,7 +95,9 @@ def _compile_all() -> dict:
             kernel = triton.compile(
                 src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 4}
             )
-            result[f"{name}/{variant}"] = kernel.asm["ptx"].count("wgmma.mma_async")
+            ptx = kernel.asm["ptx"]
+            result[f"{name}/{variant}"] = ptx.count("wgmma.mma_async")
+            result[f"{name}/{variant}/red"] = ptx.count("red.global.gpu.relaxed.add.f32")
         except Exception as err:  # reported, the test fails with it
             result[f"{name}/{variant}"] = f"{type(err).__name__}: {str(err)[-600:]}"
     return result
@@ -111,6 +116,13 @@ def test_gemm_variant_compiles_to_hopper_mma(compiled, key) -> None:
         assert got == 0  # exact fp32 dots: no tf32 MMA
     else:
         assert got > 0  # the dots became wgmma instructions
+
+
+def test_atomic_reduce_compiles_to_fp32_reductions(compiled) -> None:
+    """The atomic top-k sum is fire-and-forget fp32 reductions (red, not atom: no value
+    comes back), and only in that variant."""
+    assert compiled["down/atomic-half-tail-tma/red"] > 0
+    assert compiled["down/half-tail-tma/red"] == 0
 
 
 def test_half_tail_variant_adds_its_own_mma(compiled) -> None:

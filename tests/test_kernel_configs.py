@@ -47,6 +47,7 @@ def test_committed_table_knobs_are_valid() -> None:
     }
     for key, knobs in configs.H200_KNOBS.items():
         layout = {"z_sorted", "down_tma", "up_tma", "decode", "decode_shrink", "pdl", "half_tail"}
+        layout.add("atomic_reduce")
         assert knobs.get("half_tail", 0) in (1, 2, 3) or "half_tail" not in knobs, key
         assert set(knobs) <= lora_knobs | layout, key
         # aligned-path PDL measured no gain (KERNEL_LOG.md v13b): decode rows only

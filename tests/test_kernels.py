@@ -373,6 +373,43 @@ CASES = [
         extra={"ut": True, "ef": True},
     ),
     Case("up-tma-no-lora", ranks=None, extra={"ut": True}),
+    # atomic_reduce: the down GEMM adds the pairs into an fp32 [T, H] sum; fp32 outputs are
+    # summed into directly (zeroed first: out is poisoned), 16-bit ones by a finishing pass
+    Case("atomic-reduce-fp32-out", extra={"ar": True}),
+    Case(
+        "atomic-reduce-multi-block-bias-fp16",
+        experts=3,
+        tokens=40,
+        bias=True,
+        dtype=torch.float16,
+        extra={"ar": True},
+    ),
+    Case("atomic-reduce-drop-ids-fp16", drop_ids=True, dtype=torch.float16, extra={"ar": True}),
+    Case(
+        "atomic-reduce-weights-on-input-fp16",
+        top_k=1,
+        weights_on_input=True,
+        dtype=torch.float16,
+        extra={"ar": True},
+    ),
+    Case("atomic-reduce-no-lora-fp16", ranks=None, dtype=torch.float16, extra={"ar": True}),
+    Case("atomic-reduce-delta-fp16", lora_delta=True, dtype=torch.float16, extra={"ar": True}),
+    Case(  # the knob is ignored here: the reduce pass adds the delta rows
+        "atomic-reduce-delta-in-reduce-fp16",
+        lora_delta=True,
+        delta_in_reduce=True,
+        dtype=torch.float16,
+        extra={"ar": True},
+    ),
+    Case(
+        "atomic-reduce-swigluoai-down-tma-fp16",
+        act=A.SWIGLUOAI,
+        bias=True,
+        down_tma=True,
+        z_sorted=True,
+        dtype=torch.float16,
+        extra={"ar": True, "ef": True},
+    ),
     # pdl on the aligned path: no PDL in the interpreter, the launchers' plumbing runs
     Case(
         "aligned-pdl-requested",
@@ -447,6 +484,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             pdl=case.extra.get("pdl", False),
             expand_first=case.extra.get("ef", False),
             up_tma=case.extra.get("ut", False),
+            atomic_reduce=case.extra.get("ar", False),
         ),
         weights_on_input=case.weights_on_input,
     )
@@ -496,13 +534,20 @@ def test_backend_add_inputs(mode: AddInputs, seed: int) -> None:
         {"decode": True},
         {"decode": True, "pdl": True},
         {"lora_delta": True, "delta_in_reduce": True},
+        {"atomic_reduce": True},
+        {"atomic_reduce": True, "_dtype": torch.float16},
     ],
-    ids=["decode", "decode-pdl", "delta-in-reduce"],
+    ids=["decode", "decode-pdl", "delta-in-reduce", "atomic-fp32", "atomic-fp16"],
 )
 def test_add_into_out(knobs: dict, seed: int) -> None:
-    """The decode path's down kernel and the reduce with the delta add into `out`
+    """The decode path's down kernel, the reduce with the delta and the atomic reduce
+    (fp32 out summed into directly, 16-bit out by the finishing pass) add into `out`
     (add=True) as the aligned path does."""
-    shape, experts, lora, x, ids, weights, slots = _inputs(Case("dec-add", bias=True), seed)
+    knobs = dict(knobs)
+    dtype = knobs.pop("_dtype", torch.float32)
+    shape, experts, lora, x, ids, weights, slots = _inputs(
+        Case("dec-add", bias=True, dtype=dtype), seed
+    )
     ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
     prior = torch.randn_like(x)
     out = prior.clone()

@@ -90,6 +90,12 @@
   2.3947 -> 2.4422 (slower); +LoRA 4096 0.9587 -> 0.9339, 1024 0.5063 -> 0.5013, 16384
   2.8956 -> 2.9258 (slower). The knobs-only tune (976c808) took it at T = 1024 and 4096
   in both modes.
+- atomic_reduce (both modes, aligned path): off; the down GEMM adds each pair's weighted
+  row into an fp32 [T, H] sum with atomic adds, and a finishing pass writes the output
+  (kernels/atomic_reduce.py), instead of writing o [P, H] for topk_reduce to read back.
+  Reasoned from the v7 profile (topk_reduce 0.048 ms at T = 4096 for 134 MB of o read
+  back, plus o's writes); not measured yet. The sum order varies between runs (fp32
+  atomics). Ignored with lora_delta + delta_in_reduce (that reduce adds the delta rows).
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 
@@ -130,6 +136,7 @@ class TileConfig:
     expand_first: bool = False  # LoRA: the in-GEMM expand as a pipelined loop before the K loop
     half_tail: int = 0  # 1 up, 2 down GEMM, 3 both: half-height blocks where half is padding
     up_tma: bool = False  # the up GEMM's w13 tiles by TMA (gate / up rows not interleaved)
+    atomic_reduce: bool = False  # the down GEMM sums pairs into fp32 [T, H] (atomic_reduce.py)
 
 
 def _from_row(row: tuple) -> TileConfig:

@@ -4,7 +4,8 @@ For each aligned block (one expert) and N tile of H: o = z @ w2[e]^T + LoRA expa
 fp32 shrink intermediate of z, + b2, then times the routing weight (unless the weight was
 applied to the input). o [P, H] is written per pair; topk_reduce sums it over K.
 Knobs (configs.py): the expand before the K loop (expand_first), a half-height variant for
-blocks whose second half is padding (half_tail), z and w2 tiles by TMA (down_tma).
+blocks whose second half is padding (half_tail), z and w2 tiles by TMA (down_tma), and the
+top-k sum by fp32 atomic adds into a [T, H] buffer instead of o (atomic_reduce).
 
 Legend: P = T*K pairs, E experts, H hidden, I intermediate, R rank, L slots.
 """
@@ -81,6 +82,7 @@ def _expert_down_kernel(
     Z_SORTED: tl.constexpr,
     TMA: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    ATOMIC: tl.constexpr,
     EXPAND_FIRST: tl.constexpr,
     TAIL_VARIANTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -177,10 +179,16 @@ def _expert_down_kernel(
             if MUL_WEIGHT:
                 g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
                 acc = acc * g[:, None]
-            o_ptrs = o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-            tl.store(
-                o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :]
-            )
+            o_mask = row_valid[:, None] & n_mask[None, :]
+            if ATOMIC:  # the top-k sum: fp32 adds into the token's row of o [T, H]
+                o_row = (pair // top_k).to(tl.int64)
+                o_ptrs = o_ptr + o_row[:, None] * stride_om + offs_n[None, :] * stride_on
+                tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
+            else:
+                o_ptrs = (
+                    o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+                )
+                tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -257,6 +265,7 @@ def expert_down(
     half_tail: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sum_into: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """z [P, I] (z_sorted: [P_pad, I] in the sorted order, with num_pairs = P; tma: its
@@ -264,7 +273,10 @@ def expert_down(
     lora_b [L, E, H_b, R] holding o's columns [lora_n_offset, lora_n_offset + H_b) (the whole
     H by default; an H/tp slice under fully sharded LoRA); topk_weights [T, K] (None: weights
     were applied to the input); instead of inter, the expanded delta [P, 1, H] (lora_delta,
-    whole-H lora_b only). Returns o [P, H] in z's dtype (rows of dropped pairs unwritten)."""
+    whole-H lora_b only). Returns o [P, H] in z's dtype (rows of dropped pairs unwritten);
+    with sum_into (fp32 [T, H], T = P / top_k), each pair's row is atomically added into
+    its token's row there instead (the top-k reduce, kernels/atomic_reduce.py) and
+    sum_into is returned."""
     inter_size = z.shape[1]
     if not z_sorted:
         num_pairs = z.shape[0]
@@ -296,7 +308,12 @@ def expert_down(
                 )
         else:
             inter = inter.reshape(num_pairs, lora_b.shape[3])
-    if out is None:
+    if sum_into is not None:
+        check_shape("sum_into", sum_into, (num_pairs // top_k, hidden))
+        if sum_into.dtype != torch.float32:
+            raise InputError("sum_into", f"dtype {sum_into.dtype}", "an fp32 [T, H] buffer")
+        out = sum_into
+    elif out is None:
         out = workspace(num_pairs, hidden, dtype=z.dtype, device=z.device)
     rank = lora_b.shape[3] if has_lora else 1
     block_r = max(16, triton.next_power_of_2(rank))
@@ -358,6 +375,7 @@ def expert_down(
         Z_SORTED=z_sorted,
         TMA=use_tma,
         MUL_WEIGHT=topk_weights is not None,
+        ATOMIC=sum_into is not None,
         EXPAND_FIRST=expand_first and lora_b is not None and delta is None,
         TAIL_VARIANTS=tail_variants(half_tail, aligned.block_m),
         BLOCK_M=aligned.block_m,

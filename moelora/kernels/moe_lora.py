@@ -24,6 +24,7 @@ from ..config import MoEShape
 from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
 from .align import align_pairs
+from .atomic_reduce import finish_sum, sum_buffer
 from .checks import interpreted
 from .configs import TileConfig, pick_config
 from .decode_down import decode_down
@@ -156,6 +157,11 @@ def fused_moe_lora(
         )
     # with delta_in_reduce the down GEMM runs LoRA-free and the reduce adds the delta
     down_lora = use_lora and not (use_delta and cfg.delta_in_reduce)
+    # atomic_reduce: the down GEMM sums the pairs into [T, H] fp32 itself (not with
+    # delta_in_reduce, whose reduce pass adds the delta rows)
+    atomic = cfg.atomic_reduce and (down_lora or delta2 is None)
+    if atomic:
+        acc, direct = sum_buffer(num_tokens, hidden, out=out, add=add, device=x.device)
     o = expert_down(
         z,
         experts.w2,
@@ -179,8 +185,11 @@ def fused_moe_lora(
         expand_first=cfg.expand_first,
         half_tail=bool(cfg.half_tail & 2),
         delta=delta2 if down_lora else None,
+        sum_into=acc if atomic else None,
         pdl=pdl,
     )
+    if atomic:
+        return acc if direct else finish_sum(acc, x.dtype, out=out, add=add, pdl=pdl)
     if down_lora or delta2 is None:
         return topk_reduce(o, topk_ids, num_experts, out=out, add=add, pdl=pdl)
     return topk_reduce(
