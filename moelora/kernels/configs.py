@@ -94,8 +94,13 @@
   row into an fp32 [T, H] sum with atomic adds, and a finishing pass writes the output
   (kernels/atomic_reduce.py), instead of writing o [P, H] for topk_reduce to read back.
   Reasoned from the v7 profile (topk_reduce 0.048 ms at T = 4096 for 134 MB of o read
-  back, plus o's writes); not measured yet. The sum order varies between runs (fp32
-  atomics). Ignored with lora_delta + delta_in_reduce (that reduce adds the delta rows).
+  back, plus o's writes). Same-run A/B on the H200 (4aa3e56, two runs per side): faster
+  at T = 256 (+LoRA 0.4379 / 0.4393 -> 0.4320 / 0.4316 ms, LoRA-free 0.3272 / 0.3280 ->
+  0.3182 / 0.3180), level at 1024, slower at 4096 (+LoRA 0.935 -> 0.974) and 16384
+  (2.84-3.05 -> 3.14-3.28): there the [T, H] fp32 sum (33 / 134 MB) competes for the
+  50 MB L2 in which the adds resolve. The knobs-only tune (4aa3e56) took it at T = 16,
+  64 and 256 in both modes (2-6%). The sum order varies between runs (fp32 atomics).
+  Ignored with lora_delta + delta_in_reduce (that reduce adds the delta rows).
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 

@@ -1,9 +1,10 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 976c808, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 4aa3e56, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
-z layout / TMA, then half-height tails, then up-GEMM TMA; LoRA rows also start from
+z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k
+reduce; LoRA rows also start from
 the LoRA-free tiles), or in a --knobs-only run from the committed row over its knobs
 alone; each
 candidate timed as the whole layer under CUDA-graph replay, L2 flushed, median of
@@ -44,14 +45,20 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         16,
         (64, 256, 4, 2),
         (64, 64, 4, 4),
-    ),  # T=16: 0.2262 -> 0.2240 ms (b7d7a88 run)
-    (128, 8, 2048, 768, False, 128): (16, (64, 256, 4, 2), (64, 128, 4, 3)),  # kept from 9db1f65
+        {"z_sorted": True, "down_tma": True, "atomic_reduce": True, "half_tail": 3},
+    ),  # T=16: 0.2284 -> 0.2161 ms (4aa3e56 run)
+    (128, 8, 2048, 768, False, 128): (
+        16,
+        (64, 256, 4, 2),
+        (64, 128, 4, 3),
+        {"atomic_reduce": True},
+    ),  # T=64: 0.3081 -> 0.2960 ms (4aa3e56 run)
     (128, 8, 2048, 768, False, 512): (
         32,
         (64, 128, 4, 2),
         (256, 128, 8, 2),
-        {"half_tail": 3},
-    ),  # T=256: 0.3234 -> 0.3228 ms (543d834 run)
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "atomic_reduce": True, "half_tail": 3},
+    ),  # T=256: 0.3276 -> 0.3157 ms (4aa3e56 run)
     (128, 8, 2048, 768, False, 2048): (
         128,
         (128, 64, 8, 4),
@@ -98,29 +105,48 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         16,
         (32, 128, 4, 4),
         (64, 128, 4, 3),
-        {"expand_lanes": 16, "shrink_block_m": 16, "shrink_split_k": 4},
-    ),  # T=16: 0.2532 -> 0.2532 ms (b7d7a88 run)
+        {
+            "expand_lanes": 16,
+            "shrink_block_m": 16,
+            "shrink_split_k": 4,
+            "lora_delta": False,
+            "expand_first": True,
+            "up_tma": True,
+            "atomic_reduce": True,
+        },
+    ),  # T=16: 0.2538 -> 0.2392 ms (4aa3e56 run)
     (128, 8, 2048, 768, True, 128): (
         16,
         (64, 128, 4, 3),
         (128, 128, 4, 2),
-        {"expand_lanes": 16, "shrink_block_m": 16, "shrink_split_k": 1},
-    ),  # T=64: 0.3675 -> 0.3619 ms (b8a648a run)
+        {
+            "expand_lanes": 16,
+            "shrink_block_m": 16,
+            "shrink_split_k": 1,
+            "lora_delta": False,
+            "expand_first": True,
+            "z_sorted": True,
+            "up_tma": True,
+            "atomic_reduce": True,
+            "half_tail": 3,
+        },
+    ),  # T=64: 0.3626 -> 0.3480 ms (4aa3e56 run)
     (128, 8, 2048, 768, True, 512): (
         16,
         (64, 128, 4, 2),
         (128, 128, 4, 2),
         {
-            "expand_lanes": 32,
+            "expand_lanes": 16,
             "shrink_block_m": 16,
-            "shrink_split_k": 1,
+            "shrink_split_k": 4,
             "lora_delta": False,
             "expand_first": False,
             "z_sorted": True,
             "down_tma": True,
-            "half_tail": 3,
+            "atomic_reduce": True,
+            "half_tail": 2,
         },
-    ),  # T=256: 0.4396 -> 0.4358 ms (543d834 run)
+    ),  # T=256: 0.4393 -> 0.4321 ms (4aa3e56 run)
     (128, 8, 2048, 768, True, 2048): (
         128,
         (128, 64, 8, 4),
