@@ -26,5 +26,6 @@ CASES: dict[str, list[BenchCase]] = {
     # Issue 4's target layer: Qwen3-30B-A3B (E=128, K=8, H=2048, I=768), bf16, 8 x rank 16.
     "qwen3": [BenchCase("qwen3-30b-a3b", t) for t in TOKENS],
     "mixtral": [BenchCase("mixtral-8x7b", t) for t in (1, 64, 1024, 4096)],
+    "deepseek-v3": [BenchCase("deepseek-v3", t) for t in (1, 64, 1024, 4096)],
     "qwen3.5": [BenchCase("qwen3.5-35b-a3b", t) for t in TOKENS],
 }

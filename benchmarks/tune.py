@@ -329,13 +329,21 @@ def write_table(path: str, entries: list, header: dict) -> None:
         "",
         "H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {",
     ]
-    for key, row, t, h_ms, ms, note in sorted(entries, key=lambda e: (e[0][4], e[0][5])):
+    # by shape (E, K, H, I), then LoRA-free rows first, then by T
+    for key, row, t, h_ms, ms, note in sorted(entries, key=lambda e: e[0]):
         if t:
             note = f"T={t}: {h_ms:.4f} -> {ms:.4f} ms ({header['commit']} run)"
         lines.append(f"    {key!r}: {row!r},  # {note}")
     lines.append("}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def with_kept_rows(entries: list, table: dict, notes: dict) -> list:
+    """entries plus every row of `table` (all shapes, not only the tuned one) that they do
+    not re-tune, kept with its note."""
+    tuned = {e[0] for e in entries}
+    return entries + [(k, r, 0, 0.0, 0.0, notes[k]) for k, r in table.items() if k not in tuned]
 
 
 def committed_notes(path: str = TABLE_FILE) -> dict:
@@ -413,10 +421,8 @@ def main() -> int:
 
     notes = committed_notes()
 
-    def rows() -> list:
-        tuned = {e[0] for e in entries}
-        kept = [(k, r, 0, 0.0, 0.0, notes[k]) for k, r in committed.items() if k not in tuned]
-        return entries + kept
+    def rows() -> list:  # other shapes' rows are kept too
+        return with_kept_rows(entries, H200_ROWS, notes)
 
     for t in tokens:
         layer = Layer(model, experts, lora, t, args.iters)

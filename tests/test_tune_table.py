@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-from benchmarks.tune import _row, committed_notes, write_table
+from benchmarks.tune import _row, committed_notes, with_kept_rows, write_table
 from moelora.kernels import configs
 from moelora.kernels.h200_table import H200_ROWS
 
@@ -42,3 +42,20 @@ def test_table_round_trip_keeps_rows_and_notes(tmp_path) -> None:
     # the knobs read back as written (what pick_config applies)
     knobs = configs._row_knobs(rows[key])
     assert knobs["expand_first"] is True and knobs["half_tail"] == 2
+
+
+def test_tuning_another_shape_keeps_every_committed_row(tmp_path) -> None:
+    """A tune of another model (Mixtral's shape here) adds its rows; the committed rows of
+    every other shape stay, with their notes (they were once dropped: only the tuned
+    shape's rows were kept)."""
+    notes = committed_notes()
+    key = (8, 2, 4096, 14336, True, 64)
+    assert not any(k[:4] == key[:4] for k in H200_ROWS)
+    row = (32, (64, 128, 4, 3), (64, 128, 4, 3), {"expand_lanes": 16})
+    path = tmp_path / "h200_table.py"
+    write_table(str(path), with_kept_rows([(key, row, 64, 0.9, 0.8, "")], H200_ROWS, notes), HEADER)
+    rows = _load(path)
+    assert rows == {**H200_ROWS, key: row}
+    back = committed_notes(str(path))
+    assert all(back[k] == notes[k] for k in H200_ROWS)
+    assert back[key] == "T=64: 0.9000 -> 0.8000 ms (abc1234 run)"

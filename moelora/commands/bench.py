@@ -21,15 +21,49 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _peer_rows(path: str | None) -> dict[int, dict]:
+def peer_shape(case) -> dict:
+    """The layer a case times, in the peer JSON's "shape" keys."""
+    from ..presets import resolve_model
+
+    s = resolve_model(case.model).shape
+    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(s.dtype), str(s.dtype))
+    return dict(
+        E=s.num_experts,
+        top_k=s.top_k,
+        H=s.hidden_size,
+        I=s.intermediate_size,
+        dtype=dtype,
+        max_loras=case.adapters,
+        rank=case.rank,
+    )
+
+
+def peer_rows(path: str | None, cases: list) -> dict[int, dict]:
+    """The peer's rows by T, from a JSON of the same layer as every case (else an
+    InputError naming both shapes: a peer of another layer is never set beside ours)."""
     if not path:
         return {}
     try:
         with open(path) as f:
-            return {int(r["T"]): r for r in json.load(f)["rows"]}
+            data = json.load(f)
+        rows = {int(r["T"]): r for r in data["rows"]}
     except (OSError, KeyError, ValueError) as err:
         print(f"bench: peer JSON {path} unreadable ({err}); peer columns left empty")
         return {}
+    from ..errors import InputError
+
+    for case in cases:
+        want = peer_shape(case)
+        got = {k: data.get("shape", {}).get(k) for k in want}
+        if got != want:
+            raise InputError(
+                "--peer-json",
+                f"{path}, a peer run of the layer {got}",
+                f"a peer run of {case.id}'s layer {want}: run .peer/vllm_moe_lora_bench.py "
+                f"--experts {want['E']} --topk {want['top_k']} --hidden {want['H']} "
+                f"--inter {want['I']} --max-loras {want['max_loras']} --rank {want['rank']}",
+            )
+    return rows
 
 
 def select_backend(name: str, case):
@@ -84,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         f"ceilings: copy {ceil.bandwidth / 1e12:.2f} TB/s, bf16 matmul "
         f"{ceil.matmul / 1e12:.0f} TFLOP/s"
     )
-    peer = _peer_rows(args.peer_json)
+    peer = peer_rows(args.peer_json, cases)
     rows, failed = [], False
     cache: dict = {}
     for name in args.backends.split(","):

@@ -1,0 +1,45 @@
+"""`moelora bench --peer-json`: the vLLM peer's times are set beside ours only when the peer
+ran the same layer (experts, top-k, sizes, dtype, adapters, rank) as every timed case."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from benchmarks.cases import CASES
+from moelora.commands.bench import peer_rows, peer_shape
+from moelora.errors import InputError
+
+
+def _write(tmp_path, shape: dict, tokens: list[int]):
+    ms = {t: random.uniform(0.01, 5.0) for t in tokens}  # fresh values: nothing hard-coded
+    rows = [dict(T=t, base_pre_ms=ms[t], lora_pre_ms=2 * ms[t]) for t in tokens]
+    path = tmp_path / "vllm_peer.json"
+    path.write_text(json.dumps(dict(shape=shape, rows=rows)))
+    return str(path), ms
+
+
+def test_peer_of_the_same_layer_is_read(tmp_path) -> None:
+    cases = CASES["mixtral"]
+    tokens = [c.tokens for c in cases]
+    path, ms = _write(tmp_path, {**peer_shape(cases[0]), "w_std": 0.02}, tokens)
+    rows = peer_rows(path, cases)
+    assert sorted(rows) == sorted(tokens)
+    assert all(rows[t]["base_pre_ms"] == ms[t] for t in tokens)
+
+
+@pytest.mark.parametrize("field", ["E", "top_k", "H", "I", "dtype", "max_loras", "rank"])
+def test_peer_of_another_layer_is_refused(tmp_path, field: str) -> None:
+    cases = CASES["qwen3"]
+    shape = peer_shape(cases[0])
+    shape[field] = "fp16" if field == "dtype" else shape[field] * 2
+    path, _ = _write(tmp_path, shape, [c.tokens for c in cases])
+    with pytest.raises(InputError, match=f"'{field}': {shape[field]!r}"):
+        peer_rows(path, cases)
+
+
+def test_no_peer_file_means_no_peer_columns(tmp_path) -> None:
+    assert peer_rows(None, CASES["qwen3"]) == {}
+    assert peer_rows(str(tmp_path / "missing.json"), CASES["qwen3"]) == {}
