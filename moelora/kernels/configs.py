@@ -9,6 +9,13 @@
   rows), 128 x 64 for large m (MMA-bound; the standard Hopper Triton matmul tile).
   Gated up kernels hold two accumulators, so their BLOCK_N is half the down kernel's.
 - num_warps 4 / 8 and num_stages 3 / 4: Triton tutorial defaults for these tile sizes.
+- BLOCK_M 128 (large m): up 128 x 64 and down 256 x 64 tiles, 8 warps, 4 stages, z in the
+  sorted order with the down GEMM's tiles by TMA. Measured: the H200 tunes chose exactly
+  these tiles at T >= 1024 for two shapes in both modes (Qwen3-30B-A3B, 976c808 / 543d834;
+  Mixtral-8x7B, eda1eca, some rows with 3 stages), and with the old 64 x 64 / 128 x 64
+  heuristic tiles Mixtral-8x7B at T = 4096 +LoRA took 6.99 ms, slower than vLLM's 6.71,
+  against 5.77 tuned (eda1eca run; BENCHMARKS.md). device_fit turns the TMA off below
+  sm_90 and fits the stages to the device.
 - shrink split-K (LoRA): 8 / 4 / 2 / 1 K chunks for P = T*K pairs <= 2048 / 8192 / 32768 /
   above, so the shrink grid reaches thousands of programs at small T while the fp32
   atomic traffic (P * S*R * 4 bytes per chunk) stays a few MB. Predicted from the v5
@@ -176,7 +183,9 @@ def _heuristic(pairs_per_expert: float) -> TileConfig:
         return TileConfig(block_m, GemmTiles(64, 128), GemmTiles(64, 128))
     if block_m == 64:
         return TileConfig(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4))
-    return TileConfig(128, GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4))
+    return TileConfig(
+        128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), z_sorted=True, down_tma=True
+    )
 
 
 DECODE_TILES = TileConfig(

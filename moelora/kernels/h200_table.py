@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 4aa3e56, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit eda1eca, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k
@@ -17,6 +17,83 @@ warps, stages), down (same)[, knobs]).
 """
 
 H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
+    (8, 2, 4096, 14336, False, 8): (
+        16,
+        (2, 2048, 4, 1),
+        (4, 512, 4, 1),
+        {"decode": True, "pdl": True},
+    ),  # T=1: 0.2061 -> 0.1727 ms (eda1eca run)
+    (8, 2, 4096, 14336, False, 256): (
+        32,
+        (64, 128, 4, 3),
+        (64, 128, 4, 3),
+        {"z_sorted": True, "atomic_reduce": True},
+    ),  # T=64: 0.6733 -> 0.6684 ms (eda1eca run)
+    (8, 2, 4096, 14336, False, 2048): (
+        128,
+        (128, 64, 8, 3),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 3},
+    ),  # T=1024: 1.8492 -> 1.4911 ms (eda1eca run)
+    (8, 2, 4096, 14336, False, 2147483647): (
+        128,
+        (128, 64, 8, 3),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "atomic_reduce": True, "half_tail": 2},
+    ),  # T=4096: 6.3557 -> 4.5061 ms (eda1eca run)
+    (8, 2, 4096, 14336, True, 8): (
+        16,
+        (2, 2048, 4, 1),
+        (2, 512, 4, 1),
+        {"decode": True, "decode_shrink": (1, 2048)},
+    ),  # T=1: 0.2236 -> 0.2029 ms (eda1eca run)
+    (8, 2, 4096, 14336, True, 256): (
+        32,
+        (64, 128, 4, 2),
+        (64, 128, 4, 3),
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 16,
+            "shrink_split_k": 8,
+            "lora_delta": True,
+            "expand_first": False,
+            "delta_in_reduce": True,
+            "shrink_expand": False,
+            "z_sorted": True,
+            "up_tma": True,
+            "half_tail": 1,
+        },
+    ),  # T=64: 0.8545 -> 0.7282 ms (eda1eca run)
+    (8, 2, 4096, 14336, True, 2048): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 16,
+            "shrink_split_k": 8,
+            "lora_delta": False,
+            "expand_first": False,
+            "z_sorted": True,
+            "down_tma": True,
+            "up_tma": True,
+            "half_tail": 1,
+        },
+    ),  # T=1024: 2.1403 -> 1.6240 ms (eda1eca run)
+    (8, 2, 4096, 14336, True, 2147483647): (
+        128,
+        (128, 64, 8, 3),
+        (256, 64, 8, 3),
+        {
+            "expand_lanes": 16,
+            "shrink_block_m": 16,
+            "shrink_split_k": 4,
+            "lora_delta": False,
+            "expand_first": False,
+            "z_sorted": True,
+            "down_tma": True,
+        },
+    ),  # T=4096: 7.0614 -> 5.1278 ms (eda1eca run)
     (128, 8, 2048, 768, False, 1): (
         16,
         (4, 2048, 8, 1),
