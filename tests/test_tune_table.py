@@ -45,11 +45,11 @@ def test_table_round_trip_keeps_rows_and_notes(tmp_path) -> None:
 
 
 def test_tuning_another_shape_keeps_every_committed_row(tmp_path) -> None:
-    """A tune of another model (Mixtral's shape here) adds its rows; the committed rows of
-    every other shape stay, with their notes (they were once dropped: only the tuned
-    shape's rows were kept)."""
+    """A tune of another model (OLMoE's shape here, not in the table) adds its rows; the
+    committed rows of every other shape stay, with their notes (they were once dropped:
+    only the tuned shape's rows were kept)."""
     notes = committed_notes()
-    key = (8, 2, 4096, 14336, True, 64)
+    key = (64, 8, 2048, 1024, True, 64)
     assert not any(k[:4] == key[:4] for k in H200_ROWS)
     row = (32, (64, 128, 4, 3), (64, 128, 4, 3), {"expand_lanes": 16})
     path = tmp_path / "h200_table.py"
