@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit eda1eca, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 1c6a128, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k
@@ -273,4 +273,74 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "half_tail": 1,
         },
     ),  # T=16384: 3.0587 -> 2.8600 ms (543d834 run)
+    (256, 8, 7168, 2048, False, 8): (
+        16,
+        (2, 2048, 4, 1),
+        (4, 256, 4, 1),
+        {"decode": True, "pdl": True},
+    ),  # T=1: 0.1840 -> 0.1722 ms (1c6a128 run)
+    (256, 8, 7168, 2048, False, 256): (
+        16,
+        (32, 256, 4, 2),
+        (64, 128, 4, 3),
+        {"atomic_reduce": True},
+    ),  # T=64: 4.3167 -> 4.3096 ms (1c6a128 run)
+    (256, 8, 7168, 2048, False, 2048): (
+        64,
+        (64, 64, 4, 4),
+        (128, 64, 8, 4),
+        {"z_sorted": True, "up_tma": True},
+    ),  # T=1024: 5.3559 -> 5.3511 ms (1c6a128 run)
+    (256, 8, 7168, 2048, False, 2147483647): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 2},
+    ),  # T=4096: 8.2161 -> 7.9585 ms (1c6a128 run)
+    (256, 8, 7168, 2048, True, 256): (
+        16,
+        (32, 128, 4, 3),
+        (64, 128, 4, 3),
+        {
+            "expand_lanes": 16,
+            "shrink_block_m": 16,
+            "shrink_split_k": 8,
+            "lora_delta": False,
+            "expand_first": False,
+            "atomic_reduce": True,
+            "half_tail": 3,
+        },
+    ),  # T=64: 4.4755 -> 4.4276 ms (1c6a128 run)
+    (256, 8, 7168, 2048, True, 2048): (
+        64,
+        (64, 64, 4, 4),
+        (128, 64, 4, 4),
+        {
+            "expand_lanes": 64,
+            "shrink_block_m": 16,
+            "shrink_split_k": 4,
+            "lora_delta": False,
+            "expand_first": False,
+            "z_sorted": True,
+            "up_tma": True,
+        },
+    ),  # T=1024: 6.8006 -> 5.8587 ms (1c6a128 run)
+    (256, 8, 7168, 2048, True, 2147483647): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 32,
+            "shrink_split_k": 2,
+            "lora_delta": True,
+            "expand_first": False,
+            "delta_in_reduce": True,
+            "shrink_expand": False,
+            "z_sorted": True,
+            "down_tma": True,
+            "up_tma": True,
+            "half_tail": 3,
+        },
+    ),  # T=4096: 9.6499 -> 8.8089 ms (1c6a128 run)
 }
