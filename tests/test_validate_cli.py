@@ -18,6 +18,16 @@ def test_validate_runs_in_the_requested_dtype(dtype, tol, capsys) -> None:
     assert len(rows) == 1 and f" {tol}  pass" in rows[0]
 
 
+def test_validate_rank_sets_the_sweep_rank(capsys) -> None:
+    args = ["--device", "cpu", "--models", "tiny", "--tokens", "3,5", "--quick", "--rank", "32"]
+    code = cli.main(["validate", *args, "--dtype", "fp32"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("triton")]
+    assert code == 0 and "validate: 2/2 passed" in out
+    assert len(rows) == 2 and all("L=8 R=32" in r and " pass" in r for r in rows)
+    assert cli.main(["validate", "--device", "cpu", "--models", "tiny", "--rank", "0"]) == 2
+
+
 def test_validate_refuses_an_unknown_dtype(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["validate", "--device", "cpu", "--models", "tiny", "--dtype", "fp8"])

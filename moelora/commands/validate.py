@@ -43,8 +43,13 @@ class Case:
         return f"T={self.tokens} {lora} {'graph' if self.graphs else 'eager'}"
 
 
-def default_cases(tokens: tuple[int, ...] = TOKENS) -> list[Case]:
-    cases = [Case(t, 8, 16, False) for t in tokens]
+def sweep_cases(tokens: tuple[int, ...], rank: int = 16) -> list[Case]:
+    """The T sweep (--quick runs only this): 8 adapters of rank `rank`, eager."""
+    return [Case(t, 8, rank, False) for t in tokens]
+
+
+def default_cases(tokens: tuple[int, ...] = TOKENS, rank: int = 16) -> list[Case]:
+    cases = sweep_cases(tokens, rank)
     cases += [Case(t, 8, 16, True) for t in (1, 255, 4096) if t in tokens or len(tokens) > 3]
     cases += [Case(t, 8, r, False) for r in (8, 64, 128) for t in (64, 1024)]
     cases += [Case(t, 1, 16, False) for t in (7, 1024)]
@@ -196,6 +201,13 @@ def add_parser(subparsers) -> None:
         help="compare the first N tokens' rows (reference cost grows with T)",
     )
     p.add_argument("--quick", action="store_true", help="T sweep only, eager")
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=16,
+        help="LoRA rank R of the T sweep (8 adapters alternating R and R/2); e.g. 128 for the "
+        "largest shared-memory need",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -214,7 +226,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     tokens = tuple(int(t) for t in args.tokens.split(","))
-    cases = [Case(t, 8, 16, False) for t in tokens] if args.quick else default_cases(tokens)
+    if args.rank < 1:
+        print(f"validate: --rank {args.rank}: expected a LoRA rank >= 1")
+        return 2
+    cases = sweep_cases(tokens, args.rank) if args.quick else default_cases(tokens, args.rank)
     if args.device != "cuda":
         cases = [c for c in cases if not c.graphs]
     failures = total = 0
