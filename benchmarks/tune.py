@@ -208,7 +208,8 @@ def search(
     for half_tail in HALF_TAIL:
         consider(dataclasses.replace(best, half_tail=half_tail))
     consider(dataclasses.replace(best, up_tma=not best.up_tma))
-    consider(dataclasses.replace(best, atomic_reduce=not best.atomic_reduce))
+    if not (best.lora_delta and best.delta_in_reduce):  # a no-op there (moe_lora.py)
+        consider(dataclasses.replace(best, atomic_reduce=not best.atomic_reduce))
     print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
     return best, base_ms
 
@@ -228,6 +229,8 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
     for knob, value in steps:
         if knob in DELTA_KNOBS and not best.lora_delta:
             continue  # each acts only with lora_delta
+        if knob == "atomic_reduce" and best.lora_delta and best.delta_in_reduce:
+            continue  # a no-op with that reduce pass (moe_lora.py)
         cfg = dataclasses.replace(best, **{knob: value})
         if knob == "down_tma" and value:
             cfg = dataclasses.replace(cfg, z_sorted=True)

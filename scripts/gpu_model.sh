@@ -6,6 +6,8 @@
 # moelora/kernels/h200_table.py).
 # Usage (device tool, .peer carried): MOELORA_COMMIT=<sha> bash scripts/gpu_model.sh SUITE
 #   SUITE: a case list in benchmarks/cases.py of one model (mixtral, deepseek-v3, ...).
+#   The peer runs SiLU-gated experts only: for other activations the bench refuses its JSON
+#   (and runs without peer columns only if you drop --peer-json).
 # Knobs: TUNE_TOKENS (default: the suite's T, largest first), TUNE_S, ITERS.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -20,7 +22,7 @@ cases = CASES[sys.argv[1]]
 s = peer_shape(cases[0])
 tokens = ",".join(str(c.tokens) for c in cases)
 print(cases[0].model, tokens, f"--experts={s['E']} --topk={s['top_k']} --hidden={s['H']} "
-      f"--inter={s['I']} --max-loras={s['max_loras']} --rank={s['rank']}")
+      f"--inter={s['I']} --max-loras={s['max_loras']} --rank={s['rank']} --dtype={s['dtype']}")
 PYEOF
 )
 echo "suite $SUITE: model $MODEL, T $TOKENS, peer $PEER_ARGS"

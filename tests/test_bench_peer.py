@@ -30,14 +30,27 @@ def test_peer_of_the_same_layer_is_read(tmp_path) -> None:
     assert all(rows[t]["base_pre_ms"] == ms[t] for t in tokens)
 
 
-@pytest.mark.parametrize("field", ["E", "top_k", "H", "I", "dtype", "max_loras", "rank"])
+@pytest.mark.parametrize("field", ["E", "top_k", "H", "I", "dtype", "max_loras", "rank", "bias"])
 def test_peer_of_another_layer_is_refused(tmp_path, field: str) -> None:
     cases = CASES["qwen3"]
     shape = peer_shape(cases[0])
-    shape[field] = "fp16" if field == "dtype" else shape[field] * 2
+    shape[field] = {"dtype": "fp16", "bias": True}.get(field, shape.get(field, 0) * 2)
     path, _ = _write(tmp_path, shape, [c.tokens for c in cases])
     with pytest.raises(InputError, match=f"'{field}': {shape[field]!r}"):
         peer_rows(path, cases)
+
+
+@pytest.mark.parametrize("suite", ["gpt-oss", "nemotron"])
+def test_peer_beside_another_activation_is_refused(tmp_path, suite: str) -> None:
+    """The peer runs SiLU-gated experts only: its JSON beside a swigluoai (with biases) or
+    relu2 layer of the same sizes is refused, not compared."""
+    from benchmarks.cases import BenchCase
+
+    case = BenchCase({"gpt-oss": "gpt-oss-20b", "nemotron": "nemotron-h"}[suite], 64)
+    shape = {k: v for k, v in peer_shape(case).items() if k not in ("activation", "bias")}
+    path, _ = _write(tmp_path, shape, [64])
+    with pytest.raises(InputError, match="activation"):
+        peer_rows(path, [case])
 
 
 def test_no_peer_file_means_no_peer_columns(tmp_path) -> None:

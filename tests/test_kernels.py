@@ -734,3 +734,56 @@ def test_zero_tokens(seed: int) -> None:
     assert got.shape == (0, shape.hidden_size)
     out = torch.randn(0, shape.hidden_size)
     fused_moe_lora(x[:0], ids[:0], weights[:0], slots[:0], experts, lora, shape, out=out, add=True)
+
+
+@pytest.mark.parametrize(
+    "knobs,dtype,want",
+    [
+        ({"atomic_reduce": True}, torch.float16, "atomic+finish"),
+        ({"atomic_reduce": True}, torch.float32, "atomic"),  # the fp32 sum is the result
+        ({"atomic_reduce": True, "_no_lora": True}, torch.float16, "atomic+finish"),
+        ({"atomic_reduce": False}, torch.float16, "reduce"),
+        # ignored with delta_in_reduce: that reduce pass adds the delta rows
+        ({"atomic_reduce": True, "lora_delta": True, "delta_in_reduce": True}, torch.float16,
+         "reduce"),
+    ],
+    ids=["fp16", "fp32", "fp16-no-lora", "off", "delta-in-reduce"],
+)  # fmt: skip
+def test_atomic_reduce_takes_the_atomic_path(monkeypatch, knobs, dtype, want, seed) -> None:
+    """Which top-k sum ran (the outputs match either way, so the reference cases alone
+    cannot tell): the down GEMM's atomic adds (sum_into given, topk_reduce never called),
+    then the finishing pass only for 16-bit results."""
+    import moelora.kernels.moe_lora as mod
+
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            if name == "down":
+                calls.append("atomic" if kwargs.get("sum_into") is not None else "down")
+            else:
+                calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(mod, "expert_down", spy("down", mod.expert_down))
+    monkeypatch.setattr(mod, "topk_reduce", spy("reduce", mod.topk_reduce))
+    monkeypatch.setattr(mod, "finish_sum", spy("finish", mod.finish_sum))
+    knobs = dict(knobs)
+    no_lora = knobs.pop("_no_lora", False)
+    shape, experts, lora, x, ids, weights, slots = _inputs(Case("spy", dtype=dtype), seed)
+    if no_lora:
+        lora, slots = None, None
+    ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
+    out = fused_moe_lora(
+        x, ids, weights, slots, experts, lora, shape, config=dataclasses.replace(TILES, **knobs)
+    )
+    assert_close(out, ref, what=want)
+    assert out.dtype == dtype
+    expected = {
+        "atomic+finish": ["atomic", "finish"],
+        "atomic": ["atomic"],
+        "reduce": ["down", "reduce"],
+    }[want]
+    assert calls == expected

@@ -9,6 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..errors import InputError
+
+# what the vLLM peer's JSON leaves unsaid: its tool always runs SiLU-gated experts without
+# biases (.peer/vllm_moe_lora_bench.py)
+PEER_DEFAULTS = dict(activation="silu", bias=False)
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time backends vs the floor (and the vLLM peer)")
@@ -22,7 +28,8 @@ def add_parser(subparsers) -> None:
 
 
 def peer_shape(case) -> dict:
-    """The layer a case times, in the peer JSON's "shape" keys."""
+    """The layer a case times, in the peer JSON's "shape" keys (activation and bias too:
+    PEER_DEFAULTS when the JSON does not name them)."""
     from ..presets import resolve_model
 
     s = resolve_model(case.model).shape
@@ -35,6 +42,8 @@ def peer_shape(case) -> dict:
         dtype=dtype,
         max_loras=case.adapters,
         rank=case.rank,
+        activation=s.activation.value,
+        bias=s.has_bias,
     )
 
 
@@ -50,18 +59,18 @@ def peer_rows(path: str | None, cases: list) -> dict[int, dict]:
     except (OSError, KeyError, ValueError) as err:
         print(f"bench: peer JSON {path} unreadable ({err}); peer columns left empty")
         return {}
-    from ..errors import InputError
-
+    shape = {**PEER_DEFAULTS, **data.get("shape", {})}
     for case in cases:
         want = peer_shape(case)
-        got = {k: data.get("shape", {}).get(k) for k in want}
+        got = {k: shape.get(k) for k in want}
         if got != want:
             raise InputError(
                 "--peer-json",
                 f"{path}, a peer run of the layer {got}",
                 f"a peer run of {case.id}'s layer {want}: run .peer/vllm_moe_lora_bench.py "
                 f"--experts {want['E']} --topk {want['top_k']} --hidden {want['H']} "
-                f"--inter {want['I']} --max-loras {want['max_loras']} --rank {want['rank']}",
+                f"--inter {want['I']} --max-loras {want['max_loras']} --rank {want['rank']} "
+                f"--dtype {want['dtype']} (the peer runs SiLU-gated experts without biases only)",
             )
     return rows
 

@@ -27,19 +27,27 @@ from .pdl import chain_point
 
 
 def sum_buffer(
-    num_tokens: int, hidden: int, *, out: torch.Tensor | None, add: bool, device: torch.device
+    num_tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None,
+    add: bool,
+    device: torch.device,
 ) -> tuple[torch.Tensor, bool]:
-    """(the fp32 [T, H] buffer the down GEMM adds into, whether it is `out` itself).
+    """(the fp32 [T, H] buffer the down GEMM adds into, whether it is the result itself).
 
     An fp32 `out` is summed into directly: zeroed first unless add=True, which keeps its
-    values as the sum's start (no finishing pass then). Otherwise a zeroed workspace.
+    values as the sum's start. Without `out`, an fp32 layer's result is the zeroed sum
+    itself. No finishing pass in either case; otherwise a zeroed workspace to finish.
     """
     if out is not None and out.dtype == torch.float32 and out.is_contiguous():
         check_shape("out", out, (num_tokens, hidden))
         if not add:
             out.zero_()
         return out, True
-    return workspace(num_tokens, hidden, dtype=torch.float32, device=device).zero_(), False
+    acc = workspace(num_tokens, hidden, dtype=torch.float32, device=device).zero_()
+    return acc, out is None and dtype == torch.float32
 
 
 @triton.jit

@@ -10,12 +10,13 @@
   Gated up kernels hold two accumulators, so their BLOCK_N is half the down kernel's.
 - num_warps 4 / 8 and num_stages 3 / 4: Triton tutorial defaults for these tile sizes.
 - BLOCK_M 128 (large m): up 128 x 64 and down 256 x 64 tiles, 8 warps, 4 stages, z in the
-  sorted order with the down GEMM's tiles by TMA. Measured: the H200 tunes chose exactly
-  these tiles at T >= 1024 for two shapes in both modes (Qwen3-30B-A3B, 976c808 / 543d834;
-  Mixtral-8x7B, eda1eca, some rows with 3 stages), and with the old 64 x 64 / 128 x 64
-  heuristic tiles Mixtral-8x7B at T = 4096 +LoRA took 6.99 ms, slower than vLLM's 6.71,
-  against 5.77 tuned (eda1eca run; BENCHMARKS.md). device_fit turns the TMA off below
-  sm_90 and fits the stages to the device.
+  sorted order with the down GEMM's tiles by TMA. Measured: every H200 tune row at
+  T >= 1024 of two shapes, both modes, has these BLOCK_N x BLOCK_K tiles with 8 warps
+  (Qwen3-30B-A3B, 976c808 / 543d834; Mixtral-8x7B, eda1eca), half of them with 3 stages
+  in one GEMM or both, and with the old 64 x 64 / 128 x 64 heuristic tiles Mixtral-8x7B at
+  T = 4096 +LoRA took 6.99 ms, slower than vLLM's 6.71, against 5.77 tuned (eda1eca run;
+  BENCHMARKS.md). device_fit (kernels/device_fit.py) adapts them to the GPU that runs
+  them (TMA, shared memory).
 - shrink split-K (LoRA): 8 / 4 / 2 / 1 K chunks for P = T*K pairs <= 2048 / 8192 / 32768 /
   above, so the shrink grid reaches thousands of programs at small T while the fp32
   atomic traffic (P * S*R * 4 bytes per chunk) stays a few MB. Predicted from the v5
@@ -106,7 +107,9 @@
   0.3182 / 0.3180), level at 1024, slower at 4096 (+LoRA 0.935 -> 0.974) and 16384
   (2.84-3.05 -> 3.14-3.28): there the [T, H] fp32 sum (33 / 134 MB) competes for the
   50 MB L2 in which the adds resolve. The knobs-only tune (4aa3e56) took it at T = 16,
-  64 and 256 in both modes (2-6%). The sum order varies between runs (fp32 atomics).
+  64 and 256 in both modes (the atomic step alone: -1.0% at 256 +LoRA to -5.0% at 16
+  LoRA-free); the Mixtral-8x7B tune (eda1eca) at T = 64 and 4096 LoRA-free. The sum order
+  varies between runs (fp32 atomics), so those rows are not bitwise repeatable.
   Ignored with lora_delta + delta_in_reduce (that reduce adds the delta rows).
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """

@@ -161,7 +161,7 @@ def fused_moe_lora(
     # delta_in_reduce, whose reduce pass adds the delta rows)
     atomic = cfg.atomic_reduce and (down_lora or delta2 is None)
     if atomic:
-        acc, direct = sum_buffer(num_tokens, hidden, out=out, add=add, device=x.device)
+        acc, direct = sum_buffer(num_tokens, hidden, x.dtype, out=out, add=add, device=x.device)
     o = expert_down(
         z,
         experts.w2,
