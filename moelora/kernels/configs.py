@@ -108,7 +108,11 @@
   (2.84-3.05 -> 3.14-3.28): there the [T, H] fp32 sum (33 / 134 MB) competes for the
   50 MB L2 in which the adds resolve. The knobs-only tune (4aa3e56) took it at T = 16,
   64 and 256 in both modes (the atomic step alone: -1.0% at 256 +LoRA to -5.0% at 16
-  LoRA-free); the Mixtral-8x7B tune (eda1eca) at T = 64 and 4096 LoRA-free. The sum order
+  LoRA-free); the Mixtral-8x7B tune (eda1eca) at T = 64 and 4096 LoRA-free, the latter
+  on a 1.3% step inside that tune's spread, and a same-run A/B (770abbc, twice per side)
+  measured it slower there (T = 4096 4.824 / 5.056 -> 5.121 / 5.120 ms, 16384 19.35 /
+  19.38 -> 19.44 / 19.52), so that row has it off (the table's one hand edit, noted in
+  its comment); DeepSeek-V3's T = 1 +LoRA row (770abbc tune) has it. The sum order
   varies between runs (fp32 atomics), so those rows are not bitwise repeatable.
   Ignored with lora_delta + delta_in_reduce (that reduce adds the delta rows).
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).

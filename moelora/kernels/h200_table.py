@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 1c6a128, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 770abbc, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k
@@ -39,8 +39,8 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         128,
         (128, 64, 8, 3),
         (256, 64, 8, 4),
-        {"z_sorted": True, "down_tma": True, "up_tma": True, "atomic_reduce": True, "half_tail": 2},
-    ),  # T=4096: 6.3557 -> 4.5061 ms (eda1eca run)
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 2},
+    ),  # T=4096: 6.3557 -> 4.5061 ms (eda1eca run); atomic_reduce off by the 770abbc A/B
     (8, 2, 4096, 14336, True, 8): (
         16,
         (2, 2048, 4, 1),
@@ -297,6 +297,20 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (256, 64, 8, 4),
         {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 2},
     ),  # T=4096: 8.2161 -> 7.9585 ms (1c6a128 run)
+    (256, 8, 7168, 2048, True, 1): (
+        16,
+        (64, 128, 4, 3),
+        (256, 128, 8, 2),
+        {
+            "expand_lanes": 16,
+            "shrink_block_m": 64,
+            "shrink_split_k": 8,
+            "lora_delta": False,
+            "expand_first": True,
+            "z_sorted": True,
+            "atomic_reduce": True,
+        },
+    ),  # T=1: 0.1995 -> 0.1973 ms (770abbc run)
     (256, 8, 7168, 2048, True, 256): (
         16,
         (32, 128, 4, 3),
