@@ -68,12 +68,15 @@ def fused_moe_lora(
     num_experts = experts.w13.shape[0]
     inter_size = experts.w2.shape[2]
     use_lora = lora is not None and token_slots is not None
-    # a picked config is fitted to the device (shared memory, TMA); an explicit one is not
+    # a picked config is fitted to the device (shared memory, TMA); an explicit one is not.
+    # The rank is B's: under fully sharded LoRA the expand still runs at the full R.
     cfg = config or fit_to_device(
         pick_config(num_tokens, num_experts, top_k, hidden, inter_size, use_lora),
         shape.activation.width_factor,
         x.dtype,
         x.device,
+        rank=lora.w13_b.shape[-1] if use_lora else 0,
+        num_slots=lora.num_slots if use_lora else 0,
     )
     num_slots = lora.num_slots if use_lora else 0
     x = x.contiguous()

@@ -1,0 +1,144 @@
+"""The kernel launches one fused_moe_lora call makes, captured without a GPU, and the shared
+memory Triton allocates for each when it compiles it for sm_90 (the H200 / H100).
+
+Capture: every `*_kernel` JIT function of moelora.kernels is swapped for a recorder, and
+the forward runs on CPU tensors with an explicit config, so each launcher checks, sizes
+and passes its arguments (constexprs, strides, TMA descriptors, num_warps / num_stages)
+exactly as on the GPU; nothing runs. Compile: the arguments are specialised as the JIT
+does at launch (ints of 1 become constants, pointers and ints divisible by 16 get the
+divisibility hint, which is what lets Triton vectorise and multi-buffer the loads), then
+Triton's sm_90 stages run through make_llir's MLIR passes and stop before the LLVM
+translation: the shared memory is allocated by then, and that attribute is what make_llir
+stores as metadata["shared"] (the same bytes as a full compile's, checked on the up
+kernel in bf16 and fp32 at rank 128; the LLVM and ptxas stages take minutes in fp32).
+
+Run in a child process with TRITON_INTERPRET=0 (tests/sm90_child.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import pkgutil
+
+import torch
+
+SM90 = ("cuda", 90, 32)
+NOT_COMPILED = ("_align_kernel", "_topk_reduce_kernel")  # no LoRA tiles, no pipeline
+
+
+@contextlib.contextmanager
+def _recorded():
+    """Every moelora.kernels `*_kernel` JIT function records its launches instead of
+    running; yields the list of (kernel, kwargs)."""
+    from triton.runtime.jit import JITFunction
+
+    import moelora.kernels as pkg
+
+    calls, swapped = [], []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: calls.append((self.fn, kwargs))
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        for name, obj in list(vars(module).items()):
+            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+                swapped.append((module, name, obj))
+                setattr(module, name, Recorder(obj))
+    try:
+        yield calls
+    finally:
+        for module, name, obj in swapped:
+            setattr(module, name, obj)
+
+
+def forward_launches(cfg, dtype: torch.dtype, rank: int, num_slots: int) -> list[tuple]:
+    """[(kernel, kwargs)] of one fused_moe_lora call with `cfg`, LoRA on: a Qwen3-30B-A3B
+    layer (H 2048, I 768, K 8) cut to 8 experts, 512 tokens (4096 pairs), every token on
+    slot 0. Shared memory does not depend on those sizes beyond their divisibility."""
+    from moelora.activations import Activation
+    from moelora.config import MoEShape
+    from moelora.kernels.moe_lora import fused_moe_lora
+    from moelora.weights import ExpertWeights, LoRABank
+
+    experts, top_k, hidden, inter, tokens = 8, 8, 2048, 768, 512
+    empty = lambda *shape: torch.empty(*shape, dtype=dtype)  # noqa: E731 (never read)
+    weights = ExpertWeights(empty(experts, 2 * inter, hidden), empty(experts, hidden, inter))
+    bank = LoRABank(
+        empty(num_slots, experts, 2, rank, hidden),
+        empty(num_slots, experts, 2, inter, rank),
+        empty(num_slots, experts, rank, inter),
+        empty(num_slots, experts, hidden, rank),
+    )
+    shape = MoEShape(experts, top_k, hidden, inter, Activation.SILU, dtype=dtype)
+    ids = torch.zeros(tokens, top_k, dtype=torch.int32)
+    slots = torch.zeros(tokens, dtype=torch.int32)
+    x, w = empty(tokens, hidden), torch.empty(tokens, top_k)
+    with _recorded() as calls:
+        fused_moe_lora(x, ids, w, slots, weights, bank, shape, config=cfg)
+    return [(fn, kw) for fn, kw in calls if fn.__name__ not in NOT_COMPILED]
+
+
+def shared_bytes(fn, kwargs: dict) -> int:
+    """Shared memory (bytes per block) of `fn` launched with `kwargs`, compiled for sm_90
+    up to its shared-memory allocation (module docstring)."""
+    import triton.backends.nvidia.compiler as nvidia_compiler
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    target = GPUTarget(*SM90)
+    backend = make_backend(target)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        value = kwargs[name]
+        if fn.params[i].is_constexpr:
+            signature[name], constexprs[name] = "constexpr", value
+            continue
+        kind, attr = native_specialize_impl(type(backend), value, False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":  # an int of 1
+            constexprs[name] = value
+        elif isinstance(attr, str):  # "D": divisible by 16
+            attrs[(i,)] = type(backend).parse_attr(attr)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = backend.parse_options({k: kwargs[k] for k in ("num_warps", "num_stages")})
+    stages = {}
+    backend.add_stages(stages, options, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen = backend.get_codegen_implementation(options)
+    module = src.make_ir(target, options, codegen, backend.get_module_map(), context)
+    metadata = {"target": target, **options.__dict__}
+    for stage in ("ttir", "ttgir"):
+        module = stages[stage](module, metadata)
+    return _allocated(stages["llir"], module, metadata, nvidia_compiler.llvm)
+
+
+class _Allocated(Exception):
+    """Raised where make_llir leaves MLIR for LLVM: the shared memory is allocated."""
+
+
+def _allocated(make_llir, module, metadata: dict, llvm) -> int:
+    """Run make_llir on `module` up to its LLVM translation; the ttg.shared it allocated."""
+    translate = llvm.to_module
+
+    def stop(*args, **kwargs):
+        raise _Allocated
+
+    llvm.to_module = stop
+    try:
+        make_llir(module, metadata)
+    except _Allocated:
+        pass
+    finally:
+        llvm.to_module = translate
+    return module.get_int_attr("ttg.shared")
