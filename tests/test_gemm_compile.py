@@ -38,6 +38,7 @@ VARIANTS = {
     ("down", "half-tail-tma"): dict(TAIL_VARIANTS=2, TMA=True),
     ("down", "half-tail-tma-no-lora"): dict(TAIL_VARIANTS=2, TMA=True, HAS_LORA=False),
     ("down", "atomic-half-tail-tma"): dict(TAIL_VARIANTS=2, TMA=True, ATOMIC=True),
+    ("down", "atomic-pointer-loads-expand-first"): dict(ATOMIC=True, EXPAND_FIRST=True),
     # other dtypes: fp16 MMA; fp32 with exact (IEEE) dots, which are not MMA instructions
     ("up", "fp16-half-tail-tma-expand-first"): dict(
         TAIL_VARIANTS=2, W_TMA=True, EXPAND_FIRST=True, _dtype="fp16"
