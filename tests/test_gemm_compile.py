@@ -123,6 +123,7 @@ def test_atomic_reduce_compiles_to_fp32_reductions(compiled) -> None:
     """The atomic top-k sum is fire-and-forget fp32 reductions (red, not atom: no value
     comes back), and only in that variant."""
     assert compiled["down/atomic-half-tail-tma/red"] > 0
+    assert compiled["down/atomic-pointer-loads-expand-first/red"] > 0
     assert compiled["down/half-tail-tma/red"] == 0
 
 
