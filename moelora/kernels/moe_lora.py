@@ -75,7 +75,7 @@ def fused_moe_lora(
         shape.activation.width_factor,
         x.dtype,
         x.device,
-        rank=lora.w13_b.shape[-1] if use_lora else 0,
+        rank=lora.w13_b.shape[-1] if use_lora and lora.num_slots else 0,
         num_slots=lora.num_slots if use_lora else 0,
     )
     num_slots = lora.num_slots if use_lora else 0
