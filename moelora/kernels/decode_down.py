@@ -24,6 +24,7 @@ import triton.language as tl
 from ..errors import InputError
 from .checks import check_dtype_match, check_shape, workspace
 from .pdl import chain_point
+from .tiles import rank_block
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -243,7 +244,7 @@ def decode_down(
         BLOCK_J=block_j,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_R=rank_block(rank),
         PDL=pdl,
         EARLY=early,
         num_warps=num_warps,

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .checks import check_dtype_match, check_shape, workspace
 from .pdl import chain_point
+from .tiles import rank_block
 
 
 @triton.jit
@@ -121,7 +122,7 @@ def decode_shrink(
     check_shape("lora w13_a", lora_a, (None, num_experts, parts, rank, hidden))
     check_dtype_match("lora w13_a", lora_a, x)
     num_pairs = num_tokens * top_k
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = rank_block(rank)
     inter = workspace(num_pairs, parts, rank, dtype=torch.float32, device=x.device)
     z_inter = workspace(num_pairs, z_rank, dtype=torch.float32, device=x.device)
     num_rows = num_pairs * parts * block_r

@@ -87,7 +87,7 @@ import triton
 
 from .configs import GemmTiles, TileConfig
 from .lora_shrink import EXPAND_BLOCK_N, lora_shrink
-from .tiles import slots_per_dot
+from .tiles import rank_block, shrink_parts_per_program, slots_per_dot
 
 MARGIN = 1024  # bytes kept free per block: barriers and small scratch besides the phases
 MIN_BLOCK_K = 16  # the smallest K of a tl.dot
@@ -119,8 +119,8 @@ def expand_bytes(
 def shrink_bytes(cfg: TileConfig, parts: int, elem: int, rank: int) -> int:
     """Shared memory of the LoRA shrink of `parts` parts at `rank` (module docstring)."""
     block_m = max(16, triton.next_power_of_2(cfg.shrink_block_m))
-    block_r = max(16, triton.next_power_of_2(rank))
-    lanes = parts * block_r if parts * block_r <= 64 else block_r  # as lora_shrink packs
+    block_r = rank_block(rank)
+    lanes = shrink_parts_per_program(parts, block_r) * block_r  # as lora_shrink packs
     copies = SHRINK_STAGES - 1 if elem == 4 else SHRINK_STAGES
     total = copies * (block_m + lanes) * cfg.shrink_block_k * elem
     if cfg.lora_delta and cfg.shrink_expand:
@@ -130,7 +130,7 @@ def shrink_bytes(cfg: TileConfig, parts: int, elem: int, rank: int) -> int:
 
 def expand_dot_lanes(cfg: TileConfig, rank: int, num_slots: int) -> int:
     """K lanes of one expand dot, as the GEMM launchers size it."""
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = rank_block(rank)
     return block_r * slots_per_dot(num_slots, block_r, cfg.expand_lanes)
 
 
@@ -153,7 +153,7 @@ def fit_expand(
     """cfg with the in-GEMM expand of both GEMMs fitted to `limit` bytes: fewer slots per
     dot, then expand_first off (16-bit), then half the BLOCK_N of a GEMM that does not fit;
     a cfg that fits comes back unchanged."""
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = rank_block(rank)
     while True:
         lanes = expand_dot_lanes(cfg, rank, num_slots)
         over = _expand_over(cfg, parts, elem, limit, lanes)
@@ -229,7 +229,7 @@ def fit_config(
 @functools.cache
 def _device_limits(index: int) -> tuple[int, int]:
     """(shared memory bytes per block, compute capability major) of CUDA device `index`
-    (ROCm: major 0, i.e. no TMA and no stage fitting)."""
+    (ROCm: major 0, i.e. no TMA)."""
     props = triton.runtime.driver.active.utils.get_device_properties(index)
     major = 0 if torch.version.hip else torch.cuda.get_device_capability(index)[0]
     return int(props["max_shared_mem"]), major

@@ -27,6 +27,7 @@ from .tiles import (
     grouped_pid,
     lora_expand,
     mma,
+    rank_block,
     slots_per_dot,
     tail_variants,
     z_rows,
@@ -316,7 +317,7 @@ def expert_down(
     elif out is None:
         out = workspace(num_pairs, hidden, dtype=z.dtype, device=z.device)
     rank = lora_b.shape[3] if has_lora else 1
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = rank_block(rank)
     dummy = z  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(z)
     block_m = aligned.block_m

@@ -29,6 +29,7 @@ from .tiles import (
     grouped_pid,
     lora_expand,
     mma,
+    rank_block,
     slots_per_dot,
     tail_variants,
     z_rows,
@@ -312,7 +313,7 @@ def expert_up(
     check_shape("z", out, (z_rows, inter_size))
     swiglu = activation is Activation.SWIGLUOAI
     rank = lora_b.shape[4] if has_lora else 1
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = rank_block(rank)
     dummy = x  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(x)
     use_tma = tma and not swiglu and tma_box_ok(w13, (1, block_n, block_k))

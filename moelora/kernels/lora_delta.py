@@ -28,7 +28,7 @@ from ..errors import InputError
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
 from .pdl import chain_point
-from .tiles import expand_dot, lora_tile
+from .tiles import expand_dot, lora_tile, rank_block
 
 BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
 
@@ -172,7 +172,7 @@ def lora_delta(
         stride_dn=delta.stride(2),
         BLOCK_M=max(16, triton.next_power_of_2(aligned.lora_tile_m)),
         BLOCK_N=BLOCK_N,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_R=rank_block(rank),
         UPCAST=upcast,
         IEEE=ieee,
         PDL=pdl,

@@ -29,7 +29,7 @@ from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .lora_delta import expand_tile
 from .pdl import chain_point
-from .tiles import lora_tile, mma
+from .tiles import lora_tile, mma, rank_block, shrink_parts_per_program
 
 EXPAND_BLOCK_N = 64  # columns per expand step when the shrink expands (reasoned, not tuned)
 
@@ -274,9 +274,8 @@ def lora_shrink(
         out = alloc(num_pairs, parts, rank, dtype=torch.float32, device=inp.device)
     elif split > 1:
         out.zero_()
-    block_r = max(16, triton.next_power_of_2(rank))
-    # both parts per program while their lanes stay within 64 fp32 registers per row
-    per_prog = parts if parts * block_r <= 64 else 1
+    block_r = rank_block(rank)
+    per_prog = shrink_parts_per_program(parts, block_r)
     upcast, ieee = precision_flags(inp)
     grid = (aligned.max_lora_tiles, triton.cdiv(parts, per_prog), split)
     _lora_shrink_kernel[grid](
