@@ -28,4 +28,10 @@ CASES: dict[str, list[BenchCase]] = {
     "mixtral": [BenchCase("mixtral-8x7b", t) for t in (1, 64, 1024, 4096)],
     "deepseek-v3": [BenchCase("deepseek-v3", t) for t in (1, 64, 1024, 4096)],
     "qwen3.5": [BenchCase("qwen3.5-35b-a3b", t) for t in TOKENS],
+    # Layers the vLLM peer cannot run (swigluoai with biases; non-gated relu2): no peer column.
+    "gpt-oss-20b": [BenchCase("gpt-oss-20b", t) for t in (1, 64, 1024, 4096)],
+    "nemotron-h": [BenchCase("nemotron-h", t) for t in (1, 64, 1024, 4096)],
+    # The large-T rows of the other models (their T = 4096 rows' bucket runs to infinity).
+    "mixtral-16k": [BenchCase("mixtral-8x7b", 16384)],
+    "deepseek-v3-16k": [BenchCase("deepseek-v3", 16384)],
 }

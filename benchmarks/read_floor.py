@@ -7,6 +7,7 @@ with L2 flushed, median of --iters; also two back-to-back kernels of half the si
 (the two GEMMs of a layer).
 
 Usage (GPU): python -m benchmarks.read_floor [--mb 25,50,75,150,300,1200] [--iters 50]
+       [--per-sm 4,16] [--blocks 4096] [--warps 8]   (each combination is timed)
 """
 
 from __future__ import annotations
@@ -31,20 +32,24 @@ def _read_kernel(src_ptr, dst_ptr, n, chunk, BLOCK: tl.constexpr):
     tl.store(dst_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
 
-def read(buf: torch.Tensor, out: torch.Tensor, programs: int, block: int = 4096) -> None:
+def read(
+    buf: torch.Tensor, out: torch.Tensor, programs: int, block: int = 4096, warps: int = 8
+) -> None:
     chunk = triton.cdiv(triton.cdiv(buf.numel(), programs), block) * block
-    _read_kernel[(programs,)](buf, out, buf.numel(), chunk, BLOCK=block, num_warps=8)
+    _read_kernel[(programs,)](buf, out, buf.numel(), chunk, BLOCK=block, num_warps=warps)
 
 
-def _time(mb: float, programs: int, iters: int) -> tuple[float, float]:
+def _time(
+    mb: float, programs: int, iters: int, block: int = 4096, warps: int = 8
+) -> tuple[float, float]:
     """(one kernel ms, two half-size kernels ms) for a read of mb megabytes."""
     n = int(mb * 1e6) // 2
     buf = torch.randn(n, device="cuda").to(torch.bfloat16)
     half_a, half_b = buf[: n // 2], buf[n // 2 :]
     out = torch.empty(programs, device="cuda")
-    one = time_graph(lambda b: read(b, out, programs), (buf,), [(buf,)], iters)
+    one = time_graph(lambda b: read(b, out, programs, block, warps), (buf,), [(buf,)], iters)
     two = time_graph(
-        lambda a, b: (read(a, out, programs), read(b, out, programs)),
+        lambda a, b: (read(a, out, programs, block, warps), read(b, out, programs, block, warps)),
         (half_a, half_b),
         [(half_a, half_b)],
         iters,
@@ -56,19 +61,29 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mb", default="25,50,75,150,300,1200")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--per-sm", default="4,16", help="programs per SM to try")
+    p.add_argument("--blocks", default="4096", help="elements per program step to try")
+    p.add_argument("--warps", default="8", help="num_warps values to try")
     args = p.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(
-        f"{'MB':>6} {'programs':>8} {'one kernel us':>14} {'TB/s':>6} {'two halves us':>14} {'TB/s':>6}"
+        f"{'MB':>6} {'programs':>8} {'block':>6} {'warps':>5} {'one kernel us':>14} {'TB/s':>6} "
+        f"{'two halves us':>14} {'TB/s':>6}"
     )
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     for mb in (float(v) for v in args.mb.split(",")):
-        for programs in (sms * 4, sms * 16):
-            one, two = _time(mb, programs, args.iters)
-            print(
-                f"{mb:>6.0f} {programs:>8} {one * 1e3:>14.1f} {mb / one / 1e3:>6.2f} "
-                f"{two * 1e3:>14.1f} {mb / two / 1e3:>6.2f}",
-                flush=True,
-            )
+        best = None
+        for per_sm in ints(args.per_sm):
+            for block in ints(args.blocks):
+                for warps in ints(args.warps):
+                    one, two = _time(mb, sms * per_sm, args.iters, block, warps)
+                    best = min(best or one, one)
+                    print(
+                        f"{mb:>6.0f} {sms * per_sm:>8} {block:>6} {warps:>5} {one * 1e3:>14.1f} "
+                        f"{mb / one / 1e3:>6.2f} {two * 1e3:>14.1f} {mb / two / 1e3:>6.2f}",
+                        flush=True,
+                    )
+        print(f"{mb:>6.0f} MB best one-kernel read: {best * 1e3:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

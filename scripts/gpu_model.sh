@@ -6,8 +6,8 @@
 # moelora/kernels/h200_table.py).
 # Usage (device tool, .peer carried): MOELORA_COMMIT=<sha> bash scripts/gpu_model.sh SUITE
 #   SUITE: a case list in benchmarks/cases.py of one model (mixtral, deepseek-v3, ...).
-#   The peer runs SiLU-gated experts only: for other activations the bench refuses its JSON
-#   (and runs without peer columns only if you drop --peer-json).
+#   The peer runs SiLU-gated experts without biases only: for other layers (gpt-oss-20b,
+#   nemotron-h) it is skipped and the bench runs without peer columns.
 # Knobs: TUNE_TOKENS (default: the suite's T, largest first), TUNE_S, ITERS.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -17,20 +17,26 @@ SUITE=${1:?usage: gpu_model.sh SUITE}
 read -r MODEL TOKENS PEER_ARGS < <($PY - "$SUITE" <<'PYEOF'
 import sys
 from benchmarks.cases import CASES
-from moelora.commands.bench import peer_shape
+from moelora.commands.bench import PEER_DEFAULTS, peer_shape
 cases = CASES[sys.argv[1]]
 s = peer_shape(cases[0])
 tokens = ",".join(str(c.tokens) for c in cases)
+runs = all(s[k] == v for k, v in PEER_DEFAULTS.items())
 print(cases[0].model, tokens, f"--experts={s['E']} --topk={s['top_k']} --hidden={s['H']} "
-      f"--inter={s['I']} --max-loras={s['max_loras']} --rank={s['rank']} --dtype={s['dtype']}")
+      f"--inter={s['I']} --max-loras={s['max_loras']} --rank={s['rank']} --dtype={s['dtype']}"
+      if runs else "none")
 PYEOF
 )
 echo "suite $SUITE: model $MODEL, T $TOKENS, peer $PEER_ARGS"
-timeout ${PEER_S:-150} $PY .peer/vllm_moe_lora_bench.py $PEER_ARGS --tokens "$TOKENS" \
-  --iters ${ITERS:-30} --json "$OUT/vllm_peer.json" > "$OUT/peer.log" 2>&1
-echo "peer exit: $?"
+PEER_JSON=()
+if [ "$PEER_ARGS" != none ]; then
+  timeout ${PEER_S:-150} $PY .peer/vllm_moe_lora_bench.py $PEER_ARGS --tokens "$TOKENS" \
+    --iters ${ITERS:-30} --json "$OUT/vllm_peer.json" > "$OUT/peer.log" 2>&1
+  echo "peer exit: $?"
+  PEER_JSON=(--peer-json "$OUT/vllm_peer.json")
+fi
 timeout ${BENCH_S:-120} $PY -m moelora bench --suite "$SUITE" --iters ${ITERS:-30} \
-  --json "$OUT/bench_before.json" --peer-json "$OUT/vllm_peer.json" > "$OUT/bench_before.log" 2>&1
+  --json "$OUT/bench_before.json" "${PEER_JSON[@]}" > "$OUT/bench_before.log" 2>&1
 echo "bench (before) exit: $?"; grep -E "^triton|ceil|match" "$OUT/bench_before.log"
 TT=${TUNE_TOKENS:-$(echo "$TOKENS" | tr , '\n' | sort -rn | paste -sd,)}
 budget=${TUNE_S:-180}
@@ -39,5 +45,5 @@ timeout $((budget + 60)) $PY -m benchmarks.tune --model "$MODEL" --tokens "$TT" 
 echo "tune exit: $?"; grep -E "heuristic|budget|decode path|tune:" "$OUT/tune.log"
 if [ -s "$OUT/h200_table.py" ]; then cp "$OUT/h200_table.py" moelora/kernels/h200_table.py; fi
 timeout ${BENCH_S:-120} $PY -m moelora bench --suite "$SUITE" --iters ${ITERS:-30} \
-  --json "$OUT/bench_after.json" --peer-json "$OUT/vllm_peer.json" > "$OUT/bench_after.log" 2>&1
+  --json "$OUT/bench_after.json" "${PEER_JSON[@]}" > "$OUT/bench_after.log" 2>&1
 echo "bench (after) exit: $?"; grep -E "^triton|ceil|match" "$OUT/bench_after.log"

@@ -56,3 +56,19 @@ def test_peer_beside_another_activation_is_refused(tmp_path, suite: str) -> None
 def test_no_peer_file_means_no_peer_columns(tmp_path) -> None:
     assert peer_rows(None, CASES["qwen3"]) == {}
     assert peer_rows(str(tmp_path / "missing.json"), CASES["qwen3"]) == {}
+
+
+def test_every_suite_is_one_known_layer():
+    """scripts/gpu_model.sh tunes a suite's first case's model for all its T: a suite mixing
+    models would tune one and bench another. The peer runs only on PEER_DEFAULTS layers."""
+    from moelora.commands.bench import PEER_DEFAULTS
+
+    peer_layers = set()
+    for name, cases in CASES.items():
+        assert cases, name
+        assert {c.model for c in cases} == {cases[0].model}, name
+        shape = peer_shape(cases[0])
+        if all(shape[k] == v for k, v in PEER_DEFAULTS.items()):
+            peer_layers.add(name)
+    assert {"qwen3", "mixtral", "deepseek-v3"} <= peer_layers
+    assert not {"gpt-oss-20b", "nemotron-h"} & peer_layers
