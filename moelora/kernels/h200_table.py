@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 770abbc, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 7bbb67d, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k
@@ -94,6 +94,132 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "down_tma": True,
         },
     ),  # T=4096: 7.0614 -> 5.1278 ms (eda1eca run)
+    (32, 4, 2880, 2880, False, 256): (
+        16,
+        (32, 128, 4, 4),
+        (64, 128, 4, 3),
+        {"z_sorted": True, "down_tma": True, "atomic_reduce": True, "half_tail": 3},
+    ),  # T=64: 0.4099 -> 0.4012 ms (7bbb67d run)
+    (32, 4, 2880, 2880, False, 2048): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {"half_tail": 3},
+    ),  # T=1024: 0.6349 -> 0.6000 ms (7bbb67d run)
+    (32, 4, 2880, 2880, False, 2147483647): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True, "half_tail": 2},
+    ),  # T=4096: 1.6130 -> 1.6028 ms (7bbb67d run)
+    (32, 4, 2880, 2880, True, 256): (
+        16,
+        (64, 128, 4, 2),
+        (64, 64, 4, 4),
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 16,
+            "shrink_split_k": 8,
+            "lora_delta": True,
+            "expand_first": True,
+            "delta_in_reduce": True,
+            "shrink_expand": False,
+            "up_tma": True,
+            "half_tail": 1,
+        },
+    ),  # T=64: 0.4717 -> 0.4571 ms (7bbb67d run)
+    (32, 4, 2880, 2880, True, 2048): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 16,
+            "shrink_split_k": 2,
+            "lora_delta": False,
+            "expand_first": True,
+            "up_tma": True,
+            "half_tail": 3,
+        },
+    ),  # T=1024: 0.7682 -> 0.7350 ms (7bbb67d run)
+    (32, 4, 2880, 2880, True, 2147483647): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 3),
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 64,
+            "shrink_split_k": 2,
+            "lora_delta": False,
+            "expand_first": False,
+            "z_sorted": True,
+            "down_tma": True,
+            "half_tail": 1,
+        },
+    ),  # T=4096: 1.8788 -> 1.8270 ms (7bbb67d run)
+    (128, 6, 2688, 1856, False, 256): (
+        16,
+        (64, 128, 4, 3),
+        (64, 128, 4, 3),
+        {"atomic_reduce": True},
+    ),  # T=64: 0.5974 -> 0.5908 ms (7bbb67d run)
+    (128, 6, 2688, 1856, False, 2048): (
+        64,
+        (128, 64, 8, 3),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True, "up_tma": True},
+    ),  # T=1024: 0.7670 -> 0.6837 ms (7bbb67d run)
+    (128, 6, 2688, 1856, False, 2147483647): (
+        128,
+        (128, 64, 8, 3),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 3},
+    ),  # T=4096: 1.2597 -> 1.1311 ms (7bbb67d run)
+    (128, 6, 2688, 1856, True, 256): (
+        16,
+        (64, 128, 4, 3),
+        (64, 128, 4, 3),
+        {
+            "expand_lanes": 16,
+            "shrink_block_m": 16,
+            "shrink_split_k": 2,
+            "lora_delta": False,
+            "expand_first": False,
+            "atomic_reduce": True,
+        },
+    ),  # T=64: 0.6537 -> 0.6385 ms (7bbb67d run)
+    (128, 6, 2688, 1856, True, 2048): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {
+            "expand_lanes": 64,
+            "shrink_block_m": 16,
+            "shrink_split_k": 4,
+            "lora_delta": True,
+            "expand_first": True,
+            "delta_in_reduce": True,
+            "shrink_expand": True,
+            "up_tma": True,
+            "half_tail": 3,
+        },
+    ),  # T=1024: 1.0082 -> 0.8792 ms (7bbb67d run)
+    (128, 6, 2688, 1856, True, 2147483647): (
+        128,
+        (128, 64, 8, 4),
+        (256, 64, 8, 4),
+        {
+            "expand_lanes": 32,
+            "shrink_block_m": 32,
+            "shrink_split_k": 1,
+            "lora_delta": False,
+            "expand_first": True,
+            "z_sorted": True,
+            "down_tma": True,
+            "up_tma": True,
+            "half_tail": 1,
+        },
+    ),  # T=4096: 1.5733 -> 1.4976 ms (7bbb67d run)
     (128, 8, 2048, 768, False, 1): (
         16,
         (4, 2048, 8, 1),
