@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import math
 import os
 import re
 import time
@@ -42,6 +41,7 @@ from moelora.presets import resolve_model
 from moelora.reference import moe_lora_reference
 
 from .runner import commit, time_graph
+from .table_buckets import Buckets
 
 TABLE_FILE = os.path.join(os.path.dirname(__file__), "..", "moelora", "kernels", "h200_table.py")
 
@@ -323,8 +323,9 @@ def write_table(path: str, entries: list, header: dict) -> None:
         "alone; each",
         "candidate timed as the whole layer under CUDA-graph replay, L2 flushed, median of",
         f"{header['iters']} replays, output checked against the reference; fastest kept. A",
-        "tuned T takes the committed bucket it falls in, else one from the geometric mean of",
-        "its T and the previous tuned T. Comments: starting config ms -> chosen ms at that T.",
+        "tuned T takes the committed bucket it falls in (split at the geometric mean of the two",
+        "T when that bucket's row was measured at another T), else one from the geometric",
+        "mean of its T and the next tuned T. Comments: starting config ms -> chosen ms at that T.",
         "",
         "(E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,",
         "warps, stages), down (same)[, knobs]).",
@@ -397,11 +398,6 @@ def main() -> int:
     start = time.time()
     model, dims, experts, lora = load_model(args.model)
     tokens = [int(t) for t in args.tokens.split(",")]
-    ordered = sorted(tokens)
-    bound = {
-        t: (2**31 - 1 if i + 1 == len(ordered) else int(math.sqrt(t * ordered[i + 1])))
-        for i, t in enumerate(ordered)
-    }
     header = dict(
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
@@ -412,20 +408,16 @@ def main() -> int:
     )
     entries, log = [], []
     modes = (True,) if args.lora_only else (False, True)
-    # Rows of the committed table for this shape that this run does not re-tune are kept
-    # (noted as such), and a tuned T takes the committed bucket it falls in, if any.
-    committed = {k: r for k, r in H200_ROWS.items() if k[:4] == dims}
+    # Rows of the committed table that this run does not re-tune are kept (all shapes, with
+    # their notes); a tuned T takes the committed bucket it falls in, split when that
+    # bucket's row was measured at another T (table_buckets.Buckets).
+    buckets = Buckets(dims, H200_ROWS, committed_notes(), tokens, header["commit"])
 
     def key_of(t: int, on: bool) -> tuple:
-        if args.own_buckets:
-            return (*dims, on, t)
-        ups = sorted(k[5] for k in committed if k[4] == on)
-        return (*dims, on, next((u for u in ups if t <= u), bound[t]))
+        return (*dims, on, t) if args.own_buckets else buckets.key(t, on)
 
-    notes = committed_notes()
-
-    def rows() -> list:  # other shapes' rows are kept too
-        return with_kept_rows(entries, H200_ROWS, notes)
+    def rows() -> list:
+        return with_kept_rows(entries, buckets.table, buckets.notes)
 
     for t in tokens:
         layer = Layer(model, experts, lora, t, args.iters)
@@ -441,7 +433,7 @@ def main() -> int:
             others = (dataclasses.replace(base, **_knobs(heur)),) if on else ()
             steps: list = []
             if args.knobs_only:
-                if chosen.decode or key_of(t, on) not in committed:
+                if chosen.decode or buckets.containing(t, on) is None:
                     print("    no committed aligned row: skipped (--knobs-only)")
                     continue
                 if any(e[0] == key_of(t, on) for e in entries):

@@ -59,3 +59,39 @@ def test_tuning_another_shape_keeps_every_committed_row(tmp_path) -> None:
     back = committed_notes(str(path))
     assert all(back[k] == notes[k] for k in H200_ROWS)
     assert back[key] == "T=64: 0.9000 -> 0.8000 ms (abc1234 run)"
+
+
+def test_tuning_another_t_splits_its_bucket_and_keeps_the_old_row() -> None:
+    """A bucket whose row was measured at T = 4096 (running to infinity) and a tune at
+    T = 16384: the new row takes (sqrt(4096 * 16384), inf], the old row (.., 8192] with its
+    note; a later T = 4096 in the same run lands on the old row's bucket again. Tuning a
+    smaller T splits the other way: the new row takes the lower part, the old keeps its key."""
+    from benchmarks.table_buckets import Buckets
+
+    dims, inf = (8, 2, 4096, 14336), 2**31 - 1
+    table = {
+        (*dims, True, 2048): (128, (128, 64, 8, 4), (256, 64, 8, 4)),
+        (*dims, True, inf): (128, (128, 64, 8, 3), (256, 64, 8, 3)),
+        (64, 8, 2048, 1024, True, inf): (16, (64, 128, 4, 3), (64, 128, 4, 3)),
+    }
+    notes = {
+        (*dims, True, 2048): "T=1024: 2.1 -> 1.6 ms (a run)",
+        (*dims, True, inf): "T=4096: 7.0 -> 5.1 ms (b run)",
+        (64, 8, 2048, 1024, True, inf): "T=64: 0.9 -> 0.8 ms (c run)",
+    }
+    b = Buckets(dims, table, notes, [16384, 4096], "d41fbbb")
+    assert b.key(16384, True) == (*dims, True, inf)
+    moved = (*dims, True, 8192)
+    assert b.table[moved] == table[(*dims, True, inf)] and (*dims, True, inf) not in b.table
+    assert b.notes[moved].startswith("T=4096: 7.0 -> 5.1 ms (b run); bucket split at T=8192")
+    assert b.key(16384, True) == (*dims, True, inf)  # stable within the run
+    assert b.key(4096, True) == moved  # the old row's T lands on it: re-tuned in place
+    assert b.key(1024, True) == (*dims, True, 2048)  # same T as the committed row: same key
+    assert b.table[(64, 8, 2048, 1024, True, inf)] == table[(64, 8, 2048, 1024, True, inf)]
+    # a smaller T in a bucket measured at a larger one: the new row below the split
+    b2 = Buckets(dims, table, notes, [3000], "e")
+    assert b2.key(3000, True) == (*dims, True, 3505)  # isqrt(3000 * 4096)
+    assert b2.table == table
+    # no committed row of this mode: bounds from the tuned T's neighbours
+    b3 = Buckets(dims, table, notes, [64, 1024], "f")
+    assert b3.key(64, False) == (*dims, False, 256) and b3.key(1024, False) == (*dims, False, inf)

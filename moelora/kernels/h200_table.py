@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 7bbb67d, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit d41fbbb, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k
@@ -9,8 +9,9 @@ the LoRA-free tiles), or in a --knobs-only run from the committed row over its k
 alone; each
 candidate timed as the whole layer under CUDA-graph replay, L2 flushed, median of
 20 replays, output checked against the reference; fastest kept. A
-tuned T takes the committed bucket it falls in, else one from the geometric mean of
-its T and the previous tuned T. Comments: starting config ms -> chosen ms at that T.
+tuned T takes the committed bucket it falls in (split at the geometric mean of the two
+T when that bucket's row was measured at another T), else one from the geometric
+mean of its T and the next tuned T. Comments: starting config ms -> chosen ms at that T.
 
 (E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,
 warps, stages), down (same)[, knobs]).
@@ -35,12 +36,18 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (256, 64, 8, 4),
         {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 3},
     ),  # T=1024: 1.8492 -> 1.4911 ms (eda1eca run)
+    (8, 2, 4096, 14336, False, 8192): (
+        128,
+        (128, 64, 8, 3),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 2},
+    ),  # T=4096: 6.3557 -> 4.5061 ms (eda1eca run); atomic_reduce off by the 770abbc A/B; bucket split at T=8192 by the d41fbbb run
     (8, 2, 4096, 14336, False, 2147483647): (
         128,
         (128, 64, 8, 3),
         (256, 64, 8, 4),
         {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 2},
-    ),  # T=4096: 6.3557 -> 4.5061 ms (eda1eca run); atomic_reduce off by the 770abbc A/B
+    ),  # T=16384: 19.3257 -> 19.3257 ms (d41fbbb run)
     (8, 2, 4096, 14336, True, 8): (
         16,
         (2, 2048, 4, 1),
@@ -80,7 +87,7 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "half_tail": 1,
         },
     ),  # T=1024: 2.1403 -> 1.6240 ms (eda1eca run)
-    (8, 2, 4096, 14336, True, 2147483647): (
+    (8, 2, 4096, 14336, True, 8192): (
         128,
         (128, 64, 8, 3),
         (256, 64, 8, 3),
@@ -93,7 +100,23 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "z_sorted": True,
             "down_tma": True,
         },
-    ),  # T=4096: 7.0614 -> 5.1278 ms (eda1eca run)
+    ),  # T=4096: 7.0614 -> 5.1278 ms (eda1eca run); bucket split at T=8192 by the d41fbbb run
+    (8, 2, 4096, 14336, True, 2147483647): (
+        128,
+        (128, 64, 8, 3),
+        (256, 64, 8, 4),
+        {
+            "expand_lanes": 16,
+            "shrink_block_m": 64,
+            "shrink_split_k": 4,
+            "lora_delta": False,
+            "expand_first": False,
+            "z_sorted": True,
+            "down_tma": True,
+            "up_tma": True,
+            "half_tail": 2,
+        },
+    ),  # T=16384: 21.4666 -> 20.4481 ms (d41fbbb run)
     (32, 4, 2880, 2880, False, 256): (
         16,
         (32, 128, 4, 4),
@@ -417,12 +440,18 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (128, 64, 8, 4),
         {"z_sorted": True, "up_tma": True},
     ),  # T=1024: 5.3559 -> 5.3511 ms (1c6a128 run)
-    (256, 8, 7168, 2048, False, 2147483647): (
+    (256, 8, 7168, 2048, False, 8192): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
         {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 2},
-    ),  # T=4096: 8.2161 -> 7.9585 ms (1c6a128 run)
+    ),  # T=4096: 8.2161 -> 7.9585 ms (1c6a128 run); bucket split at T=8192 by the d41fbbb run
+    (256, 8, 7168, 2048, False, 2147483647): (
+        128,
+        (128, 64, 8, 3),
+        (256, 64, 8, 4),
+        {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 2},
+    ),  # T=16384: 23.9048 -> 22.9671 ms (d41fbbb run)
     (256, 8, 7168, 2048, True, 1): (
         16,
         (64, 128, 4, 3),
@@ -465,7 +494,7 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "up_tma": True,
         },
     ),  # T=1024: 6.8006 -> 5.8587 ms (1c6a128 run)
-    (256, 8, 7168, 2048, True, 2147483647): (
+    (256, 8, 7168, 2048, True, 8192): (
         128,
         (128, 64, 8, 4),
         (256, 64, 8, 4),
@@ -482,5 +511,23 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "up_tma": True,
             "half_tail": 3,
         },
-    ),  # T=4096: 9.6499 -> 8.8089 ms (1c6a128 run)
+    ),  # T=4096: 9.6499 -> 8.8089 ms (1c6a128 run); bucket split at T=8192 by the d41fbbb run
+    (256, 8, 7168, 2048, True, 2147483647): (
+        128,
+        (128, 64, 8, 3),
+        (256, 64, 8, 4),
+        {
+            "expand_lanes": 64,
+            "shrink_block_m": 32,
+            "shrink_split_k": 2,
+            "lora_delta": True,
+            "expand_first": False,
+            "delta_in_reduce": True,
+            "shrink_expand": False,
+            "z_sorted": True,
+            "down_tma": True,
+            "up_tma": True,
+            "half_tail": 3,
+        },
+    ),  # T=16384: 26.0876 -> 26.0675 ms (d41fbbb run)
 }
