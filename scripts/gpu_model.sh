@@ -8,17 +8,22 @@
 #   SUITE: a case list in benchmarks/cases.py of one model (mixtral, deepseek-v3, ...).
 #   The peer runs SiLU-gated experts without biases only: for other layers (gpt-oss-20b,
 #   nemotron-h) it is skipped and the bench runs without peer columns.
-# Knobs: TUNE_TOKENS (default: the suite's T, largest first), TUNE_S, ITERS.
+# Knobs: TOKENS (a subset of the suite's T for the peer, benches and tune), TUNE_TOKENS
+#   (default: those T, largest first), TUNE_S, ITERS, BENCH_S, PEER_S.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 SUITE=${1:?usage: gpu_model.sh SUITE}
-read -r MODEL TOKENS PEER_ARGS < <($PY - "$SUITE" <<'PYEOF'
+read -r MODEL TOKENS PEER_ARGS < <($PY - "$SUITE" "${TOKENS:-}" <<'PYEOF'
 import sys
 from benchmarks.cases import CASES
 from moelora.commands.bench import PEER_DEFAULTS, peer_shape
 cases = CASES[sys.argv[1]]
+keep = {int(t) for t in sys.argv[2].split(",")} if sys.argv[2] else None
+if keep and not keep <= {c.tokens for c in cases}:
+    sys.exit(f"TOKENS={sys.argv[2]}: not all in suite {sys.argv[1]}'s T")
+cases = [c for c in cases if keep is None or c.tokens in keep]
 s = peer_shape(cases[0])
 tokens = ",".join(str(c.tokens) for c in cases)
 runs = all(s[k] == v for k, v in PEER_DEFAULTS.items())
@@ -27,6 +32,7 @@ print(cases[0].model, tokens, f"--experts={s['E']} --topk={s['top_k']} --hidden=
       if runs else "none")
 PYEOF
 )
+[ -n "$MODEL" ] || exit 2
 echo "suite $SUITE: model $MODEL, T $TOKENS, peer $PEER_ARGS"
 PEER_JSON=()
 if [ "$PEER_ARGS" != none ]; then
@@ -35,7 +41,7 @@ if [ "$PEER_ARGS" != none ]; then
   echo "peer exit: $?"
   PEER_JSON=(--peer-json "$OUT/vllm_peer.json")
 fi
-timeout ${BENCH_S:-120} $PY -m moelora bench --suite "$SUITE" --iters ${ITERS:-30} \
+timeout ${BENCH_S:-120} $PY -m moelora bench --suite "$SUITE" --tokens "$TOKENS" --iters ${ITERS:-30} \
   --json "$OUT/bench_before.json" "${PEER_JSON[@]}" > "$OUT/bench_before.log" 2>&1
 echo "bench (before) exit: $?"; grep -E "^triton|ceil|match" "$OUT/bench_before.log"
 TT=${TUNE_TOKENS:-$(echo "$TOKENS" | tr , '\n' | sort -rn | paste -sd,)}
@@ -44,6 +50,6 @@ timeout $((budget + 60)) $PY -m benchmarks.tune --model "$MODEL" --tokens "$TT" 
   --budget-s "$budget" --out "$OUT/h200_table.py" --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
 echo "tune exit: $?"; grep -E "heuristic|budget|decode path|tune:" "$OUT/tune.log"
 if [ -s "$OUT/h200_table.py" ]; then cp "$OUT/h200_table.py" moelora/kernels/h200_table.py; fi
-timeout ${BENCH_S:-120} $PY -m moelora bench --suite "$SUITE" --iters ${ITERS:-30} \
+timeout ${BENCH_S:-120} $PY -m moelora bench --suite "$SUITE" --tokens "$TOKENS" --iters ${ITERS:-30} \
   --json "$OUT/bench_after.json" "${PEER_JSON[@]}" > "$OUT/bench_after.log" 2>&1
 echo "bench (after) exit: $?"; grep -E "^triton|ceil|match" "$OUT/bench_after.log"
