@@ -1,6 +1,6 @@
 """H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.
 
-Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 3fa022c, 2026-11-30; each row's comment names the run that
+Last run: NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, commit 7980194, 2026-11-30; each row's comment names the run that
 chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the
 heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then
 z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k
@@ -117,6 +117,12 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "half_tail": 2,
         },
     ),  # T=16384: 21.4666 -> 20.4481 ms (d41fbbb run)
+    (32, 4, 2880, 2880, False, 8): (
+        16,
+        (4, 1024, 4, 1),
+        (2, 256, 4, 1),
+        {"decode": True, "pdl": True},
+    ),  # T=1: 0.0723 -> 0.0652 ms (7980194 run)
     (32, 4, 2880, 2880, False, 256): (
         16,
         (32, 128, 4, 4),
@@ -135,6 +141,12 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (256, 64, 8, 4),
         {"z_sorted": True, "down_tma": True, "half_tail": 2},
     ),  # T=4096: 1.6130 -> 1.6028 ms (7bbb67d run); its T = 16384 row from a later run dropped: not confirmed by the bench after it (tune 6.3984 -> 6.2401 ms, bench 6.316 -> 6.565)
+    (32, 4, 2880, 2880, True, 8): (
+        16,
+        (32, 128, 4, 1),
+        (2, 256, 4, 1),
+        {"decode": True, "pdl": True, "decode_shrink": (1, 2048)},
+    ),  # T=1: 0.0967 -> 0.0718 ms (7980194 run)
     (32, 4, 2880, 2880, True, 256): (
         16,
         (64, 128, 4, 2),
@@ -195,6 +207,12 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
             "half_tail": 2,
         },
     ),  # T=16384: 7.2308 -> 6.8597 ms (3fa022c run)
+    (128, 6, 2688, 1856, False, 8): (
+        16,
+        (4, 1024, 4, 1),
+        (2, 256, 4, 1),
+        {"decode": True, "pdl": True},
+    ),  # T=1: 0.0547 -> 0.0477 ms (7980194 run)
     (128, 6, 2688, 1856, False, 256): (
         16,
         (64, 128, 4, 3),
@@ -213,6 +231,12 @@ H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {
         (256, 64, 8, 4),
         {"z_sorted": True, "down_tma": True, "up_tma": True, "half_tail": 3},
     ),  # T=4096: 1.2597 -> 1.1311 ms (7bbb67d run); its T = 16384 row from a later run dropped: not confirmed by the bench after it (same tiles as this row, bench 3.570 -> 3.704)
+    (128, 6, 2688, 1856, True, 8): (
+        16,
+        (2, 2048, 4, 1),
+        (16, 128, 8, 1),
+        {"decode": True, "pdl": True, "decode_shrink": (1, 2048)},
+    ),  # T=1: 0.0684 -> 0.0587 ms (7980194 run)
     (128, 6, 2688, 1856, True, 256): (
         16,
         (64, 128, 4, 3),
