@@ -1,16 +1,18 @@
-"""The kernel launches one fused_moe_lora call makes, captured without a GPU, and the shared
-memory Triton allocates for each when it compiles it for sm_90 (the H200 / H100).
+"""The kernel launches one fused_moe_lora call makes, captured without a GPU, and what Triton
+compiles for each on sm_90 (the H200 / H100): the whole kernel, or its shared memory.
 
 Capture: every `*_kernel` JIT function of moelora.kernels is swapped for a recorder, and
 the forward runs on CPU tensors with an explicit config, so each launcher checks, sizes
 and passes its arguments (constexprs, strides, TMA descriptors, num_warps / num_stages)
 exactly as on the GPU; nothing runs. Compile: the arguments are specialised as the JIT
 does at launch (ints of 1 become constants, pointers and ints divisible by 16 get the
-divisibility hint, which is what lets Triton vectorise and multi-buffer the loads), then
-Triton's sm_90 stages run through make_llir's MLIR passes and stop before the LLVM
-translation: the shared memory is allocated by then, and that attribute is what make_llir
-stores as metadata["shared"] (the same bytes as a full compile's, checked on the up
-kernel in bf16 and fp32 at rank 128; the LLVM and ptxas stages take minutes in fp32).
+divisibility hint, which is what lets Triton vectorise and multi-buffer the loads), and
+the options are the launch's (num_warps, num_stages, launch_pdl). compiled_launch then
+compiles all of Triton's sm_90 stages, as the JIT would; shared_bytes runs them through
+make_llir's MLIR passes and stops before the LLVM translation: the shared memory is
+allocated by then, and that attribute is what make_llir stores as metadata["shared"] (the
+same bytes as a full compile's, checked on the up kernel in bf16 and fp32 at rank 128;
+the LLVM and ptxas stages take minutes in fp32).
 
 Run in a child process with TRITON_INTERPRET=0 (tests/sm90_child.py).
 """
@@ -57,10 +59,13 @@ def _recorded():
             setattr(module, name, obj)
 
 
-def forward_launches(cfg, dtype: torch.dtype, rank: int, num_slots: int) -> list[tuple]:
-    """[(kernel, kwargs)] of one fused_moe_lora call with `cfg`, LoRA on: a Qwen3-30B-A3B
-    layer (H 2048, I 768, K 8) cut to 8 experts, 512 tokens (4096 pairs), every token on
-    slot 0. Shared memory does not depend on those sizes beyond their divisibility."""
+def forward_launches(
+    cfg, dtype: torch.dtype, rank: int, num_slots: int, *, bias: bool = False
+) -> list[tuple]:
+    """[(kernel, kwargs)] of one fused_moe_lora call with `cfg`: a Qwen3-30B-A3B layer
+    (H 2048, I 768, K 8) cut to 8 experts, 512 tokens (4096 pairs), LoRA on with every
+    token on slot 0 (rank 0: LoRA-free), the expert biases with `bias`. The compiled code
+    does not depend on those sizes beyond their divisibility."""
     from moelora.activations import Activation
     from moelora.config import MoEShape
     from moelora.kernels.moe_lora import fused_moe_lora
@@ -68,34 +73,36 @@ def forward_launches(cfg, dtype: torch.dtype, rank: int, num_slots: int) -> list
 
     experts, top_k, hidden, inter, tokens = 8, 8, 2048, 768, 512
     empty = lambda *shape: torch.empty(*shape, dtype=dtype)  # noqa: E731 (never read)
-    weights = ExpertWeights(empty(experts, 2 * inter, hidden), empty(experts, hidden, inter))
-    bank = LoRABank(
-        empty(num_slots, experts, 2, rank, hidden),
-        empty(num_slots, experts, 2, inter, rank),
-        empty(num_slots, experts, rank, inter),
-        empty(num_slots, experts, hidden, rank),
-    )
+    biases = (empty(experts, 2 * inter), empty(experts, hidden)) if bias else ()
+    w13, w2 = empty(experts, 2 * inter, hidden), empty(experts, hidden, inter)
+    weights = ExpertWeights(w13, w2, *biases)
+    bank = slots = None
+    if rank:
+        bank = LoRABank(
+            empty(num_slots, experts, 2, rank, hidden),
+            empty(num_slots, experts, 2, inter, rank),
+            empty(num_slots, experts, rank, inter),
+            empty(num_slots, experts, hidden, rank),
+        )
+        slots = torch.zeros(tokens, dtype=torch.int32)
     shape = MoEShape(experts, top_k, hidden, inter, Activation.SILU, dtype=dtype)
     ids = torch.zeros(tokens, top_k, dtype=torch.int32)
-    slots = torch.zeros(tokens, dtype=torch.int32)
     x, w = empty(tokens, hidden), torch.empty(tokens, top_k)
     with _recorded() as calls:
         fused_moe_lora(x, ids, w, slots, weights, bank, shape, config=cfg)
     return [(fn, kw) for fn, kw in calls if fn.__name__ not in NOT_COMPILED]
 
 
-def shared_bytes(fn, kwargs: dict) -> int:
-    """Shared memory (bytes per block) of `fn` launched with `kwargs`, compiled for sm_90
-    up to its shared-memory allocation (module docstring)."""
-    import triton.backends.nvidia.compiler as nvidia_compiler
-    from triton._C.libtriton import ir
+def launch_source(fn, kwargs: dict):
+    """(ASTSource, CUDAOptions) that the JIT compiles for sm_90 when `fn` is launched with
+    `kwargs`: its signature, constexprs and divisibility hints, and the launch's options
+    (module docstring)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import native_specialize_impl
 
-    target = GPUTarget(*SM90)
-    backend = make_backend(target)
+    backend = make_backend(GPUTarget(*SM90))
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         value = kwargs[name]
@@ -109,7 +116,31 @@ def shared_bytes(fn, kwargs: dict) -> int:
         elif isinstance(attr, str):  # "D": divisible by 16
             attrs[(i,)] = type(backend).parse_attr(attr)
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = backend.parse_options({k: kwargs[k] for k in ("num_warps", "num_stages")})
+    # as the JIT does: the options are read from all of the launch's keywords
+    return src, backend.parse_options(dict(kwargs))
+
+
+def compiled_launch(fn, kwargs: dict):
+    """The CompiledKernel (ttir to cubin) of `fn` launched with `kwargs` on sm_90: what the
+    JIT compiles at that launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src, options = launch_source(fn, kwargs)
+    return triton.compile(src, target=GPUTarget(*SM90), options=options.__dict__)
+
+
+def shared_bytes(fn, kwargs: dict) -> int:
+    """Shared memory (bytes per block) of `fn` launched with `kwargs`, compiled for sm_90
+    up to its shared-memory allocation (module docstring)."""
+    import triton.backends.nvidia.compiler as nvidia_compiler
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget(*SM90)
+    backend = make_backend(target)
+    src, options = launch_source(fn, kwargs)
     stages = {}
     backend.add_stages(stages, options, src.language)
     context = ir.context()

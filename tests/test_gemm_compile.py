@@ -3,18 +3,29 @@
 The interpreter runs the kernels as Python, so a kernel that the Triton compiler rejects
 (a constexpr rule, a shape that is not a compile-time constant) passes every
 interpreted test and fails only on the GPU. This file, run as a script with the
-interpreter off, compiles each variant for sm_90 and prints, per variant, the count of
-Hopper MMA instructions (or the compile error) as JSON; the tests read that."""
+interpreter off, captures each variant's launch from a fused_moe_lora call and compiles it
+for sm_90 as the JIT would at that launch (tests/sm90_launches.py: the launcher's
+constexprs, signature and divisibility hints), and prints per variant the launch's
+constexprs and the count of Hopper MMA instructions and fp32 reductions in its PTX (or
+the compile error) as JSON; the tests read that."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+from typing import NamedTuple
 
 import pytest
 from sm90_child import run_compile_child
 
-# (kernel, variant id) -> constexprs; the rest of each kernel's constexprs from BASE_*
+from moelora.kernels.configs import GemmTiles, TileConfig
+
+# the config every variant changes: the BLOCK_M 128 heuristic tiles, z in the sorted order
+BASE = TileConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), z_sorted=True)
+RANK, SLOTS = 16, 8  # LoRA on: BLOCK_R 16, 2 slots per 32-lane expand dot
+# the constexprs each kernel is launched with from BASE (with the expert biases)
 BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEIGHT_INPUT=False,
                Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, W_TMA=False, BLOCK_M=128,
                BLOCK_N=128,
@@ -24,84 +35,104 @@ BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=F
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
                  UPCAST=False, IEEE=False, PDL=False)  # fmt: skip
+KERNELS = {"up": ("_expert_up_kernel", BASE_UP), "down": ("_expert_down_kernel", BASE_DOWN)}
+
+
+class Variant(NamedTuple):
+    """One kernel's launch: BASE with `knobs` changed, which must launch it with `changes`
+    to its BASE_* constexprs."""
+
+    knobs: dict
+    changes: dict
+    dtype: str = "bf16"
+    lora: bool = True
+
+
+NO_LORA = dict(HAS_LORA=False, SLOTS_PER_DOT=1)  # one (unused) slot per dot
 VARIANTS = {
-    ("up", "default"): {},
-    ("up", "half-tail"): dict(TAIL_VARIANTS=2),
-    ("up", "half-tail-expand-first"): dict(TAIL_VARIANTS=2, EXPAND_FIRST=True),
-    ("up", "half-tail-delta"): dict(TAIL_VARIANTS=2, DELTA=True),
-    ("up", "half-tail-no-lora"): dict(TAIL_VARIANTS=2, HAS_LORA=False),
-    ("up", "half-tail-tma"): dict(TAIL_VARIANTS=2, W_TMA=True),
-    ("up", "tma-expand-first"): dict(W_TMA=True, EXPAND_FIRST=True),
-    ("down", "default"): {},
-    ("down", "half-tail"): dict(TAIL_VARIANTS=2),
-    ("down", "half-tail-expand-first"): dict(TAIL_VARIANTS=2, EXPAND_FIRST=True),
-    ("down", "half-tail-tma"): dict(TAIL_VARIANTS=2, TMA=True),
-    ("down", "half-tail-tma-no-lora"): dict(TAIL_VARIANTS=2, TMA=True, HAS_LORA=False),
-    ("down", "atomic-half-tail-tma"): dict(TAIL_VARIANTS=2, TMA=True, ATOMIC=True),
-    ("down", "atomic-pointer-loads-expand-first"): dict(ATOMIC=True, EXPAND_FIRST=True),
+    ("up", "default"): Variant({}, {}),
+    ("up", "half-tail"): Variant(dict(half_tail=1), dict(TAIL_VARIANTS=2)),
+    ("up", "half-tail-expand-first"): Variant(
+        dict(half_tail=1, expand_first=True), dict(TAIL_VARIANTS=2, EXPAND_FIRST=True)
+    ),
+    ("up", "half-tail-delta"): Variant(
+        dict(half_tail=1, lora_delta=True), dict(TAIL_VARIANTS=2, DELTA=True)
+    ),
+    ("up", "half-tail-no-lora"): Variant(
+        dict(half_tail=1), dict(TAIL_VARIANTS=2, **NO_LORA), lora=False
+    ),
+    ("up", "half-tail-tma"): Variant(
+        dict(half_tail=1, up_tma=True), dict(TAIL_VARIANTS=2, W_TMA=True)
+    ),
+    ("up", "tma-expand-first"): Variant(
+        dict(up_tma=True, expand_first=True), dict(W_TMA=True, EXPAND_FIRST=True)
+    ),
+    ("down", "default"): Variant({}, {}),
+    ("down", "half-tail"): Variant(dict(half_tail=2), dict(TAIL_VARIANTS=2)),
+    ("down", "half-tail-expand-first"): Variant(
+        dict(half_tail=2, expand_first=True), dict(TAIL_VARIANTS=2, EXPAND_FIRST=True)
+    ),
+    ("down", "half-tail-tma"): Variant(
+        dict(half_tail=2, down_tma=True), dict(TAIL_VARIANTS=2, TMA=True)
+    ),
+    ("down", "half-tail-tma-no-lora"): Variant(
+        dict(half_tail=2, down_tma=True), dict(TAIL_VARIANTS=2, TMA=True, **NO_LORA), lora=False
+    ),
+    ("down", "atomic-half-tail-tma"): Variant(
+        dict(half_tail=2, down_tma=True, atomic_reduce=True),
+        dict(TAIL_VARIANTS=2, TMA=True, ATOMIC=True),
+    ),
+    ("down", "atomic-pointer-loads-expand-first"): Variant(
+        dict(atomic_reduce=True, expand_first=True), dict(ATOMIC=True, EXPAND_FIRST=True)
+    ),
     # other dtypes: fp16 MMA; fp32 with exact (IEEE) dots, which are not MMA instructions
-    ("up", "fp16-half-tail-tma-expand-first"): dict(
-        TAIL_VARIANTS=2, W_TMA=True, EXPAND_FIRST=True, _dtype="fp16"
+    ("up", "fp16-half-tail-tma-expand-first"): Variant(
+        dict(half_tail=1, up_tma=True, expand_first=True),
+        dict(TAIL_VARIANTS=2, W_TMA=True, EXPAND_FIRST=True),
+        dtype="fp16",
     ),
-    ("down", "fp16-half-tail-tma-expand-first"): dict(
-        TAIL_VARIANTS=2, TMA=True, EXPAND_FIRST=True, _dtype="fp16"
+    ("down", "fp16-half-tail-tma-expand-first"): Variant(
+        dict(half_tail=2, down_tma=True, expand_first=True),
+        dict(TAIL_VARIANTS=2, TMA=True, EXPAND_FIRST=True),
+        dtype="fp16",
     ),
-    ("up", "fp32-half-tail-expand-first"): dict(
-        TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True, _dtype="fp32"
+    ("up", "fp32-half-tail-expand-first"): Variant(
+        dict(half_tail=1, expand_first=True),
+        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True),
+        dtype="fp32",
     ),
-    ("down", "fp32-half-tail-expand-first"): dict(
-        TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True, _dtype="fp32"
+    ("down", "fp32-half-tail-expand-first"): Variant(
+        dict(half_tail=2, expand_first=True),
+        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True),
+        dtype="fp32",
     ),
 }
-BF16_PTRS = {"x_ptr", "w_ptr", "b_ptr", "z_ptr", "o_ptr", "lora_b_ptr", "delta_ptr"}
-I32_PTRS = {"slots_ptr", "sorted_pair_ids_ptr", "block_experts_ptr", "num_padded_ptr"}
 
 
-def _signature(fn, consts: dict, dtype: str) -> dict:
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name == "z_desc":
-            sig[name] = f"tensordesc<{dtype}[{consts['BLOCK_M']}, {consts['BLOCK_K']}]>"
-        elif name == "w_desc":
-            sig[name] = f"tensordesc<{dtype}[1, {consts['BLOCK_N']}, {consts['BLOCK_K']}]>"
-        elif name == "o_ptr" and consts.get("ATOMIC"):
-            sig[name] = "*fp32"  # the top-k sum (atomic_reduce)
-        elif name.endswith("_ptr"):
-            sig[name] = (
-                f"*{dtype}" if name in BF16_PTRS else "*i32" if name in I32_PTRS else "*fp32"
-            )
-        else:
-            sig[name] = "fp32" if name in ("alpha", "limit") else "i32"
-    return sig
+# an fp32 reduction (no value back), of one value or a vector of 4 (group: ".v4" or "")
+FP32_REDUCTION = re.compile(r"\bred\.global\.gpu\.relaxed\.add(\.v4)?\.f32\b")
 
 
-def _compile_all() -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def _compile(name: str, variant: Variant) -> dict:
+    """The variant's launch: its constexprs, and the counts of wgmma instructions and fp32
+    reductions (all, and the 4-wide ones) in its sm_90 PTX (or the compile error)."""
+    import torch
+    from sm90_launches import compiled_launch, forward_launches
 
-    from moelora.kernels.expert_down import _expert_down_kernel
-    from moelora.kernels.expert_up import _expert_up_kernel
-
-    kernels = {"up": (_expert_up_kernel, BASE_UP), "down": (_expert_down_kernel, BASE_DOWN)}
-    result = {}
-    for (name, variant), change in VARIANTS.items():
-        fn, base = kernels[name]
-        consts = {**base, **change}
-        dtype = consts.pop("_dtype", "bf16")
-        src = ASTSource(fn=fn, signature=_signature(fn, consts, dtype), constexprs=consts)
-        try:
-            kernel = triton.compile(
-                src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 4}
-            )
-            ptx = kernel.asm["ptx"]
-            result[f"{name}/{variant}"] = ptx.count("wgmma.mma_async")
-            result[f"{name}/{variant}/red"] = ptx.count("red.global.gpu.relaxed.add.f32")
-        except Exception as err:  # reported, the test fails with it
-            result[f"{name}/{variant}"] = f"{type(err).__name__}: {str(err)[-600:]}"
-    return result
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    cfg = dataclasses.replace(BASE, **variant.knobs)
+    rank = RANK if variant.lora else 0
+    launches = forward_launches(cfg, dtype[variant.dtype], rank, SLOTS, bias=True)
+    fn, kwargs = next(launch for launch in launches if launch[0].__name__ == KERNELS[name][0])
+    got = {"constexprs": {p.name: kwargs[p.name] for p in fn.params if p.is_constexpr}}
+    try:
+        ptx = compiled_launch(fn, kwargs).asm["ptx"]
+    except Exception as err:  # reported, the test fails with it
+        return {**got, "error": f"{type(err).__name__}: {str(err)[-600:]}"}
+    reductions = FP32_REDUCTION.findall(ptx)
+    got["wgmma"] = ptx.count("wgmma.mma_async")
+    got["red"], got["red_v4"] = len(reductions), reductions.count(".v4")
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -109,33 +140,53 @@ def compiled() -> dict:
     return run_compile_child(__file__)
 
 
-@pytest.mark.parametrize("key", [f"{k}/{v}" for k, v in VARIANTS], ids=str)
+KEYS = [f"{k}/{v}" for k, v in VARIANTS]
+
+
+@pytest.mark.parametrize("key", KEYS, ids=str)
+def test_gemm_variant_is_launched_as_named(compiled, key) -> None:
+    """The launch compiled for each variant has the constexprs the variant is named for
+    (its knobs were not dropped on the way, e.g. TMA falling back to pointer loads)."""
+    name, variant = key.split("/", 1)
+    expected = {**KERNELS[name][1], **VARIANTS[name, variant].changes}
+    assert compiled[key]["constexprs"] == expected
+
+
+@pytest.mark.parametrize("key", KEYS, ids=str)
 def test_gemm_variant_compiles_to_hopper_mma(compiled, key) -> None:
     got = compiled[key]
-    assert isinstance(got, int), got  # a compile error
+    assert "error" not in got, got["error"]
     if "fp32" in key:
-        assert got == 0  # exact fp32 dots: no tf32 MMA
+        assert got["wgmma"] == 0  # exact fp32 dots: no tf32 MMA
     else:
-        assert got > 0  # the dots became wgmma instructions
+        assert got["wgmma"] > 0  # the dots became wgmma instructions
 
 
 def test_atomic_reduce_compiles_to_fp32_reductions(compiled) -> None:
     """The atomic top-k sum is fire-and-forget fp32 reductions (red, not atom: no value
     comes back), and only in that variant."""
-    assert compiled["down/atomic-half-tail-tma/red"] > 0
-    assert compiled["down/atomic-pointer-loads-expand-first/red"] > 0
-    assert compiled["down/half-tail-tma/red"] == 0
+    assert compiled["down/atomic-half-tail-tma"]["red"] > 0
+    assert compiled["down/atomic-pointer-loads-expand-first"]["red"] > 0
+    assert compiled["down/half-tail-tma"]["red"] == 0
+
+
+def test_atomic_reduce_adds_4_columns_per_reduction(compiled) -> None:
+    """The launch's divisibility hints (o's address and row stride divisible by 16) let
+    each reduction add 4 contiguous fp32 columns; compiled without them, the same kernel
+    makes 4x the reductions, one value each."""
+    for key in ("down/atomic-half-tail-tma", "down/atomic-pointer-loads-expand-first"):
+        assert compiled[key]["red_v4"] == compiled[key]["red"], compiled[key]
 
 
 def test_half_tail_variant_adds_its_own_mma(compiled) -> None:
     """The half-height variant is a second compiled body (its own MMA), not folded away."""
     for name in ("up", "down"):
-        assert compiled[f"{name}/half-tail"] > compiled[f"{name}/default"]
+        assert compiled[f"{name}/half-tail"]["wgmma"] > compiled[f"{name}/default"]["wgmma"]
 
 
 if __name__ == "__main__":
     import moelora
 
-    out = _compile_all()
+    out = {f"{k}/{v}": _compile(k, variant) for (k, v), variant in VARIANTS.items()}
     out["moelora"] = os.path.abspath(moelora.__file__)
     print(json.dumps(out))
