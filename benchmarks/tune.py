@@ -208,7 +208,6 @@ def search(
     for half_tail in HALF_TAIL:
         consider(dataclasses.replace(best, half_tail=half_tail))
     consider(dataclasses.replace(best, up_tma=not best.up_tma))
-    consider(dataclasses.replace(best, persistent_up=not best.persistent_up))
     if not (best.lora_delta and best.delta_in_reduce):  # a no-op there (moe_lora.py)
         consider(dataclasses.replace(best, atomic_reduce=not best.atomic_reduce))
     print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
@@ -224,7 +223,6 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
     steps = [("half_tail", v) for v in HALF_TAIL]
     steps += [("z_sorted", not start.z_sorted), ("down_tma", not start.down_tma)]
     steps += [("up_tma", not start.up_tma), ("atomic_reduce", not start.atomic_reduce)]
-    steps += [("persistent_up", not start.persistent_up)]
     if lora:
         steps += [(k, v) for k, values in LORA_KNOBS.items() for v in values]
         steps += [(k, v) for k in DELTA_KNOBS for v in (False, True)]
@@ -283,7 +281,6 @@ LAYOUT_KNOBS = (
     "atomic_reduce",
     "decode",
     "pdl",
-    "persistent_up",
 )  # both modes; written only when on
 
 
@@ -320,8 +317,7 @@ def write_table(path: str, entries: list, header: dict) -> None:
         f"commit {header['commit']}, {header['time']}; each row's comment names the run that",
         "chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the",
         "heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then",
-        "z layout / TMA, then half-height tails, then up-GEMM TMA, then the persistent up",
-        "kernel, then the atomic top-k",
+        "z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k",
         "reduce; LoRA rows also start from",
         "the LoRA-free tiles), or in a --knobs-only run from the committed row over its knobs",
         "alone; each",

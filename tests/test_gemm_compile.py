@@ -35,14 +35,7 @@ BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=F
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
                  UPCAST=False, IEEE=False, PDL=False)  # fmt: skip
-BASE_PERSISTENT = dict(GATED=True, ACT=0, HAS_BIAS=True, DELTA=False, WEIGHT_INPUT=False,
-                       Z_SORTED=True, W_TMA=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
-                       GROUP_M=8, UPCAST=False, IEEE=False, PDL=False)  # fmt: skip
-KERNELS = {
-    "up": ("_expert_up_kernel", BASE_UP),
-    "down": ("_expert_down_kernel", BASE_DOWN),
-    "up-persistent": ("_expert_up_persistent_kernel", BASE_PERSISTENT),
-}
+KERNELS = {"up": ("_expert_up_kernel", BASE_UP), "down": ("_expert_down_kernel", BASE_DOWN)}
 
 
 class Variant(NamedTuple):
@@ -103,11 +96,6 @@ VARIANTS = {
         dict(TAIL_VARIANTS=2, TMA=True, EXPAND_FIRST=True),
         dtype="fp16",
     ),
-    # the persistent up kernel (persistent_up): LoRA-free, and the lora_delta rows with TMA
-    ("up-persistent", "no-lora"): Variant(dict(persistent_up=True), {}, lora=False),
-    ("up-persistent", "delta-tma"): Variant(
-        dict(persistent_up=True, lora_delta=True, up_tma=True), dict(DELTA=True, W_TMA=True)
-    ),
     ("up", "fp32-half-tail-expand-first"): Variant(
         dict(half_tail=1, expand_first=True),
         dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True),
@@ -125,23 +113,6 @@ VARIANTS = {
 FP32_REDUCTION = re.compile(r"\bred\.global\.gpu\.relaxed\.add(\.v4)?\.f32\b")
 
 
-def store_in_mma_loop(ttgir: str) -> bool:
-    """Whether the innermost loop around the first MMA also holds a global store: true when
-    Triton flattened a tile loop and its K loop into one (the epilogue then sits in that
-    loop), false for a K loop nested in a tile loop or a kernel with no tile loop. Loops are
-    found by the printed indentation: a body is indented deeper than its `scf.for` line."""
-    lines = ttgir.splitlines()
-    indent = [len(line) - len(line.lstrip()) for line in lines]
-    mma = next(i for i, line in enumerate(lines) if "warp_group_dot" in line or "tt.dot" in line)
-    loops = [i for i, line in enumerate(lines[:mma]) if "scf.for" in line]
-    inside = [i for i in loops if all(indent[j] > indent[i] for j in range(i + 1, mma + 1))]
-    if not inside:
-        return False
-    head = max(inside, key=lambda i: indent[i])
-    end = next((j for j in range(head + 1, len(lines)) if indent[j] <= indent[head]), len(lines))
-    return any("tt.store" in lines[j] for j in range(head + 1, end))
-
-
 def _compile(name: str, variant: Variant) -> dict:
     """The variant's launch: its constexprs, and the counts of wgmma instructions and fp32
     reductions (all, and the 4-wide ones) in its sm_90 PTX (or the compile error)."""
@@ -155,11 +126,9 @@ def _compile(name: str, variant: Variant) -> dict:
     fn, kwargs = next(launch for launch in launches if launch[0].__name__ == KERNELS[name][0])
     got = {"constexprs": {p.name: kwargs[p.name] for p in fn.params if p.is_constexpr}}
     try:
-        kernel = compiled_launch(fn, kwargs)
+        ptx = compiled_launch(fn, kwargs).asm["ptx"]
     except Exception as err:  # reported, the test fails with it
         return {**got, "error": f"{type(err).__name__}: {str(err)[-600:]}"}
-    ptx = kernel.asm["ptx"]
-    got["store_in_mma_loop"] = store_in_mma_loop(kernel.asm["ttgir"])
     reductions = FP32_REDUCTION.findall(ptx)
     got["wgmma"] = ptx.count("wgmma.mma_async")
     got["red"], got["red_v4"] = len(reductions), reductions.count(".v4")
@@ -207,16 +176,6 @@ def test_atomic_reduce_adds_4_columns_per_reduction(compiled) -> None:
     makes 4x the reductions, one value each."""
     for key in ("down/atomic-half-tail-tma", "down/atomic-pointer-loads-expand-first"):
         assert compiled[key]["red_v4"] == compiled[key]["red"], compiled[key]
-
-
-def test_persistent_up_loops_are_flattened(compiled) -> None:
-    """The persistent up kernel's tile loop and K loop become one loop on sm_90 (its z store
-    sits in the loop that holds the MMA), the point of kernels/expert_up_persistent.py; the
-    regular kernel's K loop holds no store."""
-    for key in ("up-persistent/no-lora", "up-persistent/delta-tma"):
-        assert compiled[key]["store_in_mma_loop"] is True, key
-    for key in ("up/default", "up/half-tail-tma", "down/default"):
-        assert compiled[key]["store_in_mma_loop"] is False, key
 
 
 def test_half_tail_variant_adds_its_own_mma(compiled) -> None:

@@ -418,95 +418,6 @@ CASES = [
         delta_in_reduce=True,
         extra={"pdl": True},
     ),
-    # persistent_up (kernels/expert_up_persistent.py): LoRA-free and lora_delta; on CPU 3
-    # programs walk the tiles, so most cases give a program several tiles
-    *[
-        Case(f"persistent-no-lora-{a.value}", act=a, ranks=None, extra={"pu": True})
-        for a in Activation
-    ],
-    Case(
-        "persistent-no-lora-swigluoai-bias-fp16",
-        act=A.SWIGLUOAI,
-        bias=True,
-        ranks=None,
-        dtype=torch.float16,
-        extra={"pu": True},
-    ),
-    Case(
-        "persistent-no-lora-many-tiles",
-        experts=3,
-        top_k=2,
-        tokens=40,
-        inter=96,
-        hidden=48,
-        ranks=None,
-        extra={"pu": True},
-    ),
-    Case(
-        "persistent-no-lora-up-tma-z-sorted",
-        ranks=None,
-        z_sorted=True,
-        down_tma=True,
-        extra={"pu": True, "ut": True},
-    ),
-    Case(
-        "persistent-no-lora-weights-on-input",
-        top_k=1,
-        weights_on_input=True,
-        ranks=None,
-        extra={"pu": True},
-    ),
-    Case("persistent-no-lora-drop-ids", drop_ids=True, ranks=None, extra={"pu": True}),
-    Case(
-        "persistent-no-lora-decode-layout-drop",
-        experts=32,
-        tokens=2,
-        drop_ids=True,
-        ranks=None,
-        extra={"pu": True},
-    ),  # one pair per block; a dropped pair's block: -1
-    Case(
-        "persistent-no-lora-empty-experts",
-        experts=16,
-        tokens=3,
-        top_k=1,
-        ranks=None,
-        extra={"pu": True},
-    ),
-    Case("persistent-delta", lora_delta=True, extra={"pu": True}),
-    Case(
-        "persistent-delta-in-reduce-bias-fp16",
-        lora_delta=True,
-        delta_in_reduce=True,
-        bias=True,
-        dtype=torch.float16,
-        extra={"pu": True},
-    ),
-    Case(
-        "persistent-delta-swigluoai-bias",
-        act=A.SWIGLUOAI,
-        bias=True,
-        lora_delta=True,
-        extra={"pu": True},
-    ),
-    Case(
-        "persistent-delta-relu2-masked-tails",
-        act=A.RELU2_NO_MUL,
-        hidden=48,
-        inter=40,
-        lora_delta=True,
-        extra={"pu": True},
-    ),
-    Case(
-        "persistent-delta-weights-on-input",
-        top_k=1,
-        weights_on_input=True,
-        bias=True,
-        lora_delta=True,
-        extra={"pu": True},
-    ),
-    # the in-GEMM expand cannot run in the persistent kernel: the regular kernel runs
-    Case("persistent-requested-in-gemm-expand", extra={"pu": True}),
 ]
 
 
@@ -574,7 +485,6 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             expand_first=case.extra.get("ef", False),
             up_tma=case.extra.get("ut", False),
             atomic_reduce=case.extra.get("ar", False),
-            persistent_up=case.extra.get("pu", False),
         ),
         weights_on_input=case.weights_on_input,
     )
@@ -877,45 +787,3 @@ def test_atomic_reduce_takes_the_atomic_path(monkeypatch, knobs, dtype, want, se
         "reduce": ["down", "reduce"],
     }[want]
     assert calls == expected
-
-
-@pytest.mark.parametrize(
-    "path, persistent",
-    [("no-lora", True), ("delta", True), ("delta-in-reduce", True), ("in-gemm-expand", False)],
-)
-def test_persistent_up_runs_where_it_applies(
-    monkeypatch, path: str, persistent: bool, seed
-) -> None:
-    """persistent_up launches the persistent kernel for the LoRA-free GEMM and lora_delta,
-    and the regular kernel with the in-GEMM expand (whose second loop would stop the loop
-    flattening); the outputs match the reference either way (test_forward_matches_reference)."""
-    import moelora.kernels.expert_up as up_mod
-
-    calls = {"persistent": 0, "regular": 0}
-    launch = up_mod.launch_persistent_up
-    regular = up_mod._expert_up_kernel
-
-    def spy_launch(*args, **kwargs):
-        calls["persistent"] += 1
-        return launch(*args, **kwargs)
-
-    class SpyKernel:
-        def __getitem__(self, grid):
-            calls["regular"] += 1
-            return regular[grid]
-
-    monkeypatch.setattr(up_mod, "launch_persistent_up", spy_launch)
-    monkeypatch.setattr(up_mod, "_expert_up_kernel", SpyKernel())
-    shape, experts, lora, x, ids, weights, slots = _inputs(Case("pu", tokens=12), seed)
-    if path == "no-lora":
-        lora, slots = None, None
-    cfg = dataclasses.replace(
-        TILES,
-        persistent_up=True,
-        lora_delta=path.startswith("delta"),
-        delta_in_reduce=path == "delta-in-reduce",
-    )
-    out = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)
-    ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
-    assert_close(out, ref, what=path)
-    assert calls == {"persistent": int(persistent), "regular": int(not persistent)}

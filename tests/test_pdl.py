@@ -154,7 +154,6 @@ ALIGNED = [
     ("lora_shrink", "_lora_shrink_kernel"),
     ("lora_delta", "_lora_delta_kernel"),
     ("expert_up", "_expert_up_kernel"),
-    ("expert_up_persistent", "_expert_up_persistent_kernel"),
     ("expert_down", "_expert_down_kernel"),
     ("topk_reduce", "_topk_reduce_kernel"),
 ]

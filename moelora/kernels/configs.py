@@ -115,13 +115,6 @@
   its comment); DeepSeek-V3's T = 1 +LoRA row (770abbc tune) has it. The sum order
   varies between runs (fp32 atomics), so those rows are not bitwise repeatable.
   Ignored with lora_delta + delta_in_reduce (that reduce adds the delta rows).
-- persistent_up (both modes, aligned path): off; the up GEMM runs as one program per SM
-  walking the tiles in one flattened loop (kernels/expert_up_persistent.py), so the next
-  tile's loads overlap this tile's last MMAs and epilogue. Reasoned, not yet measured: the
-  up GEMM ran at ~500 TFLOP/s at T = 4096 and 16384 where CUTLASS's grouped GEMM reached
-  649 at 16384 (KERNEL_LOG.md v20). Used by the LoRA-free GEMM and by lora_delta; with the
-  in-GEMM LoRA expand the regular kernel runs (a second loop would stop the flattening),
-  and the half-height tail (half_tail bit 1) does not apply to it.
 GPU measurements that replace these land in H200_TABLE (see KERNEL_LOG.md).
 """
 
@@ -163,7 +156,6 @@ class TileConfig:
     half_tail: int = 0  # 1 up, 2 down GEMM, 3 both: half-height blocks where half is padding
     up_tma: bool = False  # the up GEMM's w13 tiles by TMA (gate / up rows not interleaved)
     atomic_reduce: bool = False  # the down GEMM sums pairs into fp32 [T, H] (atomic_reduce.py)
-    persistent_up: bool = False  # the up GEMM as a persistent kernel (expert_up_persistent.py)
 
 
 def _from_row(row: tuple) -> TileConfig:

@@ -6,8 +6,7 @@ activations load the gate and up rows of the same units in one program, so the
 activation runs in the epilogue (gpt-oss: interleaved rows, even gate / odd up).
 With weights_on_input (Llama-4) the routing weight scales x, i.e. the GEMM + LoRA terms.
 Knobs (configs.py): the expand before the K loop (expand_first), a half-height variant for
-blocks whose second half is padding (half_tail), w13 tiles by TMA (up_tma); the persistent
-kernel (persistent_up) is kernels/expert_up_persistent.py.
+blocks whose second half is padding (half_tail), w13 tiles by TMA (up_tma).
 
 Legend: T tokens, K top-k, P = T*K pairs, E experts, H hidden, I intermediate, R rank.
 """
@@ -23,7 +22,6 @@ from ..activations import Activation
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_box_ok, workspace
-from .expert_up_persistent import launch_persistent_up
 from .pdl import chain_point
 from .tiles import (
     add_delta,
@@ -282,7 +280,6 @@ def expert_up(
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
-    persistent: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R], or instead of inter the expanded delta
@@ -292,8 +289,7 @@ def expert_up(
     [P_pad, I] with a pair's row at its place in aligned.sorted_pair_ids (each block's rows
     contiguous, for the down GEMM's tile loads), padding rows unwritten. tma: w13's tiles
     copied by the TMA where the layout allows (gate and up rows in two blocks, not
-    interleaved; aligned strides). persistent: the persistent kernel
-    (expert_up_persistent.py) where it applies (no LoRA, or the delta rows), else this one."""
+    interleaved; aligned strides)."""
     num_tokens, hidden = x.shape
     parts = activation.width_factor
     num_experts, rows, _ = w13.shape
@@ -315,15 +311,6 @@ def expert_up(
     if out is None:
         out = workspace(z_rows, inter_size, dtype=x.dtype, device=x.device)
     check_shape("z", out, (z_rows, inter_size))
-    if persistent and (not has_lora or delta is not None):
-        launch_persistent_up(
-            x, w13, b13, aligned, out, activation=activation, top_k=top_k, alpha=alpha,
-            limit=limit, topk_weights=topk_weights, token_slots=token_slots, delta=delta,
-            num_slots=lora_b.shape[0] if has_lora else 0, block_n=block_n, block_k=block_k,
-            group_m=group_m, num_warps=num_warps, num_stages=num_stages, z_sorted=z_sorted,
-            tma=tma, pdl=pdl,
-        )  # fmt: skip
-        return out
     swiglu = activation is Activation.SWIGLUOAI
     rank = lora_b.shape[4] if has_lora else 1
     block_r = rank_block(rank)

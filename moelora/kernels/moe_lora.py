@@ -150,7 +150,6 @@ def fused_moe_lora(
         tma=cfg.up_tma,
         delta=delta13,
         pdl=pdl,
-        persistent=cfg.persistent_up,
     )
     if use_lora:
         reduce = (
