@@ -2,11 +2,13 @@
 
 A table key is (E, K, H, I, LoRA on, upper bound): a row serves every T above the next
 smaller bound of its shape and mode, up to its own. A row's comment says at which T it was
-measured ("T=4096: ..."). A tuned T that falls in a committed bucket measured at another T
-splits that bucket at the geometric mean of the two T, so each row keeps serving the T it
-was measured at (tuning T = 16384 once replaced the T = 4096 row whose bucket ran to
-infinity, leaving T = 4096 on a row it was never timed at). Without a committed bucket, a
-tuned T takes the bound from its neighbours among the tuned T.
+measured ("T=4096: ..."). Tuned T that fall in a committed bucket measured at another T
+split that bucket at the geometric means of neighbouring T (the tuned ones and the row's
+own), so each row keeps serving the T it was measured at (tuning T = 16384 once replaced
+the T = 4096 row whose bucket ran to infinity, leaving T = 4096 on a row it was never
+timed at). Every key is fixed before tuning starts, so the order the T are tuned in does
+not matter. Without a committed bucket, a tuned T takes the bound from its neighbours
+among the tuned T.
 """
 
 from __future__ import annotations
@@ -24,47 +26,60 @@ def tuned_at(note: str) -> int | None:
 
 
 class Buckets:
-    """The table of one tune run: committed rows (all shapes) and their notes, re-keyed as
-    tuned T split their buckets. `key(t, on)` is stable within a run."""
+    """The table of one tune run: committed rows (all shapes) and their notes, with the
+    keys of every tuned T of this shape fixed up front (any tuning order gives the same
+    keys). In each committed bucket the anchors are the tuned T that fall in it plus the
+    T its row was measured at (when not re-tuned); each anchor's bound is the geometric
+    mean with the next anchor, the largest keeps the bucket's bound, and the committed row
+    moves to its anchor's bound. Tuned T in no committed bucket take bounds from their
+    neighbours among those T."""
 
     def __init__(self, dims: tuple, table: dict, notes: dict, tuned: list[int], commit: str):
         self.dims, self.commit = dims, commit
         self.table, self.notes = dict(table), dict(notes)
-        ordered = sorted(tuned)
-        self._bound = {
-            t: (2**31 - 1 if i + 1 == len(ordered) else math.isqrt(t * ordered[i + 1]))
-            for i, t in enumerate(ordered)
-        }
+        self._ups = {on: sorted(k[5] for k in table if k[:4] == dims and k[4] == on)
+                     for on in (False, True)}  # fmt: skip
         self._keys: dict[tuple[int, bool], tuple] = {}
+        for on in (False, True):
+            self._assign(sorted(set(tuned)), on)
 
     def committed(self, on: bool) -> dict:
-        """This shape's rows of one mode (after any splits)."""
+        """This shape's rows of one mode (after the splits)."""
         return {k: r for k, r in self.table.items() if k[:4] == self.dims and k[4] == on}
 
     def containing(self, t: int, on: bool) -> tuple | None:
-        """The key of this shape's committed bucket that T falls in, else None."""
-        ups = sorted(k[5] for k in self.committed(on))
-        u = next((u for u in ups if t <= u), None)
+        """The key the committed table (before this run) had for T's bucket, else None."""
+        u = next((u for u in self._ups[on] if t <= u), None)
         return None if u is None else (*self.dims, on, u)
 
     def key(self, t: int, on: bool) -> tuple:
-        if (t, on) not in self._keys:
-            self._keys[(t, on)] = self._assign(t, on)
         return self._keys[(t, on)]
 
-    def _assign(self, t: int, on: bool) -> tuple:
-        key = self.containing(t, on)
-        if key is None:
-            return (*self.dims, on, self._bound[t])
+    def _assign(self, tuned: list[int], on: bool) -> None:
+        lower, placed = 0, set()
+        for up in self._ups[on]:
+            inside = [t for t in tuned if lower < t <= up]
+            if inside:
+                self._split((*self.dims, on, up), lower, inside)
+                placed.update(inside)
+            lower = up
+        rest = [t for t in tuned if t not in placed]
+        for i, t in enumerate(rest):
+            bound = 2**31 - 1 if i + 1 == len(rest) else math.isqrt(t * rest[i + 1])
+            self._keys[(t, on)] = (*self.dims, on, bound)
+
+    def _split(self, key: tuple, lower: int, inside: list[int]) -> None:
+        """Bounds for the tuned T inside the committed bucket `key` (lower, key[5]], and the
+        committed row's move when it keeps serving its own T below another anchor."""
         old = tuned_at(self.notes.get(key, ""))
-        lower = max((k[5] for k in self.committed(on) if k[5] < key[5]), default=0)
-        if old is None or old == t or not lower < old <= key[5]:
-            return key
-        split = math.isqrt(old * t)  # old <= split < t, or t <= split < old
-        if old > t:
-            return (*self.dims, on, split)  # the new row takes the lower part
-        moved = (*self.dims, on, split)  # the committed row takes the lower part
-        self.table[moved] = self.table.pop(key)
-        note = self.notes.pop(key, "kept from the committed table")
-        self.notes[moved] = f"{note}; bucket split at T={split} by the {self.commit} run"
-        return key
+        keep_old = old is not None and lower < old <= key[5] and old not in inside
+        anchors = sorted(set(inside) | ({old} if keep_old else set()))
+        for i, a in enumerate(anchors):
+            bound = key[5] if i + 1 == len(anchors) else math.isqrt(a * anchors[i + 1])
+            moved = (*key[:5], bound)
+            if a in inside:
+                self._keys[(a, key[4])] = moved
+            elif moved != key:  # the committed row, below a larger tuned T
+                self.table[moved] = self.table.pop(key)
+                note = self.notes.pop(key, "kept from the committed table")
+                self.notes[moved] = f"{note}; bucket split at T={bound} by the {self.commit} run"

@@ -433,7 +433,12 @@ def main() -> int:
             others = (dataclasses.replace(base, **_knobs(heur)),) if on else ()
             steps: list = []
             if args.knobs_only:
-                if chosen.decode or buckets.containing(t, on) is None:
+                committed_row = (
+                    (*dims, on, t) in H200_ROWS  # --own-buckets: a row bounded at T itself
+                    if args.own_buckets
+                    else buckets.containing(t, on) is not None
+                )
+                if chosen.decode or not committed_row:
                     print("    no committed aligned row: skipped (--knobs-only)")
                     continue
                 if any(e[0] == key_of(t, on) for e in entries):
