@@ -29,7 +29,11 @@ CASES: dict[str, list[BenchCase]] = {
     "mixtral": [BenchCase("mixtral-8x7b", t) for t in LARGE_MODEL_TOKENS],
     "deepseek-v3": [BenchCase("deepseek-v3", t) for t in LARGE_MODEL_TOKENS],
     "qwen3.5": [BenchCase("qwen3.5-35b-a3b", t) for t in TOKENS],
-    # Layers the vLLM peer cannot run (swigluoai with biases; non-gated relu2): no peer column.
+    "olmoe-1b-7b": [BenchCase("olmoe-1b-7b", t) for t in LARGE_MODEL_TOKENS],
+    "deepseek-v2-lite": [BenchCase("deepseek-v2-lite", t) for t in LARGE_MODEL_TOKENS],
+    # Layers the vLLM peer cannot run (swigluoai with biases; non-gated relu2; routing
+    # weights on the input): no peer column.
+    "llama4-scout": [BenchCase("llama4-scout", t) for t in LARGE_MODEL_TOKENS],
     "gpt-oss-20b": [BenchCase("gpt-oss-20b", t) for t in LARGE_MODEL_TOKENS],
     "nemotron-h": [BenchCase("nemotron-h", t) for t in LARGE_MODEL_TOKENS],
 }

@@ -53,6 +53,23 @@ def test_peer_beside_another_activation_is_refused(tmp_path, suite: str) -> None
         peer_rows(path, [case])
 
 
+def test_peer_beside_weights_on_input_is_refused(tmp_path) -> None:
+    """Llama 4 scales the expert input by the routing weight; the peer scales the output.
+    A peer JSON of the same sizes (written before the key existed: no weights_on_input) is
+    refused beside it, and still read beside a layer that weights the output."""
+    from benchmarks.cases import BenchCase
+
+    case = BenchCase("llama4-scout", 64)
+    shape = {k: v for k, v in peer_shape(case).items() if k != "weights_on_input"}
+    path, _ = _write(tmp_path, shape, [64])
+    with pytest.raises(InputError, match="weights_on_input"):
+        peer_rows(path, [case])
+    qwen = CASES["qwen3"]
+    old = {k: v for k, v in peer_shape(qwen[0]).items() if k != "weights_on_input"}
+    path, _ = _write(tmp_path, old, [c.tokens for c in qwen])
+    assert set(peer_rows(path, qwen)) == {c.tokens for c in qwen}
+
+
 def test_no_peer_file_means_no_peer_columns(tmp_path) -> None:
     assert peer_rows(None, CASES["qwen3"]) == {}
     assert peer_rows(str(tmp_path / "missing.json"), CASES["qwen3"]) == {}
@@ -70,5 +87,5 @@ def test_every_suite_is_one_known_layer():
         shape = peer_shape(cases[0])
         if all(shape[k] == v for k, v in PEER_DEFAULTS.items()):
             peer_layers.add(name)
-    assert {"qwen3", "mixtral", "deepseek-v3"} <= peer_layers
-    assert not {"gpt-oss-20b", "nemotron-h"} & peer_layers
+    assert {"qwen3", "mixtral", "deepseek-v3", "olmoe-1b-7b", "deepseek-v2-lite"} <= peer_layers
+    assert not {"gpt-oss-20b", "nemotron-h", "llama4-scout"} & peer_layers

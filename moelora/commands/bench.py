@@ -13,7 +13,8 @@ from ..errors import InputError
 
 # what the vLLM peer's JSON leaves unsaid: its tool always runs SiLU-gated experts without
 # biases (.peer/vllm_moe_lora_bench.py)
-PEER_DEFAULTS = dict(activation="silu", bias=False)
+# The vLLM peer runs SiLU-gated experts, no biases, routing weights on the output.
+PEER_DEFAULTS = dict(activation="silu", bias=False, weights_on_input=False)
 
 
 def add_parser(subparsers) -> None:
@@ -28,11 +29,12 @@ def add_parser(subparsers) -> None:
 
 
 def peer_shape(case) -> dict:
-    """The layer a case times, in the peer JSON's "shape" keys (activation and bias too:
-    PEER_DEFAULTS when the JSON does not name them)."""
+    """The layer a case times, in the peer JSON's "shape" keys (activation, bias and where
+    the routing weights apply too: PEER_DEFAULTS when the JSON does not name them)."""
     from ..presets import resolve_model
 
-    s = resolve_model(case.model).shape
+    model = resolve_model(case.model)
+    s = model.shape
     dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(s.dtype), str(s.dtype))
     return dict(
         E=s.num_experts,
@@ -44,6 +46,7 @@ def peer_shape(case) -> dict:
         rank=case.rank,
         activation=s.activation.value,
         bias=s.has_bias,
+        weights_on_input=model.routing.method.weights_on_input,
     )
 
 
@@ -70,7 +73,7 @@ def peer_rows(path: str | None, cases: list) -> dict[int, dict]:
                 f"a peer run of {case.id}'s layer {want}: run .peer/vllm_moe_lora_bench.py "
                 f"--experts {want['E']} --topk {want['top_k']} --hidden {want['H']} "
                 f"--inter {want['I']} --max-loras {want['max_loras']} --rank {want['rank']} "
-                f"--dtype {want['dtype']} (the peer runs SiLU-gated experts without biases only)",
+                f"--dtype {want['dtype']} (the peer runs SiLU-gated experts without biases, routing weights on the output, only)",
             )
     return rows
 
