@@ -18,7 +18,7 @@ SUITE=${1:?usage: gpu_model.sh SUITE}
 read -r MODEL TOKENS PEER_ARGS < <($PY - "$SUITE" "${TOKENS:-}" <<'PYEOF'
 import sys
 from benchmarks.cases import CASES
-from moelora.commands.bench import PEER_DEFAULTS, peer_shape
+from moelora.commands.bench import peer_can_run, peer_shape
 cases = CASES[sys.argv[1]]
 keep = {int(t) for t in sys.argv[2].split(",")} if sys.argv[2] else None
 if keep and not keep <= {c.tokens for c in cases}:
@@ -26,10 +26,9 @@ if keep and not keep <= {c.tokens for c in cases}:
 cases = [c for c in cases if keep is None or c.tokens in keep]
 s = peer_shape(cases[0])
 tokens = ",".join(str(c.tokens) for c in cases)
-runs = all(s[k] == v for k, v in PEER_DEFAULTS.items())
 print(cases[0].model, tokens, f"--experts={s['E']} --topk={s['top_k']} --hidden={s['H']} "
       f"--inter={s['I']} --max-loras={s['max_loras']} --rank={s['rank']} --dtype={s['dtype']}"
-      if runs else "none")
+      if peer_can_run(cases[0]) else "none")
 PYEOF
 )
 [ -n "$MODEL" ] || exit 2

@@ -78,14 +78,13 @@ def test_no_peer_file_means_no_peer_columns(tmp_path) -> None:
 def test_every_suite_is_one_known_layer():
     """scripts/gpu_model.sh tunes a suite's first case's model for all its T: a suite mixing
     models would tune one and bench another. The peer runs only on PEER_DEFAULTS layers."""
-    from moelora.commands.bench import PEER_DEFAULTS
+    from moelora.commands.bench import peer_can_run
 
     peer_layers = set()
     for name, cases in CASES.items():
         assert cases, name
         assert {c.model for c in cases} == {cases[0].model}, name
-        shape = peer_shape(cases[0])
-        if all(shape[k] == v for k, v in PEER_DEFAULTS.items()):
+        if peer_can_run(cases[0]):
             peer_layers.add(name)
     assert {"qwen3", "mixtral", "deepseek-v3", "olmoe-1b-7b", "deepseek-v2-lite"} <= peer_layers
     assert not {"gpt-oss-20b", "nemotron-h", "llama4-scout"} & peer_layers

@@ -11,9 +11,8 @@ import json
 
 from ..errors import InputError
 
-# what the vLLM peer's JSON leaves unsaid: its tool always runs SiLU-gated experts without
-# biases (.peer/vllm_moe_lora_bench.py)
-# The vLLM peer runs SiLU-gated experts, no biases, routing weights on the output.
+# what the vLLM peer's JSON may leave unsaid: its tool (.peer/vllm_moe_lora_bench.py) always
+# runs SiLU-gated experts without biases, routing weights on the output
 PEER_DEFAULTS = dict(activation="silu", bias=False, weights_on_input=False)
 
 
@@ -50,6 +49,12 @@ def peer_shape(case) -> dict:
     )
 
 
+def peer_can_run(case) -> bool:
+    """Whether the vLLM peer can run the case's layer at all (PEER_DEFAULTS)."""
+    shape = peer_shape(case)
+    return all(shape[k] == v for k, v in PEER_DEFAULTS.items())
+
+
 def peer_rows(path: str | None, cases: list) -> dict[int, dict]:
     """The peer's rows by T, from a JSON of the same layer as every case (else an
     InputError naming both shapes: a peer of another layer is never set beside ours)."""
@@ -73,7 +78,8 @@ def peer_rows(path: str | None, cases: list) -> dict[int, dict]:
                 f"a peer run of {case.id}'s layer {want}: run .peer/vllm_moe_lora_bench.py "
                 f"--experts {want['E']} --topk {want['top_k']} --hidden {want['H']} "
                 f"--inter {want['I']} --max-loras {want['max_loras']} --rank {want['rank']} "
-                f"--dtype {want['dtype']} (the peer runs SiLU-gated experts without biases, routing weights on the output, only)",
+                f"--dtype {want['dtype']} (the peer runs only SiLU-gated experts without "
+                "biases, routing weights on the output)",
             )
     return rows
 
