@@ -51,16 +51,7 @@ def triton_interpreted() -> bool:
 
 def probe() -> DeviceFacts:
     """Facts of this machine's first visible device (cuda if available, else cpu)."""
-    packages = installed_packages()
-    if torch.cuda.is_available():
-        index = torch.cuda.current_device()
-        return DeviceFacts(
-            kind="cuda",
-            name=torch.cuda.get_device_name(index),
-            compute_capability=tuple(torch.cuda.get_device_capability(index)),
-            packages=packages,
-        )
-    return DeviceFacts(kind="cpu", name="cpu", packages=packages, interpreted=triton_interpreted())
+    return probe_device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def target(name: str) -> DeviceFacts:
@@ -86,3 +77,22 @@ def target(name: str) -> DeviceFacts:
 def resolve_device(name: str | None = None) -> DeviceFacts:
     """'local' or None -> probe(); anything else -> target(name)."""
     return probe() if name in (None, LOCAL) else target(name)
+
+
+def probe_device(device: torch.device | str) -> DeviceFacts:
+    """Facts of one local torch device: a model held on the CPU of a machine with a GPU is
+    served on the CPU, so its deployment must say cpu, not what probe() finds first."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return DeviceFacts(
+            kind="cuda",
+            name=torch.cuda.get_device_name(index),
+            compute_capability=tuple(torch.cuda.get_device_capability(index)),
+            packages=installed_packages(),
+        )
+    if device.type != "cpu":
+        raise ConfigError("device", str(device), "a cuda or cpu device", "move the model there")
+    return DeviceFacts(
+        kind="cpu", name="cpu", packages=installed_packages(), interpreted=triton_interpreted()
+    )

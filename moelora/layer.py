@@ -38,12 +38,23 @@ class MoELoRALayer:
         *,
         registry: Mapping[str, Backend] | None = None,
         check_values: bool = True,
+        selection: Selection | None = None,
     ) -> None:
         """experts: this rank's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
         layer when tp = ep = 1). check_values: also check expert ids and slots (a GPU sync;
-        always skipped inside CUDA-graph capture)."""
+        always skipped inside CUDA-graph capture). selection: the oracle's verdict for this
+        very deployment, when many layers of one type share it (asked once, logged once)."""
         self.deployment = deployment
-        self.selection: Selection = select(deployment, registry)  # raises on refusal
+        if selection is None:
+            selection = select(deployment, registry)  # raises on refusal
+        elif selection.deployment != deployment:
+            raise InputError(
+                "selection",
+                f"the oracle's verdict for {selection.deployment.name}",
+                "the verdict for this layer's own deployment",
+                "pass the Selection that oracle.select returned for this deployment",
+            )
+        self.selection: Selection = selection
         # What this rank holds: I_p intermediate units of E_l experts.
         self.shape = dataclasses.replace(
             deployment.shape, intermediate_size=deployment.intermediate_per_partition

@@ -1,8 +1,9 @@
-"""transformers integration: read expert and router weights out of a Hugging Face MoE block.
+"""Expert and router weights of a Hugging Face MoE block, in moelora's layout.
 
-Used by the outside-truth tests and by users who hold an HF model in memory. transformers
-stores experts as fused 3-D parameters; `is_transposed` (or the family, for Llama-4) says
-whether they are [E, out, in] (moelora's layout) or [E, in, out].
+transformers stores experts as fused 3-D parameters; `is_transposed` (or the family, for
+Llama-4) says whether they are [E, out, in] (moelora's layout) or [E, in, out]. With
+in_place=True the result holds views of the module's own tensors (strided where the layout
+is transposed): the expert weights, the model's largest allocation, are never copied.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .errors import ConfigError
-from .weights import ExpertWeights
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..weights import ExpertWeights
 
 # model_type -> name of the fused first projection (gate+up, or up alone when non-gated).
 W13_NAMES = {"nemotron_h": "up_proj"}
@@ -20,17 +21,25 @@ W13_NAMES = {"nemotron_h": "up_proj"}
 ALWAYS_TRANSPOSED = frozenset({"llama4_text"})
 
 
-def _oriented(param: torch.Tensor, transposed: bool) -> torch.Tensor:
-    return param.detach().transpose(1, 2).contiguous() if transposed else param.detach()
+def _oriented(param: torch.Tensor, transposed: bool, in_place: bool) -> torch.Tensor:
+    view = param.detach().transpose(1, 2) if transposed else param.detach()
+    return view if in_place else view.contiguous()
 
 
-def expert_weights_from_hf(experts: nn.Module, model: ModelConfig) -> ExpertWeights:
-    """ExpertWeights (w13 [E, S*I, H], w2 [E, H, I], biases) from an HF experts module."""
-    transposed = bool(getattr(experts, "is_transposed", False)) or (
-        model.model_type in ALWAYS_TRANSPOSED
-    )
-    w13 = _oriented(getattr(experts, W13_NAMES.get(model.model_type, "gate_up_proj")), transposed)
-    w2 = _oriented(experts.down_proj, transposed)
+def is_transposed(experts: nn.Module, model: ModelConfig) -> bool:
+    """True when the module stores [E, in, out] (gpt-oss, Llama-4)."""
+    return bool(getattr(experts, "is_transposed", False)) or model.model_type in ALWAYS_TRANSPOSED
+
+
+def expert_weights_from_hf(
+    experts: nn.Module, model: ModelConfig, *, in_place: bool = False
+) -> ExpertWeights:
+    """ExpertWeights (w13 [E, S*I, H], w2 [E, H, I], biases) from an HF experts module;
+    in_place: views of the module's tensors (no copy) instead of contiguous copies."""
+    transposed = is_transposed(experts, model)
+    w13_name = W13_NAMES.get(model.model_type, "gate_up_proj")
+    w13 = _oriented(getattr(experts, w13_name), transposed, in_place)
+    w2 = _oriented(experts.down_proj, transposed, in_place)
     shape = model.shape
     want13 = (shape.num_experts, shape.w13_rows, shape.hidden_size)
     want2 = (shape.num_experts, shape.hidden_size, shape.intermediate_size)

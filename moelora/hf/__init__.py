@@ -1,0 +1,23 @@
+"""moelora inside Hugging Face transformers: one model, many PEFT adapters, one mixed batch.
+
+    handle = moelora.hf.attach(model, max_loras=8, max_lora_rank=16)
+    handle.load_adapter("path/to/peft-adapter", name="a")
+    out = handle.generate(input_ids, adapter_names=["a", None], max_new_tokens=32)
+
+`attach` registers the "moelora" experts implementation in transformers' ExpertsInterface
+and binds every MoE layer of the model to moelora; see handle.py.
+"""
+
+from .experts import NAME, register
+from .handle import MoELoRAModel, attach
+from .weights import expert_weights_from_hf, router_from_hf, router_logits
+
+__all__ = [
+    "NAME",
+    "MoELoRAModel",
+    "attach",
+    "expert_weights_from_hf",
+    "register",
+    "router_from_hf",
+    "router_logits",
+]

@@ -1,0 +1,97 @@
+"""What one call through the handle tells the layers of the model: the adapter of every row.
+
+The handle builds a `RowAdapters` once per generate / forward call (one host-to-device copy
+of the per-row slots) and makes it current for the calling thread; the expert layers read
+it, expand it to one slot per token on the device (no host sync), and PEFT's LoRA layers
+get their per-row adapter names from it. Legend: B rows, S tokens per row, T = B * S.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from ..errors import InputError
+from ..lora.leases import BankSnapshot
+
+BASE = "__base__"  # PEFT's name for a row without adapter
+
+_current = threading.local()
+
+
+@dataclass
+class RowAdapters:
+    """row_slots [B] int32 on the model's device (-1 = no expert adapter); snapshot: the slot
+    banks those slots index (held by a lease for the whole call); peft_names: per row, the
+    PEFT adapter of its non-expert modules or BASE."""
+
+    row_slots: Tensor
+    snapshot: BankSnapshot
+    peft_names: tuple[str, ...]
+    expert_lora: bool  # some row has an expert adapter
+    _expanded: dict[int, Tensor] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return len(self.peft_names)
+
+    @property
+    def peft_lora(self) -> bool:
+        return any(name != BASE for name in self.peft_names)
+
+    def token_slots(self, tokens: int) -> Tensor:
+        """token_slots [T] int32: each row's slot repeated for its S = T / B tokens. Cached per
+        T, so the layers of one forward (and the steps of a decode) share one tensor."""
+        slots = self._expanded.get(tokens)
+        if slots is None:
+            per_row = self._per_row(tokens, "hidden_states")
+            slots = self.row_slots.repeat_interleave(per_row, output_size=tokens)
+            self._expanded = {tokens: slots}
+        return slots
+
+    def peft_names_for(self, leading: int) -> list[str]:
+        """adapter_names for a PEFT LoRA layer whose input has `leading` rows: [B, S, ...]
+        inputs take one name per row, flattened [T, ...] inputs one per token."""
+        repeat = self._per_row(leading, "LoRA layer input")
+        if repeat == 1:
+            return list(self.peft_names)
+        return [name for name in self.peft_names for _ in range(repeat)]
+
+    def _per_row(self, leading: int, what: str) -> int:
+        if leading % self.rows:
+            raise InputError(
+                what,
+                f"{leading} rows",
+                f"a multiple of the call's {self.rows} rows (one adapter name per row)",
+                "pass one adapter name per row of input_ids (generate expands them for "
+                "num_beams / num_return_sequences itself)",
+            )
+        return leading // self.rows
+
+
+def current() -> RowAdapters | None:
+    """The calling thread's current call, or None (outside the handle: the base model)."""
+    return getattr(_current, "rows", None)
+
+
+@contextmanager
+def using(rows: RowAdapters) -> Iterator[RowAdapters]:
+    """Make `rows` current for this thread for the duration of the block."""
+    previous = current()
+    if previous is not None:
+        raise InputError(
+            "adapter_names",
+            "a nested call",
+            "one handle call at a time per thread",
+            "do not call the handle from inside its own forward",
+        )
+    _current.rows = rows
+    try:
+        yield rows
+    finally:
+        _current.rows = None
+

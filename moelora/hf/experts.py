@@ -1,0 +1,89 @@
+"""The "moelora" experts implementation for transformers, as one torch custom op.
+
+transformers 5 dispatches each MoE experts module's forward through its ExpertsInterface:
+fn(self, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]. The
+function registered here finds the module's binding (its MoELoRALayer and layer index, set
+by `attach`) and calls `torch.ops.moelora.experts`, a custom op with a fake implementation,
+so `torch.compile(model)` keeps the whole expert layer as one node. The op reads the
+calling thread's RowAdapters (batch.py) for the per-token slots and the slot banks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from ..layer import MoELoRALayer
+from . import batch
+
+NAME = "moelora"
+
+_bindings: dict[int, ExpertsBinding] = {}
+_keys = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class ExpertsBinding:
+    """One HF experts module served by moelora: its layer (weights as views of the module's
+    own tensors) and its MoE layer index (the slot banks are per layer)."""
+
+    layer: MoELoRALayer
+    layer_index: int
+
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        ids, weights = topk_ids.to(torch.int32), topk_weights.float()
+        rows = batch.current()
+        if rows is None or not rows.expert_lora:
+            return self.layer(x, ids, weights)
+        slots = rows.token_slots(x.shape[0])
+        return self.layer(x, ids, weights, slots, rows.snapshot.banks[self.layer_index])
+
+
+def bind(module: torch.nn.Module, binding: ExpertsBinding) -> int:
+    """Attach a binding to an experts module; returns its key."""
+    key = next(_keys)
+    _bindings[key] = binding
+    module._moelora_key = key
+    return key
+
+
+def unbind(module: torch.nn.Module) -> None:
+    key = getattr(module, "_moelora_key", None)
+    _bindings.pop(key, None)
+    if key is not None:
+        del module._moelora_key
+
+
+@torch.library.custom_op("moelora::experts", mutates_args=())
+def experts_op(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, key: int) -> Tensor:
+    """y [T, H] of the experts bound under `key`, with the current call's adapters."""
+    return _bindings[key].forward(hidden_states, top_k_index, top_k_weights)
+
+
+@experts_op.register_fake
+def _experts_fake(hidden_states, top_k_index, top_k_weights, key):
+    return torch.empty_like(hidden_states)
+
+
+def experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor):
+    """The function registered in transformers' ExpertsInterface under NAME."""
+    key = getattr(self, "_moelora_key", None)
+    if key is None or key not in _bindings:
+        raise ConfigError(
+            "experts_implementation",
+            NAME,
+            f"an experts module bound by moelora.hf.attach ({type(self).__name__} is not)",
+            "call moelora.hf.attach(model, max_loras=..., max_lora_rank=...) before running it",
+        )
+    return experts_op(hidden_states, top_k_index, top_k_weights, key)
+
+
+def register() -> None:
+    """Register NAME in transformers' ExpertsInterface (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NAME, experts_forward)
