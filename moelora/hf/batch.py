@@ -66,9 +66,8 @@ class RowAdapters:
             raise InputError(
                 what,
                 f"{leading} rows",
-                f"a multiple of the call's {self.rows} rows (one adapter name per row)",
-                "pass one adapter name per row of input_ids (generate expands them for "
-                "num_beams / num_return_sequences itself)",
+                f"a multiple of the call's {self.rows} rows: pass one adapter name per row of "
+                "input_ids (the handle expands them for num_beams / num_return_sequences)",
             )
         return leading // self.rows
 
@@ -86,8 +85,8 @@ def using(rows: RowAdapters) -> Iterator[RowAdapters]:
         raise InputError(
             "adapter_names",
             "a nested call",
-            "one handle call at a time per thread",
-            "do not call the handle from inside its own forward",
+            "one handle call at a time per thread (do not call the handle from inside its "
+            "own forward)",
         )
     _current.rows = rows
     try:

@@ -332,7 +332,9 @@ class MoELoRAModel:
     def _known(self, name: str) -> _Version:
         if name not in self._versions:
             raise InputError(
-                "adapter name", repr(name), f"a loaded adapter {self.adapters}", "load_adapter it"
+                "adapter name",
+                repr(name),
+                f"None or a loaded adapter {self.adapters} (load_adapter it first)",
             )
         return self._versions[name]
 
@@ -438,8 +440,7 @@ def _names(adapter_names: Sequence[str | None] | None, rows: int) -> list[str | 
         raise InputError(
             "adapter_names",
             f"{len(adapter_names)} names",
-            f"one per row of input_ids ({rows} rows)",
-            "give each row one adapter name, or None for the base model",
+            f"one per row of input_ids ({rows} rows; None = the base model)",
         )
     return [None if n in (None, batch.BASE) else n for n in adapter_names]
 
