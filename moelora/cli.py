@@ -15,7 +15,7 @@ from .errors import MoeloraError
 EXIT_ERROR = 2  # bad usage, configuration or input (plan uses 3 for an oracle refusal)
 
 # Fixed order; a module listed here that is not installed yet is skipped with a clear note.
-COMMANDS = ("demo", "plan", "validate", "bench")
+COMMANDS = ("generate", "demo", "plan", "validate", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

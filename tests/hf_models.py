@@ -58,7 +58,9 @@ def prompts(count: int, vocab: int, gen: torch.Generator, lengths=(5, 9)) -> lis
     return [torch.randint(1, vocab, (n,), generator=gen) for n in sizes]
 
 
-def alone(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def alone(
+    model: nn.Module, prompt: torch.Tensor, new_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(generated token ids [new_tokens], prompt logits [S, V]) of one row on its own."""
     with torch.no_grad():
         logits = model(input_ids=prompt[None]).logits[0]

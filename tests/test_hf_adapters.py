@@ -91,9 +91,9 @@ def test_bad_calls_are_refused_before_running(family):
     handle = attach(family.fresh(), max_loras=2, max_lora_rank=8, moe_backend="reference")
     handle.load_adapter(family.dirs["fused-r2"], name="a")
     ids = torch.randint(1, 96, (2, 5))
-    with pytest.raises(InputError, match="'nope'.*loaded adapter"):
+    with pytest.raises(InputError, match=r"'nope'.*loaded adapter"):
         handle.generate(ids, adapter_names=["a", "nope"], max_new_tokens=2)
-    with pytest.raises(InputError, match="3 names.*2 rows"):
+    with pytest.raises(InputError, match=r"3 names.*2 rows"):
         handle.generate(ids, adapter_names=["a", None, "a"], max_new_tokens=2)
     with pytest.raises(InputError, match="adapter_names"):
         handle(ids, adapter_names="a")
@@ -142,7 +142,9 @@ def test_swaps_during_a_call_keep_its_versions(family, tmp_path, slots):
     the next call sees v2 and refuses "b"."""
     v1, v2 = family.dirs["fused-r4-attn"], tmp_path / "v2"
     base = family.base
-    v2_model = toy.write_peft_adapter(base, v2, seed=4242, **toy.demo_adapters(base)["fused-r4-attn"])
+    v2_model = toy.write_peft_adapter(
+        base, v2, seed=4242, **toy.demo_adapters(base)["fused-r4-attn"]
+    )
     handle = attach(family.fresh(), max_loras=slots, max_lora_rank=8, moe_backend="reference")
     handle.load_adapter(v1, name="a")
     handle.load_adapter(family.dirs["fused-r2"], name="b")
@@ -193,7 +195,10 @@ def test_generate_threads_with_a_swapper(family, tmp_path):
     handle = attach(family.fresh(), max_loras=3, max_lora_rank=8, moe_backend="reference")
     handle.load_adapter(family.dirs["fused-r4-attn"], name="a")
     prompt = torch.randint(1, 96, (5,), generator=torch.Generator().manual_seed(3))
-    allowed = [alone(family.truth("fused-r4-attn"), prompt, NEW)[0], alone(v2_model, prompt, NEW)[0]]
+    allowed = [
+        alone(family.truth("fused-r4-attn"), prompt, NEW)[0],
+        alone(v2_model, prompt, NEW)[0],
+    ]
     stop, failures, calls = threading.Event(), [], []
 
     def swapper():

@@ -59,7 +59,9 @@ def test_torch_compile_keeps_one_node_per_layer(tmp_path, seed):
     eager_forward = model.forward
     model.forward = torch.compile(model.forward, backend=backend, dynamic=False)
     try:
-        ids = torch.randint(1, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(seed))
+        ids = torch.randint(
+            1, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(seed)
+        )
         rows = [names[0], None, names[1]]
         compiled = handle(ids, adapter_names=rows).logits
     finally:

@@ -93,4 +93,3 @@ def using(rows: RowAdapters) -> Iterator[RowAdapters]:
         yield rows
     finally:
         _current.rows = None
-

@@ -59,7 +59,9 @@ def unbind(module: torch.nn.Module) -> None:
 
 
 @torch.library.custom_op("moelora::experts", mutates_args=())
-def experts_op(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, key: int) -> Tensor:
+def experts_op(
+    hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, key: int
+) -> Tensor:
     """y [T, H] of the experts bound under `key`, with the current call's adapters."""
     return _bindings[key].forward(hidden_states, top_k_index, top_k_weights)
 

@@ -238,7 +238,9 @@ class MoELoRAModel:
         root = Path(path)
         name = name if name is not None else root.resolve().name
         if not isinstance(name, str) or not name or name == batch.BASE:
-            raise InputError("name", repr(name), f"a non-empty adapter name other than {batch.BASE!r}")
+            raise InputError(
+                "name", repr(name), f"a non-empty adapter name other than {batch.BASE!r}"
+            )
         internal = f"moelora{next(self._seq)}"
         adapter = load_adapter(root, self.model_config, self.max_lora_rank, name=internal)
         config = read_config(root)

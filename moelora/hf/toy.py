@@ -128,7 +128,11 @@ def write_peft_adapter(
 
 # Per-module names PEFT accepts for the experts of a family (rewritten to target_parameters
 # on fused experts). NemotronH's up/down name its shared experts; gpt-oss has none.
-_MODULE_NAMES = {"mixtral": ["w1", "w2", "w3"], "nemotron_h": ["up_proj", "down_proj"], "gpt_oss": []}
+_MODULE_NAMES = {
+    "mixtral": ["w1", "w2", "w3"],
+    "nemotron_h": ["up_proj", "down_proj"],
+    "gpt_oss": [],
+}
 
 
 def demo_adapters(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -148,7 +152,5 @@ def demo_adapters(model: nn.Module) -> dict[str, dict[str, Any]]:
             r=4, lora_alpha=8, target_parameters=fused, target_modules=["q_proj", "v_proj"]
         ),
         "modules-r4": modules,
-        "fused-r2": dict(
-            r=2, lora_alpha=2, target_parameters=fused, rank_pattern={"down_proj": 1}
-        ),
+        "fused-r2": dict(r=2, lora_alpha=2, target_parameters=fused, rank_pattern={"down_proj": 1}),
     }
