@@ -183,6 +183,32 @@ def _routing(cfg: dict[str, Any], fam: Family) -> RoutingConfig:
     )
 
 
+# NemotronH's per-layer block list, newest key first: transformers 5.24 saves
+# layers_block_type (a list; `layer_types` is its attribute alias), older configs the
+# hybrid_override_pattern string ("M" mamba, "*" attention, "-" mlp, "E" moe).
+_NEMOTRON_BLOCK_KEYS = ("layers_block_type", "layer_types", "hybrid_override_pattern")
+
+
+def _nemotron_blocks(cfg: dict[str, Any]) -> tuple[str, str | list | None]:
+    """(key, the block list or pattern) of a NemotronH config; (key, None) when it has none."""
+    key = next((k for k in _NEMOTRON_BLOCK_KEYS if cfg.get(k)), _NEMOTRON_BLOCK_KEYS[-1])
+    kinds = cfg.get(key)
+    if kinds is not None and not isinstance(kinds, (str, list)):
+        raise ConfigError(key, kinds, "a list of block types or a pattern string, one per layer")
+    return key, kinds
+
+
+def _num_layers(cfg: dict[str, Any], fam: Family) -> int:
+    """num_hidden_layers, or what it is derived from where the config no longer saves it:
+    transformers 5.24's NemotronHConfig makes it a property (the length of
+    layers_block_type) and leaves it out of config.json and to_dict()."""
+    if fam.layers == "nemotron" and cfg.get("num_hidden_layers") is None:
+        _, kinds = _nemotron_blocks(cfg)
+        if kinds:
+            return len(kinds)
+    return _positive_int(cfg, "num_hidden_layers", 1)
+
+
 def _moe_layers(cfg: dict[str, Any], fam: Family, num_layers: int) -> tuple[int, ...]:
     layers = range(num_layers)
     if fam.layers == "qwen":
@@ -196,11 +222,10 @@ def _moe_layers(cfg: dict[str, Any], fam: Family, num_layers: int) -> tuple[int,
         freq = _positive_int(cfg, "moe_layer_freq", 1)
         return tuple(i for i in layers if i >= first and i % freq == 0)
     if fam.layers == "nemotron":
-        key = "layers_block_type" if cfg.get("layers_block_type") else "hybrid_override_pattern"
-        kinds = cfg.get(key)
+        key, kinds = _nemotron_blocks(cfg)
         if kinds is None:
             return tuple(layers)
-        if not isinstance(kinds, (str, list)) or len(kinds) != num_layers:
+        if len(kinds) != num_layers:
             raise ConfigError(key, kinds, f"one entry per layer (num_hidden_layers = {num_layers})")
         return tuple(i for i, k in enumerate(kinds) if k in ("E", "moe"))
     if fam.layers == "llama4":
@@ -242,7 +267,7 @@ def parse_hf_dict(raw: dict[str, Any], name: str | None) -> ModelConfig:
         swiglu_alpha=_number(cfg, "swiglu_alpha", SWIGLUOAI_ALPHA),
         swiglu_limit=_number(cfg, "swiglu_limit", SWIGLUOAI_LIMIT),
     )
-    num_layers = _positive_int(cfg, "num_hidden_layers", 1)
+    num_layers = _num_layers(cfg, fam)
     return ModelConfig(
         name=name or cfg.get("_name_or_path") or model_type,
         model_type=model_type,

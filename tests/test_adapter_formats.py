@@ -244,14 +244,19 @@ def test_legacy_bin_loads_like_safetensors(tmp_path) -> None:
     _assert_factors(legacy, factors, 1.0)
 
 
-def test_attention_only_adapter_loads_empty_and_reports(tmp_path) -> None:
-    """LoRA on attention only: nothing for the experts (rank 0), the modules are reported."""
+def test_attention_only_adapter_loads_empty_where_attention_is_served(tmp_path) -> None:
+    """LoRA on attention only: refused for the expert layers alone (it would change nothing
+    there); a caller serving attention elsewhere gets it with no expert layers (rank 0) and
+    the modules reported. tests/test_adapter_targets.py has the whole table."""
     mc = model_config("qwen3_moe")
     key = "base_model.model.model.layers.0.self_attn.q_proj"
     tensors = {
         f"{key}.lora_A.weight": torch.randn(2, 32),
         f"{key}.lora_B.weight": torch.randn(32, 2),
     }
-    adapter = load_adapter(write_adapter(tmp_path / "a", tensors, lora_config(2, 2)), mc, 4)
+    path = write_adapter(tmp_path / "a", tensors, lora_config(2, 2))
+    with pytest.raises(AdapterError, match="no LoRA on the routed experts"):
+        load_adapter(path, mc, 4)
+    adapter = load_adapter(path, mc, 4, serves_non_expert=True)
     assert adapter.layout == "none" and adapter.rank == 0 and adapter.layers == {}
     assert adapter.non_expert_modules == (key,)

@@ -8,6 +8,7 @@ Sizes H = 32, I = 20 keep the fused factors readable from their shapes (H != 2I,
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,3 +173,34 @@ def test_ranks_follow_patterns(family: Family) -> None:
 def test_rank_above_max_is_refused(family: Family) -> None:
     with pytest.raises(AdapterError, match="rank 5"):
         load_adapter(family.dirs["patterned"], _model_config(family), 4)
+
+
+# (id, LoraConfig kwargs, serves_non_expert, expected: a refusal regex or "zero-warning")
+# -- adapters as PEFT saves them without training (B starts at zero).
+UNTRAINED = [
+    ("experts-untrained", dict(r=2, target_parameters=FUSED), False, "zero-warning"),
+    ("attention-for-experts-only", dict(r=2, target_modules=["q_proj"]), False, "do not run"),
+    ("attention-served-elsewhere", dict(r=2, target_modules=["q_proj"]), True, "zero-warning"),
+]
+
+
+@pytest.mark.parametrize(
+    "kw,serves,expected", [c[1:] for c in UNTRAINED], ids=[c[0] for c in UNTRAINED]
+)
+def test_untrained_and_attention_only_peft_adapters(
+    family: Family, tmp_path, caplog, kw, serves, expected
+) -> None:
+    """PEFT's own files: an untrained adapter loads with one zero-delta warning; LoRA on
+    attention alone is refused for the expert layers, loaded for a caller serving it."""
+    pm = peft.get_peft_model(copy.deepcopy(family.base), peft.LoraConfig(**kw))
+    pm.save_pretrained(tmp_path)
+    mc = _model_config(family)
+    if expected != "zero-warning":
+        with pytest.raises(AdapterError, match=expected):
+            load_adapter(tmp_path, mc, R, serves_non_expert=serves)
+        return
+    with caplog.at_level(logging.WARNING, logger="moelora.lora"):
+        adapter = load_adapter(tmp_path, mc, R, serves_non_expert=serves)
+    zero = [r for r in caplog.records if "is zero" in r.getMessage()]
+    assert len(zero) == 1, [r.getMessage() for r in caplog.records]
+    assert adapter.layout == ("fused" if "target_parameters" in kw else "none")

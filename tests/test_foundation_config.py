@@ -148,6 +148,12 @@ BAD = [
         "one entry per layer",
     ),
     ("dtype-not-a-string", _bad("tiny", torch_dtype=16), "dtype", "dtype name"),
+    (
+        "block-list-not-a-list",
+        _bad("tiny-relu2", hybrid_override_pattern=None, layers_block_type=5),
+        "layers_block_type",
+        "a list of block types",
+    ),
     # DeepSeek-V2 group-limited greedy: kept groups must hold top_k experts
     (
         "v2-groups-too-few",
@@ -199,6 +205,24 @@ def test_dataclass_validation():
     # PEFT regex targets: one that matches expert modules counts, an attention-only one not
     assert LoRAConfig(enabled=True, targets=(r".*\.experts\..*_proj",)).on_experts
     assert not LoRAConfig(enabled=True, targets=(r".*self_attn\.(q|v)_proj",)).on_experts
+
+
+# NemotronH configs as transformers 5.24 saves them: no num_hidden_layers, derived from the
+# block list. (id, keys replacing the preset's pattern, layers, MoE layers)
+NEMOTRON_BLOCKS = [
+    ("list-without-count", {"layers_block_type": ["moe", "full_attention", "moe"]}, 3, (0, 2)),
+    ("alias-layer-types", {"layer_types": ["mlp", "moe"]}, 2, (1,)),
+    ("pattern-without-count", {"hybrid_override_pattern": "M*EE"}, 4, (2, 3)),
+]
+
+
+@pytest.mark.parametrize(
+    "keys,layers,moe", [c[1:] for c in NEMOTRON_BLOCKS], ids=[c[0] for c in NEMOTRON_BLOCKS]
+)
+def test_nemotron_layer_count_is_derived_from_the_block_list(keys, layers, moe):
+    cfg = _bad("tiny-relu2", num_hidden_layers=None, hybrid_override_pattern=None)
+    m = from_hf({**cfg, **keys})
+    assert (m.num_layers, m.moe_layers) == (layers, moe)
 
 
 def test_llama4_explicit_empty_moe_layers_means_none():

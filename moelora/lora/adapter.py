@@ -19,6 +19,7 @@ from . import formats
 from .formats import Context, Projection
 from .fused import parse_fused
 from .safe_io import CONFIG_NAME, read_config, read_tensors
+from .targets import check_serves, experts_delta_is_zero, modules_delta_is_zero
 from .validate import check_lora_config, check_rank, check_tensor
 
 log = logging.getLogger("moelora.lora")
@@ -74,18 +75,52 @@ def load_adapter(
     *,
     name: str | None = None,
     fused_orientation: str | None = None,
+    serves_non_expert: bool = False,
 ) -> Adapter:
     """Read and validate a PEFT adapter directory; raise AdapterError on any defect.
 
     fused_orientation: "natural" or "swapped", only needed when the fused
     target_parameters factors are ambiguous for this model's sizes (e.g. H == 2I).
+    serves_non_expert: the caller applies the adapter's other modules (attention, shared
+    experts, ...) elsewhere, so an adapter with no expert LoRA still changes what is served
+    (it loads with no layers). False (moelora's MoE layers alone): such an adapter would
+    change nothing and is refused. Either way an adapter whose config targets the experts
+    but whose file holds no expert tensors is refused (targets.py).
     """
     root = Path(path)
     config = read_config(root)
     check_lora_config(str(root / CONFIG_NAME), config)
     file, tensors = read_tensors(root)
     ctx = Context(str(file), config, model_config, fused_orientation)
+    kinds = _classify(ctx, tensors)
+    others = tuple(sorted({k.split(".lora_")[0] for k in kinds["other"]}))
+    if kinds["fused"]:
+        projections, layout = parse_fused(ctx, kinds["fused"]), "fused"
+    elif kinds["per_expert"]:
+        projections = formats.parse_per_expert(ctx, kinds["per_expert"])
+        shared = any(formats.is_shared_key(k) for k in kinds["per_expert"])
+        layout = "shared_outer" if shared else "per_expert"
+    else:
+        check_serves(ctx.file, config, others, serves_non_expert)
+        projections, layout = [], "none"
+    for p in projections:
+        check_rank(ctx.file, p.key, p.rank, max_rank)
+    _report(root, projections, kinds["other"], others, serves_non_expert)
+    rank = max((p.rank for p in projections), default=0)
+    return Adapter(
+        name=name or root.resolve().name,
+        path=str(root),
+        rank=rank,
+        layout=layout,
+        layers=_to_layers(model_config.shape, projections, rank),
+        shape=model_config.shape,
+        non_expert_modules=others,
+    )
 
+
+def _classify(ctx: Context, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """key -> tensor split into 'fused', 'per_expert' and 'other' (non-expert) entries; the
+    expert ones checked (dtype, finite). Refuses unsupported expert keys and mixed layouts."""
     kinds: dict[str, dict[str, torch.Tensor]] = {"fused": {}, "per_expert": {}, "other": {}}
     for key, t in tensors.items():
         kind = formats.classify(key)
@@ -109,20 +144,19 @@ def load_adapter(
         )
     for key, t in {**kinds["fused"], **kinds["per_expert"]}.items():
         check_tensor(ctx.file, key, t)
+    return kinds
 
-    if kinds["fused"]:
-        projections, layout = parse_fused(ctx, kinds["fused"]), "fused"
-    elif kinds["per_expert"]:
-        projections = formats.parse_per_expert(ctx, kinds["per_expert"])
-        shared = any(formats.is_shared_key(k) for k in kinds["per_expert"])
-        layout = "shared_outer" if shared else "per_expert"
-    else:
-        projections, layout = [], "none"
-    for p in projections:
-        check_rank(ctx.file, p.key, p.rank, max_rank)
 
-    others = tuple(sorted({k.split(".lora_")[0] for k in kinds["other"]}))
-    if others:
+def _report(
+    root: Path,
+    projections: list[Projection],
+    other: dict[str, torch.Tensor],
+    others: tuple[str, ...],
+    serves_non_expert: bool,
+) -> None:
+    """Warnings for what loads but deserves a look: modules the MoE layers do not run, and a
+    served delta that is zero everywhere (one warning per load)."""
+    if others and not serves_non_expert:
         log.warning(
             "adapter %s: %d non-expert modules (e.g. %s) are not served by moelora's expert "
             "layers; apply them in the dense layers",
@@ -130,16 +164,16 @@ def load_adapter(
             len(others),
             others[0],
         )
-    rank = max((p.rank for p in projections), default=0)
-    return Adapter(
-        name=name or root.resolve().name,
-        path=str(root),
-        rank=rank,
-        layout=layout,
-        layers=_to_layers(model_config.shape, projections, rank),
-        shape=model_config.shape,
-        non_expert_modules=others,
+    served_zero = experts_delta_is_zero(projections) and (
+        not serves_non_expert or modules_delta_is_zero(other)
     )
+    if served_zero:
+        log.warning(
+            "adapter %s: every LoRA delta it serves is zero (a factor, usually lora_B, is all "
+            "zeros: PEFT's initialisation before training); it loads but changes nothing. "
+            "Check that the trained adapter was saved",
+            root,
+        )
 
 
 def _to_layers(shape: MoEShape, projections: list[Projection], rank: int) -> dict[int, LayerLoRA]:

@@ -135,6 +135,7 @@ class SlotManager:
         pin: bool = False,
         fused_orientation: str | None = None,
         must_exist: bool = False,
+        serves_non_expert: bool = False,
     ) -> int:
         """Load an adapter into a slot no forward holds; returns its slot.
 
@@ -150,6 +151,7 @@ class SlotManager:
                 self.max_rank,
                 name=name,
                 fused_orientation=fused_orientation,
+                serves_non_expert=serves_non_expert,
             )
         name = name or adapter.name
         self._check_fits(adapter)
