@@ -23,6 +23,11 @@ class Family:
     peft_models: dict[str, nn.Module]  # name -> PEFT model with that adapter alone
     dirs: dict[str, Path]
 
+    @property
+    def load_kwargs(self) -> dict:
+        """Non-gated fused files read both ways: these were saved by PEFT 0.21 ("natural")."""
+        return {"fused_orientation": "natural"} if self.model_type == "nemotron_h" else {}
+
     def fresh(self) -> nn.Module:
         """A copy of the base model to attach moelora to."""
         return copy.deepcopy(self.base)

@@ -29,7 +29,7 @@ def test_mixed_batch_generate_equals_peft_row_by_row(family, seed):
     model = family.fresh()
     handle = attach(model, max_loras=4, max_lora_rank=16, moe_backend="reference")
     for name, path in family.dirs.items():
-        handle.load_adapter(path, name=name)
+        handle.load_adapter(path, name=name, **family.load_kwargs)
     assert handle.adapters == sorted(family.dirs)
     gen = torch.Generator().manual_seed(seed)
     rows = prompts(len(ROWS), model.config.vocab_size, gen)
@@ -59,7 +59,7 @@ def test_expert_weights_are_the_modules_own(family):
     model = family.fresh()
     handle = attach(model, max_loras=2, max_lora_rank=8, moe_backend="reference")
     for path in family.dirs.values():
-        handle.load_adapter(path)
+        handle.load_adapter(path, **family.load_kwargs)
     bound = [m for m in model.modules() if hasattr(m, "_moelora_key")]
     assert len(bound) == len(handle.model_config.moe_layers)
     from moelora.hf.experts import _bindings

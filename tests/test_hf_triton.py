@@ -25,7 +25,7 @@ def test_triton_backend_mixed_batch_equals_peft(family, seed):
     handle = attach(model, max_loras=4, max_lora_rank=8, moe_backend="triton")
     assert handle.backend_name == "triton"
     for name, path in family.dirs.items():
-        handle.load_adapter(path, name=name)
+        handle.load_adapter(path, name=name, **family.load_kwargs)
     rows = prompts(len(ROWS), model.config.vocab_size, torch.Generator().manual_seed(seed))
     ids, mask = left_padded(rows)
     out = handle.generate(

@@ -231,10 +231,19 @@ class MoELoRAModel:
 
     # ---- adapters -------------------------------------------------------------------------
 
-    def load_adapter(self, path: str | Path, name: str | None = None, pin: bool = False) -> str:
+    def load_adapter(
+        self,
+        path: str | Path,
+        name: str | None = None,
+        pin: bool = False,
+        *,
+        fused_orientation: str | None = None,
+    ) -> str:
         """Load a PEFT adapter directory under `name` (default: the directory's name); a name
         already loaded is replaced (calls running keep the old version). Every check runs
-        before anything is written: a refused adapter changes nothing. Returns the name."""
+        before anything is written: a refused adapter changes nothing. Returns the name.
+        fused_orientation: "natural" (PEFT 0.21) or "swapped" (PEFT 0.17), only for fused
+        target_parameters files whose shapes read both ways (the error says when)."""
         root = Path(path)
         name = name if name is not None else root.resolve().name
         if not isinstance(name, str) or not name or name == batch.BASE:
@@ -242,7 +251,14 @@ class MoELoRAModel:
                 "name", repr(name), f"a non-empty adapter name other than {batch.BASE!r}"
             )
         internal = f"moelora{next(self._seq)}"
-        adapter = load_adapter(root, self.model_config, self.max_lora_rank, name=internal)
+        adapter = load_adapter(
+            root,
+            self.model_config,
+            self.max_lora_rank,
+            name=internal,
+            fused_orientation=fused_orientation,
+            serves_non_expert=True,
+        )
         config = read_config(root)
         file, tensors = read_tensors(root)
         part = read_non_expert(str(file), config, tensors, self.model)
