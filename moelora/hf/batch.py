@@ -1,9 +1,12 @@
 """What one call through the handle tells the layers of the model: the adapter of every row.
 
 The handle builds a `RowAdapters` once per generate / forward call (one host-to-device copy
-of the per-row slots) and makes it current for the calling thread; the expert layers read
-it, expand it to one slot per token on the device (no host sync), and PEFT's LoRA layers
-get their per-row adapter names from it. Legend: B rows, S tokens per row, T = B * S.
+of the per-row slots into a buffer the thread keeps) and makes it current for the calling
+thread; the first MoE layer of each forward expands the rows to one slot per token into a
+second kept buffer on the device (no host sync), every MoE layer reads it, and PEFT's LoRA
+layers get their per-row adapter names from it. Both buffers stay the same tensors across
+calls, so a CUDA graph captured over a forward reads the slots of the call it is replayed
+in. Legend: B rows, S tokens per row, T = B * S.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -33,7 +36,7 @@ class RowAdapters:
     snapshot: BankSnapshot
     peft_names: tuple[str, ...]
     expert_lora: bool  # some row has an expert adapter
-    _expanded: dict[int, Tensor] = field(default_factory=dict)
+    token_buffer: Tensor  # [capacity >= T] int32, kept by the thread across calls
 
     @property
     def rows(self) -> int:
@@ -43,14 +46,20 @@ class RowAdapters:
     def peft_lora(self) -> bool:
         return any(name != BASE for name in self.peft_names)
 
-    def token_slots(self, tokens: int) -> Tensor:
-        """token_slots [T] int32: each row's slot repeated for its S = T / B tokens. Cached per
-        T, so the layers of one forward (and the steps of a decode) share one tensor."""
-        slots = self._expanded.get(tokens)
-        if slots is None:
-            per_row = self._per_row(tokens, "hidden_states")
-            slots = self.row_slots.repeat_interleave(per_row, output_size=tokens)
-            self._expanded = {tokens: slots}
+    def token_slots(self, tokens: int, refresh: bool) -> Tensor:
+        """token_slots [T] int32: each row's slot repeated for its S = T / B tokens, in the
+        kept token buffer. refresh: write it (the first MoE layer of a forward does);
+        the other layers read what it wrote."""
+        per_row = self._per_row(tokens, "hidden_states")
+        if tokens > self.token_buffer.shape[0]:
+            raise InputError(
+                "hidden_states",
+                f"{tokens} tokens",
+                f"at most the {self.token_buffer.shape[0]} tokens the handle sized for this call",
+            )
+        slots = self.token_buffer[:tokens]
+        if refresh:
+            slots.copy_(self.row_slots.repeat_interleave(per_row, output_size=tokens))
         return slots
 
     def peft_names_for(self, leading: int) -> list[str]:

@@ -33,13 +33,14 @@ class ExpertsBinding:
 
     layer: MoELoRALayer
     layer_index: int
+    first: bool  # the model's first MoE layer: expands the call's row slots per forward
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         ids, weights = topk_ids.to(torch.int32), topk_weights.float()
         rows = batch.current()
         if rows is None or not rows.expert_lora:
             return self.layer(x, ids, weights)
-        slots = rows.token_slots(x.shape[0])
+        slots = rows.token_slots(x.shape[0], refresh=self.first)
         return self.layer(x, ids, weights, slots, rows.snapshot.banks[self.layer_index])
 
 

@@ -113,7 +113,8 @@ def attach(
     )
     experts.register()
     for index, module in modules.items():
-        experts.bind(module, experts.ExpertsBinding(layers[index], index))
+        first = index == min(modules)
+        experts.bind(module, experts.ExpertsBinding(layers[index], index, first))
     previous = getattr(model.config, "_experts_implementation", None)
     swapped = swap_llama4_blocks(model, model_config)
     if not swapped:
@@ -204,6 +205,7 @@ class MoELoRAModel:
         self._refs_lock = threading.Lock()
         self._seq = itertools.count()
         self._bound: tuple[list, list, str | None] = ([], [], None)
+        self._local = threading.local()
 
     # ---- facts --------------------------------------------------------------------------
 
@@ -366,10 +368,11 @@ class MoELoRAModel:
     ) -> torch.Tensor:
         """model.generate with one adapter per row of input_ids (None = base model).
         Padding, attention masks, sampling and max_new_tokens work as in model.generate."""
-        rows = _rows(input_ids, generate_kwargs)
+        rows, width = _rows(input_ids, generate_kwargs)
         expand = _expand_factor(self.model, generate_kwargs)
-        names = _names(adapter_names, rows)
-        with self._call([n for n in names for _ in range(expand)]), torch.no_grad():
+        names = [n for n in _names(adapter_names, rows) for _ in range(expand)]
+        # the prefill is the largest forward of a generate call: B * expand * S tokens
+        with self._call(names, len(names) * width), torch.no_grad():
             if input_ids is not None:
                 return self.model.generate(input_ids, **generate_kwargs)
             return self.model.generate(**generate_kwargs)
@@ -381,27 +384,44 @@ class MoELoRAModel:
         **kwargs: Any,
     ):
         """model(input_ids, ...) with one adapter per row (None = base model)."""
-        names = _names(adapter_names, _rows(input_ids, kwargs))
-        with self._call(names), torch.no_grad():
+        rows, width = _rows(input_ids, kwargs)
+        names = _names(adapter_names, rows)
+        with self._call(names, rows * width), torch.no_grad():
             return self.model(input_ids=input_ids, **kwargs)
 
     __call__ = forward
 
+    def _buffers(self, rows: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This thread's kept row-slot [B] and token-slot [>= T] buffers, grown (new tensors:
+        a CUDA graph captured before reads the old ones) only when a call needs more."""
+        kept = getattr(self._local, "buffers", None)
+        if kept is None or kept[0].shape[0] != rows or kept[1].shape[0] < tokens:
+            capacity = max(tokens, 0 if kept is None else kept[1].shape[0])
+            kept = (
+                torch.empty(rows, dtype=torch.int32, device=self.device),
+                torch.empty(capacity, dtype=torch.int32, device=self.device),
+            )
+            self._local.buffers = kept
+        return kept
+
     @contextmanager
-    def _call(self, names: list[str | None]) -> Iterator[batch.RowAdapters]:
+    def _call(self, names: list[str | None], tokens: int) -> Iterator[batch.RowAdapters]:
         """Hold the current version of every named adapter for the block (one slot lease,
         one PEFT reference each) and make the per-row adapters current for this thread."""
         with self._lock:
             versions = [None if n is None else self._known(n) for n in names]
             slot_names = [v.internal if v is not None and v.in_slots else None for v in versions]
             reading = self._manager.reading(slot_names, device=self.device)
-            snapshot, row_slots = reading.__enter__()
+            snapshot, fresh_slots = reading.__enter__()
             held = {v.internal for v in versions if v is not None}
             with self._refs_lock:
                 self._refs.update(held)
         try:
+            row_slots, token_buffer = self._buffers(len(names), tokens)
+            row_slots.copy_(fresh_slots)
             rows = batch.RowAdapters(
                 row_slots=row_slots,
+                token_buffer=token_buffer,
                 snapshot=snapshot,
                 peft_names=tuple(
                     v.internal if v is not None and v.peft else batch.BASE for v in versions
@@ -440,11 +460,16 @@ class MoELoRAModel:
         self._bound = ([], [], previous)
 
 
-def _rows(input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
+def _rows(input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """(B, S) of the call's input."""
     source = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-    if source is None:
-        raise InputError("input_ids", None, "a [B, S] tensor of token ids (or inputs_embeds)")
-    return source.shape[0]
+    if source is None or source.dim() < 2:
+        raise InputError(
+            "input_ids",
+            None if source is None else f"shape {list(source.shape)}",
+            "a [B, S] tensor of token ids (or inputs_embeds [B, S, H])",
+        )
+    return source.shape[0], source.shape[1]
 
 
 def _names(adapter_names: Sequence[str | None] | None, rows: int) -> list[str | None]:
