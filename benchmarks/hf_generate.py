@@ -73,10 +73,8 @@ def write_adapters(model, root: Path, count: int, rank: int) -> dict[str, Path]:
         for name, p in pm.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.02)
-    pm.save_pretrained(str(root))
-    dirs = {"a0": root}
-    dirs.update({f"a{k}": root / f"a{k}" for k in range(1, count)})
-    return dirs, pm
+    pm.save_pretrained(str(root))  # one subdirectory per adapter name
+    return {f"a{k}": root / f"a{k}" for k in range(count)}, pm
 
 
 def timed_generate(call, ids, new: int) -> float:

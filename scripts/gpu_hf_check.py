@@ -23,7 +23,7 @@ def main() -> int:
     model = toy.build_model(
         "qwen3_moe", seed=0, dtype=torch.bfloat16, device="cuda", hidden_size=512,
         moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4, num_hidden_layers=2,
-        head_dim=64, num_attention_heads=8,
+        head_dim=64, num_attention_heads=8, vocab_size=4096,
     )  # fmt: skip
     tmp = Path(tempfile.mkdtemp())
     handle = attach(model, max_loras=4, max_lora_rank=16)

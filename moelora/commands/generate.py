@@ -114,7 +114,7 @@ def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
     unknown = [r for r in rows if r is not None and r not in adapters]
     if unknown:
         raise ConfigError("--rows", unknown[0], f"'base' or a loaded adapter {sorted(adapters)}")
-    prompts = _prompts(args, model, len(rows))
+    prompts = [p.to(model.device) for p in _prompts(args, model, len(rows))]
     ids, mask = _left_padded(prompts, model.device)
     start = time.perf_counter()
     out = handle.generate(
@@ -208,11 +208,11 @@ def _prompts(args, model, count: int) -> list[torch.Tensor]:
 
 def _left_padded(prompts, device):
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
         ids[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
-    return ids.to(device), mask.to(device)
+    return ids, mask
 
 
 def _parse_rows(text: str) -> list[str | None]:

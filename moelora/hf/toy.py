@@ -9,6 +9,7 @@ B at zero, which would make an adapter a no-op). Adapters are written by PEFT's 
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,10 @@ def write_peft_adapter(
     import peft
 
     lora_kwargs.setdefault("target_modules", [])
-    peft_model = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(**lora_kwargs)).eval()
+    with warnings.catch_warnings():  # PEFT notes pattern keys its own rewrite made unused
+        warnings.simplefilter("ignore", RuntimeWarning)
+        peft_model = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(**lora_kwargs))
+    peft_model.eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
