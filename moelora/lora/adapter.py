@@ -189,3 +189,35 @@ def _to_layers(shape: MoEShape, projections: list[Projection], rank: int) -> dic
             layer.w2_a[:, : p.rank] = p.a
             layer.w2_b[:, :, : p.rank] = p.b
     return layers
+
+
+def check_fits(adapter: Adapter, model_config: ModelConfig, max_rank: int) -> None:
+    """Refuse an Adapter read for another model, of rank above R, or with non-MoE layers."""
+    s, a = model_config.shape, adapter.shape
+    dims = ("num_experts", "hidden_size", "intermediate_size")
+    if any(getattr(s, d) != getattr(a, d) for d in dims) or (
+        s.activation.width_factor != a.activation.width_factor
+    ):
+        raise AdapterError(
+            adapter.path,
+            "<model>",
+            f"an adapter loaded for {a}",
+            f"one for {s}",
+            "load the adapter with this manager's model config",
+        )
+    if adapter.rank > max_rank:
+        raise AdapterError(
+            adapter.path,
+            "<rank>",
+            f"rank {adapter.rank}",
+            f"at most R = {max_rank}",
+            "raise max_lora_rank",
+        )
+    extra = set(adapter.layers) - set(model_config.moe_layers)
+    if extra:
+        raise AdapterError(
+            adapter.path,
+            "<layers>",
+            f"layers {sorted(extra)}",
+            f"MoE layers {list(model_config.moe_layers)}",
+        )
