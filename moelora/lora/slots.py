@@ -264,19 +264,19 @@ class SlotManager:
         try:
             # Read outside the write lock: a directory read does not hold up others' writes.
             fetched = {n: self._registry.fetch(n) for n in sorted(missing)}
-            with self._write_lock:
-                loaded = 0
-                for name, got in fetched.items():
-                    if name in self._snapshot.slot_of:  # loaded by another request meanwhile
-                        continue
-                    if not self._registry.is_current(name, got):  # replaced meanwhile
-                        got = self._registry.fetch(name)
+            with self._write_lock:  # now only this thread changes the map
+                # Again: another request may have loaded some meanwhile, or evicted a name
+                # that was loaded at the first look (that one is fetched now).
+                missing = sorted(wanted - self._snapshot.slot_of.keys())
+                for name in missing:
+                    got = fetched.get(name)
+                    if got is None or not self._registry.is_current(name, got):
+                        got = self._registry.fetch(name)  # rare: evicted or replaced meanwhile
                     self._place(
                         name, got.adapter, got.origin, got.started, keep=wanted, demand=True
                     )
-                    loaded += 1
                 with self._cond:
-                    return self._take(names, wanted, loaded)
+                    return self._take(names, wanted, len(missing))
         except MoeloraError:
             with self._cond:
                 self._tally.refused += 1
@@ -371,7 +371,7 @@ class SlotManager:
             self._slots.write(old, None)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "adapter %r -> slot %d (%s%s) from %s: %.2f ms in all, wrote %.2f ms (%.1f MB)",
+                "adapter %r -> slot %d (%s%s) from %s: %.2f ms in all, wrote %.2f ms (%.3f MB)",
                 name,
                 slot,
                 placement.value,
