@@ -94,18 +94,22 @@ def model_config(args: argparse.Namespace, dtype: torch.dtype):
 
 
 def random_adapter(model, name: str, rank: int, dev: torch.device, seed: int) -> Adapter:
-    """An Adapter as load_adapter returns it (fp32, on the CPU), drawn on `dev` for speed."""
+    """An Adapter as load_adapter returns it (fp32, on the CPU), drawn on `dev` for speed:
+    w13_a [E, S, r, H], w13_b [E, S, I, r], w2_a [E, r, I], w2_b [E, H, r]."""
+    sh = model.shape
+    e, s, h, i = sh.num_experts, sh.activation.width_factor, sh.hidden_size, sh.intermediate_size
+    shapes = ((e, s, rank, h), (e, s, i, rank), (e, rank, i), (e, h, rank))
+    fans = (h, rank, i, rank)  # keeps the delta comparable to the base output
     g = torch.Generator(device=dev).manual_seed(seed)
-    layers = {}
-    for layer in model.moe_layers:
-        zeros = LayerLoRA.zeros(model.shape, rank)
-        fans = (zeros.w13_a.shape[-1], rank, zeros.w2_a.shape[-1], rank)
-        layers[layer] = LayerLoRA(
+    layers = {
+        layer: LayerLoRA(
             *(
-                (torch.randn(getattr(zeros, f).shape, generator=g, device=dev) / fan**0.5).cpu()
-                for f, fan in zip(FACTORS, fans)
+                (torch.randn(dims, generator=g, device=dev) / fan**0.5).cpu()
+                for dims, fan in zip(shapes, fans)
             )
         )
+        for layer in model.moe_layers
+    }
     return Adapter(name, "<memory>", rank, "per_expert", layers, model.shape)
 
 
@@ -262,12 +266,6 @@ def slot_part(t: torch.Tensor, factor: str, rank: int) -> torch.Tensor:
     return t[..., :rank] if factor in ("w13_b", "w2_b") else t[..., :rank, :]
 
 
-def stats_dict(manager: SlotManager) -> dict:
-    stats = manager.stats()
-    out = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-    return out | {"loads": dict(stats.loads), "load_seconds": dict(stats.load_seconds)}
-
-
 def commit() -> str:
     try:
         return (
@@ -363,7 +361,7 @@ def report(args, model, dev, manager, layers, adapters, loader, x, ids, w, names
         "forwards_beside_loads": {k: v for k, v in busy.items() if k != "per_ms"},
         "slowdown_median": busy["median_ms"] / alone["median_ms"],
         "slowdown_wall": busy["wall_s"] / alone["wall_s"],
-        "stats": stats_dict(manager),
+        "stats": manager.stats().as_dict(),
         "checks": check,
     }  # fmt: skip
     print_summary(result)

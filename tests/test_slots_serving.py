@@ -321,3 +321,5 @@ def test_serving_200_adapters_on_8_slots_from_4_threads(tmp_path, seed, load_lin
     origins = Counter(line.rsplit(" from ", 1)[1].split(":")[0] for line in load_lines.lines)
     assert origins == Counter(s.loads)
     assert all(LoadOrigin(o) for o in origins)
+    exported = s.as_dict()
+    assert exported["loads"] == dict(s.loads) and exported["misses"] == s.misses

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
 
@@ -89,6 +89,11 @@ class ServingStats:
     host_bytes: int = 0
     host_capacity: int = 0  # max_cpu_loras
     registered: int = 0
+
+    def as_dict(self) -> dict:
+        """Plain values (the mappings as dicts), e.g. for JSON or a metrics exporter."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return out | {"loads": dict(self.loads), "load_seconds": dict(self.load_seconds)}
 
 
 class LoadTally:
