@@ -62,7 +62,8 @@ class Adapter:
     name: str
     path: str
     rank: int  # r: the largest rank of any expert projection (others zero-padded to it)
-    layout: str  # "per_expert", "shared_outer", "fused" or "none" (no expert LoRA)
+    layout: str  # "per_expert", "shared_outer", "fused", or "none" (no expert LoRA; loaded
+    # only for a caller that serves the other modules: load_adapter(serves_non_expert=True))
     layers: dict[int, LayerLoRA]
     shape: MoEShape
     non_expert_modules: tuple[str, ...] = field(default=())  # e.g. attention: not served here
