@@ -28,7 +28,7 @@ class Placement(str, enum.Enum):
     FREE = "free"  # a slot no adapter held
     IN_PLACE = "in_place"  # the name's own slot, rewritten (a replace no forward held)
     EVICTED = "evicted"  # the least recently used adapter's slot: that one is unloaded
-    NOT_LOADED = "not_loaded"  # replace of a registered name in no slot: registry only
+    NOT_LOADED = "not_loaded"  # replace of a registered name in no slot: catalog only
 
 
 class SlotWrite(int):

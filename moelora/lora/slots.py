@@ -1,5 +1,5 @@
 """SlotManager: L adapter slots per MoE layer, loaded, replaced, unloaded, pinned and evicted,
-and filled on demand from a registry of more adapters than slots.
+and filled on demand from a catalog of registered adapters (more than there are slots).
 
 Every MoE layer's bank is allocated once and written in place, one slot at a time. Forwards
 read through a lease (`reading()`): the name -> slot map of one published version plus a
@@ -11,7 +11,7 @@ lease. A replace rewrites the name's own slot when no forward holds it (the name
 meanwhile; readers of it wait for the write), else writes another slot and moves the name.
 
 Registered names (`register()`) are known without a slot: `reading()` loads one that is in
-no slot from the host cache (registry.py, host_cache.py), or reads it from its directory
+no slot from the host cache (catalog.py, host_cache.py), or reads it from its directory
 into that cache, before taking its lease; readers whose names are all loaded never wait
 for that. Legend: L slots, R max rank, E experts, S = 2 gated / 1 non-gated.
 """
@@ -32,10 +32,10 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError, InputError, MoeloraError
 from .adapter import Adapter, check_fits, load_adapter
+from .catalog import AdapterCatalog, Source
 from .host_cache import HostCache, adapter_bytes
 from .leases import BankSnapshot, SlotLeases
 from .placement import choose_slot
-from .registry import AdapterRegistry, Source
 from .reports import LoadOrigin, LoadTally, Placement, ServingStats, SlotWrite
 from .slot_banks import SlotBanks
 
@@ -90,7 +90,7 @@ class SlotManager:
         self._slots = SlotBanks(model_config, num_slots, max_rank, device, dtype)
         self._banks = self._slots.banks
         cache = HostCache(max_cpu_loras, dtype, pin=self._slots.device.type == "cuda")
-        self._registry = AdapterRegistry(self._read_registered, cache)
+        self._catalog = AdapterCatalog(self._read_registered, cache)
         self._snapshot = BankSnapshot(0, self._banks, MappingProxyType({}))
 
     # ---- reading (any thread) ---------------------------------------------------------------
@@ -136,16 +136,14 @@ class SlotManager:
 
     @property
     def registered(self) -> list[str]:
-        return self._registry.names()
+        return self._catalog.names()
 
     def stats(self) -> ServingStats:
         """The counters a server exports (reports.ServingStats), one consistent copy."""
         with self._cond:
-            return self._tally.freeze(
-                **self._registry.cache.counts(), registered=len(self._registry)
-            )
+            return self._tally.freeze(**self._catalog.cache.counts(), registered=len(self._catalog))
 
-    # ---- the registry (any thread) ------------------------------------------------------------
+    # ---- the catalog (any thread) -------------------------------------------------------------
 
     def register(
         self,
@@ -162,12 +160,12 @@ class SlotManager:
             entry = Source(adapter=source)
         else:
             entry = Source(Path(source), None, fused_orientation, serves_non_expert)
-        self._registry.register(name, entry)
+        self._catalog.register(name, entry)
 
     def unregister(self, name: str) -> None:
         """Forget a registered name and its host copy; unload it if it is in a slot."""
         with self._write_lock:
-            self._registry.unregister(name)
+            self._catalog.unregister(name)
             if name in self._snapshot.slot_of:
                 self._unload_locked(name)
 
@@ -208,16 +206,16 @@ class SlotManager:
         check_fits(adapter, self.model_config, self.max_rank)
         with self._write_lock:
             loaded = name in self._snapshot.slot_of  # only writers change it, and we are one
-            if must_exist and not loaded and name not in self._registry:
+            if must_exist and not loaded and name not in self._catalog:
                 raise InputError(
                     "adapter name", repr(name), f"a loaded adapter {sorted(self.loaded)}"
                 )
             if must_exist and not loaded:  # registered, in no slot: the next read loads these
-                self._registry.update(name, source)
+                self._catalog.update(name, source)
                 seconds = time.perf_counter() - started
                 return SlotWrite(-1, Placement.NOT_LOADED, None, origin, seconds)
             result = self._place(name, adapter, origin, started, pin=pin)
-            self._registry.update(name, source)  # only once the load has succeeded
+            self._catalog.update(name, source)  # only once the load has succeeded
             return result
 
     def replace(self, name: str, adapter: Adapter | str | Path) -> SlotWrite:
@@ -263,15 +261,15 @@ class SlotManager:
             self._check_servable(missing, wanted)
         try:
             # Read outside the write lock: a directory read does not hold up others' writes.
-            fetched = {n: self._registry.fetch(n) for n in sorted(missing)}
+            fetched = {n: self._catalog.fetch(n) for n in sorted(missing)}
             with self._write_lock:  # now only this thread changes the map
                 # Again: another request may have loaded some meanwhile, or evicted a name
                 # that was loaded at the first look (that one is fetched now).
                 missing = sorted(wanted - self._snapshot.slot_of.keys())
                 for name in missing:
                     got = fetched.get(name)
-                    if got is None or not self._registry.is_current(name, got):
-                        got = self._registry.fetch(name)  # rare: evicted or replaced meanwhile
+                    if got is None or not self._catalog.is_current(name, got):
+                        got = self._catalog.fetch(name)  # rare: evicted or replaced meanwhile
                     self._place(
                         name, got.adapter, got.origin, got.started, keep=wanted, demand=True
                     )
@@ -292,7 +290,7 @@ class SlotManager:
 
     def _check_servable(self, missing: frozenset[str], wanted: frozenset[str]) -> None:
         """Under the lock: refuse (and count) a batch that no load can serve."""
-        unknown = sorted(n for n in missing if n not in self._registry)
+        unknown = sorted(n for n in missing if n not in self._catalog)
         if unknown or len(wanted) > self.num_slots:
             self._tally.refused += 1
         if unknown:
@@ -300,7 +298,7 @@ class SlotManager:
                 "adapter name",
                 repr(unknown[0]),
                 f"None, a loaded adapter {sorted(self._snapshot.slot_of)} or one of the "
-                f"{len(self._registry)} registered (register() it first)",
+                f"{len(self._catalog)} registered (register() it first)",
             )
         if len(wanted) > self.num_slots:
             raise InputError(

@@ -1,4 +1,4 @@
-"""AdapterRegistry: the adapters a SlotManager knows by name (more than it has slots), each a
+"""AdapterCatalog: the adapters a SlotManager knows by name (more than it has slots), each a
 PEFT directory (read and validated at first use) or an Adapter already read, in front of
 the bounded HostCache of parsed ones.
 
@@ -43,7 +43,7 @@ class Fetched:
     source: Source
 
 
-class AdapterRegistry:
+class AdapterCatalog:
     """Thread-safe. `read(name, source)` turns a directory source into a validated Adapter."""
 
     def __init__(self, read: Callable[[str, Source], Adapter], cache: HostCache) -> None:
