@@ -20,7 +20,7 @@ from adapter_files import (
 from moelora import moe_lora_reference, random_expert_weights
 from moelora.compare import assert_close
 from moelora.errors import ConfigError, InputError
-from moelora.lora import Adapter, SlotManager, load_adapter
+from moelora.lora import Adapter, LoadOrigin, Placement, SlotManager, load_adapter
 
 MC = model_config("qwen3_moe")
 R = 8
@@ -311,3 +311,89 @@ def test_banks_are_written_in_place_never_copied(adapters, tmp_path) -> None:
     assert all(snap.banks[layer] is bank for layer, bank in banks.items())
     for (layer, f), ptr in ptrs.items():
         assert getattr(snap.banks[layer], f).data_ptr() == ptr, (layer, f)
+
+
+# (id, slots loaded, pinned, name replaced, names a forward holds, slot, placement, evicted)
+REPLACES = [
+    # the issue's case: every slot full, nothing pinned or leased -> its own slot, no eviction
+    ("full-unleased", "abc", None, "c", [], 2, Placement.IN_PLACE, None),
+    ("lru-itself-unleased", "abc", None, "a", [], 0, Placement.IN_PLACE, None),
+    ("free-slot-unleased", "ab", None, "b", [], 1, Placement.IN_PLACE, None),  # not slot 2
+    ("leased-free-slot", "ab", None, "b", ["b"], 2, Placement.FREE, None),  # costs nothing
+    ("leased-full-evicts-lru", "abc", None, "c", ["c"], 0, Placement.EVICTED, "a"),
+    ("leased-full-lru-pinned", "abc", "a", "c", ["c"], 1, Placement.EVICTED, "b"),
+    ("leased-full-lru-leased", "abc", None, "c", ["a", "c"], 1, Placement.EVICTED, "b"),
+]
+
+
+@pytest.mark.parametrize(
+    "names,pin,target,held,slot,placement,evicted",
+    [c[1:] for c in REPLACES],
+    ids=[c[0] for c in REPLACES],
+)
+def test_replace_costs_another_adapter_only_under_a_lease(
+    adapters, seed, names, pin, target, held, slot, placement, evicted
+) -> None:
+    """replace rewrites the name's own slot when no forward holds it; only when one does
+    does it take another slot, evicting the LRU unpinned unleased adapter if none is free,
+    and the SlotWrite says so. Untouched slots stay bit-identical; a holding forward keeps
+    computing with the old weights."""
+    m = SlotManager(MC, num_slots=3, max_rank=R, dtype=torch.float32)
+    for n in names:
+        m.load(adapters[n], pin=n == pin)
+    before = {s: _slot_contents(m, s) for s in range(3)}
+    with m.reading(held or [None]) as (snap, slots):
+        ref = _forward(snap, slots, seed) if held else None
+        result = m.replace(target, adapters["full"])
+        assert (result, result.placement, result.evicted) == (slot, placement, evicted)
+        assert result.origin is LoadOrigin.MEMORY and result.seconds > 0
+        if held:
+            out = _forward(snap, slots, seed)
+            assert all(torch.equal(out[layer], ref[layer]) for layer in ref)
+    expected = {n: s for s, n in enumerate(names) if n != evicted} | {target: slot}
+    assert m.loaded == expected
+    assert _slot_equals(m, slot, adapters["full"])
+    old_slot = names.index(target)
+    for s in range(3):  # every other slot: bit for bit as before, or freed/zeroed
+        if s not in (slot, old_slot):
+            assert _unchanged(m, s, before[s])
+    stats = m.stats()
+    assert stats.in_place == (placement is Placement.IN_PLACE)
+    assert stats.evictions == (placement is Placement.EVICTED)
+
+
+def test_readers_of_a_name_wait_for_its_in_place_rewrite(adapters, monkeypatch) -> None:
+    """While its own slot is rewritten the name is in no map; a reading() of it waits for
+    the write and gets the new weights (before issue 17 it was refused)."""
+    from moelora.lora.slot_banks import SlotBanks
+
+    m = SlotManager(MC, num_slots=2, max_rank=R, dtype=torch.float32)
+    m.load(adapters["a"], name="x")
+    m.load(adapters["b"], name="y")
+    writing, go = threading.Event(), threading.Event()
+    write = SlotBanks.write
+
+    def slow_write(self, slot, adapter):
+        if adapter is adapters["full"]:
+            writing.set()
+            assert go.wait(10)
+        write(self, slot, adapter)
+
+    monkeypatch.setattr(SlotBanks, "write", slow_write)
+    replacer = threading.Thread(target=lambda: m.replace("x", adapters["full"]))
+    replacer.start()
+    assert writing.wait(10) and m.loaded == {"y": 1}  # x unmapped while slot 0 is written
+    got: list = []
+
+    def reader() -> None:
+        with m.reading(["x", "y"]) as (_, slots):
+            got.append(slots.tolist())
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.2)
+    assert thread.is_alive() and not got  # waiting, not refused
+    go.set()
+    replacer.join(10)
+    thread.join(10)
+    assert got == [[0, 1]] and _slot_equals(m, 0, adapters["full"])

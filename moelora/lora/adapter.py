@@ -62,7 +62,8 @@ class Adapter:
     name: str
     path: str
     rank: int  # r: the largest rank of any expert projection (others zero-padded to it)
-    layout: str  # "per_expert", "shared_outer", "fused" or "none" (no expert LoRA)
+    layout: str  # "per_expert", "shared_outer", "fused", or "none" (no expert LoRA; loaded
+    # only for a caller that serves the other modules: load_adapter(serves_non_expert=True))
     layers: dict[int, LayerLoRA]
     shape: MoEShape
     non_expert_modules: tuple[str, ...] = field(default=())  # e.g. attention: not served here
@@ -189,3 +190,35 @@ def _to_layers(shape: MoEShape, projections: list[Projection], rank: int) -> dic
             layer.w2_a[:, : p.rank] = p.a
             layer.w2_b[:, :, : p.rank] = p.b
     return layers
+
+
+def check_fits(adapter: Adapter, model_config: ModelConfig, max_rank: int) -> None:
+    """Refuse an Adapter read for another model, of rank above R, or with non-MoE layers."""
+    s, a = model_config.shape, adapter.shape
+    dims = ("num_experts", "hidden_size", "intermediate_size")
+    if any(getattr(s, d) != getattr(a, d) for d in dims) or (
+        s.activation.width_factor != a.activation.width_factor
+    ):
+        raise AdapterError(
+            adapter.path,
+            "<model>",
+            f"an adapter loaded for {a}",
+            f"one for {s}",
+            "load the adapter with this manager's model config",
+        )
+    if adapter.rank > max_rank:
+        raise AdapterError(
+            adapter.path,
+            "<rank>",
+            f"rank {adapter.rank}",
+            f"at most R = {max_rank}",
+            "raise max_lora_rank",
+        )
+    extra = set(adapter.layers) - set(model_config.moe_layers)
+    if extra:
+        raise AdapterError(
+            adapter.path,
+            "<layers>",
+            f"layers {sorted(extra)}",
+            f"MoE layers {list(model_config.moe_layers)}",
+        )

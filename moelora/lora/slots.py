@@ -1,4 +1,5 @@
-"""SlotManager: L adapter slots per MoE layer, loaded, replaced, unloaded, pinned and evicted.
+"""SlotManager: L adapter slots per MoE layer, loaded, replaced, unloaded, pinned and evicted,
+and filled on demand from a catalog of registered adapters (more than there are slots).
 
 Every MoE layer's bank is allocated once and written in place, one slot at a time. Forwards
 read through a lease (`reading()`): the name -> slot map of one published version plus a
@@ -6,26 +7,39 @@ count on each slot it names, and a writer never writes a slot that is in the cur
 or leased. A load therefore writes a free slot (or evicts an unleased LRU adapter first),
 synchronizes, and only then publishes the map that names it: no forward sees a
 half-written slot, and a forward keeps the adapters it started with until it releases the
-lease. Legend: L slots, R max rank, E experts, S = 2 gated / 1 non-gated.
+lease. A replace rewrites the name's own slot when no forward holds it (the name unmapped
+meanwhile; readers of it wait for the write), else writes another slot and moves the name.
+
+Registered names (`register()`) are known without a slot: `reading()` loads one that is in
+no slot from the host cache (catalog.py, host_cache.py), or reads it from its directory
+into that cache, before taking its lease; readers whose names are all loaded never wait
+for that. Legend: L slots, R max rank, E experts, S = 2 gated / 1 non-gated.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
 from ..config import ModelConfig
-from ..errors import AdapterError, ConfigError, InputError
-from ..weights import LoRABank
-from .adapter import Adapter, load_adapter
+from ..errors import ConfigError, InputError, MoeloraError
+from .adapter import Adapter, check_fits, load_adapter
+from .catalog import AdapterCatalog, Source
+from .host_cache import HostCache, adapter_bytes
 from .leases import BankSnapshot, SlotLeases
+from .placement import choose_slot
+from .reports import LoadOrigin, LoadTally, Placement, ServingStats, SlotWrite
+from .slot_banks import SlotBanks
+
+log = logging.getLogger("moelora.lora")
 
 # A writer waiting for a slot is woken when a lease is released, but nothing wakes it when
 # a released lease's CUDA event completes, so it polls. 5 ms (chosen, not measured): at most
@@ -37,6 +51,7 @@ class SlotManager:
     """Owns the LoRA slot banks of every MoE layer of one model.
 
     load_timeout_s: how long a load waits for a slot no forward holds before raising.
+    max_cpu_loras: how many registered adapters the host cache keeps parsed (default L).
     """
 
     def __init__(
@@ -48,6 +63,7 @@ class SlotManager:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         load_timeout_s: float = 30.0,
+        max_cpu_loras: int | None = None,
     ) -> None:
         if num_slots < 1:
             raise ConfigError("max_loras", num_slots, "a positive integer")
@@ -55,28 +71,26 @@ class SlotManager:
             raise ConfigError("max_lora_rank", max_rank, "a positive integer")
         if not load_timeout_s >= 0:
             raise ConfigError("load_timeout_s", load_timeout_s, "seconds >= 0")
+        max_cpu_loras = num_slots if max_cpu_loras is None else max_cpu_loras
+        if type(max_cpu_loras) is not int or max_cpu_loras < 0:  # bool is not a count
+            raise ConfigError(
+                "max_cpu_loras", max_cpu_loras, "an integer >= 0 (adapters kept in host memory)"
+            )
         self.model_config, self.num_slots, self.max_rank = model_config, num_slots, max_rank
         self.load_timeout_s = load_timeout_s
-        self._cond = threading.Condition()  # map, leases, LRU clock, pins
-        self._write_lock = threading.Lock()  # one writer at a time; readers never take it
+        self._cond = threading.Condition()  # map, leases, LRU clock, pins, rewrites, tally
+        self._write_lock = threading.Lock()  # one writer at a time; readers with hits never take it
         self._clock = itertools.count()
         self._last_used: dict[str, int] = {}
         self._pinned: set[str] = set()
+        self._rewriting: set[str] = set()  # names unmapped while their own slot is rewritten
         self._leases = SlotLeases(num_slots)
-        banks = {
-            layer: LoRABank.empty(
-                model_config.shape, num_slots, max_rank, device=device, dtype=dtype
-            )
-            for layer in model_config.moe_layers
-        }
-        self._banks = MappingProxyType(banks)
-        first = next(iter(banks.values()), None)
-        self._device = first.w13_a.device if first is not None else torch.device("cpu")
-        self._stream = None
-        if self._device.type == "cuda":
-            # Writes go to a side stream; the zeros above were queued on the current one.
-            torch.cuda.current_stream(self._device).synchronize()
-            self._stream = torch.cuda.Stream(device=self._device)
+        self._tally = LoadTally()
+        dtype = dtype or model_config.shape.dtype
+        self._slots = SlotBanks(model_config, num_slots, max_rank, device, dtype)
+        self._banks = self._slots.banks
+        cache = HostCache(max_cpu_loras, dtype, pin=self._slots.device.type == "cuda")
+        self._catalog = AdapterCatalog(self._read_registered, cache)
         self._snapshot = BankSnapshot(0, self._banks, MappingProxyType({}))
 
     # ---- reading (any thread) ---------------------------------------------------------------
@@ -87,21 +101,16 @@ class SlotManager:
     ) -> Iterator[tuple[BankSnapshot, torch.Tensor]]:
         """Lease the slots of `names` (None: base model) for a forward; yields (snapshot,
         token_slots [T] int32). Until the block exits (on CUDA: until the work queued on the
-        current stream by then has run) no load, replace or unload writes those slots."""
-        with self._cond:
-            snap = self._snapshot
-            slots = snap.slots(names)
-            held = frozenset(s for s in slots if s >= 0)
-            self._leases.acquire(held)
-            self._touch(names)
+        current stream by then has run) no load, replace or unload writes those slots.
+
+        A registered name in no slot is loaded first (this call waits for that, nobody
+        else); a name neither loaded nor registered raises InputError, as does a batch of
+        more distinct adapters than slots. Either failure changes nothing."""
+        snap, slots, held = self._lease(names)
         try:
             yield snap, torch.tensor(slots, dtype=torch.int32, device=device)
         finally:
-            event = None
-            # Not while capturing a CUDA graph: a replay, not the capture, reads the slots.
-            if self._stream is not None and held and not torch.cuda.is_current_stream_capturing():
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self._device))
+            event = self._slots.release_event() if held else None
             with self._cond:
                 self._leases.release(held, event)
                 self._cond.notify_all()
@@ -114,8 +123,8 @@ class SlotManager:
         self, names: Sequence[str | None], device: torch.device | str | None = None
     ) -> tuple[BankSnapshot, torch.Tensor]:
         """(snapshot, token_slots [T] int32) consistent with each other; marks names used.
-        Takes no lease: safe only while no load, replace or unload runs concurrently (a load
-        may rewrite a slot this map names). Concurrent serving uses reading()."""
+        Takes no lease and loads nothing: safe only while no load, replace or unload runs
+        concurrently (a load may rewrite a slot this map names). Serving uses reading()."""
         with self._cond:
             snap = self._snapshot
             self._touch(names)
@@ -124,6 +133,41 @@ class SlotManager:
     @property
     def loaded(self) -> dict[str, int]:
         return dict(self._snapshot.slot_of)
+
+    @property
+    def registered(self) -> list[str]:
+        return self._catalog.names()
+
+    def stats(self) -> ServingStats:
+        """The counters a server exports (reports.ServingStats), one consistent copy."""
+        with self._cond:
+            return self._tally.freeze(**self._catalog.cache.counts(), registered=len(self._catalog))
+
+    # ---- the catalog (any thread) -------------------------------------------------------------
+
+    def register(
+        self,
+        name: str,
+        source: Adapter | str | Path,
+        *,
+        fused_orientation: str | None = None,
+        serves_non_expert: bool = False,
+    ) -> None:
+        """Know `name` without loading it: reading() loads it when a batch names it. A
+        directory is read and validated at its first use (load_adapter's options apply)."""
+        if isinstance(source, Adapter):
+            check_fits(source, self.model_config, self.max_rank)
+            entry = Source(adapter=source)
+        else:
+            entry = Source(Path(source), None, fused_orientation, serves_non_expert)
+        self._catalog.register(name, entry)
+
+    def unregister(self, name: str) -> None:
+        """Forget a registered name and its host copy; unload it if it is in a slot."""
+        with self._write_lock:
+            self._catalog.unregister(name)
+            if name in self._snapshot.slot_of:
+                self._unload_locked(name)
 
     # ---- writing (one writer at a time) -------------------------------------------------------
 
@@ -136,15 +180,20 @@ class SlotManager:
         fused_orientation: str | None = None,
         must_exist: bool = False,
         serves_non_expert: bool = False,
-    ) -> int:
-        """Load an adapter into a slot no forward holds; returns its slot.
+    ) -> SlotWrite:
+        """Load an adapter into a slot no forward holds; returns its slot (a SlotWrite).
 
         Takes a free slot, else evicts the least recently used unpinned adapter whose slot
-        is not leased; waits up to load_timeout_s for one. A name already loaded is replaced:
-        the new weights go to such a slot, then the name moves there. Every check runs
-        before any slot is touched: a failed load leaves every slot and the map as they were.
+        is not leased; waits up to load_timeout_s for one. A name already loaded is replaced
+        (see replace). Every check runs before any slot is touched: a failed load leaves
+        every slot and the map as they were. A registered name now stands for these weights.
         """
-        if not isinstance(adapter, Adapter):
+        started = time.perf_counter()
+        origin = LoadOrigin.MEMORY if isinstance(adapter, Adapter) else LoadOrigin.DISK
+        if isinstance(adapter, Adapter):
+            source = Source(adapter=adapter)
+        else:
+            source = Source(Path(adapter), None, fused_orientation, serves_non_expert)
             adapter = load_adapter(
                 adapter,
                 self.model_config,
@@ -154,51 +203,38 @@ class SlotManager:
                 serves_non_expert=serves_non_expert,
             )
         name = name or adapter.name
-        self._check_fits(adapter)
+        check_fits(adapter, self.model_config, self.max_rank)
         with self._write_lock:
-            deadline = time.monotonic() + self.load_timeout_s
-            with self._cond:
-                old = self._snapshot.slot_of.get(name)
-                if must_exist and old is None:  # the write lock keeps unload out until we end
-                    raise InputError(
-                        "adapter name", repr(name), f"a loaded adapter {sorted(self.loaded)}"
-                    )
-                slot = self._claim_slot(name, deadline)
-            self._write(slot, adapter)
-            with self._cond:
-                self._publish({**self._snapshot.slot_of, name: slot})
-                self._last_used[name] = next(self._clock)
-                if pin:
-                    self._pinned.add(name)
-                drained = old is not None and old != slot and old not in self._leases.busy()
-            if drained:
-                self._write(old, None)
-        return slot
+            loaded = name in self._snapshot.slot_of  # only writers change it, and we are one
+            if must_exist and not loaded and name not in self._catalog:
+                raise InputError(
+                    "adapter name", repr(name), f"a loaded adapter {sorted(self.loaded)}"
+                )
+            if must_exist and not loaded:  # registered, in no slot: the next read loads these
+                self._catalog.update(name, source)
+                seconds = time.perf_counter() - started
+                return SlotWrite(-1, Placement.NOT_LOADED, None, origin, seconds)
+            result = self._place(name, adapter, origin, started, pin=pin)
+            self._catalog.update(name, source)  # only once the load has succeeded
+            return result
 
-    def replace(self, name: str, adapter: Adapter | str | Path) -> int:
-        """Swap the adapter behind a loaded name: the new weights go to another slot (free,
-        or an unleased LRU adapter's), then the name moves there. Forwards holding the old
-        slot keep it until they end; it is then free. With no such slot, the name's own slot
-        is rewritten once unleased (the name unmapped meanwhile). Returns the new slot."""
+    def replace(self, name: str, adapter: Adapter | str | Path) -> SlotWrite:
+        """Swap the adapter behind a loaded (or registered) name; costs no other adapter.
+
+        The name's own slot is rewritten in place when no forward holds it (placement
+        IN_PLACE; the name is unmapped meanwhile and readers of it wait for the write). When
+        a forward holds it, the new weights go to a free slot, else to the slot of an
+        unleased LRU adapter (placement EVICTED, `evicted` names it), and the name moves
+        there; forwards holding the old slot keep it until they end. A registered name in
+        no slot only changes what the next reading() loads (slot -1, NOT_LOADED)."""
         return self.load(adapter, name=name, must_exist=True)
 
     def unload(self, name: str) -> None:
         """Free the adapter's slot: zeroed now if no forward holds it, else left as it is
-        (named by no map) until the load that reuses it overwrites it in full."""
+        (named by no map) until the load that reuses it overwrites it in full. A registered
+        name stays known: the next reading() naming it loads it again."""
         with self._write_lock:
-            with self._cond:
-                snap = self._snapshot
-                if name not in snap.slot_of:
-                    raise InputError(
-                        "adapter name", repr(name), f"a loaded adapter {sorted(snap.slot_of)}"
-                    )
-                slot = snap.slot_of[name]
-                self._publish({n: s for n, s in snap.slot_of.items() if n != name})
-                self._last_used.pop(name, None)
-                self._pinned.discard(name)
-                drained = slot not in self._leases.busy()
-            if drained:
-                self._write(slot, None)
+            self._unload_locked(name)
 
     def pin(self, name: str) -> None:
         """Never evict this adapter (it can still be unloaded or replaced explicitly)."""
@@ -213,7 +249,152 @@ class SlotManager:
         with self._cond:
             self._pinned.discard(name)
 
-    # ---- internals ----------------------------------------------------------------------------
+    # ---- internals: on-demand loads -----------------------------------------------------------
+
+    def _lease(self, names: Sequence[str | None]) -> tuple[BankSnapshot, list[int], frozenset]:
+        """(snapshot, slots, leased slots) for `names`, loading registered names first."""
+        wanted = frozenset(names) - {None}
+        with self._cond:
+            missing = self._await_rewrites(wanted)
+            if not missing:
+                return self._take(names, wanted, 0)
+            self._check_servable(missing, wanted)
+        try:
+            # Read outside the write lock: a directory read does not hold up others' writes.
+            fetched = {n: self._catalog.fetch(n) for n in sorted(missing)}
+            with self._write_lock:  # now only this thread changes the map
+                # Again: another request may have loaded some meanwhile, or evicted a name
+                # that was loaded at the first look (that one is fetched now).
+                missing = sorted(wanted - self._snapshot.slot_of.keys())
+                for name in missing:
+                    got = fetched.get(name)
+                    if got is None or not self._catalog.is_current(name, got):
+                        got = self._catalog.fetch(name)  # rare: evicted or replaced meanwhile
+                    self._place(
+                        name, got.adapter, got.origin, got.started, keep=wanted, demand=True
+                    )
+                with self._cond:
+                    return self._take(names, wanted, len(missing))
+        except MoeloraError:
+            with self._cond:
+                self._tally.refused += 1
+            raise
+
+    def _await_rewrites(self, wanted: frozenset[str]) -> frozenset[str]:
+        """Under the lock: the wanted names in no slot, once none is being rewritten."""
+        while True:
+            missing = wanted - self._snapshot.slot_of.keys()
+            if not missing & self._rewriting:
+                return frozenset(missing)
+            self._cond.wait()
+
+    def _check_servable(self, missing: frozenset[str], wanted: frozenset[str]) -> None:
+        """Under the lock: refuse (and count) a batch that no load can serve."""
+        unknown = sorted(n for n in missing if n not in self._catalog)
+        if unknown or len(wanted) > self.num_slots:
+            self._tally.refused += 1
+        if unknown:
+            raise InputError(
+                "adapter name",
+                repr(unknown[0]),
+                f"None, a loaded adapter {sorted(self._snapshot.slot_of)} or one of the "
+                f"{len(self._catalog)} registered (register() it first)",
+            )
+        if len(wanted) > self.num_slots:
+            raise InputError(
+                "adapter names",
+                f"{len(wanted)} distinct adapters in one batch",
+                f"at most max_loras = {self.num_slots} (one slot each): split the batch",
+            )
+
+    def _take(self, names, wanted: frozenset[str], loaded: int):
+        """Under the lock: lease the current map's slots for `names` and count the request."""
+        snap = self._snapshot
+        slots = snap.slots(names)
+        held = frozenset(s for s in slots if s >= 0)
+        self._leases.acquire(held)
+        self._touch(names)
+        self._tally.requests += 1
+        self._tally.hits += len(wanted) - loaded
+        return snap, slots, held
+
+    def _read_registered(self, name: str, source: Source) -> Adapter:
+        return load_adapter(
+            source.path,
+            self.model_config,
+            self.max_rank,
+            name=name,
+            fused_orientation=source.fused_orientation,
+            serves_non_expert=source.serves_non_expert,
+        )
+
+    # ---- internals: slots ---------------------------------------------------------------------
+
+    def _place(
+        self,
+        name: str,
+        adapter: Adapter,
+        origin: LoadOrigin,
+        started: float,
+        *,
+        pin: bool = False,
+        keep: frozenset[str] = frozenset(),
+        demand: bool = False,
+    ) -> SlotWrite:
+        """With the write lock held: claim a slot, write it, publish the map naming it."""
+        deadline = time.monotonic() + self.load_timeout_s
+        with self._cond:
+            slot, placement, victim = self._claim_slot(name, deadline, keep)
+        claimed = time.perf_counter()
+        try:
+            self._slots.write(slot, adapter)
+        except BaseException:
+            with self._cond:  # readers waiting for the rewrite go on, to a map without it
+                self._rewriting.discard(name)
+                self._cond.notify_all()
+            raise
+        wrote = time.perf_counter()
+        with self._cond:
+            old = self._snapshot.slot_of.get(name)
+            self._publish({**self._snapshot.slot_of, name: slot})
+            self._rewriting.discard(name)  # with the publication: waiting readers find it
+            self._last_used[name] = next(self._clock)
+            if pin:
+                self._pinned.add(name)
+            result = SlotWrite(slot, placement, victim, origin, wrote - started)
+            self._tally.record(result, wrote - claimed, demand=demand)
+            drained = old is not None and old != slot and old not in self._leases.busy()
+            self._cond.notify_all()
+        if drained:
+            self._slots.write(old, None)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "adapter %r -> slot %d (%s%s) from %s: %.2f ms in all, wrote %.2f ms (%.3f MB)",
+                name,
+                slot,
+                placement.value,
+                f", evicted {victim!r}" if victim else "",
+                origin.value,
+                1e3 * (wrote - started),
+                1e3 * (wrote - claimed),
+                adapter_bytes(adapter) / 1e6,
+            )
+        return result
+
+    def _unload_locked(self, name: str) -> None:
+        with self._cond:
+            snap = self._snapshot
+            if name not in snap.slot_of:
+                raise InputError(
+                    "adapter name", repr(name), f"a loaded adapter {sorted(snap.slot_of)}"
+                )
+            slot = snap.slot_of[name]
+            self._publish({n: s for n, s in snap.slot_of.items() if n != name})
+            self._last_used.pop(name, None)
+            self._pinned.discard(name)
+            drained = slot not in self._leases.busy()
+        if drained:
+            self._slots.write(slot, None)
 
     def _touch(self, names: Sequence[str | None]) -> None:
         """Record use for LRU eviction (under the lock); names used together tie."""
@@ -228,36 +409,32 @@ class SlotManager:
             self._snapshot.version + 1, self._banks, MappingProxyType(slot_of)
         )
 
-    def _claim_slot(self, name: str, deadline: float) -> int:
-        """Under the lock: a slot in no map and no lease; evicting (and publishing the map
-        without) the LRU unpinned adapter other than `name` when none is free. Waits for
-        leases to drain until `deadline`."""
+    def _claim_slot(
+        self, name: str, deadline: float, keep: frozenset[str]
+    ) -> tuple[int, Placement, str | None]:
+        """Under the lock: (slot, placement, evicted name) for `name`'s new weights
+        (placement.choose_slot), with the map published without the name (rewritten in
+        place) or without the evicted adapter. Waits for leases to drain until `deadline`."""
         while True:
             slot_of, busy = self._snapshot.slot_of, self._leases.busy()
-            mapped = set(slot_of.values())
-            free = [s for s in range(self.num_slots) if s not in mapped and s not in busy]
-            if free:
-                return free[0]
-            candidates = [n for n in slot_of if n != name and n not in self._pinned]
-            own = slot_of.get(name)  # replace: the name's current slot
-            if not candidates and len(mapped) == self.num_slots and own is None:
-                raise ConfigError(  # no lease ending would help
-                    "max_loras",
-                    self.num_slots,
-                    "a free slot or an unpinned adapter to evict",
-                    "unpin or unload an adapter, or raise max_loras",
-                )
-            evictable = [n for n in candidates if slot_of[n] not in busy]
-            if evictable:
-                victim = min(evictable, key=lambda n: self._last_used.get(n, -1))
-                self._publish({n: s for n, s in slot_of.items() if n != victim})
-                self._last_used.pop(victim, None)
-                return slot_of[victim]
-            if own is not None and own not in busy:
-                # Last resort (e.g. one slot): rewrite the replaced adapter's own slot. The name
-                # is unmapped while it is written, so no new lease can reach a half-written slot.
-                self._publish({n: s for n, s in slot_of.items() if n != name})
-                return own
+            choice = choose_slot(
+                name,
+                slot_of,
+                busy,
+                self.num_slots,
+                pinned=self._pinned,
+                keep=keep,
+                last_used=self._last_used,
+            )
+            if choice is not None:
+                gone = name if choice.placement is Placement.IN_PLACE else choice.evicted
+                if gone is not None:  # no new lease can reach the slot being written
+                    self._publish({n: s for n, s in slot_of.items() if n != gone})
+                if choice.placement is Placement.IN_PLACE:
+                    self._rewriting.add(name)
+                if choice.evicted is not None:
+                    self._last_used.pop(choice.evicted, None)
+                return choice.slot, choice.placement, choice.evicted
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise InputError(
@@ -269,52 +446,4 @@ class SlotManager:
                 )
             self._cond.wait(
                 min(remaining, _EVENT_POLL_S) if self._leases.has_pending else remaining
-            )
-
-    def _write(self, slot: int, adapter: Adapter | None) -> None:
-        """Write `slot` of every layer in place: zeros, then the adapter's factors (rank
-        r < R fills [:r]; a layer it lacks stays zero). On CUDA on the side stream, which is
-        synchronized before returning, so the map that names the slot comes after the data."""
-        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-            for layer, bank in self._banks.items():
-                for t in (bank.w13_a, bank.w13_b, bank.w2_a, bank.w2_b):
-                    t[slot].zero_()
-                lora = None if adapter is None else adapter.layers.get(layer)
-                if lora is not None:
-                    r = adapter.rank
-                    bank.w13_a[slot, :, :, :r].copy_(lora.w13_a)
-                    bank.w13_b[slot, :, :, :, :r].copy_(lora.w13_b)
-                    bank.w2_a[slot, :, :r].copy_(lora.w2_a)
-                    bank.w2_b[slot, :, :, :r].copy_(lora.w2_b)
-        if self._stream is not None:
-            self._stream.synchronize()
-
-    def _check_fits(self, adapter: Adapter) -> None:
-        s, a = self.model_config.shape, adapter.shape
-        dims = ("num_experts", "hidden_size", "intermediate_size")
-        if any(getattr(s, d) != getattr(a, d) for d in dims) or (
-            s.activation.width_factor != a.activation.width_factor
-        ):
-            raise AdapterError(
-                adapter.path,
-                "<model>",
-                f"an adapter loaded for {a}",
-                f"one for {s}",
-                "load the adapter with this manager's model config",
-            )
-        if adapter.rank > self.max_rank:
-            raise AdapterError(
-                adapter.path,
-                "<rank>",
-                f"rank {adapter.rank}",
-                f"at most R = {self.max_rank}",
-                "raise max_lora_rank",
-            )
-        extra = set(adapter.layers) - set(self.model_config.moe_layers)
-        if extra:
-            raise AdapterError(
-                adapter.path,
-                "<layers>",
-                f"layers {sorted(extra)}",
-                f"MoE layers {list(self.model_config.moe_layers)}",
             )
