@@ -71,15 +71,15 @@ def test_explicit_mimic_with_fully_sharded_lora_is_refused_at_plan_time(capsys, 
     code, out, _ = plan(capsys, *argv)
     assert code == 3
     verdict = out.splitlines()[-1]
-    assert verdict.startswith("verdict: REFUSED: mimic cannot run it (lora.add_inputs")
-    assert "fully_sharded" in verdict
+    # issue 18.3: the sharding is what fails, not add_inputs
+    assert verdict.startswith("verdict: REFUSED: mimic cannot run it (lora.sharding = fully_sharded")
     assert verdict.endswith("would accept: lora_only, triton, reference")  # triton: since fs
     code, plan_ = plan_json(capsys, *argv)
     assert code == 3 and plan_["accepted"] is False and plan_["selected"] is None
     [mimic] = [b for b in plan_["backends"] if b["name"] == "mimic"]
     [lora] = [c for c in mimic["checks"] if not c["ok"]]
     assert lora["check"] == "lora"
-    assert lora["reasons"][0]["field"] == "lora.add_inputs"
+    assert lora["reasons"][0]["field"] == "lora.sharding"
     assert "reference" in plan_["would_accept"] and "mimic" not in plan_["would_accept"]
 
 
@@ -150,9 +150,8 @@ def test_local_device_by_default_works_without_a_gpu(capsys):
         (("--model", "tiny", "--device", "tpu"), "device"),
         (("--model", "tiny", "--moe-backend", "cutlass"), "moe_backend"),
         (("--model", "tiny", "--dtype", "int4"), "dtype"),
-        (("--model", "tiny", "--fully-sharded-loras"), "fully_sharded_loras"),  # tp = 1
-        (("--model", "tiny", "-tp", "2", "--enable-expert-parallel", "--fully-sharded-loras"),
-         "fully_sharded_loras"),
+        (("--model", "qwen3-30b-a3b", "-tp", "0"), "tensor_parallel_size"),
+        (("--model", "qwen3-30b-a3b", "-ep", "-2"), "expert_parallel_size"),
         (("--model", "tiny", "--device", "cpu", "--cuda-graphs"), "cuda_graphs"),
         (("--model", "tiny", "--enable-lora", "--max-lora-rank", "0"), "max_lora_rank"),
     ],
