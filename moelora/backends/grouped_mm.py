@@ -24,7 +24,8 @@ VALIDATED_ON = (
     Validation("NVIDIA H200", "cuda", (9, 0), frozenset({torch.bfloat16}), "2026-11-30",
                "moelora validate --backends grouped_mm --quick at 7fff9c4: 45/45 pass (the "
                "five models, T 1..16384, 8 adapters rank 16, eager)",
-               "BENCHMARKS.md, 2026-11-30, h200_7fff9c4_validate_grouped_mm_quick.log"),
+               "BENCHMARKS.md, 2026-11-30 (the commit 28cc3e4 section); "
+               "benchmarks/results/h200_7fff9c4_validate_grouped_mm_quick.log"),
 )  # fmt: skip
 
 CAPABILITIES = Capabilities(
