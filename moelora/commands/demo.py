@@ -216,11 +216,14 @@ def _backend_line(deployment: Deployment, layer: MoELoRALayer, elapsed: float) -
     how = f"explicit: --moe-backend {selection.name}"
     if selection.how == AUTO:
         how = "auto: the first backend in the ranking that accepts"
-    turned_down = [f"{n} ({'; '.join(map(str, r))})" for n, r in selection.others if r]
-    if selection.how == AUTO and turned_down:
-        ahead = list(default_registry()).index(selection.name)
-        if ahead:  # a faster backend refused: auto fell back
-            how = f"auto fallback, refused: {', '.join(turned_down[:ahead])}"
+    ranking = list(default_registry())
+    faster = [  # ranked above the selected one, and refused: auto fell back past them
+        f"{n} ({'; '.join(map(str, r))})"
+        for n, r in selection.others
+        if r and n in ranking and ranking.index(n) < ranking.index(selection.name)
+    ]
+    if selection.how == AUTO and faster:
+        how = f"auto fallback, refused: {', '.join(faster)}"
     return (
         f"  device {deployment.device.name}{where}: backend {layer.backend_name} ({how}); "
         f"forward {elapsed * 1e3:.1f} ms"
@@ -237,7 +240,7 @@ def _summary(args, model, shape, deployment, layer, checker, check, run_) -> int
         f"routing={model.routing.method.value} dtype={str(shape.dtype).split('.')[-1]}"
     )
     print(_backend_line(deployment, layer, run_["elapsed"]))
-    print(f"  checked against: {_checked_against(layer, checker_name)}")
+    print(f"  checked against: {_checked_against(checker_name)}")
     column = f"error vs {checker_name}" if checker_name else "independent check"
     print(f"  adapter     slot  tokens  change vs base  {column}")
     ok = True
@@ -266,7 +269,7 @@ def _summary(args, model, shape, deployment, layer, checker, check, run_) -> int
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def _checked_against(layer: MoELoRALayer, checker_name: str | None) -> str:
+def _checked_against(checker_name: str | None) -> str:
     if checker_name == REFERENCE:
         return "the reference (moelora.reference: fp32 loops), an independent implementation"
     if checker_name:
