@@ -1,27 +1,60 @@
 """`moelora` command line: a thin dispatcher over moelora/commands/*.
 
 Each subcommand module exposes `add_parser(subparsers)` and `run(args) -> int` (exit code).
+Exit codes mean the same in every command (moelora.errors, docs/plan.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 
-from .errors import MoeloraError
+from .errors import EXIT_USAGE, MoeloraError, exit_code
 
-EXIT_ERROR = 2  # bad usage, configuration or input (plan uses 3 for an oracle refusal)
+DESCRIPTION = (
+    "moelora runs the expert layers of Mixture-of-Experts models with many LoRA adapters in "
+    "one batch (each token its own adapter, or the base model). Before loading any weight, "
+    "`plan` says whether a deployment will run and on which backend; `demo` runs one end to "
+    "end on random weights (CPU when there is no GPU); `presets` lists the models it knows; "
+    "`validate` and `bench` check and time the fast backends on your GPU."
+)
+EPILOG = (
+    "exit codes (every command): 0 done or accepted; 1 a result differed from the reference; "
+    "2 bad usage or configuration (nothing ran); 3 refused by the backend oracle (the message "
+    "names each failing capability and the nearest deployment that runs). "
+    "Start with: moelora demo"
+)
 
 # Fixed order; a module listed here that is not installed yet is skipped with a clear note.
-COMMANDS = ("generate", "demo", "plan", "validate", "bench")
+COMMANDS = ("generate", "demo", "plan", "validate", "bench", "presets")
+# Commands whose --json promises one JSON document on stdout, usage errors included.
+JSON_COMMANDS = ("plan",)
+
+
+class UsageExit(SystemExit):
+    """argparse's usage error (exit 2), carrying its message and the command it belongs to."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(EXIT_USAGE)
+        self.command = prog.split()[-1] if " " in prog else None
+        self.message = f"{prog}: error: {message}"
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # as argparse prints it, then an exception to catch
+        self.print_usage(sys.stderr)
+        exit_ = UsageExit(self.prog, message)
+        print(exit_.message, file=sys.stderr)
+        raise exit_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moelora", description=__doc__.splitlines()[0])
+    parser = Parser(prog="moelora", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"moelora.commands.{name}")
@@ -34,16 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageExit as exit_:
+        if exit_.command in JSON_COMMANDS and "--json" in argv:  # machines get an answer too
+            error = {"accepted": False, "verdict": "ERROR", "exit_code": EXIT_USAGE}
+            print(json.dumps(error | {"error": exit_.message}, indent=2))
+        raise
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
         return int(args.run(args) or 0)
-    except MoeloraError as err:  # a refusal or bad input: the message says what to fix
+    except MoeloraError as err:  # a refusal (3) or bad input (2): the message says what to fix
         print(f"moelora {args.command}: {err}", file=sys.stderr)
-        return EXIT_ERROR
+        return exit_code(err)
 
 
 if __name__ == "__main__":

@@ -143,20 +143,28 @@ def _targets_experts(target: str) -> bool:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout: tensor parallel size, expert parallel size, fully sharded LoRA."""
+    """Parallel layout: tensor parallel size, expert parallel size, fully sharded LoRA.
+
+    Fully sharded LoRA splits each expert's LoRA over the TP group. At tp = 1 (expert
+    parallel or not) that group is one rank and there is nothing to split: the flag is
+    accepted as a no-op, as vLLM does, and stored as False, so that every consumer (the
+    oracle, moelora.parallel) sees the layout that runs. `moelora plan` notes it.
+    """
 
     tp: int = 1
     ep: int = 1
     fully_sharded_loras: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("tp", "ep"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, getattr(self, key), "a positive integer")
-        if self.fully_sharded_loras and self.tp == 1:
-            raise ConfigError(
-                "fully_sharded_loras", True, "tp > 1", "drop --fully-sharded-loras or raise -tp"
-            )
+        for attr, key, flag in (
+            ("tp", "tensor_parallel_size", "-tp"),
+            ("ep", "expert_parallel_size", "-ep"),
+        ):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(key, value, "a positive integer", f"pass {flag} 1 or more")
+        if self.tp == 1:
+            object.__setattr__(self, "fully_sharded_loras", False)
 
 
 @dataclass(frozen=True)
@@ -209,11 +217,18 @@ def from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> Mod
     if isinstance(config, (str, Path)):
         path = Path(config)
         if not path.is_file():
-            raise ConfigError("config path", str(path), "an existing config.json file")
+            raise ConfigError(
+                "config path",
+                str(path),
+                "an existing config.json file",
+                "pass a preset (`moelora presets`), a config.json path or a model directory",
+            )
         try:
             config = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ConfigError("config path", str(path), f"valid JSON ({err})") from None
+            raise ConfigError(
+                "config path", str(path), f"valid JSON ({err})", "fix the file's JSON syntax"
+            ) from None
         name = name or path.parent.name or path.stem
     if not isinstance(config, dict):
         raise ConfigError("config", type(config).__name__, "a dict parsed from config.json")

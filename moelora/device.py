@@ -3,12 +3,15 @@
 `probe()` describes the local machine; `target(name)` describes a named machine (h200, b200,
 sm103, cpu, ...) so that a deployment can be checked for a GPU from a machine without one.
 Both return a `DeviceFacts`; nothing else in moelora asks torch or importlib what exists.
+`fact_sources` says where each fact came from (probed here, or the target table's
+assumption), and `differences` where a named target and this machine disagree, and why.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -49,9 +52,10 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def probe() -> DeviceFacts:
-    """Facts of this machine's first visible device (cuda if available, else cpu)."""
-    return probe_device("cuda" if torch.cuda.is_available() else "cpu")
+def probe(kind: str | None = None) -> DeviceFacts:
+    """Facts of this machine's first visible device (cuda if available, else cpu).
+    kind="cpu": this machine's cpu even when it has a GPU (what `validate --device cpu` runs)."""
+    return probe_device("cuda" if kind != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 def target(name: str) -> DeviceFacts:
@@ -96,3 +100,79 @@ def probe_device(device: torch.device | str) -> DeviceFacts:
     return DeviceFacts(
         kind="cpu", name="cpu", packages=installed_packages(), interpreted=triton_interpreted()
     )
+
+
+# Where a named target's facts come from (its row of TARGETS: NVIDIA's CUDA GPU table).
+_TABLE = "the target table (moelora/device.py)"
+_ASSUMED = {
+    "packages": "assumed: moelora's install requirements (pyproject.toml)",
+    "triton_interpreted": "assumed: TRITON_INTERPRET=1, as the tests and CI run on a cpu",
+}
+
+
+@dataclass(frozen=True)
+class FactSource:
+    """One device fact, its value as the checks read it, and where it came from."""
+
+    fact: str
+    value: str
+    source: str
+
+
+def fact_sources(name: str | None, facts: DeviceFacts) -> list[FactSource]:
+    """Each fact of resolve_device(name) and where it came from: probed here or assumed."""
+    cc = facts.compute_capability
+    values = {
+        "kind": facts.kind,
+        "name": facts.name,
+        "compute_capability": f"{cc[0]}.{cc[1]}" if cc else "-",
+        "packages": ", ".join(sorted(facts.packages)) or "none",
+        "triton_interpreted": "yes" if facts.interpreted else "no",
+    }
+    if name in (None, LOCAL):
+        env = os.environ.get("TRITON_INTERPRET")
+        sources = {
+            "kind": "probed: torch.cuda.is_available()",
+            "name": "probed: torch.cuda.get_device_name()" if cc else "probed: no GPU",
+            "compute_capability": "probed: torch.cuda.get_device_capability()" if cc else "-",
+            "packages": "probed: importable here",
+            "triton_interpreted": f"probed: TRITON_INTERPRET={env}" if env is not None
+            else "probed: TRITON_INTERPRET is not set",
+        }  # fmt: skip
+    else:
+        sources = dict.fromkeys(("kind", "name", "compute_capability"), _TABLE) | _ASSUMED
+        if facts.kind == "cuda":
+            sources["triton_interpreted"] = "-"
+    return [FactSource(fact, value, sources[fact]) for fact, value in values.items()]
+
+
+def counterpart(facts: DeviceFacts) -> str | None:
+    """The first named target describing the same kind of machine (kind and compute
+    capability) as `facts`, or None."""
+    for name, (kind, _, cc) in TARGETS.items():
+        if (kind, cc) == (facts.kind, facts.compute_capability):
+            return name
+    return None
+
+
+def differences(name: str, named: DeviceFacts, local: DeviceFacts) -> list[str]:
+    """Where the named target `name` and this machine differ although they are the same kind
+    of machine (the cpu target on a cpu, or a GPU target of this GPU's compute capability):
+    what differs, what it changes, and the fix. The two never disagree silently."""
+    if (named.kind, named.compute_capability) != (local.kind, local.compute_capability):
+        return []
+    notes = []
+    if named.interpreted and not local.interpreted:
+        notes.append(
+            f"--device {name} assumes TRITON_INTERPRET=1 and this machine does not set it, so "
+            f"on --device {LOCAL} triton is refused here (device.interpreted = False). Fix: "
+            "export TRITON_INTERPRET=1 to run Triton's interpreter here (slow, exact)"
+        )
+    missing = sorted(named.packages - local.packages)
+    if missing:
+        notes.append(
+            f"--device {name} assumes {', '.join(missing)} installed and this machine lacks "
+            f"it, so on --device {LOCAL} the backends that need it are refused here. "
+            f"Fix: pip install {' '.join(missing)}"
+        )
+    return notes

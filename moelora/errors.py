@@ -1,6 +1,17 @@
-"""The user-facing error types. Each message names the field, the value, what was expected and the fix."""
+"""The user-facing error types and the exit codes every command shares.
+
+Each message names the field, the value, what was expected and the fix.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+# One meaning per exit code, across every `moelora` command (docs/plan.md).
+EXIT_OK = 0  # done: accepted (plan), or ran and every check that ran passed
+EXIT_FAILED = 1  # ran, and a result differed from the reference (demo, validate, bench)
+EXIT_USAGE = 2  # bad usage, configuration or input; nothing ran (argparse's code too)
+EXIT_REFUSED = 3  # well formed, but the backend oracle refused it: no backend asked for runs it
 
 
 class MoeloraError(Exception):
@@ -11,7 +22,7 @@ class ConfigError(MoeloraError, ValueError):
     """A model, LoRA or parallel configuration is unknown or inconsistent."""
 
     def __init__(self, key: str, value: object, expected: str, fix: str = "") -> None:
-        self.key, self.value, self.expected = key, value, expected
+        self.key, self.value, self.expected, self.fix = key, value, expected, fix
         msg = f"config key '{key}' = {value!r}: expected {expected}"
         super().__init__(msg + (f". Fix: {fix}" if fix else ""))
 
@@ -28,11 +39,20 @@ class UnsupportedDeploymentError(MoeloraError):
     """The requested backend cannot run this deployment (or, under auto, no backend can).
 
     Raised by the oracle at startup, before any weight is loaded. `reasons` lists every
-    failing capability of the requested backend; `accepting` the backends that would run it.
+    failing capability of the requested backend; `accepting` the backends that would run it;
+    `nearest` the smallest changes of the settings after which a backend accepts it, as
+    (backend, (change, ...)) pairs, each re-checked against that backend's record.
     """
 
-    def __init__(self, requested: str, reasons: dict[str, list], accepting: list[str]) -> None:
+    def __init__(
+        self,
+        requested: str,
+        reasons: dict[str, list],
+        accepting: list[str],
+        nearest: Sequence[tuple[str, tuple[str, ...]]] = (),
+    ) -> None:
         self.requested, self.reasons, self.accepting = requested, reasons, accepting
+        self.nearest = tuple(nearest)
         head = f"moe backend '{requested}' cannot run this deployment:"
         if requested == "auto":
             head = "no moe backend can run this deployment (requested auto):"
@@ -40,11 +60,23 @@ class UnsupportedDeploymentError(MoeloraError):
         for backend, backend_reasons in reasons.items():
             lines += [f"  {backend}: {reason}" for reason in backend_reasons]
         if accepting:
-            fix = f"use --moe-backend {accepting[0]} (or auto), or change the settings above"
-            lines.append(f"backends that would accept it: {', '.join(accepting)}. Fix: {fix}")
-        else:
-            lines.append("no registered backend accepts it. Fix: change the settings above")
+            lines.append(f"backends that would accept it: {', '.join(accepting)}")
+        lines.append(f"Fix: {self.fix}")
         super().__init__("\n".join(lines))
+
+    @property
+    def fix(self) -> str:
+        """One line: another backend that accepts it as is, and/or the nearest deployments."""
+        parts = []
+        if self.accepting:
+            parts.append(f"use --moe-backend {self.accepting[0]} (or auto)")
+        parts += [f"{' '.join(changes)} ({name} then accepts it)" for name, changes in self.nearest]
+        if not parts:
+            return (
+                "no setting of this deployment that moelora can change makes a backend "
+                "accept it (the failing capabilities above are the model's own)"
+            )
+        return "; or ".join(parts)
 
 
 class AdapterError(MoeloraError, ValueError):
@@ -58,3 +90,8 @@ class AdapterError(MoeloraError, ValueError):
         self.file, self.key, self.found, self.expected = file, key, found, expected
         msg = f"adapter file '{file}', key '{key}': found {found}, expected {expected}"
         super().__init__(msg + (f". Fix: {fix}" if fix else ""))
+
+
+def exit_code(err: MoeloraError) -> int:
+    """EXIT_REFUSED for an oracle refusal, EXIT_USAGE for every other error moelora raises."""
+    return EXIT_REFUSED if isinstance(err, UnsupportedDeploymentError) else EXIT_USAGE

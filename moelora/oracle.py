@@ -5,6 +5,8 @@ select(deployment):
   reason; otherwise UnsupportedDeploymentError names every failing capability and the
   backends that would accept. Never a substitution.
 - auto: the first backend of the ranking (registry order, fastest first) with no reason.
+A refusal also carries the nearest deployments that would run (moelora.nearest: the
+smallest changes of the settings after which a backend accepts, re-checked).
 LoRA is only more fields of the deployment; there is no LoRA branch here.
 Either way one INFO line states the selection, the request, how, and every other backend's
 reasons. Runs without a GPU: the deployment carries the (possibly named) device's facts.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from .backends.base import Backend, Reason, check
 from .deployment import AUTO, Deployment
 from .errors import ConfigError, UnsupportedDeploymentError
+from .nearest import nearest
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ def select(deployment: Deployment, registry: Mapping[str, Backend] | None = None
     requested = deployment.backend
     if requested == AUTO:
         if not accepting:
-            raise UnsupportedDeploymentError(AUTO, verdicts, [])
+            raise UnsupportedDeploymentError(AUTO, verdicts, [], nearest(deployment, registry))
         chosen, how = accepting[0], AUTO
     else:
         if requested not in registry:
@@ -98,7 +101,12 @@ def select(deployment: Deployment, registry: Mapping[str, Backend] | None = None
                 "pick one of the listed backends",
             )
         if verdicts[requested]:
-            raise UnsupportedDeploymentError(requested, {requested: verdicts[requested]}, accepting)
+            raise UnsupportedDeploymentError(
+                requested,
+                {requested: verdicts[requested]},
+                accepting,
+                nearest(deployment, registry, [requested]),
+            )
         chosen, how = requested, EXPLICIT
     others = tuple((n, tuple(r)) for n, r in verdicts.items() if n != chosen)
     selection = Selection(registry[chosen], deployment, how, others)

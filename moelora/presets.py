@@ -7,6 +7,7 @@ random-weight cases for demos and tests.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig, from_hf
@@ -172,7 +173,12 @@ def preset_names() -> list[str]:
 def preset_dict(name: str) -> dict[str, Any]:
     """A copy of the preset's config.json dict."""
     if name not in PRESETS:
-        raise ConfigError("model", name, f"a preset ({', '.join(PRESETS)}) or a config.json path")
+        raise ConfigError(
+            "model",
+            name,
+            f"a preset ({', '.join(PRESETS)}), a config.json path or a model directory",
+            "`moelora presets` lists the presets with their shapes",
+        )
     return copy.deepcopy(PRESETS[name])
 
 
@@ -181,9 +187,22 @@ def load_preset(name: str) -> ModelConfig:
 
 
 def resolve_model(model: str) -> ModelConfig:
-    """A preset name or a path to config.json -> ModelConfig (what --model accepts)."""
+    """What --model accepts: a preset name, a path to a config.json, or a model directory
+    holding one (as transformers' from_pretrained takes it) -> ModelConfig."""
     if model in PRESETS:
         return load_preset(model)
+    path = Path(model)
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ConfigError(
+                "model",
+                model,
+                "a model directory holding config.json",
+                f"pass the directory that has config.json, or a config.json path ({config} "
+                "does not exist)",
+            )
+        return from_hf(config)
     if model.endswith(".json") or "/" in model:
         return from_hf(model)
     return load_preset(model)  # raises naming the presets

@@ -194,8 +194,11 @@ def test_bad_paths_and_json(tmp_path):
 def test_dataclass_validation():
     with pytest.raises(ConfigError, match="top_k"):
         MoEShape(4, 5, 8, 8, Activation.SILU)
-    with pytest.raises(ConfigError, match="fully_sharded_loras"):
-        ParallelConfig(tp=1, fully_sharded_loras=True)
+    # at tp 1 fully sharded LoRA has nothing to split: a no-op, stored as what runs (issue 17)
+    assert ParallelConfig(tp=1, ep=2, fully_sharded_loras=True) == ParallelConfig(tp=1, ep=2)
+    assert ParallelConfig(tp=2, fully_sharded_loras=True).fully_sharded_loras
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        ParallelConfig(tp=0)
     with pytest.raises(ConfigError, match="max_lora_rank"):
         LoRAConfig(enabled=True, max_rank=0)
     assert not LoRAConfig(enabled=True, targets=("q_proj", "v_proj")).on_experts

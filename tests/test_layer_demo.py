@@ -99,8 +99,9 @@ def test_demo_command_end_to_end(model, capsys):
     assert "verdict: PASS" in printed and "adapter-2" in printed
 
 
-def test_demo_refusals_and_bad_counts_exit_2(capsys):
-    assert main(["demo", "--moe-backend", "grouped_mm", "--tokens", "4"]) == 2
+def test_demo_refusal_exits_3_and_bad_counts_exit_2(capsys):
+    # issue 18.6: an oracle refusal is exit 3 in every command (it was 2 here, 3 in plan)
+    assert main(["demo", "--moe-backend", "grouped_mm", "--tokens", "4"]) == 3
     err = capsys.readouterr().err
     assert "grouped_mm" in err and "would accept" in err
     with pytest.raises(SystemExit) as exit_info:  # argparse refuses before anything runs

@@ -49,7 +49,7 @@ def test_explicit_triton_with_fully_sharded_lora_on_sm103_is_honoured(device, ad
     assert (chosen.name, chosen.how) == ("triton", "explicit")
     auto = select(deploy("qwen3.5-35b-a3b", device, **knobs), WITH_MIMIC)
     assert auto.name == "triton"
-    assert "lora.add_inputs" in fields(dict(auto.others)["mimic"])
+    assert "lora.sharding" in fields(dict(auto.others)["mimic"])  # the sharding, not the mode
 
 
 @pytest.mark.parametrize("fully_sharded", [False, True])
@@ -78,7 +78,7 @@ def test_real_triton_record_honours_fully_sharded_lora_and_grouped_mm_refuses_it
     assert check(REGISTRY["triton"].capabilities, dep) == []
     assert select(dep, {"mimic": MIMIC, **REGISTRY}).name == "triton"
     gmm = check(REGISTRY["grouped_mm"].capabilities, deploy("qwen3.5-35b-a3b", "h200", **knobs))
-    assert fields(gmm) == {"lora.add_inputs"}
+    assert fields(gmm) == {"lora.sharding"}  # issue 18.3: the sharding is what fails
 
 
 def test_explicit_triton_is_honoured_even_where_mimic_would_win_auto():
@@ -89,7 +89,7 @@ def test_explicit_triton_is_honoured_even_where_mimic_would_win_auto():
 
 
 @pytest.mark.parametrize("add_inputs", list(AddInputs))
-def test_explicit_mimic_with_fully_sharded_lora_is_refused_naming_add_inputs(add_inputs):
+def test_explicit_mimic_with_fully_sharded_lora_is_refused_naming_the_sharding(add_inputs):
     dep = deploy(
         "qwen3.5-35b-a3b",
         "sm103",
@@ -101,9 +101,9 @@ def test_explicit_mimic_with_fully_sharded_lora_is_refused_naming_add_inputs(add
     )
     with pytest.raises(UnsupportedDeploymentError) as err:
         select(dep, WITH_MIMIC)
-    assert fields(err.value.reasons["mimic"]) == {"lora.add_inputs"}  # nothing else fails
+    assert fields(err.value.reasons["mimic"]) == {"lora.sharding"}  # nothing else fails
     message = str(err.value)
-    assert "lora.add_inputs" in message and "fully_sharded" in message
+    assert "lora.sharding = fully_sharded: needs one of unsharded, tp LoRA" in message
     assert err.value.accepting == ["triton", "reference"]
 
 

@@ -66,7 +66,7 @@ TABLE = [
     ("gmm-a100", lambda: deploy("qwen3-30b-a3b", "a100"), "grouped_mm", REFUSE, "device.compute_capability"),
     ("gmm-cpu", lambda: deploy("qwen3-30b-a3b", "cpu"), "grouped_mm", REFUSE, "device.kind"),
     ("gmm-fp16", lambda: deploy("qwen3-30b-a3b", dtype="float16"), "grouped_mm", REFUSE, "dtype"),
-    ("gmm-fully-sharded", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True), "grouped_mm", REFUSE, "lora.add_inputs"),
+    ("gmm-fully-sharded", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True), "grouped_mm", REFUSE, "lora.sharding"),  # the sharding, not add_inputs
     ("gmm-i_p-4", lambda: deploy("tiny", tp=8, dtype="bf16"), "grouped_mm", REFUSE, "intermediate_per_partition"),  # I = 32 / 8
     ("gmm-h-100", lambda: resized(deploy("qwen3-30b-a3b"), hidden_size=100), "grouped_mm", REFUSE, "hidden_size"),
     ("gmm-1024-groups", lambda: resized(deploy("qwen3-30b-a3b"), num_experts=1024), "grouped_mm", REFUSE, "num_groups"),

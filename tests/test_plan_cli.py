@@ -71,15 +71,17 @@ def test_explicit_mimic_with_fully_sharded_lora_is_refused_at_plan_time(capsys, 
     code, out, _ = plan(capsys, *argv)
     assert code == 3
     verdict = out.splitlines()[-1]
-    assert verdict.startswith("verdict: REFUSED: mimic cannot run it (lora.add_inputs")
-    assert "fully_sharded" in verdict
+    # issue 18.3: the sharding is what fails, not add_inputs
+    assert verdict.startswith(
+        "verdict: REFUSED: mimic cannot run it (lora.sharding = fully_sharded"
+    )
     assert verdict.endswith("would accept: lora_only, triton, reference")  # triton: since fs
     code, plan_ = plan_json(capsys, *argv)
     assert code == 3 and plan_["accepted"] is False and plan_["selected"] is None
     [mimic] = [b for b in plan_["backends"] if b["name"] == "mimic"]
     [lora] = [c for c in mimic["checks"] if not c["ok"]]
     assert lora["check"] == "lora"
-    assert lora["reasons"][0]["field"] == "lora.add_inputs"
+    assert lora["reasons"][0]["field"] == "lora.sharding"
     assert "reference" in plan_["would_accept"] and "mimic" not in plan_["would_accept"]
 
 
@@ -150,9 +152,8 @@ def test_local_device_by_default_works_without_a_gpu(capsys):
         (("--model", "tiny", "--device", "tpu"), "device"),
         (("--model", "tiny", "--moe-backend", "cutlass"), "moe_backend"),
         (("--model", "tiny", "--dtype", "int4"), "dtype"),
-        (("--model", "tiny", "--fully-sharded-loras"), "fully_sharded_loras"),  # tp = 1
-        (("--model", "tiny", "-tp", "2", "--enable-expert-parallel", "--fully-sharded-loras"),
-         "fully_sharded_loras"),
+        (("--model", "qwen3-30b-a3b", "-tp", "0"), "tensor_parallel_size"),
+        (("--model", "qwen3-30b-a3b", "-ep", "-2"), "expert_parallel_size"),
         (("--model", "tiny", "--device", "cpu", "--cuda-graphs"), "cuda_graphs"),
         (("--model", "tiny", "--enable-lora", "--max-lora-rank", "0"), "max_lora_rank"),
     ],
@@ -176,3 +177,50 @@ def test_bad_usage_exits_2(capsys, argv):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["plan", *argv])
     assert exit_.value.code == 2
+
+
+# Issue 17.4: which exit code a deployment gets (docs/plan.md, "Exit codes").
+# (argv, exit code, what stdout or stderr must say)
+EXIT_CODES = [
+    # well formed, no backend asked for runs it: an oracle refusal with the table
+    pytest.param(("--model", "qwen3-30b-a3b", "-tp", "2", "-ep", "2", "--enable-lora",
+                  "--fully-sharded-loras", "--device", "h200", "--enforce-eager",
+                  "--moe-backend", "grouped_mm"), 3, "lora.sharding = fully_sharded",
+                 id="fully-sharded-with-ep-on-grouped-mm-refused"),
+    pytest.param(("--model", "tiny", "--enable-lora", "--max-lora-rank", "256", "--device",
+                  "h200"), 3, "no registered backend accepts", id="auto-nothing-accepts"),
+    # well formed and run: fully sharded over a TP group of 2, on each of 2 expert blocks
+    pytest.param(("--model", "qwen3-30b-a3b", "-tp", "2", "-ep", "2", "--enable-lora",
+                  "--fully-sharded-loras", "--device", "h200"), 0, "ACCEPTED: triton",
+                 id="fully-sharded-with-ep-accepted-on-triton"),
+    # a no-op as in vLLM: accepted, with a note in the table
+    pytest.param(("--model", "tiny", "--enable-lora", "--fully-sharded-loras"), 0,
+                 "note: --fully-sharded-loras at MoE tp 1 (tp 1) is a no-op",
+                 id="fully-sharded-at-tp-1-noted"),
+    pytest.param(("--model", "qwen3-30b-a3b", "-tp", "4", "--enable-expert-parallel",
+                  "--enable-lora", "--fully-sharded-loras", "--device", "h200"), 0,
+                 "(expert parallel leaves the MoE layer at tp 1) is a no-op",
+                 id="fully-sharded-under-enable-expert-parallel-noted"),
+    # arithmetic that cannot hold: a configuration error naming the key, value and fix
+    pytest.param(("--model", "qwen3-30b-a3b", "-tp", "5"), 2,
+                 "'tensor_parallel_size' = 5: expected a divisor of I = 768 (intermediate_size)."
+                 " Fix: pick a divisor of 768", id="tp-not-dividing-I"),
+    pytest.param(("--model", "qwen3-30b-a3b", "-ep", "3"), 2,
+                 "'expert_parallel_size' = 3: expected a divisor of E = 128 (num_experts). "
+                 "Fix: pick a divisor of 128", id="ep-not-dividing-E"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, code, says", EXIT_CODES)
+def test_exit_code_says_what_happened(capsys, argv, code, says):
+    got, out, err = plan(capsys, *argv)
+    assert got == code and says in (out + err)
+    if code == 3:  # the per-backend table and the fix, like every refusal
+        assert "check " in out and out.splitlines()[-2].startswith("fix: ")
+    if code == 2:
+        assert out == ""
+    _, doc = plan_json(capsys, *argv)
+    assert doc["accepted"] is (code == 0)
+    if code == 0 and "no-op" in says:
+        assert doc["deployment"]["fully_sharded_loras"] is False  # what runs: unsharded
+        assert any("no-op" in note for note in doc["notes"])

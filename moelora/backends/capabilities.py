@@ -1,8 +1,10 @@
-"""What a backend can run, as data: the `Capabilities` record and the typed `Reason`.
+"""What a backend can run, as data: the `Capabilities` record, the typed `Reason`, and the
+`Validation` runs that back the record on real hardware.
 
 Each backend module declares one `Capabilities` beside its code; `checks.check` reads it
 against a `Deployment`. Every field is required, so a record states each fact once and
-explicitly (no permissive defaults to over-claim by omission).
+explicitly (no permissive defaults to over-claim by omission). The one default,
+`validated_on=()`, under-claims: "never validated anywhere".
 """
 
 from __future__ import annotations
@@ -59,6 +61,21 @@ class Reason:
 
 
 @dataclass(frozen=True)
+class Validation:
+    """One passing `moelora validate` run (or test suite) behind a record: where it ran, in
+    which dtypes, when, what it ran and where its log is. What a record allows (sm80+, say)
+    is what the code supports; these are the machines it has actually been checked on."""
+
+    device: str  # "NVIDIA H200", or "cpu" for the test suite under the Triton interpreter
+    kind: str  # "cuda" or "cpu"
+    compute_capability: tuple[int, int] | None  # cuda only
+    dtypes: frozenset[torch.dtype]
+    date: str  # ISO date of the run, or "every commit" for the test suite
+    result: str  # the command and its pass count, e.g. "moelora validate ...: 110/110 pass"
+    source: str  # where the log is kept (BENCHMARKS.md section, or the test files)
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """Everything one backend supports. None in a limit means "no limit"."""
 
@@ -89,6 +106,8 @@ class Capabilities:
     max_groups: int | None  # groups per grouped GEMM (E_l), inclusive
     # Runtime.
     cuda_graph_safe: bool
+    # Where the record has been checked on real hardware; () = nowhere (the safe default).
+    validated_on: tuple[Validation, ...] = ()
 
     def __post_init__(self) -> None:
         # A malformed record is a bug in a backend module, caught when it is imported.
@@ -100,3 +119,4 @@ class Capabilities:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Capabilities.{key} must be None or a positive int")
         object.__setattr__(self, "lora_add_inputs", MappingProxyType(dict(self.lora_add_inputs)))
+        object.__setattr__(self, "validated_on", tuple(self.validated_on))

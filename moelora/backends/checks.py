@@ -8,9 +8,10 @@ They only compare values, so they never raise. `check_table` keeps the per-check
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from ..deployment import Deployment, LoRASharding, dtype_name
-from .capabilities import Capabilities, Gating, Reason
+from ..deployment import Deployment, dtype_name
+from .capabilities import Capabilities, Gating, Reason, Validation
 
 Check = Callable[[Capabilities, Deployment], list[Reason]]
 
@@ -128,16 +129,13 @@ def _check_add_inputs(cap: Capabilities, dep: Deployment) -> list[Reason]:
     allowed = cap.lora_add_inputs.get(sharding, frozenset())
     if mode in allowed:
         return []
-    value = f"{mode.value} under {sharding.value} LoRA"
-    if allowed:
+    if allowed:  # the sharding runs, only not with this mode
+        value = f"{mode.value} under {sharding.value} LoRA"
         return [Reason("lora.add_inputs", value, f"{_one_of(allowed)} under {sharding.value}")]
-    supported = "; ".join(
-        f"{_one_of(modes)} under {s.value}"
-        for s, modes in cap.lora_add_inputs.items()
-        if modes and isinstance(s, LoRASharding)
-    )
-    needed = f"a LoRA sharding it supports (none under {sharding.value}; supported: {supported or 'none'})"
-    return [Reason("lora.add_inputs", value, needed)]
+    # The sharding itself is what fails, whatever the mode (e.g. fully sharded on grouped_mm).
+    supported = [s.value for s, modes in cap.lora_add_inputs.items() if modes]
+    needed = f"one of {', '.join(supported)} LoRA" if supported else "nothing (none supported)"
+    return [Reason("lora.sharding", sharding.value, needed)]
 
 
 def check_cuda_graphs(cap: Capabilities, dep: Deployment) -> list[Reason]:
@@ -170,3 +168,40 @@ def check_table(cap: Capabilities, dep: Deployment) -> list[tuple[str, list[Reas
 def check(cap: Capabilities, dep: Deployment) -> list[Reason]:
     """Every reason `cap` cannot run `dep`; empty means supported. Never raises."""
     return [reason for _, reasons in check_table(cap, dep) for reason in reasons]
+
+
+@dataclass(frozen=True)
+class ValidationStatus:
+    """Which of a record's validation runs speak for a deployment's device and dtype.
+
+    level: "validated" (this GPU, or a cpu, in this dtype), "same_architecture" (another GPU
+    of the same compute capability, in this dtype), "other_dtype" (this GPU or a cpu, other
+    dtypes only) or "not_validated" (nothing matches). runs: the matching runs, best first.
+    """
+
+    level: str
+    runs: tuple[Validation, ...]
+
+    @property
+    def validated(self) -> bool:
+        return self.level == "validated"
+
+
+def validation_status(cap: Capabilities, dep: Deployment) -> ValidationStatus:
+    """How far `cap.validated_on` covers `dep` (a report, never a reason: it refuses nothing)."""
+    device = dep.device
+    kind = [v for v in cap.validated_on if v.kind == device.kind]
+    if device.kind == "cuda":
+        same = [v for v in kind if v.device.lower() in device.name.lower()]
+        arch = [v for v in kind if v.compute_capability == device.compute_capability]
+    else:  # every cpu counts as the same machine: the interpreter and torch run the same code
+        same, arch = kind, kind
+    in_dtype = [v for v in same if dep.dtype in v.dtypes]
+    if in_dtype:
+        return ValidationStatus("validated", tuple(in_dtype))
+    arch_in_dtype = [v for v in arch if dep.dtype in v.dtypes]
+    if arch_in_dtype:
+        return ValidationStatus("same_architecture", tuple(arch_in_dtype))
+    if same:
+        return ValidationStatus("other_dtype", tuple(same))
+    return ValidationStatus("not_validated", ())

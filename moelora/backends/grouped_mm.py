@@ -17,7 +17,16 @@ from ..errors import InputError
 from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
 from .base import write_output
-from .capabilities import ALL_ACTIVATIONS, ALL_GATING, ALL_ROUTING, Capabilities
+from .capabilities import ALL_ACTIVATIONS, ALL_GATING, ALL_ROUTING, Capabilities, Validation
+
+# Where this record has run (BENCHMARKS.md, 2026-11-30, commit 7fff9c4): one GPU, bf16 only.
+VALIDATED_ON = (
+    Validation("NVIDIA H200", "cuda", (9, 0), frozenset({torch.bfloat16}), "2026-11-30",
+               "moelora validate --backends grouped_mm --quick at 7fff9c4: 45/45 pass (the "
+               "five models, T 1..16384, 8 adapters rank 16, eager)",
+               "BENCHMARKS.md, 2026-11-30 (the commit 28cc3e4 section); "
+               "benchmarks/results/h200_7fff9c4_validate_grouped_mm_quick.log"),
+)  # fmt: skip
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
@@ -53,6 +62,7 @@ CAPABILITIES = Capabilities(
     # The LoRA path reads segment sizes on the host, and HF documents grouped_mm experts as
     # not capturable (shared/research/anchors.md, point 9).
     cuda_graph_safe=False,
+    validated_on=VALIDATED_ON,
 )
 
 

@@ -20,7 +20,20 @@ from .capabilities import (
     ALL_ROUTING,
     EVERY_LORA_SHARDING,
     Capabilities,
+    Validation,
 )
+
+# The ground truth is checked against an independent float64 loop and transformers' MoE
+# blocks (CPU, every commit), and it is the comparison side of every GPU validate run.
+VALIDATED_ON = (
+    Validation("cpu", "cpu", None, ALL_DTYPES, "every commit",
+               "the test suite: against a float64 loop and transformers' MoE blocks",
+               "tests/test_foundation_reference.py, tests/test_foundation_hf.py"),
+    Validation("NVIDIA H200", "cuda", (9, 0), ALL_DTYPES, "2026-11-30",
+               "the comparison side of every moelora validate run there (bf16, fp16 and fp32 "
+               "inputs), and its own fp32 layouts in scripts/parallel_gpu_check.py over NCCL",
+               "BENCHMARKS.md, 2026-11-30"),
+)  # fmt: skip
 
 CAPABILITIES = Capabilities(
     devices=ALL_DEVICES,
@@ -46,6 +59,7 @@ CAPABILITIES = Capabilities(
     # The only thing it lacks: it finds each expert's tokens with torch.nonzero and reads
     # the active slots with .tolist(), host syncs that CUDA-graph capture forbids.
     cuda_graph_safe=False,
+    validated_on=VALIDATED_ON,
 )
 
 

@@ -14,7 +14,33 @@ from ..deployment import LoRASharding, ParallelMode
 from ..errors import InputError
 from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
-from .capabilities import ALL_ACTIVATIONS, ALL_DTYPES, ALL_GATING, ALL_ROUTING, Capabilities
+from .capabilities import (
+    ALL_ACTIVATIONS,
+    ALL_DTYPES,
+    ALL_GATING,
+    ALL_ROUTING,
+    Capabilities,
+    Validation,
+)
+
+# Where this record has run (BENCHMARKS.md): one GPU so far; `moelora plan` warns elsewhere.
+_H200, _SM90, _BENCH = "NVIDIA H200", (9, 0), "BENCHMARKS.md, 2026-11-30"
+VALIDATED_ON = (
+    Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-11-30",
+               "moelora validate --ref-tokens 1024 at 4acd27b: 110/110 pass (qwen3-30b-a3b, "
+               "mixtral-8x7b, deepseek-v3, nemotron-h, gpt-oss-20b; T 1..16384, CUDA graphs, "
+               "ranks 8-128)", f"{_BENCH} (seventh session); benchmarks/results/h200_4acd27b_validate.log"),
+    Validation(_H200, "cuda", _SM90, frozenset({torch.float16}), "2026-11-30",
+               "moelora validate --quick --tokens 1,7,64,1024 --dtype fp16 at 4aa3e56: 20/20 "
+               "pass (the five models)", f"{_BENCH} (sixth session)"),
+    Validation(_H200, "cuda", _SM90, frozenset({torch.float32}), "2026-11-30",
+               "moelora validate --quick --dtype fp32 at 4aa3e56: 5/5 pass (qwen3-30b-a3b, "
+               "T 1..4096); --rank 128 --tokens 4096 at c2185c0: 2/2 (qwen3-30b-a3b, "
+               "gpt-oss-20b)", f"{_BENCH} (sixth session)"),
+    Validation("cpu", "cpu", None, frozenset({torch.float16, torch.float32}), "every commit",
+               "the test suite under TRITON_INTERPRET=1 against the reference",
+               "tests/test_kernels.py, tests/test_parallel.py"),
+)  # fmt: skip
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda", "cpu"}),
@@ -55,6 +81,7 @@ CAPABILITIES = Capabilities(
     # No host sync (alignment is a Triton kernel), static shapes per T; workspaces come
     # from the capturing graph's pool. Checked by `moelora validate --graphs`.
     cuda_graph_safe=True,
+    validated_on=VALIDATED_ON,
 )
 
 

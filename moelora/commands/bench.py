@@ -8,20 +8,54 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from ..errors import InputError
+from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, InputError
 
 # what the vLLM peer's JSON may leave unsaid: its tool (.peer/vllm_moe_lora_bench.py) always
 # runs SiLU-gated experts without biases, routing weights on the output
 PEER_DEFAULTS = dict(activation="silu", bias=False, weights_on_input=False)
 
 
+def _suites() -> list[str] | None:
+    """The suites of benchmarks/cases.py, or None outside a source checkout."""
+    try:
+        from benchmarks.cases import CASES
+    except ModuleNotFoundError:
+        return None
+    return list(CASES)
+
+
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="time backends vs the floor (and the vLLM peer)")
-    p.add_argument("--suite", default="qwen3", help="case list in benchmarks/cases.py")
+    p = subparsers.add_parser(
+        "bench",
+        help="time backends vs the floor (and the vLLM peer)",
+        description="Whole-layer times under CUDA-graph replay, L2 flushed, each provider "
+        "checked against the reference first. Needs a GPU and the source checkout. Exit "
+        "codes: 0 every provider matched the reference, 1 one did not, 2 bad usage, 3 a "
+        "backend is refused here.",
+    )
+    suites = _suites()
+    p.add_argument(
+        "--suite",
+        default="qwen3",
+        choices=suites,
+        help="case list in benchmarks/cases.py: "
+        + (
+            ", ".join(suites)
+            if suites
+            else "(`python -m moelora bench --help` from the source checkout lists them)"
+        ),
+    )
     p.add_argument("--tokens", default=None, help="comma-separated subset of the suite's T")
-    p.add_argument("--backends", default="triton")
-    p.add_argument("--iters", type=int, default=100)
+    p.add_argument(
+        "--backends",
+        default="triton",
+        help="comma-separated backends to time (default triton; also grouped_mm, reference)",
+    )
+    p.add_argument(
+        "--iters", type=int, default=100, help="graph replays timed per case (default 100)"
+    )
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--peer-json", default=None, help="vllm_peer.json from the same run")
     p.set_defaults(run=run)
@@ -65,7 +99,11 @@ def peer_rows(path: str | None, cases: list) -> dict[int, dict]:
             data = json.load(f)
         rows = {int(r["T"]): r for r in data["rows"]}
     except (OSError, KeyError, ValueError) as err:
-        print(f"bench: peer JSON {path} unreadable ({err}); peer columns left empty")
+        print(
+            f"moelora bench: warning: peer JSON {path} unreadable ({err}); peer columns left "
+            "empty. Fix: pass the vllm_peer.json that .peer/vllm_moe_lora_bench.py wrote",
+            file=sys.stderr,
+        )
         return {}
     shape = {**PEER_DEFAULTS, **data.get("shape", {})}
     for case in cases:
@@ -118,15 +156,24 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench: needs a CUDA device")
-        return 2
+        print(
+            "moelora bench: no CUDA device here: bench times GPU kernels. Fix: run it on a GPU "
+            "machine (on a CPU, `moelora demo` and `moelora validate --device cpu` run)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         from benchmarks.cases import CASES
         from benchmarks.floors import measure_ceilings
         from benchmarks.runner import dump, run_case, stamp
     except ModuleNotFoundError:
-        print("bench: run from the moelora source checkout (benchmarks/ is not installed)")
-        return 2
+        print(
+            "moelora bench: benchmarks/ is not importable (it is not installed with the "
+            "package). Fix: run `python -m moelora bench` from the root of the moelora "
+            "source checkout",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     cases = CASES[args.suite]
     if args.tokens:
         keep = {int(t) for t in args.tokens.split(",")}
@@ -173,4 +220,4 @@ def run(args: argparse.Namespace) -> int:
         if not failed
         else "bench: SOME PROVIDERS FAILED THE REFERENCE CHECK (times still listed)"
     )
-    return 1 if failed else 0
+    return EXIT_FAILED if failed else EXIT_OK

@@ -1,8 +1,10 @@
 """`moelora plan`: check a deployment against every backend, without a GPU.
 
-Flags follow vLLM's names. Prints every backend x every check (pass / fail with reason) and
-a one-line verdict, or the same as JSON with --json. Exit codes: 0 accepted, 3 refused,
-2 bad usage or configuration.
+Flags follow vLLM's names. Prints where each device fact came from, every backend x every
+check (pass / fail with reason), where each backend has been validated, and a one-line
+verdict (with the fix, on a refusal), or the same as JSON with --json. Exit codes
+(moelora.errors, docs/plan.md): 0 accepted, 3 refused by the oracle, 2 bad usage or
+configuration.
 """
 
 from __future__ import annotations
@@ -12,21 +14,33 @@ import json
 import sys
 from typing import Any
 
-from ..backends.checks import CHECKS, check_table
+from ..backends.checks import check_table
 from ..config import AddInputs, LoRAConfig, ParallelConfig
 from ..deployment import AUTO, Deployment
-from ..device import LOCAL, TARGETS, resolve_device
-from ..errors import ConfigError, MoeloraError, UnsupportedDeploymentError
+from ..device import LOCAL, TARGETS, counterpart, differences, fact_sources, probe, resolve_device
+from ..errors import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, MoeloraError, UnsupportedDeploymentError
 from ..oracle import Selection, default_registry, select
-from ..presets import resolve_model
-
-EXIT_ACCEPTED, EXIT_USAGE, EXIT_REFUSED = 0, 2, 3
+from ..presets import PRESETS, resolve_model
+from .plan_text import render
+from .plan_validation import validation
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="check a deployment against every backend")
-    p.add_argument("--model", required=True, help="preset name or path to a config.json")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p = subparsers.add_parser(
+        "plan",
+        help="check a deployment against every backend, before loading any weight (no GPU needed)",
+        description="Ask the backend oracle whether a deployment will run and on which backend. "
+        "Exit codes: 0 accepted, 3 refused (the fix is printed), 2 bad usage or configuration.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"a preset ({', '.join(PRESETS)}; `moelora presets` shows their shapes), a "
+        "config.json path, or a model directory holding config.json",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="TP size (I_p = I / tp)"
+    )
     ep = p.add_mutually_exclusive_group()
     ep.add_argument(
         "--enable-expert-parallel",
@@ -40,10 +54,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="moelora: expert parallel size on top of -tp (ranks = tp * ep)",
     )
-    p.add_argument("--enable-lora", action="store_true")
-    p.add_argument("--max-loras", type=int, default=1, help="adapter slots L")
-    p.add_argument("--max-lora-rank", type=int, default=16, help="max rank R")
-    p.add_argument("--fully-sharded-loras", action="store_true")
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (on the experts unless --lora-target-modules says otherwise)",
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="adapter slots L (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="max rank R (default 16)")
+    p.add_argument(
+        "--fully-sharded-loras",
+        action="store_true",
+        help="as in vLLM: split each expert's LoRA over the tp ranks (A on the rank, down B on "
+        "H); a no-op at MoE tp 1, noted in the table",
+    )
     p.add_argument(
         "--lora-target-modules",
         nargs="+",
@@ -57,33 +80,42 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="how the LoRA delta meets its output",
     )
     p.add_argument("--dtype", default=AUTO, help="auto (the model's), bfloat16, float16, float32")
-    p.add_argument("--moe-backend", default=AUTO, help="auto or a backend name")
-    p.add_argument("--device", default=LOCAL, help=f"{LOCAL} or one of {', '.join(TARGETS)}")
+    p.add_argument(
+        "--moe-backend",
+        default=AUTO,
+        help=f"auto (the fastest that accepts) or one of {', '.join(default_registry())}",
+    )
+    p.add_argument(
+        "--device",
+        default=LOCAL,
+        help=f"{LOCAL} (this machine, probed) or a named target, described by moelora's table "
+        f"rather than probed: {', '.join(TARGETS)}",
+    )
     graphs = p.add_mutually_exclusive_group()
     graphs.add_argument(
         "--cuda-graphs",
         dest="cuda_graphs",
         action="store_true",
         default=None,
-        help="default on cuda devices (as vLLM)",
+        help="capture CUDA graphs (default on cuda devices, as vLLM)",
     )
-    graphs.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    graphs.add_argument(
+        "--enforce-eager",
+        dest="cuda_graphs",
+        action="store_false",
+        help="no CUDA graphs (as vLLM): what backends that are not graph safe need",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output (one document)")
     p.set_defaults(run=run)
 
 
 def _parallel(args: argparse.Namespace) -> ParallelConfig:
-    tp = args.tensor_parallel_size
+    tp, fs = args.tensor_parallel_size, args.fully_sharded_loras
     if not args.enable_expert_parallel:
-        return ParallelConfig(tp, args.expert_parallel_size or 1, args.fully_sharded_loras)
-    if args.fully_sharded_loras:
-        raise ConfigError(
-            "fully_sharded_loras",
-            True,
-            "tensor-sharded experts, which expert parallel replaces (as in vLLM)",
-            "drop --fully-sharded-loras or --enable-expert-parallel",
+        return ParallelConfig(
+            tp, 1 if args.expert_parallel_size is None else args.expert_parallel_size, fs
         )
-    return ParallelConfig(tp=1, ep=tp)
+    return ParallelConfig(tp=1, ep=tp, fully_sharded_loras=fs)  # MoE tp 1: fs is a no-op
 
 
 def _lora(args: argparse.Namespace) -> LoRAConfig:
@@ -115,39 +147,71 @@ def build_deployment(args: argparse.Namespace) -> Deployment:
     )
 
 
-def resolve(deployment: Deployment) -> dict[str, Any]:
-    """The plan as data: every backend's checks, and the oracle's verdict."""
-    registry = default_registry()
-    backends = [
-        {
-            "name": name,
-            "accepts": all(not reasons for _, reasons in table),
-            "checks": [
-                {"check": check, "ok": not reasons, "reasons": [r.as_dict() for r in reasons]}
-                for check, reasons in table
-            ],
-        }
-        for name, table in (
-            (name, check_table(backend.capabilities, deployment))
-            for name, backend in registry.items()
+def notes(args: argparse.Namespace, deployment: Deployment) -> list[str]:
+    """What the table should say beside the checks: flags accepted as no-ops, and where a
+    named target and this machine disagree about the same kind of machine."""
+    out = []
+    if args.fully_sharded_loras and deployment.parallel.tp == 1:
+        why = (
+            "expert parallel leaves the MoE layer at tp 1" if deployment.parallel.ep > 1 else "tp 1"
         )
-    ]
-    plan = {"deployment": deployment.as_dict(), "backends": backends}
+        out.append(
+            f"--fully-sharded-loras at MoE tp 1 ({why}) is a no-op: there is no TP group to "
+            "split the LoRA over, so it runs unsharded (as vLLM accepts it at tp 1)"
+        )
+    if args.device == LOCAL:
+        name = counterpart(deployment.device)
+        if name:
+            out += differences(name, resolve_device(name), deployment.device)
+    else:
+        out += differences(args.device.lower(), deployment.device, probe())
+    return out
+
+
+def resolve(deployment: Deployment, device_arg: str = LOCAL, extra_notes=()) -> dict[str, Any]:
+    """The plan as data: device facts and their sources, every backend's checks and
+    validation, notes, and the oracle's verdict."""
+    registry = default_registry()
+    backends = []
+    for name, backend in registry.items():
+        table = check_table(backend.capabilities, deployment)
+        backends.append(
+            {
+                "name": name,
+                "accepts": all(not reasons for _, reasons in table),
+                "checks": [
+                    {"check": check, "ok": not reasons, "reasons": [r.as_dict() for r in reasons]}
+                    for check, reasons in table
+                ],
+                "validation": validation(name, backend.capabilities, deployment),
+            }
+        )
+    plan = {
+        "deployment": deployment.as_dict(),
+        "device_facts": [vars(f) for f in fact_sources(device_arg, deployment.device)],
+        "device_arg": device_arg,
+        "device_source": "probed" if device_arg == LOCAL else "named target",
+        "backends": backends,
+        "notes": list(extra_notes),
+    }
     try:
         selection = select(deployment, registry)
     except UnsupportedDeploymentError as err:
         return plan | _refusal(deployment, err)
-    return plan | _acceptance(selection)
+    return plan | _acceptance(selection, plan)
 
 
-def _acceptance(selection: Selection) -> dict[str, Any]:
+def _acceptance(selection: Selection, plan: dict[str, Any]) -> dict[str, Any]:
     verdict = f"ACCEPTED: {selection.name} (requested {selection.requested}, {selection.how})"
+    [chosen] = [b for b in plan["backends"] if b["name"] == selection.name]
+    warning = chosen["validation"]["warning"]
     return {
         "accepted": True,
         "selected": selection.name,
         "how": selection.how,
         "verdict": verdict,
         "error": None,
+        "warnings": [warning] if warning else [],
     }
 
 
@@ -163,73 +227,26 @@ def _refusal(deployment: Deployment, err: UnsupportedDeploymentError) -> dict[st
         "how": None,
         "verdict": verdict,
         "would_accept": err.accepting,
+        "nearest": [{"backend": name, "changes": list(changes)} for name, changes in err.nearest],
+        "fix": err.fix,
         "error": str(err),
+        "warnings": [],
     }
-
-
-def render(plan: dict[str, Any]) -> str:
-    """The readable table: one row per check, one column per backend, reasons as notes."""
-    names = [b["name"] for b in plan["backends"]]
-    notes: list[str] = []
-    rows = [["check", *names]]
-    for index, (check, _) in enumerate(CHECKS):
-        row = [check]
-        for backend in plan["backends"]:
-            cell = backend["checks"][index]
-            if cell["ok"]:
-                row.append("ok")
-                continue
-            notes.append(
-                f"[{len(notes) + 1}] {backend['name']} {check}: "
-                + "; ".join(_reason_text(r) for r in cell["reasons"])
-            )
-            row.append(f"FAIL [{len(notes)}]")
-        rows.append(row)
-    rows.append(["verdict", *(_column_verdict(plan, b) for b in plan["backends"])])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    head = [f"deployment: {_describe(plan['deployment'])}", ""]
-    notes = ["", *notes] if notes else []
-    return "\n".join([*head, *table, *notes, "", f"verdict: {plan['verdict']}"])
-
-
-def _reason_text(reason: dict[str, Any]) -> str:
-    return f"{reason['field']} = {reason['value']}: needs {reason['needed']}"
-
-
-def _column_verdict(plan: dict[str, Any], backend: dict[str, Any]) -> str:
-    if backend["name"] == plan["selected"]:
-        return "SELECTED"
-    return "accepts" if backend["accepts"] else "refuses"
-
-
-def _describe(dep: dict[str, Any]) -> str:
-    keys = (
-        "name",
-        "num_experts",
-        "top_k",
-        "hidden_size",
-        "intermediate_per_partition",
-        "activation",
-        "routing",
-        "dtype",
-        "tp",
-        "ep",
-        "lora_on_experts",
-        "device",
-        "cuda_graphs",
-        "requested_backend",
-    )
-    return " ".join(f"{k}={dep[k]}" for k in keys)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = resolve(build_deployment(args))
+        deployment = build_deployment(args)
+        plan = resolve(deployment, args.device, notes(args, deployment))
     except MoeloraError as err:  # config errors and anything else moelora refuses on purpose
         print(f"moelora plan: {err}", file=sys.stderr)
         if args.json:  # machines get an answer on stdout too
-            print(json.dumps({"accepted": False, "verdict": "ERROR", "error": str(err)}, indent=2))
+            error = {"accepted": False, "verdict": "ERROR", "exit_code": EXIT_USAGE}
+            print(json.dumps(error | {"error": str(err)}, indent=2))
         return EXIT_USAGE
     print(json.dumps(plan, indent=2) if args.json else render(plan))
-    return EXIT_ACCEPTED if plan["accepted"] else EXIT_REFUSED
+    for warning in plan["warnings"]:
+        print(f"moelora plan: warning: {warning}", file=sys.stderr)
+    if not plan["accepted"]:
+        print(f"moelora plan: refused. Fix: {plan['fix']}", file=sys.stderr)
+    return EXIT_OK if plan["accepted"] else EXIT_REFUSED

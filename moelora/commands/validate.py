@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -21,14 +23,23 @@ from ..compare import compare
 from ..config import AddInputs, DeviceFacts, LoRAConfig, ModelConfig
 from ..deployment import Deployment
 from ..device import probe
-from ..oracle import select
+from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
+from ..oracle import default_registry, select
 from ..presets import resolve_model
 from ..reference import moe_lora_reference
 from ..routing import route
 from ..weights import ExpertWeights, LoRABank, random_expert_weights, random_lora_bank
+from .cpu_cost import Cost, validate_cost
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "nemotron-h", "gpt-oss-20b")
 TOKENS = (1, 2, 7, 16, 64, 255, 1024, 4096, 16384)
+# On a cpu every kernel runs through Triton's interpreter: the two small presets (gated
+# and non-gated), T = 1 (decode), 7 and 16, every case capped at the largest T: 9 cases per
+# model, about 20 s for both on the shared 2-core CPU machine (with T 64: 30 s; the GPU
+# defaults: hours).
+CPU_MODELS = ("tiny", "tiny-relu2")
+CPU_TOKENS = (1, 7, 16)
+REFERENCE = "reference"
 
 
 @dataclass(frozen=True)
@@ -188,12 +199,28 @@ def add_parser(subparsers) -> None:
         "validate",
         help="check fast backends against the reference on real layer shapes (this GPU; "
         "bf16 unless --dtype)",
+        description="Every requested backend against the reference, case by case, on this "
+        "machine. Exit codes: 0 every case passed, 1 a case failed or was refused, 2 bad usage.",
     )
     p.add_argument(
-        "--models", default=",".join(MODELS), help="comma-separated presets or config.json paths"
+        "--models",
+        default=None,
+        help=f"comma-separated presets, config.json paths or model directories (default: "
+        f"{','.join(MODELS)}; on --device cpu: {','.join(CPU_MODELS)}); `moelora presets` "
+        "lists the presets",
     )
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--backends", default="triton", help="comma-separated registered backends")
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help=f"comma-separated token counts T of the sweep (default: {','.join(map(str, TOKENS))}; "
+        f"on --device cpu: {','.join(map(str, CPU_TOKENS))}, every case capped at the largest)",
+    )
+    p.add_argument(
+        "--backends",
+        default="triton",
+        help="comma-separated backends to check (default triton; also grouped_mm): the "
+        "reference is what they are compared with",
+    )
     p.add_argument(
         "--ref-tokens",
         type=int,
@@ -208,8 +235,15 @@ def add_parser(subparsers) -> None:
         help="LoRA rank R of the T sweep (8 adapters alternating R and R/2); e.g. 128 for the "
         "largest shared-memory need",
     )
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="where the cases run: cuda (this machine's GPU, the default) or cpu (Triton's "
+        "interpreter, TRITON_INTERPRET=1 set for you: small models and T by default, "
+        "a warning with the estimate before anything larger)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed of weights and inputs")
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -219,48 +253,112 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
+def _tokens(text: str | None, device: str) -> tuple[int, ...]:
+    if text is None:
+        return TOKENS if device == "cuda" else CPU_TOKENS
+    try:
+        tokens = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        tokens = ()
+    if not tokens or min(tokens) < 1:
+        raise ConfigError(
+            "--tokens", text, "comma-separated positive integers", "e.g. --tokens 1,7,64"
+        )
+    return tokens
+
+
+def _backends(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    registry = default_registry()
+    for name in names:
+        if name == REFERENCE:
+            raise ConfigError(
+                "--backends",
+                text,
+                "fast backends: the reference is what each is compared with, so a check of "
+                "it against itself cannot fail",
+                f"--backends {','.join(n for n in registry if n != REFERENCE)}",
+            )
+        if name not in registry:
+            raise ConfigError(
+                "--backends", text, f"names from {', '.join(registry)}", "--backends triton"
+            )
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
-            "validate: no CUDA device here (use --device cpu with TRITON_INTERPRET=1 and a tiny model)"
+            "moelora validate: --device cuda: no CUDA device here. Fix: run it on a GPU "
+            f"machine, or pass --device cpu (Triton's interpreter; {','.join(CPU_MODELS)} at "
+            "small T by default, seconds)",
+            file=sys.stderr,
         )
-        return 2
-    tokens = tuple(int(t) for t in args.tokens.split(","))
+        return EXIT_USAGE
+    if args.device == "cpu":  # before any kernel import, as demo does
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    tokens = _tokens(args.tokens, args.device)
     if args.rank < 1:
-        print(f"validate: --rank {args.rank}: expected a LoRA rank >= 1")
-        return 2
+        raise ConfigError("--rank", args.rank, "a LoRA rank >= 1", "e.g. --rank 16")
+    backends = _backends(args.backends)
+    models = (args.models or ",".join(MODELS if args.device == "cuda" else CPU_MODELS)).split(",")
     cases = sweep_cases(tokens, args.rank) if args.quick else default_cases(tokens, args.rank)
-    if args.device != "cuda":
-        cases = [c for c in cases if not c.graphs]
+    if args.device != "cuda":  # no graphs, and no case larger than the largest T asked for
+        capped = (dataclasses.replace(c, tokens=min(c.tokens, max(tokens))) for c in cases)
+        cases = list(dict.fromkeys(c for c in capped if not c.graphs))
+    loaded = [(name, with_dtype(resolve_model(name), args.dtype)) for name in models]
+    device = probe() if args.device == "cuda" else probe("cpu")
+    if args.device == "cpu":
+        _warn_cpu_cost(loaded, cases, args, len(backends), device.interpreted)
     failures = total = 0
     print(
         f"{'backend':<9} {'model':<16} {'case':<34} {'rel_err':>9} {'max_abs':>9} {'tol':>6}  "
         f"result  s"
     )
-    device = probe()
-    for name in args.backends.split(","):
-        for model_name in args.models.split(","):
-            model = with_dtype(resolve_model(model_name), args.dtype)
+    for name in backends:
+        for model_name, model in loaded:
             experts = build_experts(model, args.device, args.seed)
             for case in cases:
                 total += 1
-                try:
-                    backend = select_backend(name, model, case, device)
-                    res, secs = run_case(
-                        backend, model, experts, case, args.device, args.ref_tokens, args.seed
-                    )
-                    line = (
-                        f"{res.rel_err:9.2e} {res.max_abs:9.2e} {res.tol:6.0e}  "
-                        f"{'pass' if res.ok else 'FAIL':<6} {secs:5.1f}"
-                    )
-                    failures += not res.ok
-                except Exception as err:  # report and continue: the table is the product
-                    failures += 1
-                    msg = " ".join(str(err).split())  # refusals span lines
-                    line = f"ERROR {type(err).__name__}: {msg[:160]}"
-                print(f"{name:<9} {model_name:<16} {case.label():<34} {line}", flush=True)
+                failures += not _run_one(name, model_name, model, experts, case, device, args)
             del experts
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     print(f"validate: {total - failures}/{total} passed" + ("" if not failures else " — FAILURES"))
-    return 1 if failures else 0
+    return EXIT_FAILED if failures else EXIT_OK
+
+
+def _run_one(name, model_name, model, experts, case, device, args) -> bool:
+    """One table row; True when the case passed."""
+    ok = False
+    try:
+        backend = select_backend(name, model, case, device)
+        res, secs = run_case(backend, model, experts, case, args.device, args.ref_tokens, args.seed)
+        line = (
+            f"{res.rel_err:9.2e} {res.max_abs:9.2e} {res.tol:6.0e}  "
+            f"{'pass' if res.ok else 'FAIL':<6} {secs:5.1f}"
+        )
+        ok = res.ok
+    except Exception as err:  # report and continue: the table is the product
+        msg = " ".join(str(err).split())  # refusals span lines
+        line = f"ERROR {type(err).__name__}: {msg[:160]}"
+    print(f"{name:<9} {model_name:<16} {case.label():<34} {line}", flush=True)
+    return ok
+
+
+def _warn_cpu_cost(loaded, cases, args, backends: int, interpreted: bool) -> None:
+    cost = None
+    for _, model in loaded:
+        one = validate_cost(model, cases, args.ref_tokens, interpreted, model.shape.dtype.itemsize)
+        cost = one if cost is None else cost + one
+    if cost is not None and backends > 1:
+        cost = Cost(cost.seconds * backends, cost.bytes)
+    if cost is not None and cost.large:
+        print(
+            f"moelora validate: warning: {len(cases)} cases per model on this CPU (Triton's "
+            f"interpreter) take {cost.describe()} (estimate, moelora/commands/cpu_cost.py). "
+            f"Fix: run on a GPU, or --models {','.join(CPU_MODELS)} --tokens "
+            f"{','.join(map(str, CPU_TOKENS))} (seconds)",
+            file=sys.stderr,
+            flush=True,
+        )
