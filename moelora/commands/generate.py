@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-loras", type=int, default=None, help="adapter slots (default: enough)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="max LoRA rank (default 16)")
     p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU) or a dtype")
+    p.add_argument("--dtype", default="auto", help="auto (fp32: exact check) or bf16 / fp16")
     p.add_argument(
         "--no-check", action="store_true", help="skip the HF+PEFT row-by-row check"
     )  # fmt: skip
@@ -68,11 +68,10 @@ def run(args: argparse.Namespace) -> int:
     from ..hf import attach, toy
 
     device = "cuda" if cuda else "cpu"
-    dtype = (
-        (torch.bfloat16 if cuda else torch.float32)
-        if args.dtype == "auto"
-        else parse_dtype(args.dtype)
-    )
+    # fp32 by default, on a GPU too: both sides then compute exactly (IEEE fp32 dots), so the
+    # check can demand equal tokens; in bf16 (--dtype bf16, what serving runs) rounding can
+    # flip a near-tie and only the logits are held to the dtype's tolerance.
+    dtype = torch.float32 if args.dtype == "auto" else parse_dtype(args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             if args.adapter:
