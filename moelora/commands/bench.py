@@ -1,87 +1,24 @@
 """`moelora bench`: time backends on a preset's MoE layer (CUDA-graph replay, L2 flushed),
 base and +LoRA, against the floor measured in the same run (and the vLLM peer's JSON).
 
-Runs from a source checkout: the runner lives in benchmarks/ at the repository root.
+The case registry, the runner and the peer's shape rules are moelora.bench (installed with
+the package).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-
-from ..errors import InputError
-
-# what the vLLM peer's JSON may leave unsaid: its tool (.peer/vllm_moe_lora_bench.py) always
-# runs SiLU-gated experts without biases, routing weights on the output
-PEER_DEFAULTS = dict(activation="silu", bias=False, weights_on_input=False)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="time backends vs the floor (and the vLLM peer)")
-    p.add_argument("--suite", default="qwen3", help="case list in benchmarks/cases.py")
+    p.add_argument("--suite", default="qwen3", help="case list in moelora/bench/cases.py")
     p.add_argument("--tokens", default=None, help="comma-separated subset of the suite's T")
     p.add_argument("--backends", default="triton")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--peer-json", default=None, help="vllm_peer.json from the same run")
     p.set_defaults(run=run)
-
-
-def peer_shape(case) -> dict:
-    """The layer a case times, in the peer JSON's "shape" keys (activation, bias and where
-    the routing weights apply too: PEER_DEFAULTS when the JSON does not name them)."""
-    from ..presets import resolve_model
-
-    model = resolve_model(case.model)
-    s = model.shape
-    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(s.dtype), str(s.dtype))
-    return dict(
-        E=s.num_experts,
-        top_k=s.top_k,
-        H=s.hidden_size,
-        I=s.intermediate_size,
-        dtype=dtype,
-        max_loras=case.adapters,
-        rank=case.rank,
-        activation=s.activation.value,
-        bias=s.has_bias,
-        weights_on_input=model.routing.method.weights_on_input,
-    )
-
-
-def peer_can_run(case) -> bool:
-    """Whether the vLLM peer can run the case's layer at all (PEER_DEFAULTS)."""
-    shape = peer_shape(case)
-    return all(shape[k] == v for k, v in PEER_DEFAULTS.items())
-
-
-def peer_rows(path: str | None, cases: list) -> dict[int, dict]:
-    """The peer's rows by T, from a JSON of the same layer as every case (else an
-    InputError naming both shapes: a peer of another layer is never set beside ours)."""
-    if not path:
-        return {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        rows = {int(r["T"]): r for r in data["rows"]}
-    except (OSError, KeyError, ValueError) as err:
-        print(f"bench: peer JSON {path} unreadable ({err}); peer columns left empty")
-        return {}
-    shape = {**PEER_DEFAULTS, **data.get("shape", {})}
-    for case in cases:
-        want = peer_shape(case)
-        got = {k: shape.get(k) for k in want}
-        if got != want:
-            raise InputError(
-                "--peer-json",
-                f"{path}, a peer run of the layer {got}",
-                f"a peer run of {case.id}'s layer {want}: run .peer/vllm_moe_lora_bench.py "
-                f"--experts {want['E']} --topk {want['top_k']} --hidden {want['H']} "
-                f"--inter {want['I']} --max-loras {want['max_loras']} --rank {want['rank']} "
-                f"--dtype {want['dtype']} (the peer runs only SiLU-gated experts without "
-                "biases, routing weights on the output)",
-            )
-    return rows
 
 
 def select_backend(name: str, case):
@@ -120,13 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench: needs a CUDA device")
         return 2
-    try:
-        from benchmarks.cases import CASES
-        from benchmarks.floors import measure_ceilings
-        from benchmarks.runner import dump, run_case, stamp
-    except ModuleNotFoundError:
-        print("bench: run from the moelora source checkout (benchmarks/ is not installed)")
-        return 2
+    from ..bench.cases import CASES
+    from ..bench.floors import measure_ceilings
+    from ..bench.peer import peer_rows
+    from ..bench.runner import dump, run_case, stamp
+
     cases = CASES[args.suite]
     if args.tokens:
         keep = {int(t) for t in args.tokens.split(",")}

@@ -28,25 +28,15 @@ registers instead; PDL launches alone (no early weight loads) took T = 1 with Lo
 -> 0.0406 ms and LoRA-free 0.0340 -> 0.0355.
 
 Only on NVIDIA devices of compute capability 9.0 or newer, and never in the interpreter
-(it has no griddepcontrol instruction): `pdl_active` decides, in one place. A program that
+(it has no griddepcontrol instruction): tiling/plan.py decides, in one place. A program that
 returns early still passes the chain point first, so a kernel's completion implies the
 completion of the kernel before it.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from .checks import interpreted
-
-
-def pdl_active(requested: bool, device: torch.device) -> bool:
-    """Whether a launcher asked for PDL (TileConfig.pdl) may use it on this device."""
-    if not requested or interpreted() or device.type != "cuda" or torch.version.hip:
-        return False  # griddepcontrol is NVIDIA's (ROCm reports device type "cuda" too)
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
