@@ -31,11 +31,28 @@ NOISE = 0.02  # the issue's bound for "no slowdown": 2%
 INPUT_SETS = 4  # as moelora bench: fresh inputs rotate among these
 
 
-def _tree_api():
-    """(CASES, build_experts, build_inputs, build_lora, time_graph, select_backend) of the
-    package on the path: the layout since the tiling/ split, or the one before it."""
-    from moelora.commands.bench import select_backend
+def select_backend(case):
+    """The triton backend through the oracle, for exactly what the case times (its model,
+    this GPU, LoRA with the case's slots and rank, CUDA graphs), as `moelora bench` asks
+    for it; the same calls in both package layouts."""
+    from moelora.config import AddInputs, LoRAConfig
+    from moelora.deployment import Deployment
+    from moelora.device import probe
+    from moelora.oracle import select
+    from moelora.presets import resolve_model
 
+    lora = LoRAConfig(
+        enabled=True, max_rank=case.rank, max_loras=case.adapters, add_inputs=AddInputs.OVERWRITE
+    )
+    deployment = Deployment.for_model(
+        resolve_model(case.model), device=probe(), lora=lora, cuda_graphs=True, backend="triton"
+    )
+    return select(deployment).backend
+
+
+def _tree_api():
+    """(CASES, build_experts, build_inputs, build_lora, time_graph) of the package on the
+    path: the layout since the tiling/ split, or the one before it."""
     try:
         from moelora.bench.cases import CASES
         from moelora.bench.runner import time_graph
@@ -44,7 +61,7 @@ def _tree_api():
         from benchmarks.cases import CASES
         from benchmarks.runner import time_graph
         from moelora.commands.validate import build_experts, build_inputs, build_lora
-    return CASES, build_experts, build_inputs, build_lora, time_graph, select_backend
+    return CASES, build_experts, build_inputs, build_lora, time_graph
 
 
 def worker(suite: str, model_name: str | None, device: str) -> None:
@@ -59,7 +76,7 @@ def worker(suite: str, model_name: str | None, device: str) -> None:
     from moelora.presets import resolve_model
     from moelora.reference import moe_lora_reference
 
-    CASES, build_experts, build_inputs, build_lora, time_graph, select_backend = _tree_api()
+    CASES, build_experts, build_inputs, build_lora, time_graph = _tree_api()
     cases = {c.tokens: c for c in CASES[suite]}
     if model_name:  # another model at the suite's T (the --device cpu smoke test)
         cases = {t: dataclasses.replace(c, model=model_name) for t, c in cases.items()}
@@ -74,7 +91,7 @@ def worker(suite: str, model_name: str | None, device: str) -> None:
         req = json.loads(line)
         case = cases[req["T"]]
         if device == "cuda":
-            backend = select_backend("triton", case)  # as moelora bench: through the oracle
+            backend = select_backend(case)  # as moelora bench: through the oracle
         else:  # the smoke test: the oracle refuses CUDA graphs on cpu
             from moelora.backends.registry import REGISTRY
 

@@ -5,7 +5,7 @@
 # $OUT gets the logs, the JSON files and the new table (commit it as
 # moelora/tiling/h200_table.json).
 # Usage (device tool, .peer carried): MOELORA_COMMIT=<sha> bash scripts/gpu_model.sh SUITE
-#   SUITE: a case list in benchmarks/cases.py of one model (mixtral, deepseek-v3, ...).
+#   SUITE: a case list in moelora/bench/cases.py of one model (mixtral, deepseek-v3, ...).
 #   The peer runs SiLU-gated experts without biases only: for other layers (gpt-oss-20b,
 #   nemotron-h) it is skipped and the bench runs without peer columns.
 # Knobs: TOKENS (a subset of the suite's T for the peer, benches and tune), TUNE_TOKENS

@@ -17,14 +17,17 @@ PACKAGE = ROOT / "moelora"
 
 
 def _imports(path: Path) -> set[str]:
-    """Absolute names of the modules `path` imports at run time (imports under
-    `if TYPE_CHECKING:` are annotations only and left out)."""
+    """Absolute names of the modules `path` imports at run time. Left out: imports under
+    `if TYPE_CHECKING:` (annotations only) and under `except ImportError:` (the fallback of
+    a tool that also runs on a tree from before this layout, as ab_trees and launch_diff
+    do for the A/B against 5b4b1d5)."""
     tree = ast.parse(path.read_text())
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     typing_only = {
         id(n)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        if (isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+        or (isinstance(node, ast.ExceptHandler) and ast.unparse(node.type or node) == "ImportError")
         for n in ast.walk(node)
     }
     names = set()

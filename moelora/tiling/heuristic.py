@@ -29,9 +29,10 @@ def heuristic(pairs_per_expert: float) -> TileConfig:
     BLOCK_N x BLOCK_K: 64 x 128 at small m (weight streaming, 256-byte rows), the Triton
     tutorial's 4 warps / 3 stages; BLOCK_M 64: 64 x 64 up (two accumulators when gated)
     and 128 x 64 down, 4 stages; BLOCK_M 128: up 128 x 64, down 256 x 64, 8 warps, 4
-    stages, z sorted with the down GEMM's tiles by TMA, the tiles of every H200 row at
-    T >= 1024 of Qwen3-30B-A3B and Mixtral-8x7B (KERNEL_LOG.md v18: Mixtral T = 4096 +LoRA
-    6.99 ms with the older 64 x 64 / 128 x 64 tiles, 5.77 tuned).
+    stages, z sorted with the down GEMM's tiles by TMA: the tiles the H200 tunes of
+    Qwen3-30B-A3B and Mixtral-8x7B had chosen at every T >= 1024 when this rule was set
+    (KERNEL_LOG.md v18: Mixtral T = 4096 +LoRA 6.99 ms with the older 64 x 64 / 128 x 64
+    tiles, 5.77 tuned).
     """
     block_m = 16
     while block_m < 128 and block_m < 1.5 * pairs_per_expert:
