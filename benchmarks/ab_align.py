@@ -17,12 +17,11 @@ import argparse
 
 import torch
 
-from moelora.commands.validate import build_inputs
+from moelora.bench.runner import time_graph
+from moelora.inputs import build_inputs
 from moelora.kernels import align
-from moelora.kernels.configs import pick_config
 from moelora.presets import resolve_model
-
-from .runner import time_graph
+from moelora.tiling.pick import pick_config
 
 
 def _parse(text: str) -> list[dict[str, int]]:

@@ -1,6 +1,6 @@
 """Same-run A/B of the decode path against the aligned path at small T: for each T, the
 layer (LoRA off and on) under the decode config (the table row when it is one, else
-configs.DECODE_TILES) and under the aligned config (the table row when it is aligned, else
+DECODE_TILES) and under the aligned config (the table row when it is aligned, else
 the off-table heuristic with the LoRA rules: configs.aligned_config). The tune's timer:
 graph replay, L2 flushed, output checked first.
 
@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import argparse
 
-from moelora.kernels import configs
+from moelora.tiling.heuristic import DECODE_TILES, aligned_config
+from moelora.tiling.pick import pick_config
 
 from .tune import Layer, load_model
 
 
 def _pair(tokens: int, dims: tuple, lora: bool) -> tuple:
     """(decode config, aligned config) for this T."""
-    cfg = configs.pick_config(tokens, *dims, lora=lora)
-    aligned = configs.aligned_config(cfg, tokens, dims[0], dims[1], lora)
-    return (cfg if cfg.decode else configs.DECODE_TILES), aligned
+    cfg = pick_config(tokens, *dims, lora=lora)
+    aligned = aligned_config(cfg, tokens, dims[0], dims[1], lora)
+    return (cfg if cfg.decode else DECODE_TILES), aligned
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from moelora.kernels.configs import TileConfig, pick_config
+from moelora.tiling.config import TileConfig
+from moelora.tiling.pick import pick_config
 
 from .tune import Layer, load_model
 

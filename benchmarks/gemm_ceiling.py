@@ -20,11 +20,10 @@ import json
 
 import torch
 
-from moelora.commands.validate import build_experts, build_inputs
+from moelora.bench.floors import _median_ms
+from moelora.bench.runner import time_graph
+from moelora.inputs import build_experts, build_inputs
 from moelora.presets import resolve_model
-
-from .floors import _median_ms
-from .runner import time_graph
 
 
 def _timed(fn, static: tuple, iters: int) -> tuple[float, str]:

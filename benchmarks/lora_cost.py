@@ -16,10 +16,10 @@ import dataclasses
 
 import torch
 
-from moelora.commands.validate import build_inputs
+from moelora.backends.triton import fused_moe_lora
+from moelora.inputs import build_inputs
 from moelora.kernels import expert_down, expert_up
-from moelora.kernels.configs import pick_config
-from moelora.kernels.moe_lora import fused_moe_lora
+from moelora.tiling.pick import pick_config
 
 from .ab_knob import parse_set
 from .profile_layer import kernel_times

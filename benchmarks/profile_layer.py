@@ -15,12 +15,11 @@ import json
 
 import torch
 
-from moelora.commands.validate import build_experts, build_inputs, build_lora
-from moelora.kernels.configs import pick_config
-from moelora.kernels.moe_lora import fused_moe_lora
+from moelora.backends.triton import fused_moe_lora
+from moelora.bench.runner import FLUSH_BYTES, time_graph
+from moelora.inputs import build_experts, build_inputs, build_lora
 from moelora.presets import resolve_model
-
-from .runner import FLUSH_BYTES, time_graph
+from moelora.tiling.pick import pick_config
 
 FLUSH_TAG = "bitwise_not"  # the flush kernel's name contains this; it is left out
 

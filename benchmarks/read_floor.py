@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runner import time_graph
+from moelora.bench.runner import time_graph
 
 
 @triton.jit

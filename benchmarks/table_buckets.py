@@ -1,8 +1,8 @@
 """Which T bucket a tuned row takes in the tile table (benchmarks/tune.py).
 
 A table key is (E, K, H, I, LoRA on, upper bound): a row serves every T above the next
-smaller bound of its shape and mode, up to its own. A row's comment says at which T it was
-measured ("T=4096: ..."). Tuned T that fall in a committed bucket measured at another T
+smaller bound of its shape and mode, up to its own. A row records the T it was measured at
+(moelora.tiling.table.TableRow.tuned_at). Tuned T that fall in a committed bucket measured at another T
 split that bucket at the geometric means of neighbouring T (the tuned ones and the row's
 own), so each row keeps serving the T it was measured at (tuning T = 16384 once replaced
 the T = 4096 row whose bucket ran to infinity, leaving T = 4096 on a row it was never
@@ -13,20 +13,14 @@ among the tuned T.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import re
 
-_TUNED_AT = re.compile(r"T=(\d+):")
-
-
-def tuned_at(note: str) -> int | None:
-    """The T a committed row was measured at, from its comment ("T=4096: ..."), else None."""
-    m = _TUNED_AT.match(note)
-    return int(m.group(1)) if m else None
+from moelora.tiling.table import TableRow
 
 
 class Buckets:
-    """The table of one tune run: committed rows (all shapes) and their notes, with the
+    """The table of one tune run: committed rows (all shapes, by key), with the
     keys of every tuned T of this shape fixed up front (any tuning order gives the same
     keys). In each committed bucket the anchors are the tuned T that fall in it plus the
     T its row was measured at (when not re-tuned); each anchor's bound is the geometric
@@ -34,9 +28,9 @@ class Buckets:
     moves to its anchor's bound. Tuned T in no committed bucket take bounds from their
     neighbours among those T."""
 
-    def __init__(self, dims: tuple, table: dict, notes: dict, tuned: list[int], commit: str):
+    def __init__(self, dims: tuple, table: dict[tuple, TableRow], tuned: list[int], commit: str):
         self.dims, self.commit = dims, commit
-        self.table, self.notes = dict(table), dict(notes)
+        self.table = dict(table)
         self._ups = {on: sorted(k[5] for k in table if k[:4] == dims and k[4] == on)
                      for on in (False, True)}  # fmt: skip
         self._keys: dict[tuple[int, bool], tuple] = {}
@@ -71,7 +65,7 @@ class Buckets:
     def _split(self, key: tuple, lower: int, inside: list[int]) -> None:
         """Bounds for the tuned T inside the committed bucket `key` (lower, key[5]], and the
         committed row's move when it keeps serving its own T below another anchor."""
-        old = tuned_at(self.notes.get(key, ""))
+        old = self.table[key].tuned_at
         keep_old = old is not None and lower < old <= key[5] and old not in inside
         anchors = sorted(set(inside) | ({old} if keep_old else set()))
         for i, a in enumerate(anchors):
@@ -80,6 +74,7 @@ class Buckets:
             if a in inside:
                 self._keys[(a, key[4])] = moved
             elif moved != key:  # the committed row, below a larger tuned T
-                self.table[moved] = self.table.pop(key)
-                note = self.notes.pop(key, "kept from the committed table")
-                self.notes[moved] = f"{note}; bucket split at T={bound} by the {self.commit} run"
+                row = self.table.pop(key)
+                split = f"bucket split at T={bound} by the {self.commit} run"
+                note = "; ".join(n for n in (row.note, split) if n)
+                self.table[moved] = dataclasses.replace(row, max_tokens=bound, note=note)

@@ -1,4 +1,4 @@
-"""Tile tuning on this GPU: writes the table that moelora/kernels/h200_table.py commits.
+"""Tile tuning on this GPU: writes the table that moelora/tiling/h200_table.json commits.
 
 For each T (and LoRA off / on) a coordinate search from the heuristic config: the up
 kernel's tiles, then the down kernel's, then BLOCK_M halved / doubled; with LoRA the search
@@ -12,7 +12,7 @@ rows, else it is dropped. The fastest candidate is kept; the table lists, per en
 heuristic's and the chosen config's time. A time budget stops the search early (T are
 visited in the order given; unvisited T keep the heuristic).
 
-Usage (GPU): python -m benchmarks.tune --out $OUT/h200_table.py --json $OUT/tune.json
+Usage (GPU): python -m benchmarks.tune --out $OUT/h200_table.json --json $OUT/tune.json
 """
 
 from __future__ import annotations
@@ -20,30 +20,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import os
-import re
 import time
 
 import torch
 
-from moelora.commands.validate import build_experts, build_inputs, build_lora
+from moelora.backends.triton import fused_moe_lora
+from moelora.bench.runner import commit, time_graph
 from moelora.compare import compare
-from moelora.kernels.configs import (
-    DECODE_TILES,
-    GemmTiles,
-    TileConfig,
-    aligned_config,
-    pick_config,
-)
-from moelora.kernels.h200_table import H200_ROWS
-from moelora.kernels.moe_lora import fused_moe_lora
+from moelora.inputs import build_experts, build_inputs, build_lora
 from moelora.presets import resolve_model
 from moelora.reference import moe_lora_reference
+from moelora.tiling.config import GemmTiles, TileConfig
+from moelora.tiling.heuristic import DECODE_TILES, aligned_config
+from moelora.tiling.pick import H200, pick_config
+from moelora.tiling.table import TableRow, write_table
 
-from .runner import commit, time_graph
 from .table_buckets import Buckets
-
-TABLE_FILE = os.path.join(os.path.dirname(__file__), "..", "moelora", "kernels", "h200_table.py")
 
 # Candidates (BLOCK_N, BLOCK_K, num_warps, num_stages). Gated up tiles hold gate and up
 # accumulators, so an up BLOCK_N of 128 is a 256-wide N tile (vLLM's H200 choice for this
@@ -208,7 +200,7 @@ def search(
     for half_tail in HALF_TAIL:
         consider(dataclasses.replace(best, half_tail=half_tail))
     consider(dataclasses.replace(best, up_tma=not best.up_tma))
-    if not (best.lora_delta and best.delta_in_reduce):  # a no-op there (moe_lora.py)
+    if not (best.lora_delta and best.delta_in_reduce):  # a no-op there (tiling/plan.py)
         consider(dataclasses.replace(best, atomic_reduce=not best.atomic_reduce))
     print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
     return best, base_ms
@@ -230,7 +222,7 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
         if knob in DELTA_KNOBS and not best.lora_delta:
             continue  # each acts only with lora_delta
         if knob == "atomic_reduce" and best.lora_delta and best.delta_in_reduce:
-            continue  # a no-op with that reduce pass (moe_lora.py)
+            continue  # a no-op with that reduce pass (tiling/plan.py)
         cfg = dataclasses.replace(best, **{knob: value})
         if knob == "down_tma" and value:
             cfg = dataclasses.replace(cfg, z_sorted=True)
@@ -249,7 +241,7 @@ def search_decode(
 ) -> tuple[TileConfig, float | None]:
     """The decode path's tiles: up candidates, then down candidates, then (LoRA) the x
     shrink's, a coordinate search from `start` when it is a decode config (a committed
-    row), else from configs.DECODE_TILES."""
+    row), else from heuristic.DECODE_TILES."""
     best = start if start.decode else DECODE_TILES
     best_ms = layer.measure(best, lora)
     log.append(dict(cfg=dataclasses.asdict(best), ms=best_ms))
@@ -291,9 +283,12 @@ def _knobs(cfg: TileConfig) -> dict:
     return knobs
 
 
-def _row(cfg: TileConfig, lora: bool) -> tuple:
-    t = lambda g: (g.block_n, g.block_k, g.num_warps, g.num_stages)  # noqa: E731
-    row = (cfg.block_m, t(cfg.up), t(cfg.down))
+def table_row(
+    cfg: TileConfig, lora: bool, key: tuple, t: int, before_ms: float, after_ms: float, run: str
+) -> TableRow:
+    """The table row of `cfg`, tuned at T = t in run `run`, serving the bucket `key`: its
+    tiles and the knobs the search decides (LoRA knobs only with LoRA, layout knobs only
+    when on)."""
     knobs = _knobs(cfg) if lora and not cfg.decode else {}  # the decode path has no such knobs
     knobs.update({k: True for k in LAYOUT_KNOBS if getattr(cfg, k)})
     if cfg.down_tma:  # the TMA tiles of z need the sorted rows: down_tma implies z_sorted
@@ -302,66 +297,26 @@ def _row(cfg: TileConfig, lora: bool) -> tuple:
         knobs["half_tail"] = cfg.half_tail
     if cfg.decode and lora:
         knobs["decode_shrink"] = cfg.decode_shrink
-    if knobs:
-        row += (knobs,)
-    return row
+    return TableRow(
+        shape=key[:4],
+        lora=key[4],
+        max_tokens=key[5],
+        block_m=cfg.block_m,
+        up=cfg.up,
+        down=cfg.down,
+        knobs=knobs,
+        tuned_at=t,
+        run=run,
+        before_ms=before_ms,
+        after_ms=after_ms,
+    )
 
 
-def write_table(path: str, entries: list, header: dict) -> None:
-    """entries: (key, row, T, start ms, chosen ms, note); T = 0 marks a kept row whose note
-    is its old comment."""
-    lines = [
-        '"""H200 tile table: written by benchmarks/tune.py on the GPU, not by hand.',
-        "",
-        f"Last run: {header['device']}, torch {header['torch']}, triton {header['triton']}, "
-        f"commit {header['commit']}, {header['time']}; each row's comment names the run that",
-        "chose it. How chosen: per (shape, LoRA on/off, T) a coordinate search from the",
-        "heuristic (up tiles, then down tiles, then BLOCK_M x0.5 / x2, then LoRA knobs, then",
-        "z layout / TMA, then half-height tails, then up-GEMM TMA, then the atomic top-k",
-        "reduce; LoRA rows also start from",
-        "the LoRA-free tiles), or in a --knobs-only run from the committed row over its knobs",
-        "alone; each",
-        "candidate timed as the whole layer under CUDA-graph replay, L2 flushed, median of",
-        f"{header['iters']} replays, output checked against the reference; fastest kept. A",
-        "tuned T takes the committed bucket it falls in (split at the geometric mean of the two",
-        "T when that bucket's row was measured at another T), else one from the geometric",
-        "mean of its T and the next tuned T. Comments: starting config ms -> chosen ms at that T.",
-        "",
-        "(E, K, H, I, LoRA on, T bucket upper bound) -> (BLOCK_M, up (BLOCK_N, BLOCK_K,",
-        "warps, stages), down (same)[, knobs]).",
-        '"""',
-        "",
-        "H200_ROWS: dict[tuple[int, int, int, int, bool, int], tuple] = {",
-    ]
-    # by shape (E, K, H, I), then LoRA-free rows first, then by T
-    for key, row, t, h_ms, ms, note in sorted(entries, key=lambda e: e[0]):
-        if t:
-            note = f"T={t}: {h_ms:.4f} -> {ms:.4f} ms ({header['commit']} run)"
-        lines.append(f"    {key!r}: {row!r},  # {note}")
-    lines.append("}")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def with_kept_rows(entries: list, table: dict, notes: dict) -> list:
-    """entries plus every row of `table` (all shapes, not only the tuned one) that they do
-    not re-tune, kept with its note."""
-    tuned = {e[0] for e in entries}
-    return entries + [(k, r, 0, 0.0, 0.0, notes[k]) for k, r in table.items() if k not in tuned]
-
-
-def committed_notes(path: str = TABLE_FILE) -> dict:
-    """Each row's comment in a table file (which run chose it): rows are written one
-    comment each, in the file's dict order."""
-    with open(path) as f:
-        text = f.read()
-    scope: dict = {}
-    exec(compile(text, path, "exec"), scope)  # the table is a plain dict literal
-    rows = scope["H200_ROWS"]
-    notes = re.findall(r"\),  # (.*)\n", text)
-    if len(notes) != len(rows):
-        return {k: "kept from the committed table" for k in rows}
-    return dict(zip(rows, notes))
+def with_kept_rows(rows: list[TableRow], table: dict[tuple, TableRow]) -> list[TableRow]:
+    """rows plus every row of `table` (all shapes, not only the tuned one) that they do not
+    re-tune, kept as committed (its run, times and note)."""
+    tuned = {r.key for r in rows}
+    return rows + [r for k, r in table.items() if k not in tuned]
 
 
 def main() -> int:
@@ -370,7 +325,7 @@ def main() -> int:
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=150)
-    p.add_argument("--out", required=True, help="python table file to write")
+    p.add_argument("--out", required=True, help="table file to write (JSON, as h200_table.json)")
     p.add_argument("--json", default=None)
     p.add_argument(
         "--lora-only",
@@ -411,13 +366,13 @@ def main() -> int:
     # Rows of the committed table that this run does not re-tune are kept (all shapes, with
     # their notes); a tuned T takes the committed bucket it falls in, split when that
     # bucket's row was measured at another T (table_buckets.Buckets).
-    buckets = Buckets(dims, H200_ROWS, committed_notes(), tokens, header["commit"])
+    buckets = Buckets(dims, H200.by_key(), tokens, header["commit"])
 
     def key_of(t: int, on: bool) -> tuple:
         return (*dims, on, t) if args.own_buckets else buckets.key(t, on)
 
     def rows() -> list:
-        return with_kept_rows(entries, buckets.table, buckets.notes)
+        return with_kept_rows(entries, buckets.table)
 
     for t in tokens:
         layer = Layer(model, experts, lora, t, args.iters)
@@ -434,20 +389,20 @@ def main() -> int:
             steps: list = []
             if args.knobs_only:
                 committed_row = (
-                    (*dims, on, t) in H200_ROWS  # --own-buckets: a row bounded at T itself
+                    (*dims, on, t) in H200.by_key()  # --own-buckets: a row bounded at T itself
                     if args.own_buckets
                     else buckets.containing(t, on) is not None
                 )
                 if chosen.decode or not committed_row:
                     print("    no committed aligned row: skipped (--knobs-only)")
                     continue
-                if any(e[0] == key_of(t, on) for e in entries):
+                if any(e.key == key_of(t, on) for e in entries):
                     print(f"    T={t} falls in the bucket of an earlier T here: not tuned")
                     continue
                 best, h_ms = search_knobs(layer, chosen, on, steps)
                 ms = min((s["ms"] for s in steps if s["ms"] is not None), default=float("nan"))
                 log.append(dict(T=t, lora=on, steps=steps))
-                entries.append((key_of(t, on), _row(best, on), t, h_ms, ms, ""))
+                entries.append(table_row(best, on, key_of(t, on), t, h_ms, ms, header["commit"]))
                 write_table(args.out, rows(), header)
                 continue
             best, h_ms = search(layer, heur, on, steps, others)
@@ -461,10 +416,10 @@ def main() -> int:
             ms = min((s["ms"] for s in steps if s["ms"] is not None), default=float("nan"))
             log.append(dict(T=t, lora=on, steps=steps))
             key = key_of(t, on)
-            if any(e[0] == key for e in entries):  # two tuned T in one committed bucket
+            if any(e.key == key for e in entries):  # two tuned T in one committed bucket
                 print(f"    T={t} falls in the bucket of an earlier T here: not written")
                 continue
-            entries.append((key, _row(best, on), t, h_ms, ms, ""))
+            entries.append(table_row(best, on, key, t, h_ms, ms, header["commit"]))
             write_table(args.out, rows(), header)  # after each step: a timeout keeps it
         del layer
     if args.json:

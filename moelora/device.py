@@ -5,10 +5,13 @@ sm103, cpu, ...) so that a deployment can be checked for a GPU from a machine wi
 Both return a `DeviceFacts`; nothing else in moelora asks torch or importlib what exists.
 `fact_sources` says where each fact came from (probed here, or the target table's
 assumption), and `differences` where a named target and this machine disagree, and why.
+`gpu_limits(device)` gives the `triton` backend what it sizes and launches kernels by;
+`triton_interpreted()` is the one reading of TRITON_INTERPRET.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -47,9 +50,48 @@ def installed_packages() -> frozenset[str]:
     return frozenset(p for p in KNOWN_PACKAGES if importlib.util.find_spec(p) is not None)
 
 
+# How Triton reads a boolean variable (triton.knobs' getenv_bool): these values, any case.
+_TRITON_TRUE = ("1", "true", "on", "yes", "y")
+
+
 def triton_interpreted() -> bool:
-    """True when Triton kernels run through its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels through its CPU interpreter: TRITON_INTERPRET read as
+    Triton reads it (1, true, on, yes or y, any case), so moelora and Triton agree."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRITON_TRUE
+
+
+@dataclass(frozen=True)
+class GpuLimits:
+    """What the `triton` backend sizes and launches its kernels by, for one GPU."""
+
+    shared_memory: int  # bytes of shared memory one block may use
+    major: int  # compute capability major; 0 on ROCm (no NVIDIA sm_90 features)
+
+    @property
+    def tma(self) -> bool:
+        """TMA tile copies (sm_90+)."""
+        return self.major >= 9
+
+    @property
+    def pdl(self) -> bool:
+        """Programmatic dependent launch, griddepcontrol (sm_90+)."""
+        return self.major >= 9
+
+
+def gpu_limits(device: torch.device) -> GpuLimits | None:
+    """The limits of CUDA device `device` (probed once per device), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _gpu_limits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _gpu_limits(index: int) -> GpuLimits:
+    import triton  # only on a CUDA device, where the triton backend runs
+
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    major = 0 if torch.version.hip else torch.cuda.get_device_capability(index)[0]
+    return GpuLimits(int(props["max_shared_mem"]), major)
 
 
 def probe(kind: str | None = None) -> DeviceFacts:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,8 +25,10 @@ from .layer_checks import (
     resolve_add_inputs,
 )
 from .oracle import Selection, select
-from .reference import LoRAComm
 from .weights import ExpertWeights, LoRABank
+
+if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
+    from .parallel import LoRAComm
 
 
 class MoELoRALayer:

@@ -5,7 +5,7 @@ Every test, benchmark, the CLI and the `reference` backend import `moe_lora_refe
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,20 +13,8 @@ from .activations import apply_activation, split_gate_up
 from .config import MoEShape
 from .weights import ExpertWeights, LoRABank
 
-
-class LoRAComm(Protocol):
-    """Fully sharded LoRA's collectives over the tensor-parallel group (SPEC.md): gate/up A is
-    split on the rank, down A on I and down B on H. Implemented by moelora.parallel."""
-
-    hidden_offset: int  # first column of this rank's H slice of the down-B output
-
-    def gather_rank(self, u: torch.Tensor) -> torch.Tensor:
-        """[N, R/tp] per rank -> [N, R], ranks in order (all-gather on the last dim)."""
-        ...
-
-    def reduce_rank(self, v: torch.Tensor) -> torch.Tensor:
-        """[N, R] partial sums over the I shards -> their sum on every rank (all-reduce)."""
-        ...
+if TYPE_CHECKING:  # annotations only: the protocol lives beside its collectives
+    from .parallel import LoRAComm
 
 
 def _join_gate_up(shape: MoEShape, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,9 @@
 # our bench with the committed configs (before), a tune of that shape (rows of other
 # shapes kept), then the bench again with the new table installed (after), all in one run.
 # $OUT gets the logs, the JSON files and the new table (commit it as
-# moelora/kernels/h200_table.py).
+# moelora/tiling/h200_table.json).
 # Usage (device tool, .peer carried): MOELORA_COMMIT=<sha> bash scripts/gpu_model.sh SUITE
-#   SUITE: a case list in benchmarks/cases.py of one model (mixtral, deepseek-v3, ...).
+#   SUITE: a case list in moelora/bench/cases.py of one model (mixtral, deepseek-v3, ...).
 #   The peer runs SiLU-gated experts without biases only: for other layers (gpt-oss-20b,
 #   nemotron-h) it is skipped and the bench runs without peer columns.
 # Knobs: TOKENS (a subset of the suite's T for the peer, benches and tune), TUNE_TOKENS
@@ -17,8 +17,8 @@ PY=${PYTHON:-python3}
 SUITE=${1:?usage: gpu_model.sh SUITE}
 read -r MODEL TOKENS PEER_ARGS < <($PY - "$SUITE" "${TOKENS:-}" <<'PYEOF'
 import sys
-from benchmarks.cases import CASES
-from moelora.commands.bench import peer_can_run, peer_shape
+from moelora.bench.cases import CASES
+from moelora.bench.peer import peer_can_run, peer_shape
 cases = CASES[sys.argv[1]]
 keep = {int(t) for t in sys.argv[2].split(",")} if sys.argv[2] else None
 if keep and not keep <= {c.tokens for c in cases}:
@@ -46,9 +46,9 @@ echo "bench (before) exit: $?"; grep -E "^triton|ceil|match" "$OUT/bench_before.
 TT=${TUNE_TOKENS:-$(echo "$TOKENS" | tr , '\n' | sort -rn | paste -sd,)}
 budget=${TUNE_S:-180}
 timeout $((budget + 60)) $PY -m benchmarks.tune --model "$MODEL" --tokens "$TT" \
-  --budget-s "$budget" --out "$OUT/h200_table.py" --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
+  --budget-s "$budget" --out "$OUT/h200_table.json" --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
 echo "tune exit: $?"; grep -E "heuristic|budget|decode path|tune:" "$OUT/tune.log"
-if [ -s "$OUT/h200_table.py" ]; then cp "$OUT/h200_table.py" moelora/kernels/h200_table.py; fi
+if [ -s "$OUT/h200_table.json" ]; then cp "$OUT/h200_table.json" moelora/tiling/h200_table.json; fi
 timeout ${BENCH_S:-120} $PY -m moelora bench --suite "$SUITE" --tokens "$TOKENS" --iters ${ITERS:-30} \
   --json "$OUT/bench_after.json" "${PEER_JSON[@]}" > "$OUT/bench_after.log" 2>&1
 echo "bench (after) exit: $?"; grep -E "^triton|ceil|match" "$OUT/bench_after.log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call: re-tune the H200 table, install it in this (device-side) tree, then check
 # the installed table (quick validate) and time it (bench). $OUT gets the new table file to
-# commit as moelora/kernels/h200_table.py, the tune log / JSON, and the validate and bench
+# commit as moelora/tiling/h200_table.json, the tune log / JSON, and the validate and bench
 # results of that same table.
 # Usage (device tool): MOELORA_COMMIT=<sha> bash scripts/gpu_tune.sh [extra tune args]
 #   e.g. `--tokens 1024,4096,16384` to re-tune some T only (other rows are kept).
@@ -11,11 +11,11 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 budget=${TUNE_S:-300}
-timeout $((budget + 30)) $PY -m benchmarks.tune --budget-s "$budget" --out "$OUT/h200_table.py" \
+timeout $((budget + 30)) $PY -m benchmarks.tune --budget-s "$budget" --out "$OUT/h200_table.json" \
   --json "$OUT/tune.json" "$@" > "$OUT/tune.log" 2>&1
 echo "tune exit: $?"; grep -E "heuristic|budget|tune:" "$OUT/tune.log"
-if [ -s "$OUT/h200_table.py" ]; then
-  cp "$OUT/h200_table.py" moelora/kernels/h200_table.py
+if [ -s "$OUT/h200_table.json" ]; then
+  cp "$OUT/h200_table.json" moelora/tiling/h200_table.json
 else
   echo "no table written: the committed table stays"
 fi

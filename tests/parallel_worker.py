@@ -73,7 +73,7 @@ def _inputs(case: Case, seed: int):
 
 
 def run_case(case: Case, seed: int) -> tuple[float, float]:
-    from moelora.kernels import moe_lora
+    from moelora.backends import triton as moe_lora
 
     pick = moe_lora.pick_config
     if case.tiles:  # this process only: every triton forward takes these knobs

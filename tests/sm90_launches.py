@@ -67,8 +67,8 @@ def forward_launches(
     token on slot 0 (rank 0: LoRA-free), the expert biases with `bias`. The compiled code
     does not depend on those sizes beyond their divisibility."""
     from moelora.activations import Activation
+    from moelora.backends.triton import fused_moe_lora
     from moelora.config import MoEShape
-    from moelora.kernels.moe_lora import fused_moe_lora
     from moelora.weights import ExpertWeights, LoRABank
 
     experts, top_k, hidden, inter, tokens = 8, 8, 2048, 768, 512

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from benchmarks.cases import CASES
-from moelora.commands.bench import peer_rows, peer_shape
+from moelora.bench.cases import CASES
+from moelora.bench.peer import peer_rows, peer_shape
 from moelora.errors import InputError
 
 
@@ -44,7 +44,7 @@ def test_peer_of_another_layer_is_refused(tmp_path, field: str) -> None:
 def test_peer_beside_another_activation_is_refused(tmp_path, suite: str) -> None:
     """The peer runs SiLU-gated experts only: its JSON beside a swigluoai (with biases) or
     relu2 layer of the same sizes is refused, not compared."""
-    from benchmarks.cases import BenchCase
+    from moelora.bench.cases import BenchCase
 
     case = BenchCase({"gpt-oss": "gpt-oss-20b", "nemotron": "nemotron-h"}[suite], 64)
     shape = {k: v for k, v in peer_shape(case).items() if k not in ("activation", "bias")}
@@ -57,7 +57,7 @@ def test_peer_beside_weights_on_input_is_refused(tmp_path) -> None:
     """Llama 4 scales the expert input by the routing weight; the peer scales the output.
     A peer JSON of the same sizes (written before the key existed: no weights_on_input) is
     refused beside it, and still read beside a layer that weights the output."""
-    from benchmarks.cases import BenchCase
+    from moelora.bench.cases import BenchCase
 
     case = BenchCase("llama4-scout", 64)
     shape = {k: v for k, v in peer_shape(case).items() if k != "weights_on_input"}
@@ -78,7 +78,7 @@ def test_no_peer_file_means_no_peer_columns(tmp_path) -> None:
 def test_every_suite_is_one_known_layer():
     """scripts/gpu_model.sh tunes a suite's first case's model for all its T: a suite mixing
     models would tune one and bench another. The peer runs only on PEER_DEFAULTS layers."""
-    from moelora.commands.bench import peer_can_run
+    from moelora.bench.peer import peer_can_run
 
     peer_layers = set()
     for name, cases in CASES.items():

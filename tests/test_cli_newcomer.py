@@ -249,7 +249,7 @@ def test_choices_are_listed_in_the_help():
         [model] = [a for a in commands[name]._actions if a.dest == "model"]
         assert all(preset in model.help for preset in PRESETS), name
     [suite] = [a for a in commands["bench"]._actions if a.dest == "suite"]
-    from benchmarks.cases import CASES
+    from moelora.bench.cases import CASES
 
     assert list(suite.choices) == list(CASES) and all(s in suite.help for s in CASES)
 

@@ -1,4 +1,4 @@
-"""Picked tile configs fitted to the GPU (kernels/device_fit.py): unchanged on the H200
+"""Picked tile configs fitted to the GPU (tiling/fit.py): unchanged on the H200
 the table was measured on, shrunk to fit elsewhere (fp32 inputs, LoRA rank 128, smaller
 shared memory), TMA knobs off below sm_90.
 
@@ -16,9 +16,10 @@ import pytest
 import torch
 from sm90_child import run_compile_child
 
-from moelora.kernels import configs
-from moelora.kernels.configs import DECODE_TILES, GemmTiles, TileConfig, pick_config
-from moelora.kernels.device_fit import (
+from moelora.device import GpuLimits
+from moelora.tiling import heuristic
+from moelora.tiling.config import GemmTiles, TileConfig
+from moelora.tiling.fit import (
     MARGIN,
     expand_bytes,
     expand_dot_lanes,
@@ -30,6 +31,9 @@ from moelora.kernels.device_fit import (
     shrink_bytes,
     stage_bytes,
 )
+from moelora.tiling.heuristic import DECODE_TILES
+from moelora.tiling.pick import H200 as H200_TABLE
+from moelora.tiling.pick import pick_config
 
 H200 = 232448  # max shared memory per block (opt-in) on an H200 / H100: 227 KB
 A100 = 166912  # 163 KB
@@ -72,7 +76,7 @@ def test_h200_16bit_configs_are_unchanged(parts: int) -> None:
 def test_stage_bytes_match_what_triton_allocated_on_the_h200() -> None:
     """The model against the shared memory the compiled H200 rows used (lora_cost at
     afe8054: up 196608 bytes, down 196640 with its TMA barriers)."""
-    row = configs.H200_TABLE[(*QWEN3, True, 8192)]
+    row = H200_TABLE.by_key()[(*QWEN3, True, 8192)].config()
     assert row.up.num_stages * stage_bytes(row.block_m, row.up, 2, 2) == 196608
     assert 196640 - MARGIN <= row.down.num_stages * stage_bytes(row.block_m, row.down, 1, 2)
 
@@ -204,21 +208,21 @@ def test_fit_shrink_halves_its_block_k() -> None:
 def test_decode_and_cpu_configs_are_left_alone() -> None:
     assert fit_config(DECODE_TILES, 2, 4, L40S, tma=False) == DECODE_TILES
     cfg = pick_config(4096, *QWEN3, lora=True)
-    assert fit_to_device(cfg, 2, torch.float32, torch.device("cpu")) == cfg
+    assert fit_to_device(cfg, 2, torch.float32, None) == cfg  # no GPU: gpu_limits is None
 
 
 def test_fused_moe_lora_fits_picked_configs_only(monkeypatch) -> None:
-    """The forward fits the config it picked (for its dtype, parts and device), and
-    launches a caller's explicit config as given."""
+    """The forward fits the config it picked (for its dtype, parts and the GPU's limits:
+    none on cpu), and launches a caller's explicit config as given."""
     from moelora.activations import Activation
+    from moelora.backends import triton as moe_lora
     from moelora.config import MoEShape
-    from moelora.kernels import moe_lora
     from moelora.weights import random_expert_weights, random_lora_bank
 
     calls = []
 
-    def spy(cfg, parts, dtype, device, **lora):
-        calls.append((parts, dtype, device.type, lora))
+    def spy(cfg, parts, dtype, limits, **lora):
+        calls.append((parts, dtype, "cpu" if limits is None else limits, lora))
         return cfg
 
     monkeypatch.setattr(moe_lora, "fit_to_device", spy)
@@ -244,16 +248,13 @@ def test_fused_moe_lora_fits_picked_configs_only(monkeypatch) -> None:
     "major,dtype",
     [(9, torch.bfloat16), (9, torch.float32), (8, torch.float32), (0, torch.bfloat16)],
 )
-def test_fit_to_device_by_capability(monkeypatch, major, dtype) -> None:
+def test_fit_to_device_by_capability(major, dtype) -> None:
     """sm_90+: stages fitted (16-bit configs unchanged, fp32 shrunk to fit), TMA kept;
     below sm_90 (and ROCm, major 0): TMA knobs off, and the same fit (the H200 limit
     here, so the 16-bit config keeps its stages)."""
-    from moelora.kernels import device_fit
-
-    monkeypatch.setattr(device_fit, "_device_limits", lambda index: (H200, major))
     cfg = pick_config(4096, *QWEN3, lora=True)
     assert cfg.up_tma and cfg.down_tma and cfg.up.num_stages == 4  # the H200 row
-    got = fit_to_device(cfg, 2, dtype, torch.device("cuda", 0))
+    got = fit_to_device(cfg, 2, dtype, GpuLimits(H200, major))
     if dtype == torch.bfloat16:
         assert got == (
             cfg if major >= 9 else dataclasses.replace(cfg, up_tma=False, down_tma=False)
@@ -264,15 +265,12 @@ def test_fit_to_device_by_capability(monkeypatch, major, dtype) -> None:
 
 
 @pytest.mark.parametrize("limit", [L40S, A100])
-def test_below_sm90_the_heuristic_and_table_tiles_are_fitted(monkeypatch, limit) -> None:
+def test_below_sm90_the_heuristic_and_table_tiles_are_fitted(limit) -> None:
     """An sm_8x GPU (L40S 99 KB, A100 163 KB per block) gets the stages fitted too:
     Triton multi-buffers these loops there as well (review: 147456 bytes compiled for
     sm_80 / 89 at the BLOCK_M 128 tiles in bf16), so nothing is left as picked."""
-    from moelora.kernels import configs, device_fit
-
-    monkeypatch.setattr(device_fit, "_device_limits", lambda index: (limit, 8))
-    cuda = torch.device("cuda", 0)
-    for cfg in (configs._heuristic(200.0), pick_config(4096, *QWEN3, lora=True)):
+    cuda = GpuLimits(limit, 8)
+    for cfg in (heuristic.heuristic(200.0), pick_config(4096, *QWEN3, lora=True)):
         for dtype in (torch.bfloat16, torch.float32):
             got = fit_to_device(cfg, 2, dtype, cuda, rank=16, num_slots=8)
             assert not (got.up_tma or got.down_tma)
@@ -281,19 +279,16 @@ def test_below_sm90_the_heuristic_and_table_tiles_are_fitted(monkeypatch, limit)
                 assert got.up.num_stages < cfg.up.num_stages
     # fp32 at rank 128 on the L40S: the up GEMM's two [128, 128] fp32 intermediates alone
     # (131072 bytes) overflow at any BLOCK_N, so the last lever halves BLOCK_M
-    got = fit_to_device(configs._heuristic(200.0), 2, torch.float32, cuda, rank=128, num_slots=8)
+    got = fit_to_device(heuristic.heuristic(200.0), 2, torch.float32, cuda, rank=128, num_slots=8)
     assert _fits(got, 2, 4, limit, 128, 8)
     assert (got.block_m < 128) == (limit == L40S)
 
 
-def test_fit_to_device_fits_the_lora_bank(monkeypatch) -> None:
+def test_fit_to_device_fits_the_lora_bank() -> None:
     """The bank's rank and slots reach the fit (sm_90, fp32, rank 128: the up BLOCK_N
     halves for the expand); a rank without slots is refused, naming the fix."""
-    from moelora.kernels import device_fit
-
-    monkeypatch.setattr(device_fit, "_device_limits", lambda index: (H200, 9))
     cfg = pick_config(4096, *QWEN3, lora=True)
-    cuda = torch.device("cuda", 0)
+    cuda = GpuLimits(H200, 9)
     got = fit_to_device(cfg, 2, torch.float32, cuda, rank=128, num_slots=8)
     assert got.up.block_n == cfg.up.block_n // 2 and _fits(got, 2, 4, H200, 128, 8)
     assert fit_to_device(cfg, 2, torch.float32, cuda).up.block_n == cfg.up.block_n

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import pytest
 from sm90_child import run_compile_child
 
-from moelora.kernels.configs import GemmTiles, TileConfig
+from moelora.tiling.config import GemmTiles, TileConfig
 
 # the config every variant changes: the BLOCK_M 128 heuristic tiles, z in the sorted order
 BASE = TileConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), z_sorted=True)

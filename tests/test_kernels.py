@@ -14,12 +14,13 @@ import torch
 
 from moelora.activations import Activation
 from moelora.backends.registry import REGISTRY
+from moelora.backends.triton import fused_moe_lora
 from moelora.compare import assert_close, poison_
 from moelora.config import AddInputs, MoEShape
 from moelora.kernels.align import align_pairs
-from moelora.kernels.configs import DECODE_TILES, GemmTiles, TileConfig
-from moelora.kernels.moe_lora import fused_moe_lora
 from moelora.reference import moe_lora_reference
+from moelora.tiling.config import GemmTiles, TileConfig
+from moelora.tiling.heuristic import DECODE_TILES
 from moelora.weights import random_expert_weights, random_lora_bank
 
 # One block of 16 rows, N/K tiles of 32: H = I = 32 are one tile, 48 leaves a masked tail.

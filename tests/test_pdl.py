@@ -1,4 +1,4 @@
-"""PDL on the decode path (kernels/pdl.py): never active without a Hopper GPU, and the
+"""PDL on the decode path (kernels/pdl.py): never planned without a Hopper GPU, and the
 kernels' PDL branch, compiled for sm_90 here without a GPU, loads weights, signals its
 dependents and waits before any load of a chain intermediate.
 
@@ -27,7 +27,6 @@ from triton.compiler import ASTSource
 from moelora.kernels.decode_down import _decode_down_kernel
 from moelora.kernels.decode_shrink import _decode_shrink_kernel
 from moelora.kernels.decode_up import _decode_up_kernel
-from moelora.kernels.pdl import pdl_active
 
 BF16_PTRS = {"x_ptr", "w_ptr", "b_ptr", "z_ptr", "lora_b_ptr", "lora_a2_ptr", "a_ptr", "y_ptr"}
 I32_PTRS = {"topk_ids_ptr", "slots_ptr"}
@@ -211,8 +210,9 @@ def test_decode_chain_launch_modes(monkeypatch, seed) -> None:
     from moelora.activations import Activation
     from moelora.config import MoEShape
     from moelora.kernels import moe_lora
-    from moelora.kernels.configs import DECODE_TILES
     from moelora.reference import moe_lora_reference
+    from moelora.tiling.heuristic import DECODE_TILES
+    from moelora.tiling.plan import plan_forward
     from moelora.weights import random_expert_weights, random_lora_bank
 
     calls = []
@@ -228,7 +228,6 @@ def test_decode_chain_launch_modes(monkeypatch, seed) -> None:
 
     for name in ("decode_shrink", "decode_up", "decode_down"):
         wrap(name)
-    monkeypatch.setattr(moe_lora, "pdl_active", lambda requested, device: requested)
     g = torch.Generator().manual_seed(seed)
     shape = MoEShape(4, 2, 32, 16, Activation.SILU, dtype=torch.float32)
     experts = random_expert_weights(shape, generator=g)
@@ -240,7 +239,11 @@ def test_decode_chain_launch_modes(monkeypatch, seed) -> None:
     cfg = dataclasses.replace(DECODE_TILES, pdl=True)
     for bank in (lora, None):
         calls.clear()
-        y = moe_lora.fused_moe_lora(x, ids, w, slots, experts, bank, shape, config=cfg)
+        # the plan of a Hopper GPU (the interpreter itself could not run PDL)
+        plan = plan_forward(
+            cfg, lora=bank is not None, sharded=False, pdl_supported=True, interpreted=False
+        )
+        y = moe_lora.forward(plan, x, ids, w, slots, experts, bank, shape)
         ref = moe_lora_reference(x, ids, w, slots, experts, bank, shape)
         assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
         if bank is not None:
@@ -254,8 +257,25 @@ def test_decode_chain_launch_modes(monkeypatch, seed) -> None:
 
 
 def test_pdl_never_active_on_cpu_or_in_the_interpreter() -> None:
-    assert not pdl_active(True, torch.device("cpu"))
-    assert not pdl_active(False, torch.device("cpu"))
+    """The backend's plan on cpu (no GPU limits) and any plan in the interpreter: no PDL;
+    the early weight loads still run interpreted (so the CPU tests cover them)."""
+    import dataclasses
+
+    from moelora.activations import Activation
+    from moelora.backends.triton import forward_plan
+    from moelora.config import MoEShape
+    from moelora.tiling.heuristic import DECODE_TILES
+    from moelora.tiling.plan import plan_forward
+    from moelora.weights import random_expert_weights
+
+    shape = MoEShape(4, 2, 32, 16, Activation.SILU, dtype=torch.float32)
+    experts = random_expert_weights(shape)
+    x, ids = torch.zeros(3, 32), torch.zeros(3, 2, dtype=torch.int32)
+    for requested in (True, False):
+        cfg = dataclasses.replace(DECODE_TILES, pdl=requested)
+        assert not forward_plan(x, ids, experts, None, shape, config=cfg).pdl
+        plan = plan_forward(cfg, lora=True, sharded=False, pdl_supported=True, interpreted=True)
+        assert not plan.pdl and plan.early_loads == requested
 
 
 if __name__ == "__main__":

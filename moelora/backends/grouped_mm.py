@@ -7,6 +7,8 @@ contribute zero. Legend: T tokens, K top-k, N = T*K pairs, H hidden, I_p interme
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -14,7 +16,6 @@ from ..activations import apply_activation, split_gate_up
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..errors import InputError
-from ..reference import LoRAComm
 from ..weights import ExpertWeights, LoRABank
 from .base import write_output
 from .capabilities import ALL_ACTIVATIONS, ALL_GATING, ALL_ROUTING, Capabilities, Validation
@@ -27,6 +28,9 @@ VALIDATED_ON = (
                "BENCHMARKS.md, 2026-11-30 (the commit 28cc3e4 section); "
                "benchmarks/results/h200_7fff9c4_validate_grouped_mm_quick.log"),
 )  # fmt: skip
+
+if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
+    from ..parallel import LoRAComm
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),

@@ -1,18 +1,28 @@
 """The `triton` backend: fused MoE + multi-LoRA Triton kernels (moelora/kernels).
 
+The backend decides, once per forward: the tile config (the H200 table or the heuristic,
+tiling/pick.py), fitted to this GPU (tiling/fit.py), and what the forward derives from it
+(tiling/plan.py); the kernels run that plan and decide nothing.
+
 Kernels are imported on first use, so the registry imports this module (and the oracle can
 reason about it) on hosts without the triton package.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
+from ..device import gpu_limits, triton_interpreted
 from ..errors import InputError
-from ..reference import LoRAComm
+from ..tiling.config import TileConfig
+from ..tiling.fit import fit_to_device
+from ..tiling.pick import pick_config
+from ..tiling.plan import ForwardPlan, plan_forward
 from ..weights import ExpertWeights, LoRABank
 from .capabilities import (
     ALL_ACTIVATIONS,
@@ -41,6 +51,9 @@ VALIDATED_ON = (
                "the test suite under TRITON_INTERPRET=1 against the reference",
                "tests/test_kernels.py, tests/test_parallel.py"),
 )  # fmt: skip
+
+if TYPE_CHECKING:  # annotations only: parallel.py sits above the backends
+    from ..parallel import LoRAComm
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda", "cpu"}),
@@ -123,9 +136,7 @@ def _check_inputs(
     if out is not None and out.shape != x.shape:
         raise InputError("out", f"shape {list(out.shape)}", f"{list(x.shape)} (like x)")
     if x.device.type == "cpu":
-        from ..kernels.checks import interpreted
-
-        if not interpreted():
+        if not triton_interpreted():
             raise InputError(
                 "x",
                 "on cpu",
@@ -166,8 +177,6 @@ class TritonBackend:
         lora_comm: LoRAComm | None = None,
     ) -> Tensor:
         """y [T, H] in x's dtype; see Backend.forward for out / add_inputs / lora_comm."""
-        from ..kernels.moe_lora import fused_moe_lora
-
         _check_inputs(x, topk_ids, topk_weights, token_slots, experts, lora, shape, out)
         if lora_comm is not None:
             _check_sharded_bank(lora, shape, lora_comm)
@@ -184,6 +193,86 @@ class TritonBackend:
             add=out is not None and add_inputs is AddInputs.ADD,
             lora_comm=lora_comm if lora is not None else None,
         )
+
+
+def forward_plan(
+    x: Tensor,
+    topk_ids: Tensor,
+    experts: ExpertWeights,
+    lora: LoRABank | None,
+    shape: MoEShape,
+    *,
+    config: TileConfig | None = None,
+    sharded: bool = False,
+) -> ForwardPlan:
+    """The plan of one forward (lora: the bank, None without LoRA or token slots). Without
+    `config`, the picked config fitted to the GPU x is on (its shared memory, TMA; the
+    rank is B's, under fully sharded LoRA the expand still runs at the full R); a config
+    passed explicitly (the tune, tests) is launched as given."""
+    limits = gpu_limits(x.device)
+    use_lora = lora is not None
+    cfg = config
+    if cfg is None:
+        num_tokens, hidden = x.shape
+        num_experts, inter_size = experts.w13.shape[0], experts.w2.shape[2]
+        picked = pick_config(
+            num_tokens, num_experts, topk_ids.shape[1], hidden, inter_size, use_lora
+        )
+        cfg = fit_to_device(
+            picked,
+            shape.activation.width_factor,
+            x.dtype,
+            limits,
+            rank=lora.w13_b.shape[-1] if use_lora and lora.num_slots else 0,
+            num_slots=lora.num_slots if use_lora else 0,
+        )
+    return plan_forward(
+        cfg,
+        lora=use_lora,
+        sharded=sharded,
+        pdl_supported=limits is not None and limits.pdl,
+        interpreted=triton_interpreted(),
+    )
+
+
+def fused_moe_lora(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    token_slots: Tensor | None,
+    experts: ExpertWeights,
+    lora: LoRABank | None,
+    shape: MoEShape,
+    *,
+    weights_on_input: bool = False,
+    out: Tensor | None = None,
+    add: bool = False,
+    config: TileConfig | None = None,
+    lora_comm: LoRAComm | None = None,
+) -> Tensor:
+    """y [T, H] in x's dtype (into `out` if given; add=True adds to it): the plan of this
+    call (forward_plan), run by the kernels (kernels/moe_lora.py; shapes and layouts
+    there). LoRA runs with a bank and token slots; config: launched as given."""
+    from ..kernels import moe_lora
+
+    bank = lora if token_slots is not None else None
+    plan = forward_plan(
+        x, topk_ids, experts, bank, shape, config=config, sharded=lora_comm is not None
+    )
+    return moe_lora.forward(
+        plan,
+        x,
+        topk_ids,
+        topk_weights,
+        token_slots,
+        experts,
+        lora,
+        shape,
+        weights_on_input=weights_on_input,
+        out=out,
+        add=add,
+        lora_comm=lora_comm,
+    )
 
 
 BACKEND = TritonBackend()

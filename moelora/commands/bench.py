@@ -1,28 +1,22 @@
 """`moelora bench`: time backends on a preset's MoE layer (CUDA-graph replay, L2 flushed),
 base and +LoRA, against the floor measured in the same run (and the vLLM peer's JSON).
 
-Runs from a source checkout: the runner lives in benchmarks/ at the repository root.
+The case registry, the runner and the peer's shape rules are moelora.bench (installed with
+the package).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, InputError
-
-# what the vLLM peer's JSON may leave unsaid: its tool (.peer/vllm_moe_lora_bench.py) always
-# runs SiLU-gated experts without biases, routing weights on the output
-PEER_DEFAULTS = dict(activation="silu", bias=False, weights_on_input=False)
+from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
-def _suites() -> list[str] | None:
-    """The suites of benchmarks/cases.py, or None outside a source checkout."""
-    try:
-        from benchmarks.cases import CASES
-    except ModuleNotFoundError:
-        return None
+def _suites() -> list[str]:
+    """The suites of moelora/bench/cases.py (installed with the package)."""
+    from ..bench.cases import CASES
+
     return list(CASES)
 
 
@@ -31,7 +25,7 @@ def add_parser(subparsers) -> None:
         "bench",
         help="time backends vs the floor (and the vLLM peer)",
         description="Whole-layer times under CUDA-graph replay, L2 flushed, each provider "
-        "checked against the reference first. Needs a GPU and the source checkout. Exit "
+        "checked against the reference first. Needs a GPU. Exit "
         "codes: 0 every provider matched the reference, 1 one did not, 2 bad usage, 3 a "
         "backend is refused here.",
     )
@@ -40,12 +34,7 @@ def add_parser(subparsers) -> None:
         "--suite",
         default="qwen3",
         choices=suites,
-        help="case list in benchmarks/cases.py: "
-        + (
-            ", ".join(suites)
-            if suites
-            else "(`python -m moelora bench --help` from the source checkout lists them)"
-        ),
+        help="case list in moelora/bench/cases.py: " + ", ".join(suites),
     )
     p.add_argument("--tokens", default=None, help="comma-separated subset of the suite's T")
     p.add_argument(
@@ -59,67 +48,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--peer-json", default=None, help="vllm_peer.json from the same run")
     p.set_defaults(run=run)
-
-
-def peer_shape(case) -> dict:
-    """The layer a case times, in the peer JSON's "shape" keys (activation, bias and where
-    the routing weights apply too: PEER_DEFAULTS when the JSON does not name them)."""
-    from ..presets import resolve_model
-
-    model = resolve_model(case.model)
-    s = model.shape
-    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(s.dtype), str(s.dtype))
-    return dict(
-        E=s.num_experts,
-        top_k=s.top_k,
-        H=s.hidden_size,
-        I=s.intermediate_size,
-        dtype=dtype,
-        max_loras=case.adapters,
-        rank=case.rank,
-        activation=s.activation.value,
-        bias=s.has_bias,
-        weights_on_input=model.routing.method.weights_on_input,
-    )
-
-
-def peer_can_run(case) -> bool:
-    """Whether the vLLM peer can run the case's layer at all (PEER_DEFAULTS)."""
-    shape = peer_shape(case)
-    return all(shape[k] == v for k, v in PEER_DEFAULTS.items())
-
-
-def peer_rows(path: str | None, cases: list) -> dict[int, dict]:
-    """The peer's rows by T, from a JSON of the same layer as every case (else an
-    InputError naming both shapes: a peer of another layer is never set beside ours)."""
-    if not path:
-        return {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        rows = {int(r["T"]): r for r in data["rows"]}
-    except (OSError, KeyError, ValueError) as err:
-        print(
-            f"moelora bench: warning: peer JSON {path} unreadable ({err}); peer columns left "
-            "empty. Fix: pass the vllm_peer.json that .peer/vllm_moe_lora_bench.py wrote",
-            file=sys.stderr,
-        )
-        return {}
-    shape = {**PEER_DEFAULTS, **data.get("shape", {})}
-    for case in cases:
-        want = peer_shape(case)
-        got = {k: shape.get(k) for k in want}
-        if got != want:
-            raise InputError(
-                "--peer-json",
-                f"{path}, a peer run of the layer {got}",
-                f"a peer run of {case.id}'s layer {want}: run .peer/vllm_moe_lora_bench.py "
-                f"--experts {want['E']} --topk {want['top_k']} --hidden {want['H']} "
-                f"--inter {want['I']} --max-loras {want['max_loras']} --rank {want['rank']} "
-                f"--dtype {want['dtype']} (the peer runs only SiLU-gated experts without "
-                "biases, routing weights on the output)",
-            )
-    return rows
 
 
 def select_backend(name: str, case):
@@ -162,18 +90,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    try:
-        from benchmarks.cases import CASES
-        from benchmarks.floors import measure_ceilings
-        from benchmarks.runner import dump, run_case, stamp
-    except ModuleNotFoundError:
-        print(
-            "moelora bench: benchmarks/ is not importable (it is not installed with the "
-            "package). Fix: run `python -m moelora bench` from the root of the moelora "
-            "source checkout",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+    from ..bench.cases import CASES
+    from ..bench.floors import measure_ceilings
+    from ..bench.peer import peer_rows
+    from ..bench.runner import dump, run_case, stamp
+
     cases = CASES[args.suite]
     if args.tokens:
         keep = {int(t) for t in args.tokens.split(",")}

@@ -24,11 +24,11 @@ from ..config import AddInputs, DeviceFacts, LoRAConfig, ModelConfig
 from ..deployment import Deployment
 from ..device import probe
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
+from ..inputs import build_experts, build_inputs, build_lora
 from ..oracle import default_registry, select
 from ..presets import resolve_model
 from ..reference import moe_lora_reference
-from ..routing import route
-from ..weights import ExpertWeights, LoRABank, random_expert_weights, random_lora_bank
+from ..weights import ExpertWeights, LoRABank
 from .cpu_cost import Cost, validate_cost
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "nemotron-h", "gpt-oss-20b")
@@ -87,35 +87,6 @@ def with_dtype(model: ModelConfig, dtype: str | None) -> ModelConfig:
     if dtype is None:
         return model
     return dataclasses.replace(model, shape=dataclasses.replace(model.shape, dtype=DTYPES[dtype]))
-
-
-def build_experts(model: ModelConfig, device: str, seed: int = 0) -> ExpertWeights:
-    torch.manual_seed(seed)
-    with torch.device(device):  # generate on the device: GBs of weights for DeepSeek-V3
-        return random_expert_weights(model.shape, device=device)
-
-
-def build_lora(model: ModelConfig, adapters: int, rank: int, device: str) -> LoRABank | None:
-    if adapters == 0:
-        return None
-    ranks = [rank if a % 2 == 0 else max(1, rank // 2) for a in range(adapters)]
-    with torch.device(device):
-        return random_lora_bank(model.shape, adapters, rank, ranks=ranks, device=device)
-
-
-def build_inputs(model: ModelConfig, tokens: int, adapters: int, device: str, seed: int):
-    """x [T, H], topk_ids [T, K] int32, topk_weights [T, K] fp32, token_slots [T] | None."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    shape = model.shape
-    x = torch.randn(tokens, shape.hidden_size, generator=g, device=device).to(shape.dtype)
-    logits = torch.randn(tokens, shape.num_experts, generator=g, device=device)
-    bias = torch.zeros(shape.num_experts, device=device)
-    ids, weights = route(logits, model.routing, shape.top_k, correction_bias=bias)
-    slots = None
-    if adapters:
-        t = torch.arange(tokens, device=device)
-        slots = ((t + seed) % (adapters + 1) - 1).to(torch.int32)
-    return x, ids.to(torch.int32).contiguous(), weights.float().contiguous(), slots
 
 
 def select_backend(name: str, model: ModelConfig, case: Case, device: DeviceFacts):

@@ -5,8 +5,8 @@ topk_reduce to read back. This module holds that sum's buffer and the pass that 
 What it saves: the P x H round trip of o (at T = 4096 on the Qwen3-30B-A3B layer, 134 MB
 written by the down GEMM and read by topk_reduce, in 16-bit). What it costs: zeroing the
 T x H fp32 sum, the atomic adds (resolved in L2), and the finishing pass (the sum read, the
-output written in its dtype), so it pays only where P x H is large; the tile table says
-where (configs.py, atomic_reduce).
+output written in its dtype), so it pays only where P x H is large; the tile config says
+where (TileConfig.atomic_reduce; docs/kernels.md).
 
 Order: the fp32 adds land in arrival order, so the sum's last bits (and, rarely, the last
 bit of a 16-bit output) can differ between runs; the split-K LoRA shrink already sums that

@@ -7,18 +7,14 @@ import os
 
 import torch
 
+from ..device import triton_interpreted
 from ..errors import InputError
-
-
-def interpreted() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def precision_flags(t: torch.Tensor) -> tuple[bool, bool]:
     """(UPCAST, IEEE). UPCAST: the interpreter computes bf16 wrongly, so bf16 tiles are cast
     to fp32 right after loading there. IEEE: fp32 inputs use exact fp32 dots, not tf32."""
-    upcast = t.dtype == torch.bfloat16 and interpreted()
+    upcast = t.dtype == torch.bfloat16 and triton_interpreted()
     return upcast, t.dtype == torch.float32
 
 

@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 
 from ..errors import InputError
+from ..tiling.config import GemmTiles
+from ..tiling.geometry import rank_block
 from .checks import check_dtype_match, check_shape, workspace
 from .pdl import chain_point
-from .tiles import rank_block
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -161,10 +162,7 @@ def decode_down(
     z_inter: torch.Tensor | None = None,
     lora_b: torch.Tensor | None = None,
     lora_n_offset: int = 0,
-    block_n: int,
-    block_k: int,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    tiles: GemmTiles,
     out: torch.Tensor | None = None,
     add: bool = False,
     pdl: bool = False,
@@ -175,6 +173,7 @@ def decode_down(
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
     topk_weights [T, K] (None: applied to the input). Returns y [T, H] in z's dtype (into
     `out` if given; add=True adds to it). early / pdl / chained: as decode_up's."""
+    block_n = tiles.block_n
     num_tokens, top_k = topk_ids.shape
     num_pairs, inter_size = z.shape
     check_shape("z", z, (num_tokens * top_k, None))
@@ -201,7 +200,7 @@ def decode_down(
     block_j = max(2, triton.next_power_of_2(top_k))
     # a step's tile is [K, BLOCK_N, BLOCK_K] fp32 in registers: large top-k (K > 8) gets a
     # narrower K step so the tile stays at the 8 x 16 x 128 elements tried for K = 8
-    block_k = max(16, min(block_k, MAX_TILE // (block_j * block_n)))
+    block_k = max(16, min(tiles.block_k, MAX_TILE // (block_j * block_n)))
     dummy = z  # never read: its constexpr flag is off
     grid = (num_tokens, triton.cdiv(hidden, block_n))
     _decode_down_kernel[grid](
@@ -247,8 +246,8 @@ def decode_down(
         BLOCK_R=rank_block(rank),
         PDL=pdl,
         EARLY=early,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         launch_pdl=pdl and chained,
     )
     return out

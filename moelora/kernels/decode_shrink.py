@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tiling.geometry import rank_block
 from .checks import check_dtype_match, check_shape, workspace
 from .pdl import chain_point
-from .tiles import rank_block
 
 
 @triton.jit

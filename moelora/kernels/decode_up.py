@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..activations import Activation
+from ..tiling.config import GemmTiles
 from .activation import act_code, apply_act
 from .checks import check_dtype_match, check_shape, workspace
 from .pdl import chain_point
@@ -210,10 +211,7 @@ def decode_up(
     lora_b: torch.Tensor | None = None,
     lora_a2: torch.Tensor | None = None,
     z_inter: torch.Tensor | None = None,
-    block_n: int,
-    block_k: int,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    tiles: GemmTiles,
     pdl: bool = False,
     chained: bool = False,
     early: bool = False,
@@ -221,11 +219,13 @@ def decode_up(
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
-    added; topk_weights [T, K] only for weights_on_input. Returns z [P, I] in x's dtype.
+    added; topk_weights [T, K] only for weights_on_input; tiles: the GEMV tiles (BLOCK_N
+    rows of a pair per program, BLOCK_K per step). Returns z [P, I] in x's dtype.
     early: the first K step's weight tiles load before the chain point (TileConfig.pdl;
-    runs in the interpreter too); pdl (pdl.pdl_active already checked): the chain point's
+    runs in the interpreter too); pdl (tiling.plan decided it): the chain point's
     PDL instructions; chained: launched with PDL after the kernel before it in the layer
     (never the layer's first)."""
+    block_n, block_k = tiles.block_n, tiles.block_k
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     parts = activation.width_factor
@@ -305,8 +305,8 @@ def decode_up(
         BLOCK_R=max(16, triton.next_power_of_2(max(rank, z_rank))),
         PDL=pdl,
         EARLY=early,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         launch_pdl=pdl and chained,
     )
     return z

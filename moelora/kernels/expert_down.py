@@ -3,7 +3,7 @@
 For each aligned block (one expert) and N tile of H: o = z @ w2[e]^T + LoRA expand of the
 fp32 shrink intermediate of z, + b2, then times the routing weight (unless the weight was
 applied to the input). o [P, H] is written per pair; topk_reduce sums it over K.
-Knobs (configs.py): the expand before the K loop (expand_first), a half-height variant for
+Knobs (docs/kernels.md): the expand before the K loop (expand_first), a half-height variant for
 blocks whose second half is padding (half_tail), z and w2 tiles by TMA (down_tma), and the
 top-k sum by fp32 atomic adds into a [T, H] buffer instead of o (atomic_reduce).
 
@@ -18,6 +18,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import InputError
+from ..tiling.geometry import rank_block, slots_per_dot
+from ..tiling.plan import GemmPlan
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok, workspace
 from .pdl import chain_point
@@ -27,8 +29,6 @@ from .tiles import (
     grouped_pid,
     lora_expand,
     mma,
-    rank_block,
-    slots_per_dot,
     tail_variants,
     z_rows,
 )
@@ -246,38 +246,30 @@ def expert_down(
     w2: torch.Tensor,
     b2: torch.Tensor | None,
     aligned: AlignedPairs,
+    gemm: GemmPlan,
     *,
     top_k: int,
     topk_weights: torch.Tensor | None,
     token_slots: torch.Tensor | None = None,
     inter: torch.Tensor | None = None,
     lora_b: torch.Tensor | None = None,
-    block_n: int,
-    block_k: int,
-    group_m: int = 8,
-    num_warps: int = 4,
-    num_stages: int = 3,
     lora_n_offset: int = 0,
-    expand_lanes: int = 32,
-    z_sorted: bool = False,
     num_pairs: int | None = None,
-    tma: bool = False,
-    expand_first: bool = False,
-    half_tail: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     sum_into: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """z [P, I] (z_sorted: [P_pad, I] in the sorted order, with num_pairs = P; tma: its
-    tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
+    """z [P, I] (gemm.z_sorted: [P_pad, I] in the sorted order, with num_pairs = P;
+    gemm.tma: its tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
     lora_b [L, E, H_b, R] holding o's columns [lora_n_offset, lora_n_offset + H_b) (the whole
     H by default; an H/tp slice under fully sharded LoRA); topk_weights [T, K] (None: weights
     were applied to the input); instead of inter, the expanded delta [P, 1, H] (lora_delta,
     whole-H lora_b only). Returns o [P, H] in z's dtype (rows of dropped pairs unwritten);
     with sum_into (fp32 [T, H], T = P / top_k), each pair's row is atomically added into
     its token's row there instead (the top-k reduce, kernels/atomic_reduce.py) and
-    sum_into is returned."""
+    sum_into is returned. gemm: the tiles and knobs (tiling.plan.GemmPlan)."""
+    block_n, block_k, z_sorted = gemm.tiles.block_n, gemm.tiles.block_k, gemm.z_sorted
     inter_size = z.shape[1]
     if not z_sorted:
         num_pairs = z.shape[0]
@@ -321,7 +313,7 @@ def expert_down(
     dummy = z  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(z)
     block_m = aligned.block_m
-    use_tma = tma and z_sorted and tma_tiles_ok(z, w2, block_m, block_n, block_k)
+    use_tma = gemm.tma and z_sorted and tma_tiles_ok(z, w2, block_m, block_n, block_k)
     if use_tma:
         z_desc = TensorDescriptor(z, list(z.shape), list(z.stride()), [block_m, block_k])
         w_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [1, block_n, block_k])
@@ -377,18 +369,18 @@ def expert_down(
         TMA=use_tma,
         MUL_WEIGHT=topk_weights is not None,
         ATOMIC=sum_into is not None,
-        EXPAND_FIRST=expand_first and lora_b is not None and delta is None,
-        TAIL_VARIANTS=tail_variants(half_tail, aligned.block_m),
+        EXPAND_FIRST=gemm.expand_first and lora_b is not None and delta is None,
+        TAIL_VARIANTS=tail_variants(gemm.half_tail, aligned.block_m),
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
-        SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, expand_lanes),
-        GROUP_M=group_m,
+        SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, gemm.expand_lanes),
+        GROUP_M=gemm.group_m,
         UPCAST=upcast,
         IEEE=ieee,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=gemm.tiles.num_warps,
+        num_stages=gemm.tiles.num_stages,
         PDL=pdl,
         launch_pdl=pdl,
     )

@@ -5,7 +5,7 @@ fp32 shrink intermediate (unweighted), + b13; z = act(h) written to z [P, I]. Ga
 activations load the gate and up rows of the same units in one program, so the
 activation runs in the epilogue (gpt-oss: interleaved rows, even gate / odd up).
 With weights_on_input (Llama-4) the routing weight scales x, i.e. the GEMM + LoRA terms.
-Knobs (configs.py): the expand before the K loop (expand_first), a half-height variant for
+Knobs (docs/kernels.md): the expand before the K loop (expand_first), a half-height variant for
 blocks whose second half is padding (half_tail), w13 tiles by TMA (up_tma).
 
 Legend: T tokens, K top-k, P = T*K pairs, E experts, H hidden, I intermediate, R rank.
@@ -19,6 +19,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..activations import Activation
+from ..tiling.geometry import rank_block, slots_per_dot
+from ..tiling.plan import GemmPlan
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_box_ok, workspace
@@ -29,8 +31,6 @@ from .tiles import (
     grouped_pid,
     lora_expand,
     mma,
-    rank_block,
-    slots_per_dot,
     tail_variants,
     z_rows,
 )
@@ -258,6 +258,7 @@ def expert_up(
     w13: torch.Tensor,
     b13: torch.Tensor | None,
     aligned: AlignedPairs,
+    gemm: GemmPlan,
     *,
     activation: Activation,
     top_k: int,
@@ -267,16 +268,6 @@ def expert_up(
     token_slots: torch.Tensor | None = None,
     inter: torch.Tensor | None = None,
     lora_b: torch.Tensor | None = None,
-    block_n: int,
-    block_k: int,
-    group_m: int = 8,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    expand_lanes: int = 32,
-    z_sorted: bool = False,
-    expand_first: bool = False,
-    half_tail: bool = False,
-    tma: bool = False,
     delta: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
@@ -284,12 +275,13 @@ def expert_up(
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R], or instead of inter the expanded delta
     [P, S, I] (lora_delta; lora_b still gives the slot count); topk_weights [T, K] only for
-    weights_on_input.
-    Returns z [P, I] in x's dtype (padding and dropped pairs unwritten); z_sorted: z
+    weights_on_input; gemm: the tiles and knobs (tiling.plan.GemmPlan).
+    Returns z [P, I] in x's dtype (padding and dropped pairs unwritten); gemm.z_sorted: z
     [P_pad, I] with a pair's row at its place in aligned.sorted_pair_ids (each block's rows
-    contiguous, for the down GEMM's tile loads), padding rows unwritten. tma: w13's tiles
-    copied by the TMA where the layout allows (gate and up rows in two blocks, not
+    contiguous, for the down GEMM's tile loads), padding rows unwritten. gemm.tma: w13's
+    tiles copied by the TMA where the layout allows (gate and up rows in two blocks, not
     interleaved; aligned strides)."""
+    block_n, block_k, z_sorted = gemm.tiles.block_n, gemm.tiles.block_k, gemm.z_sorted
     num_tokens, hidden = x.shape
     parts = activation.width_factor
     num_experts, rows, _ = w13.shape
@@ -316,7 +308,7 @@ def expert_up(
     block_r = rank_block(rank)
     dummy = x  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(x)
-    use_tma = tma and not swiglu and tma_box_ok(w13, (1, block_n, block_k))
+    use_tma = gemm.tma and not swiglu and tma_box_ok(w13, (1, block_n, block_k))
     if use_tma:
         w_desc = TensorDescriptor(w13, list(w13.shape), list(w13.stride()), [1, block_n, block_k])
     else:
@@ -374,19 +366,19 @@ def expert_up(
         DELTA=delta is not None,
         WEIGHT_INPUT=topk_weights is not None,
         Z_SORTED=z_sorted,
-        EXPAND_FIRST=expand_first and has_lora and delta is None,
-        TAIL_VARIANTS=tail_variants(half_tail, aligned.block_m),
+        EXPAND_FIRST=gemm.expand_first and has_lora and delta is None,
+        TAIL_VARIANTS=tail_variants(gemm.half_tail, aligned.block_m),
         W_TMA=use_tma,
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
-        SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, expand_lanes),
-        GROUP_M=group_m,
+        SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, gemm.expand_lanes),
+        GROUP_M=gemm.group_m,
         UPCAST=upcast,
         IEEE=ieee,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=gemm.tiles.num_warps,
+        num_stages=gemm.tiles.num_stages,
         PDL=pdl,
         launch_pdl=pdl,
     )

@@ -25,10 +25,11 @@ import triton
 import triton.language as tl
 
 from ..errors import InputError
+from ..tiling.geometry import rank_block
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
 from .pdl import chain_point
-from .tiles import expand_dot, lora_tile, rank_block
+from .tiles import expand_dot, lora_tile
 
 BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
 

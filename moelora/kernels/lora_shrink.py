@@ -25,13 +25,12 @@ import triton
 import triton.language as tl
 
 from ..errors import InputError
+from ..tiling.geometry import EXPAND_BLOCK_N, SHRINK_STAGES, rank_block, shrink_parts_per_program
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .lora_delta import expand_tile
 from .pdl import chain_point
-from .tiles import lora_tile, mma, rank_block, shrink_parts_per_program
-
-EXPAND_BLOCK_N = 64  # columns per expand step when the shrink expands (reasoned, not tuned)
+from .tiles import lora_tile, mma
 
 
 @triton.jit
@@ -221,7 +220,7 @@ def lora_shrink(
     block_k: int,
     split_k: int = 1,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = SHRINK_STAGES,
     out: torch.Tensor | None = None,
     expand_b: torch.Tensor | None = None,
     pdl: bool = False,

@@ -1,13 +1,14 @@
-"""One MoE + multi-LoRA expert layer from the launchers: align (+ LoRA shrink tiles) ->
-(shrink) -> up GEMM with LoRA and activation -> (shrink of z) -> down GEMM with weighted
-LoRA -> top-k reduce. With lora_delta, each shrink is followed by its expand over the
-shrink tiles, and the GEMMs add those delta rows instead of expanding. With a decode
-config (a few tokens): (shrink of x) -> up GEMV with LoRA, activation and the z shrink ->
-down GEMV with weighted LoRA and the top-k sum: no alignment, 2-3 launches.
+"""One MoE + multi-LoRA expert layer from the launchers, as its plan says (tiling/plan.py).
+
+Aligned path: align (+ LoRA shrink tiles) -> (shrink of x) -> up GEMM with LoRA and
+activation -> (shrink of z) -> down GEMM with weighted LoRA -> top-k sum. Decode path
+(a few tokens): (shrink of x) -> up GEMV with LoRA, activation and the z shrink -> down
+GEMV with weighted LoRA and the top-k sum: no alignment, 2-3 launches. docs/kernels.md
+describes each step.
 
 No host synchronisation and static shapes per T, so the whole call is CUDA-graph capturable
-(its workspaces come from the graph's private pool). Composition only: no policy here
-beyond using the caller's tile config.
+(its workspaces come from the graph's private pool). Composition only: every choice is the
+plan's.
 
 Fully sharded LoRA (a `lora_comm` given): the banks are this rank's shards (gate/up A on the
 rank, down A on I, down B on H). Two collectives per forward, on every rank in the same
@@ -18,28 +19,52 @@ the down expand then writes its H/tp slice of columns. Both stay fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..config import MoEShape
-from ..reference import LoRAComm
+from ..tiling.plan import ForwardPlan, LoRAPath, TopKSum
 from ..weights import ExpertWeights, LoRABank
-from .align import align_pairs
+from .align import AlignedPairs, align_pairs
 from .atomic_reduce import finish_sum, sum_buffer
-from .checks import interpreted
-from .configs import TileConfig, pick_config
 from .decode_down import decode_down
 from .decode_shrink import decode_shrink
 from .decode_up import decode_up
-from .device_fit import fit_to_device
 from .expert_down import expert_down
 from .expert_up import expert_up
 from .lora_delta import lora_delta
 from .lora_shrink import lora_shrink
-from .pdl import pdl_active
 from .topk_reduce import topk_reduce
 
+if TYPE_CHECKING:  # annotations only: parallel.py sits above the kernels
+    from ..parallel import LoRAComm
 
-def fused_moe_lora(
+
+@dataclass(frozen=True)
+class _Layer:
+    """One call's tensors (contiguous; slots int32, or None without LoRA)."""
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    slots: torch.Tensor | None
+    experts: ExpertWeights
+    lora: LoRABank | None  # None without LoRA (no bank or no slots)
+    shape: MoEShape
+    weights_on_input: bool
+    out: torch.Tensor | None
+    add: bool
+    comm: LoRAComm | None
+
+    @property
+    def num_pairs(self) -> int:
+        return self.topk_ids.numel()
+
+
+def forward(
+    plan: ForwardPlan,
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -51,281 +76,223 @@ def fused_moe_lora(
     weights_on_input: bool = False,
     out: torch.Tensor | None = None,
     add: bool = False,
-    config: TileConfig | None = None,
     lora_comm: LoRAComm | None = None,
 ) -> torch.Tensor:
     """y [T, H] in x's dtype (written into `out` if given; add=True adds to it).
 
     x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32 or None;
-    experts w13 [E, S*I, H], w2 [E, H, I]; lora: LoRABank or None (base only); lora_comm:
-    fully sharded LoRA's collectives (lora then holds w13_a [L, E, S, R/tp, H] and
-    w2_b [L, E, H/tp, R]).
+    experts w13 [E, S*I, H], w2 [E, H, I]; lora: LoRABank or None (used only when the
+    plan's LoRA path is not NONE); lora_comm: fully sharded LoRA's collectives (lora then
+    holds w13_a [L, E, S, R/tp, H] and w2_b [L, E, H/tp, R]).
     """
     num_tokens, hidden = x.shape
     if num_tokens == 0:  # nothing routed: the op form's output is empty (or left as is)
         return out if out is not None else x.new_empty(0, hidden)
-    top_k = topk_ids.shape[1]
-    num_experts = experts.w13.shape[0]
-    inter_size = experts.w2.shape[2]
-    use_lora = lora is not None and token_slots is not None
-    # a picked config is fitted to the device (shared memory, TMA); an explicit one is not.
-    # The rank is B's: under fully sharded LoRA the expand still runs at the full R.
-    cfg = config or fit_to_device(
-        pick_config(num_tokens, num_experts, top_k, hidden, inter_size, use_lora),
-        shape.activation.width_factor,
-        x.dtype,
-        x.device,
-        rank=lora.w13_b.shape[-1] if use_lora and lora.num_slots else 0,
-        num_slots=lora.num_slots if use_lora else 0,
+    use_lora = plan.lora is not LoRAPath.NONE
+    layer = _Layer(
+        x=x.contiguous(),
+        topk_ids=topk_ids.contiguous(),
+        topk_weights=topk_weights.contiguous(),
+        slots=token_slots.to(torch.int32).contiguous() if use_lora else None,
+        experts=experts,
+        lora=lora if use_lora else None,
+        shape=shape,
+        weights_on_input=weights_on_input,
+        out=out,
+        add=add,
+        comm=lora_comm,
     )
-    num_slots = lora.num_slots if use_lora else 0
-    x = x.contiguous()
-    topk_ids = topk_ids.contiguous()
-    topk_weights = topk_weights.contiguous()
-    slots = token_slots.to(torch.int32).contiguous() if use_lora else None
-    # PDL between the layer's kernels: not with collectives between them (pdl.py)
-    pdl = lora_comm is None and pdl_active(cfg.pdl, x.device)
-    if cfg.decode:
-        return _decode_forward(
-            x,
-            topk_ids,
-            topk_weights,
-            slots,
-            experts,
-            lora if use_lora else None,
-            shape,
-            cfg,
-            weights_on_input=weights_on_input,
-            out=out,
-            add=add,
-            lora_comm=lora_comm,
-            pdl=pdl,
-        )
-    z_sorted = cfg.z_sorted or cfg.down_tma  # the TMA tiles of z need the sorted rows
-    aligned = align_pairs(
-        topk_ids,
-        slots,
-        num_experts,
-        num_slots,
-        cfg.block_m,
-        cfg.shrink_block_m if use_lora else 0,
-        pdl=pdl,
-    )
-    num_pairs = num_tokens * top_k
+    return _decode(plan, layer) if plan.decode else _aligned(plan, layer)
 
-    inter13 = inter2 = delta13 = delta2 = None
-    # the expand over the shrink tiles needs whole intermediates and whole-H B2: not under
-    # fully sharded LoRA (its collectives sit between shrink and expand)
-    use_delta = use_lora and cfg.lora_delta and lora_comm is None
-    side = dict(
-        aligned=aligned, cfg=cfg, num_pairs=num_pairs, top_k=top_k, delta=use_delta, pdl=pdl
+
+def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
+    """align -> (shrink x) -> up GEMM -> (shrink z) -> down GEMM -> top-k sum."""
+    lora, experts, shape = c.lora, c.experts, c.shape
+    num_experts, top_k = experts.w13.shape[0], c.topk_ids.shape[1]
+    aligned = align_pairs(
+        c.topk_ids,
+        c.slots,
+        num_experts,
+        lora.num_slots if lora is not None else 0,
+        plan.tiles.block_m,
+        plan.tiles.shrink_block_m if lora is not None else 0,
+        pdl=plan.pdl,
     )
-    if use_lora:
-        gather = None if lora_comm is None else lambda t: _gather_parts(t, lora_comm)
+    inter13 = delta13 = None
+    if lora is not None:
+        gather = None if c.comm is None else lambda t: _gather_parts(t, c.comm)
         inter13, delta13 = _lora_side(
-            x, lora.w13_a, lora.w13_b, rows="tokens", collect=gather, **side
+            plan, c, c.x, lora.w13_a, lora.w13_b, aligned, "tokens", gather
         )
     z = expert_up(
-        x,
+        c.x,
         experts.w13,
         experts.b13,
         aligned,
+        plan.up,
         activation=shape.activation,
         top_k=top_k,
         alpha=shape.swiglu_alpha,
         limit=shape.swiglu_limit,
-        topk_weights=topk_weights if weights_on_input else None,
-        token_slots=slots,
+        topk_weights=c.topk_weights if c.weights_on_input else None,
+        token_slots=c.slots,
         inter=inter13,
-        lora_b=lora.w13_b if use_lora else None,
-        block_n=cfg.up.block_n,
-        block_k=cfg.up.block_k,
-        group_m=cfg.group_m,
-        num_warps=cfg.up.num_warps,
-        num_stages=cfg.up.num_stages,
-        expand_lanes=cfg.expand_lanes,
-        z_sorted=z_sorted,
-        expand_first=cfg.expand_first,
-        half_tail=bool(cfg.half_tail & 1),
-        tma=cfg.up_tma,
+        lora_b=lora.w13_b if lora is not None else None,
         delta=delta13,
-        pdl=pdl,
+        pdl=plan.pdl,
     )
-    if use_lora:
-        reduce = (
-            None if lora_comm is None else lambda t: lora_comm.reduce_rank(t.view(t.shape[0], -1))
+    inter2 = delta2 = None
+    if lora is not None:
+        reduce = None if c.comm is None else lambda t: c.comm.reduce_rank(t.view(t.shape[0], -1))
+        rows = "sorted" if plan.z_sorted else "pairs"
+        inter2, delta2 = _lora_side(plan, c, z, lora.w2_a, lora.w2_b, aligned, rows, reduce)
+    return _down_and_sum(plan, c, z, aligned, inter2, delta2)
+
+
+def _down_and_sum(
+    plan: ForwardPlan,
+    c: _Layer,
+    z: torch.Tensor,
+    aligned: AlignedPairs,
+    inter2: torch.Tensor | None,
+    delta2: torch.Tensor | None,
+) -> torch.Tensor:
+    """The down GEMM (with its LoRA term unless the reduce adds it), then the top-k sum:
+    the GEMM's own atomic sum, or the reduce over o (adding the down delta with
+    delta_in_reduce)."""
+    num_tokens, hidden = c.x.shape
+    lora = c.lora if plan.down_gemm_lora else None
+    acc = direct = None
+    if plan.top_k_sum is TopKSum.ATOMIC:
+        acc, direct = sum_buffer(
+            num_tokens, hidden, c.x.dtype, out=c.out, add=c.add, device=c.x.device
         )
-        inter2, delta2 = _lora_side(
-            z, lora.w2_a, lora.w2_b, rows="sorted" if z_sorted else "pairs", collect=reduce, **side
-        )
-    # with delta_in_reduce the down GEMM runs LoRA-free and the reduce adds the delta
-    down_lora = use_lora and not (use_delta and cfg.delta_in_reduce)
-    # atomic_reduce: the down GEMM sums the pairs into [T, H] fp32 itself (not with
-    # delta_in_reduce, whose reduce pass adds the delta rows)
-    atomic = cfg.atomic_reduce and (down_lora or delta2 is None)
-    if atomic:
-        acc, direct = sum_buffer(num_tokens, hidden, x.dtype, out=out, add=add, device=x.device)
     o = expert_down(
         z,
-        experts.w2,
-        experts.b2,
+        c.experts.w2,
+        c.experts.b2,
         aligned,
-        top_k=top_k,
-        topk_weights=None if weights_on_input else topk_weights,
-        token_slots=slots if down_lora else None,
-        inter=inter2 if down_lora else None,
-        lora_b=lora.w2_b if down_lora else None,
-        block_n=cfg.down.block_n,
-        block_k=cfg.down.block_k,
-        group_m=cfg.group_m,
-        num_warps=cfg.down.num_warps,
-        num_stages=cfg.down.num_stages,
-        lora_n_offset=lora_comm.hidden_offset if lora_comm is not None else 0,
-        expand_lanes=cfg.expand_lanes,
-        z_sorted=z_sorted,
-        num_pairs=num_pairs,
-        tma=cfg.down_tma,
-        expand_first=cfg.expand_first,
-        half_tail=bool(cfg.half_tail & 2),
-        delta=delta2 if down_lora else None,
-        sum_into=acc if atomic else None,
-        pdl=pdl,
+        plan.down,
+        top_k=c.topk_ids.shape[1],
+        topk_weights=None if c.weights_on_input else c.topk_weights,
+        token_slots=c.slots if lora is not None else None,
+        inter=inter2 if lora is not None else None,
+        lora_b=lora.w2_b if lora is not None else None,
+        lora_n_offset=c.comm.hidden_offset if c.comm is not None else 0,
+        num_pairs=c.num_pairs,
+        delta=delta2 if lora is not None else None,
+        sum_into=acc,
+        pdl=plan.pdl,
     )
-    if atomic:
-        return acc if direct else finish_sum(acc, x.dtype, out=out, add=add, pdl=pdl)
-    if down_lora or delta2 is None:
-        return topk_reduce(o, topk_ids, num_experts, out=out, add=add, pdl=pdl)
+    num_experts = c.experts.w13.shape[0]
+    if plan.top_k_sum is TopKSum.ATOMIC:
+        return acc if direct else finish_sum(acc, c.x.dtype, out=c.out, add=c.add, pdl=plan.pdl)
+    if not plan.delta_in_reduce:
+        return topk_reduce(o, c.topk_ids, num_experts, out=c.out, add=c.add, pdl=plan.pdl)
     return topk_reduce(
         o,
-        topk_ids,
+        c.topk_ids,
         num_experts,
-        out=out,
-        add=add,
-        delta=delta2.view(num_pairs, -1),
-        token_slots=slots,
-        num_slots=num_slots,
-        topk_weights=None if weights_on_input else topk_weights,
-        pdl=pdl,
+        out=c.out,
+        add=c.add,
+        delta=delta2.view(c.num_pairs, -1),
+        token_slots=c.slots,
+        num_slots=c.lora.num_slots,
+        topk_weights=None if c.weights_on_input else c.topk_weights,
+        pdl=plan.pdl,
     )
 
 
 def _lora_side(
+    plan: ForwardPlan,
+    c: _Layer,
     inp: torch.Tensor,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
-    *,
-    aligned,
-    cfg: TileConfig,
+    aligned: AlignedPairs,
     rows: str,
-    num_pairs: int,
-    top_k: int,
-    delta: bool,
     collect,
-    pdl: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One LoRA side (gate/up from x, or down from z): the shrink, then `collect` (fully
-    sharded LoRA's collective on the intermediate, or None), then with `delta` the expand
-    over the shrink tiles, inside the shrink when cfg.shrink_expand. -> (inter, delta)."""
+    sharded LoRA's collective on the intermediate, or None), then on the DELTA path the
+    expand over the shrink tiles (inside the shrink with delta_by_shrink).
+    -> (inter, delta)."""
     kw = dict(
-        num_pairs=num_pairs,
+        num_pairs=c.num_pairs,
         rows=rows,
-        top_k=top_k,
-        block_k=cfg.shrink_block_k,
-        split_k=cfg.shrink_split_k,
-        pdl=pdl,
+        top_k=c.topk_ids.shape[1],
+        block_k=plan.tiles.shrink_block_k,
+        split_k=plan.tiles.shrink_split_k,
+        pdl=plan.pdl,
     )
-    if delta and cfg.shrink_expand:
-        # no collective between shrink and expand: only without fully sharded LoRA
+    if plan.delta_by_shrink:
+        # no collective between shrink and expand: the plan takes DELTA only unsharded
         assert collect is None, "shrink_expand needs whole intermediates"
         return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, **kw)
     inter = lora_shrink(inp, lora_a, aligned, **kw)
     if collect is not None:
         inter = collect(inter)
-    if not delta:
+    if plan.lora is not LoRAPath.DELTA:
         return inter, None
-    return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype, pdl=pdl)
+    return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype, pdl=plan.pdl)
 
 
-def _decode_forward(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    slots: torch.Tensor | None,
-    experts: ExpertWeights,
-    lora: LoRABank | None,
-    shape: MoEShape,
-    cfg: TileConfig,
-    *,
-    weights_on_input: bool,
-    out: torch.Tensor | None,
-    add: bool,
-    lora_comm: LoRAComm | None,
-    pdl: bool,
-) -> torch.Tensor:
-    """The decode path (fused_moe_lora's arguments, slots int32 or None without LoRA;
-    pdl: PDL launches, as fused_moe_lora decided)."""
-    # the peeled first weight step only pays with PDL (alone it measured +12% at T = 8);
-    # the interpreter runs it so that the CPU tests cover it
-    early = cfg.pdl and (pdl or interpreted())
+def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
+    """(shrink x and zero the z shrink) -> up GEMV (+ z shrink) -> down GEMV with the sum."""
+    lora, experts, shape = c.lora, c.experts, c.shape
     inter13 = z_inter = None
     if lora is not None:
-        rows_per_prog, block_k = cfg.decode_shrink
+        rows_per_prog, block_k = plan.tiles.decode_shrink
         inter13, z_inter = decode_shrink(
-            x,
+            c.x,
             lora.w13_a,
-            topk_ids,
-            slots,
+            c.topk_ids,
+            c.slots,
             experts.w13.shape[0],
             lora.w2_a.shape[2],
             rows_per_prog=rows_per_prog,
             block_k=block_k,
-            pdl=pdl,
+            pdl=plan.pdl,
         )
-        if lora_comm is not None:
-            inter13 = _gather_parts(inter13, lora_comm)
+        if c.comm is not None:
+            inter13 = _gather_parts(inter13, c.comm)
     z = decode_up(
-        x,
+        c.x,
         experts.w13,
         experts.b13,
-        topk_ids,
+        c.topk_ids,
         activation=shape.activation,
         alpha=shape.swiglu_alpha,
         limit=shape.swiglu_limit,
-        topk_weights=topk_weights if weights_on_input else None,
-        token_slots=slots,
+        topk_weights=c.topk_weights if c.weights_on_input else None,
+        token_slots=c.slots,
         inter=inter13,
         lora_b=lora.w13_b if lora is not None else None,
         lora_a2=lora.w2_a if lora is not None else None,
         z_inter=z_inter,
-        block_n=cfg.up.block_n,
-        block_k=cfg.up.block_k,
-        num_warps=cfg.up.num_warps,
-        num_stages=cfg.up.num_stages,
-        pdl=pdl,
+        tiles=plan.tiles.up,
+        pdl=plan.pdl,
         chained=lora is not None,  # after decode_shrink; else the layer's first kernel
-        early=early,
+        early=plan.early_loads,
     )
-    if lora_comm is not None and z_inter is not None:
-        z_inter = lora_comm.reduce_rank(z_inter)
+    if c.comm is not None and z_inter is not None:
+        z_inter = c.comm.reduce_rank(z_inter)
     return decode_down(
         z,
         experts.w2,
         experts.b2,
-        topk_ids,
-        topk_weights=None if weights_on_input else topk_weights,
-        token_slots=slots,
+        c.topk_ids,
+        topk_weights=None if c.weights_on_input else c.topk_weights,
+        token_slots=c.slots,
         z_inter=z_inter,
         lora_b=lora.w2_b if lora is not None else None,
-        lora_n_offset=lora_comm.hidden_offset if lora_comm is not None else 0,
-        block_n=cfg.down.block_n,
-        block_k=cfg.down.block_k,
-        num_warps=cfg.down.num_warps,
-        num_stages=cfg.down.num_stages,
-        out=out,
-        add=add,
-        pdl=pdl,
+        lora_n_offset=c.comm.hidden_offset if c.comm is not None else 0,
+        tiles=plan.tiles.down,
+        out=c.out,
+        add=c.add,
+        pdl=plan.pdl,
         chained=True,
-        early=early,
+        early=plan.early_loads,
     )
 
 

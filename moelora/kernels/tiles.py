@@ -82,27 +82,6 @@ def tail_variants(half_tail: bool, block_m: int) -> int:
     return 2 if half_tail and block_m >= 32 else 1
 
 
-def rank_block(rank: int) -> int:
-    """BLOCK_R: the K lanes one adapter's rank takes in a dot (a power of two, at least
-    16, the smallest dot)."""
-    return max(16, triton.next_power_of_2(rank))
-
-
-def shrink_parts_per_program(parts: int, block_r: int) -> int:
-    """Parts one shrink program computes: both while their lanes stay within 64 fp32
-    registers per row, else one."""
-    return parts if parts * block_r <= 64 else 1
-
-
-def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
-    """Slots one expand dot covers: as many as fit `lanes` K lanes (a power of two, at least
-    one slot, at most the slots there are)."""
-    fit = 1
-    while fit * 2 * block_r <= lanes:
-        fit *= 2
-    return min(fit, triton.next_power_of_2(max(1, num_slots)))
-
-
 @triton.jit
 def expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """acc += t (fp32) @ b. 16-bit b: t is split into a high and a low 16-bit part, so two

@@ -1,4 +1,4 @@
-"""Benchmark case registry; shapes come from the model presets."""
+"""The benchmark case registry of `moelora bench`; shapes come from the model presets."""
 
 from __future__ import annotations
 

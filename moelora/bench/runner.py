@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from moelora.commands.validate import build_experts, build_inputs, build_lora
-from moelora.compare import compare
-from moelora.presets import resolve_model
-from moelora.reference import moe_lora_reference
-
+from ..compare import compare
+from ..device import probe
+from ..inputs import build_experts, build_inputs, build_lora
+from ..presets import resolve_model
+from ..reference import moe_lora_reference
 from .cases import BenchCase
 from .floors import Ceilings, layer_work
 
@@ -41,7 +41,7 @@ def stamp(ceil: Ceilings) -> dict:
     import triton
 
     return dict(
-        device=torch.cuda.get_device_name(),
+        device=probe().name,
         torch=torch.__version__,
         triton=triton.__version__,
         python=platform.python_version(),

@@ -1,0 +1,46 @@
+"""Random layer inputs of a model preset: expert weights, LoRA banks and routed tokens,
+the one builder that `moelora validate`, `moelora bench`, benchmarks/ and tests share.
+
+Conventions: adapters alternate rank R and R/2 (zero-padded to R in the bank), and token t
+takes slot (t + seed) % (L + 1) - 1, so every (L+1)-th token has no adapter (slot -1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .routing import route
+from .weights import ExpertWeights, LoRABank, random_expert_weights, random_lora_bank
+
+
+def build_experts(model: ModelConfig, device: str, seed: int = 0) -> ExpertWeights:
+    """The model's expert weights, random, generated on `device`."""
+    torch.manual_seed(seed)
+    with torch.device(device):  # generate on the device: GBs of weights for DeepSeek-V3
+        return random_expert_weights(model.shape, device=device)
+
+
+def build_lora(model: ModelConfig, adapters: int, rank: int, device: str) -> LoRABank | None:
+    """A bank of `adapters` slots of rank `rank` (module docstring), None for 0 adapters."""
+    if adapters == 0:
+        return None
+    ranks = [rank if a % 2 == 0 else max(1, rank // 2) for a in range(adapters)]
+    with torch.device(device):
+        return random_lora_bank(model.shape, adapters, rank, ranks=ranks, device=device)
+
+
+def build_inputs(model: ModelConfig, tokens: int, adapters: int, device: str, seed: int):
+    """x [T, H], topk_ids [T, K] int32, topk_weights [T, K] fp32, token_slots [T] | None
+    (None for 0 adapters): random router logits routed by the model's routing method."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = model.shape
+    x = torch.randn(tokens, shape.hidden_size, generator=g, device=device).to(shape.dtype)
+    logits = torch.randn(tokens, shape.num_experts, generator=g, device=device)
+    bias = torch.zeros(shape.num_experts, device=device)
+    ids, weights = route(logits, model.routing, shape.top_k, correction_bias=bias)
+    slots = None
+    if adapters:
+        t = torch.arange(tokens, device=device)
+        slots = ((t + seed) % (adapters + 1) - 1).to(torch.int32)
+    return x, ids.to(torch.int32).contiguous(), weights.float().contiguous(), slots

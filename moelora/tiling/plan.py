@@ -1,0 +1,121 @@
+"""What one forward of the `triton` backend will do, decided once from its tile config and
+the call: the path (decode or aligned), how the LoRA terms are computed, how z is laid
+out, how the top-k sum is done, and whether the kernels chain with PDL. The pipeline
+(kernels/moe_lora.py) reads a `ForwardPlan` and decides nothing; docs/kernels.md says
+what each choice does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import Enum
+
+from .config import GemmTiles, TileConfig
+
+
+class LoRAPath(Enum):
+    """How the aligned path computes the LoRA terms (the decode path has one way)."""
+
+    NONE = "none"  # no bank or no token slots: the base layer only
+    EXPAND = "expand"  # shrink, then each GEMM expands the fp32 intermediate itself
+    DELTA = "delta"  # shrink, then an expand over the shrink tiles into delta rows (lora_delta)
+
+
+class TopKSum(Enum):
+    """How the pairs' rows are summed into y on the aligned path."""
+
+    REDUCE = "reduce"  # the down GEMM writes o [P, H]; topk_reduce reads it back
+    ATOMIC = "atomic"  # the down GEMM adds each row into an fp32 [T, H] sum (atomic_reduce)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How one expert GEMM launches: its tiles and the knobs that act on it."""
+
+    tiles: GemmTiles
+    group_m: int
+    expand_lanes: int  # K lanes per in-GEMM expand dot
+    expand_first: bool  # the in-GEMM expand as a pipelined loop before the K loop
+    half_tail: bool  # half-height variant for blocks whose second half is padding
+    tma: bool  # weight (and, down: z) tiles by TMA where the layout allows
+    z_sorted: bool  # z rows in the sorted pair order
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Every decision of one forward (module docstring)."""
+
+    tiles: TileConfig  # the config the kernels launch with
+    decode: bool  # the decode path (GEMVs from the top-k ids) instead of the aligned one
+    lora: LoRAPath
+    delta_by_shrink: bool  # DELTA: each shrink program writes its delta rows (shrink_expand)
+    delta_in_reduce: bool  # DELTA: the top-k reduce adds the down delta, the down GEMM LoRA-free
+    top_k_sum: TopKSum
+    pdl: bool  # the layer's kernels after the first launched with PDL
+    early_loads: bool  # decode: each kernel's first weight step loaded before its wait
+    up: GemmPlan
+    down: GemmPlan
+
+    @property
+    def z_sorted(self) -> bool:
+        return self.up.z_sorted
+
+    @property
+    def down_gemm_lora(self) -> bool:
+        """Whether the down GEMM adds a LoRA term itself."""
+        return self.lora is not LoRAPath.NONE and not self.delta_in_reduce
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward(
+    cfg: TileConfig, *, lora: bool, sharded: bool, pdl_supported: bool, interpreted: bool
+) -> ForwardPlan:
+    """The plan of a forward with `cfg`. lora: a bank and token slots are given; sharded:
+    fully sharded LoRA (collectives between the kernels); pdl_supported: the GPU runs PDL
+    (moelora.device.gpu_limits); interpreted: Triton's CPU interpreter runs the kernels.
+
+    - PDL only where the config asks, the GPU has it, and no collective sits between two
+      kernels (docs/kernels.md, "Decode path").
+    - The decode path's early weight loads pay only with PDL (alone they measured +12% at
+      T = 8, KERNEL_LOG.md v13); the interpreter runs them so that the CPU tests cover them.
+    - lora_delta needs whole intermediates and whole-H B2 between shrink and expand: not
+      under fully sharded LoRA, whose collectives sit there; its delta_in_reduce and
+      shrink_expand act only with it.
+    - atomic_reduce: not with delta_in_reduce, whose reduce pass adds the delta rows.
+    - down_tma implies z_sorted (the TMA tiles of z need the sorted rows).
+    """
+    pdl = cfg.pdl and pdl_supported and not interpreted and not sharded
+    if not lora:
+        path = LoRAPath.NONE
+    elif cfg.lora_delta and not sharded and not cfg.decode:
+        path = LoRAPath.DELTA
+    else:
+        path = LoRAPath.EXPAND
+    delta = path is LoRAPath.DELTA
+    in_reduce = delta and cfg.delta_in_reduce
+    z_sorted = cfg.z_sorted or cfg.down_tma
+
+    def gemm(tiles: GemmTiles, half_tail_bit: int, tma: bool) -> GemmPlan:
+        return GemmPlan(
+            tiles=tiles,
+            group_m=cfg.group_m,
+            expand_lanes=cfg.expand_lanes,
+            expand_first=cfg.expand_first,
+            half_tail=bool(cfg.half_tail & half_tail_bit),
+            tma=tma,
+            z_sorted=z_sorted,
+        )
+
+    return ForwardPlan(
+        tiles=cfg,
+        decode=cfg.decode,
+        lora=path,
+        delta_by_shrink=delta and cfg.shrink_expand,
+        delta_in_reduce=in_reduce,
+        top_k_sum=TopKSum.ATOMIC if cfg.atomic_reduce and not in_reduce else TopKSum.REDUCE,
+        pdl=pdl,
+        early_loads=cfg.pdl and (pdl or interpreted),
+        up=gemm(cfg.up, 1, cfg.up_tma),
+        down=gemm(cfg.down, 2, cfg.down_tma),
+    )

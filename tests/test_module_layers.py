@@ -1,0 +1,106 @@
+"""The import directions ARCHITECTURE.md states, read from the source (no import runs):
+kernels hold no policy (they never import the tile table, the pick, the fit, a backend or
+the oracle), tiling/ knows nothing of the kernels, the installed package never imports the
+developer's benchmarks/, which never imports the CLI; one hardware probe and one reading
+of TRITON_INTERPRET (moelora/device.py)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "moelora"
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the modules `path` imports at run time. Left out: imports under
+    `if TYPE_CHECKING:` (annotations only) and under `except ImportError:` (the fallback of
+    a tool that also runs on a tree from before this layout, as ab_trees and launch_diff
+    do for the A/B against 5b4b1d5)."""
+    tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+        or (isinstance(node, ast.ExceptHandler) and ast.unparse(node.type or node) == "ImportError")
+        for n in ast.walk(node)
+    }
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the file's package, level - 1 up
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+# (folder, module prefixes it must not import, why)
+RULES = [
+    (PACKAGE / "kernels", ("moelora.tiling.pick", "moelora.tiling.fit", "moelora.tiling.table",
+                           "moelora.tiling.heuristic", "moelora.backends", "moelora.oracle",
+                           "moelora.layer", "moelora.parallel", "moelora.commands",
+                           "moelora.bench"), "kernels hold no policy"),
+    (PACKAGE / "tiling", ("moelora.kernels", "moelora.backends", "moelora.oracle",
+                          "moelora.commands", "triton"), "tiling/ sits below the kernels"),
+    (PACKAGE, ("benchmarks",), "the package installs without benchmarks/"),
+    (PACKAGE / "bench", ("moelora.commands", "moelora.oracle"), "the CLI imports bench/"),
+    (ROOT / "benchmarks", ("moelora.commands",), "developer tools import the package, not the CLI"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("folder,banned,why", RULES, ids=[r[2] for r in RULES])
+def test_import_directions(folder: Path, banned: tuple, why: str) -> None:
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _files(folder)
+        for name in _imports(path)
+        if any(name == b or name.startswith(b + ".") for b in banned)
+    ]
+    assert not bad, f"{why}: {bad}"
+
+
+PROBES = re.compile(
+    r"get_device_capability\(|get_device_properties\(|torch\.version\.hip"
+    r"|environ\.get\(\s*\"TRITON_INTERPRET"
+)
+
+
+def test_one_hardware_probe_and_one_interpreter_check() -> None:
+    found = [
+        str(path.relative_to(ROOT))
+        for path in _files(PACKAGE)
+        if PROBES.search(path.read_text()) and path.name != "device.py"
+    ]
+    assert not found, f"probe the GPU or read TRITON_INTERPRET in moelora/device.py only: {found}"
+
+
+@pytest.mark.parametrize(
+    "value", ["1", "0", "", "true", "TRUE", "on", "yes", "y", "2", "off", " 1"]
+)
+def test_the_interpreter_check_reads_the_variable_as_triton_does(monkeypatch, value) -> None:
+    """moelora's check agrees with Triton's own reading (triton.knobs), so a value one
+    counts and the other not (as `true` once was) cannot split the code paths."""
+    knobs = pytest.importorskip("triton.knobs")
+    from moelora.device import triton_interpreted
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_interpreted() == bool(knobs.runtime.interpret), value
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not triton_interpreted() and not knobs.runtime.interpret

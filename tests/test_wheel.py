@@ -1,0 +1,65 @@
+"""The package as a user installs it: a wheel built from this tree, installed into a fresh
+venv outside the checkout, runs `moelora bench --help`, `moelora validate --help` and
+`moelora plan`, and carries the H200 tile table (package data). Nothing is downloaded:
+the wheel is built without build isolation, installed without dependencies, and the
+fresh venv reaches this venv's torch / triton through a .pth file (not its editable
+moelora: a .pth line adds a folder, the .pth files inside it are not run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ~8 s here (a build, a venv, an install, four interpreters): not marked slow
+
+
+def _run(cmd: list, cwd: Path, **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, **kw)
+    assert done.returncode == 0, f"{cmd}: {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The bin folder of a fresh venv with the wheel of this tree installed."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    pip = [sys.executable, "-m", "pip"]
+    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp, ROOT], cwd=tmp)
+    (wheel,) = tmp.glob("moelora-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "moelora/tiling/h200_table.json" in names and "moelora/bench/runner.py" in names
+    assert not any(n.startswith("benchmarks/") for n in names)
+    venv = tmp / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp)
+    python = venv / "bin" / "python"
+    site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp)
+    Path(site.stdout.strip(), "deps_from_test_venv.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n"
+    )
+    _run([*pip, "--python", python, "install", "-q", "--no-deps", "--no-index",
+          "--ignore-installed", wheel], cwd=tmp)  # fmt: skip
+    return venv / "bin"
+
+
+def test_the_wheel_runs_the_cli_outside_the_checkout(installed: Path, tmp_path: Path) -> None:
+    where = _run(
+        [installed / "python", "-c",
+         "import moelora, moelora.tiling.pick as p; print(moelora.__file__, len(p.H200.rows))"],
+        cwd=tmp_path,
+    ).stdout.split()  # fmt: skip
+    assert where[0].startswith(str(installed.parent)), where  # the wheel's, not the checkout's
+    assert int(where[1]) > 40  # the packaged table loaded
+    moelora = installed / "moelora"
+    assert "--suite" in _run([moelora, "bench", "--help"], cwd=tmp_path).stdout
+    assert "--quick" in _run([moelora, "validate", "--help"], cwd=tmp_path).stdout
+    plan = _run([moelora, "plan", "--model", "qwen3-30b-a3b", "--device", "h200"], cwd=tmp_path)
+    assert "triton" in plan.stdout
