@@ -245,8 +245,8 @@ def test_every_flag_of_every_command_has_help():
 
 def test_choices_are_listed_in_the_help():
     _, commands = _subparsers()
-    for name in ("plan", "demo"):
-        [model] = [a for a in commands[name]._actions if a.dest == "model"]
+    for name, dest in (("plan", "model"), ("demo", "model"), ("validate", "models")):
+        [model] = [a for a in commands[name]._actions if a.dest == dest]
         assert all(preset in model.help for preset in PRESETS), name
     [suite] = [a for a in commands["bench"]._actions if a.dest == "suite"]
     from moelora.bench.cases import CASES

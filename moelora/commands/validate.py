@@ -26,7 +26,7 @@ from ..device import probe
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
 from ..inputs import build_experts, build_inputs, build_lora
 from ..oracle import default_registry, select
-from ..presets import resolve_model
+from ..presets import PRESETS, resolve_model
 from ..reference import moe_lora_reference
 from ..weights import ExpertWeights, LoRABank
 from .cpu_cost import Cost, validate_cost
@@ -176,9 +176,9 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--models",
         default=None,
-        help=f"comma-separated presets, config.json paths or model directories (default: "
-        f"{','.join(MODELS)}; on --device cpu: {','.join(CPU_MODELS)}); `moelora presets` "
-        "lists the presets",
+        help=f"comma-separated presets ({', '.join(PRESETS)}; `moelora presets` shows their "
+        f"shapes), config.json paths or model directories (default: {','.join(MODELS)}; on "
+        f"--device cpu: {','.join(CPU_MODELS)})",
     )
     p.add_argument(
         "--tokens",
