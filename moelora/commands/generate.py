@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             rows = DEFAULT_ROWS if args.rows is None else _parse_rows(args.rows)
         else:
+            adapters = dict(_parse_adapter(a) for a in args.adapter)  # refusals first
             base, what = _load_model(args.model, dtype, device), args.model
-            adapters = dict(_parse_adapter(a) for a in args.adapter)
             truths = None
             rows = _parse_rows(args.rows) if args.rows else [*adapters, None]
         return _run(args, base, what, adapters, truths, rows, attach, dtype)
