@@ -225,3 +225,25 @@ def test_generate_threads_with_a_swapper(family, tmp_path):
     stop.set()
     swap_thread.join(timeout=60)
     assert len(calls) == 12 and not failures, failures
+
+
+def test_more_adapters_than_slots(family, seed):
+    """Four adapters, two slots: each call names at most two, the others wait in host
+    memory and are copied in when named; every row equals HF + PEFT alone. A call naming
+    more distinct adapters than slots is refused and leaves nothing held."""
+    handle = attach(family.fresh(), max_loras=2, max_lora_rank=8, moe_backend="reference")
+    for name, path in family.dirs.items():
+        handle.load_adapter(path, name=name)
+    assert handle.adapters == sorted(family.dirs)
+    prompt = torch.randint(1, 96, (6,), generator=torch.Generator().manual_seed(seed))
+    pairs = [("fused-r8", "fused-r2"), ("modules-r4", "fused-r4-attn"), ("fused-r2", "modules-r4")]
+    for names in pairs:
+        out = _generate(handle, prompt, [*names, None])
+        for row, name in enumerate([*names, None]):
+            assert torch.equal(out[row], alone(family.truth(name), prompt, NEW)[0]), (names, row)
+    assert handle._manager.stats().misses >= 2  # adapters were copied in on demand
+    with pytest.raises(InputError, match="max_loras = 2"):
+        _generate(handle, prompt, ["fused-r8", "fused-r2", "modules-r4"])
+    from moelora.hf import batch
+
+    assert batch.current() is None and not handle._manager._leases.busy()

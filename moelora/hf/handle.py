@@ -51,10 +51,11 @@ class _Version:
 
     public: str
     internal: str
-    in_slots: bool
+    in_slots: bool  # has expert factors: registered with the slot manager under `internal`
     peft: bool
     rank: int
     modules: tuple[str, ...]
+    pinned: bool
 
 
 def attach(
@@ -65,6 +66,7 @@ def attach(
     moe_backend: str = "auto",
     fully_sharded_loras: bool = False,
     enforce_eager: bool | None = None,
+    max_cpu_loras: int | None = None,
     load_timeout_s: float = 30.0,
 ) -> MoELoRAModel:
     """Serve `model`'s routed experts with moelora; returns the handle (MoELoRAModel).
@@ -74,6 +76,9 @@ def attach(
     before anything is allocated. enforce_eager: True allows eager-only backends on a GPU;
     default: CUDA-graph safe backends on a GPU (vLLM's default), anything on a CPU.
     fully_sharded_loras: accepted for vLLM compatibility; a no-op in one process (tp = 1).
+    More adapters than max_loras may be loaded: the slots hold the most recently used, the
+    others wait in host memory (max_cpu_loras bounds the pinned copies kept ready, vLLM's
+    --max-cpu-loras) and are copied in when a call names them.
     The model is put in eval mode: moelora serves inference (no autograd through experts).
     """
     model_config = _model_config(model)
@@ -110,6 +115,7 @@ def attach(
         device=device,
         dtype=dtype,
         load_timeout_s=load_timeout_s,
+        max_cpu_loras=max_cpu_loras,
     )
     experts.register()
     for index, module in modules.items():
@@ -279,6 +285,7 @@ class MoELoRAModel:
             peft=part is not None,
             rank=adapter.rank,
             modules=tuple(part.modules) if part is not None else (),
+            pinned=pin or (name in self._versions and self._versions[name].pinned),
         )
         with self._lock:
             old = self._versions.get(name)
@@ -288,11 +295,10 @@ class MoELoRAModel:
                 self._retire(old)
                 old = None
                 del self._versions[name]
-            self._write(version, adapter, part, pin)
+            self._write(version, adapter, part)
             self._versions[name] = version
             if old is not None:
                 self._retire(old)
-            self._drop_evicted()
         log.info(
             "adapter %s loaded: rank %d, experts %s, %d other modules (%s)",
             name,
@@ -310,16 +316,21 @@ class MoELoRAModel:
             del self._versions[name]
             self._retire(version)
 
-    def _write(self, version: _Version, adapter, part: NonExpertPart | None, pin: bool) -> None:
-        if version.in_slots:
-            self._manager.load(adapter, name=version.internal, pin=pin)
-        if part is not None:
-            try:
+    def _write(self, version: _Version, adapter, part: NonExpertPart | None) -> None:
+        """Register the expert factors (a call naming them copies them into a slot if they
+        are in none) and load them now when a slot is free or they are pinned; inject the
+        other modules into PEFT. On failure, both are undone."""
+        try:
+            if version.in_slots:
+                self._manager.register(version.internal, adapter)
+                if version.pinned or not self._slots_full():
+                    self._manager.load(adapter, name=version.internal, pin=version.pinned)
+            if part is not None:
                 self._peft.inject(version.internal, part)
-            except Exception:
-                if version.in_slots:
-                    self._manager.unload(version.internal)
-                raise
+        except Exception:
+            if version.in_slots and version.internal in self._manager.registered:
+                self._manager.unregister(version.internal)
+            raise
 
     def _slots_full(self) -> bool:
         return len(self._manager.loaded) >= self._manager.num_slots
@@ -327,27 +338,14 @@ class MoELoRAModel:
     def _retire(self, version: _Version) -> None:
         """Under self._lock: the version leaves the slots now (a slot a call still holds is
         kept by the manager until released) and PEFT once no call holds it."""
-        if version.in_slots and version.internal in self._manager.loaded:
-            self._manager.unload(version.internal)
+        if version.in_slots:
+            self._manager.unregister(version.internal)  # a held slot stays until released
         with self._refs_lock:
             if self._refs[version.internal]:
                 self._retired[version.internal] = version
                 return
         if version.peft:
             self._peft.delete(version.internal)
-
-    def _drop_evicted(self) -> None:
-        """Under self._lock: names whose slot the manager gave to a newer load are unloaded."""
-        loaded = self._manager.loaded
-        for name, v in list(self._versions.items()):
-            if v.in_slots and v.internal not in loaded:
-                log.warning(
-                    "adapter %s evicted to make room (max_loras = %d): load it again to use it",
-                    name,
-                    self.max_loras,
-                )
-                del self._versions[name]
-                self._retire(v)
 
     def _known(self, name: str) -> _Version:
         if name not in self._versions:
