@@ -86,6 +86,28 @@ def main() -> int:
     good = nodes == len(handle.model_config.moe_layers) and err.ok
     ok &= good
     print(f"{'PASS' if good else 'FAIL'} torch.compile: {nodes} moelora.experts nodes, {err}")
+
+    # 3. the decode graphs (attach's max_graph_tokens): replays equal the layer run directly,
+    # across calls whose rows use other adapters, and after a replace moved an adapter.
+    from moelora.hf.experts import _bindings
+
+    binding = _bindings[module._moelora_key]
+    good = binding.graphs is not None
+    for step in range(6):
+        if step == 3:  # a new version of fused-r2 lands in another slot
+            toy.write_peft_adapter(model, tmp / "v2", seed=99, **specs["fused-r2"])
+            handle.load_adapter(tmp / "v2", name="fused-r2")
+        names = [names[-1], *names[:-1]]  # rows change adapters between calls
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        with handle._call(names, len(names)) as current:
+            replayed = experts.experts_op(x, ids, w, module._moelora_key)
+            slots = current.token_slots(rows, refresh=False)
+            direct = binding.layer(x, ids.int(), w.float(), slots, current.snapshot.banks[0])
+        good &= torch.equal(replayed, direct)
+    entries = len(binding.graphs._entries) if binding.graphs is not None else 0
+    ok &= good and entries > 0
+    print(f"{'PASS' if good and entries else 'FAIL'} decode graphs: 6 calls equal the direct "
+          f"layer (adapters moved between calls, a replace), {entries} graph(s) captured")  # fmt: skip
     del batch
     return 0 if ok else 1
 

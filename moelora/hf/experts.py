@@ -11,7 +11,7 @@ calling thread's RowAdapters (batch.py) for the per-token slots and the slot ban
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from torch import Tensor
 from ..errors import ConfigError
 from ..layer import MoELoRALayer
 from . import batch
+from .graphs import LayerGraphs
 
 NAME = "moelora"
 
@@ -34,14 +35,25 @@ class ExpertsBinding:
     layer: MoELoRALayer
     layer_index: int
     first: bool  # the model's first MoE layer: expands the call's row slots per forward
+    graphs: LayerGraphs | None = field(default=None, compare=False)  # small-T CUDA graphs
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         ids, weights = topk_ids.to(torch.int32), topk_weights.float()
         rows = batch.current()
+        graphed = self.graphs is not None and self.graphs.usable(x)
         if rows is None or not rows.expert_lora:
+            if graphed:
+                return self.graphs.run(self.layer, x, ids, weights, bank_key=0)
             return self.layer(x, ids, weights)
         slots = rows.token_slots(x.shape[0], refresh=self.first)
-        return self.layer(x, ids, weights, slots, rows.snapshot.banks[self.layer_index])
+        bank = rows.snapshot.banks[self.layer_index]
+        if graphed:
+
+            def forward(x, ids, weights, slots):
+                return self.layer(x, ids, weights, slots, bank)
+
+            return self.graphs.run(forward, x, ids, weights, slots, bank_key=id(bank.w13_a))
+        return self.layer(x, ids, weights, slots, bank)
 
 
 def bind(module: torch.nn.Module, binding: ExpertsBinding) -> int:

@@ -35,6 +35,7 @@ from ..lora import SlotManager, load_adapter
 from ..lora.safe_io import read_config, read_tensors
 from ..oracle import Selection, select
 from . import batch, experts
+from .graphs import MAX_GRAPH_TOKENS, LayerGraphs
 from .llama4 import swap_llama4_blocks
 from .peft_modules import NonExpertPart, PeftModules, read_non_expert
 from .weights import expert_weights_from_hf
@@ -67,6 +68,7 @@ def attach(
     fully_sharded_loras: bool = False,
     enforce_eager: bool | None = None,
     max_cpu_loras: int | None = None,
+    max_graph_tokens: int = MAX_GRAPH_TOKENS,
     load_timeout_s: float = 30.0,
 ) -> MoELoRAModel:
     """Serve `model`'s routed experts with moelora; returns the handle (MoELoRAModel).
@@ -79,6 +81,9 @@ def attach(
     More adapters than max_loras may be loaded: the slots hold the most recently used, the
     others wait in host memory (max_cpu_loras bounds the pinned copies kept ready, vLLM's
     --max-cpu-loras) and are copied in when a call names them.
+    max_graph_tokens: on a GPU (unless enforce_eager), each MoE layer replays a CUDA graph of
+    itself for calls of at most this many tokens (decode), captured on first use: an eager
+    decode step is otherwise bound by Triton's Python launch cost. 0 turns it off.
     The model is put in eval mode: moelora serves inference (no autograd through experts).
     """
     model_config = _model_config(model)
@@ -120,7 +125,10 @@ def attach(
     experts.register()
     for index, module in modules.items():
         first = index == min(modules)
-        experts.bind(module, experts.ExpertsBinding(layers[index], index, first))
+        graphs = (
+            LayerGraphs(max_graph_tokens) if deployment.cuda_graphs and max_graph_tokens else None
+        )
+        experts.bind(module, experts.ExpertsBinding(layers[index], index, first, graphs))
     previous = getattr(model.config, "_experts_implementation", None)
     swapped = swap_llama4_blocks(model, model_config)
     if not swapped:
