@@ -113,12 +113,18 @@ def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
     unknown = [r for r in rows if r is not None and r not in adapters]
     if unknown:
         raise ConfigError("--rows", unknown[0], f"'base' or a loaded adapter {sorted(adapters)}")
-    prompts = [p.to(model.device) for p in _prompts(args, model, len(rows))]
-    ids, mask = _left_padded(prompts, model.device)
+    tok = _tokenizer(args)
+    pad = (
+        0
+        if tok is None
+        else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
+    )
+    prompts = [p.to(model.device) for p in _prompts(args, model, len(rows), tok)]
+    ids, mask = _left_padded(prompts, model.device, pad)
     start = time.perf_counter()
     out = handle.generate(
         ids, adapter_names=rows, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-        do_sample=False, pad_token_id=0,
+        min_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad,
     )  # fmt: skip
     if model.device.type == "cuda":
         torch.cuda.synchronize()
@@ -141,11 +147,13 @@ def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
         verdict = "not checked"
         if check:
             verdict, row_ok = _check_row(
-                truth_of(name), prompt, new, logits[row, ids.shape[1] - len(prompt) :], dtype
+                truth_of(name), prompt, new, logits[row, ids.shape[1] - len(prompt) :], dtype, pad
             )
             ok = ok and row_ok
         shown = str(new) if len(str(new)) <= 34 else str(new)[:31] + "..."
         print(f"  {row:<4}{name or 'base':<16}{len(prompt):>6}  {shown:<36}{verdict}")
+        if tok is not None:
+            print(f"      {tok.decode(prompt)!r} -> {tok.decode(new)!r}")
     print(f"\n  {handle.selection.log_line()}")
     print(f"  generate: {elapsed:.2f} s for {len(rows)} rows")
     if check:
@@ -157,14 +165,15 @@ def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
     return 0 if ok else 1
 
 
-def _check_row(truth, prompt, new, logits, dtype) -> tuple[str, bool]:
+def _check_row(truth, prompt, new, logits, dtype, pad: int) -> tuple[str, bool]:
     """(text, ok): the row's tokens against HF + PEFT alone; its prompt logits within the
     dtype tolerance. In 16-bit dtypes rounding can flip a near-tie: reported, not failed."""
     with torch.no_grad():
         want_logits = truth(input_ids=prompt[None]).logits[0]
         ref = truth.generate(
-            input_ids=prompt[None], max_new_tokens=len(new), do_sample=False, pad_token_id=0
-        )
+            input_ids=prompt[None], max_new_tokens=len(new), min_new_tokens=len(new),
+            do_sample=False, pad_token_id=pad,
+        )  # fmt: skip
     want = ref[0, len(prompt) :].tolist()
     err = compare(logits, want_logits, dtype)
     same = want == new
@@ -177,27 +186,65 @@ def _check_row(truth, prompt, new, logits, dtype) -> tuple[str, bool]:
 
 
 def _peft_truth(base, adapters):
+    """name -> HF + PEFT with that adapter alone: one PeftModel over `base` (the model
+    moelora did not attach to) holding every adapter, set per row; base rows run with the
+    adapters disabled. One copy of the weights besides moelora's."""
     from peft import PeftModel
 
-    models = {}
+    state: dict = {}
 
     def truth(name):
+        if "peft" not in state:
+            first, *rest = adapters.items()
+            state["peft"] = PeftModel.from_pretrained(base, str(first[1]), adapter_name=first[0])
+            for adapter, path in rest:
+                state["peft"].load_adapter(str(path), adapter_name=adapter)
+            state["peft"].eval()
+        peft_model = state["peft"]
         if name is None:
-            return base
-        if name not in models:
-            models[name] = PeftModel.from_pretrained(
-                copy.deepcopy(base), str(adapters[name])
-            ).eval()
-        return models[name]
+            return _Disabled(peft_model)
+        peft_model.set_adapter(name)
+        return peft_model
 
-    return truth
+    return truth if adapters else (lambda name: base)
 
 
-def _prompts(args, model, count: int) -> list[torch.Tensor]:
+class _Disabled:
+    """A PeftModel called and generating with its adapters off (the base model)."""
+
+    def __init__(self, peft_model) -> None:
+        self.peft_model = peft_model
+
+    def __call__(self, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(**kwargs)
+
+    def generate(self, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model.generate(**kwargs)
+
+
+def _tokenizer(args):
+    """The model directory's tokenizer, or None (random models, directories without one)."""
+    root = Path(args.model) if args.model else None
+    if root is None or not any(
+        (root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        if args.prompt:
+            raise ConfigError(
+                "--prompt",
+                args.prompt[0],
+                "a --model directory with a tokenizer (tokenizer.json)",
+                "save the tokenizer beside the model, or leave --prompt out (random prompts)",
+            )
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+
+
+def _prompts(args, model, count: int, tok) -> list[torch.Tensor]:
     if args.prompt:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         texts = (args.prompt * count)[:count]
         return [torch.tensor(tok(t)["input_ids"]) for t in texts]
     gen = torch.Generator().manual_seed(args.seed)
@@ -205,9 +252,9 @@ def _prompts(args, model, count: int) -> list[torch.Tensor]:
     return [torch.randint(1, model.config.vocab_size, (n,), generator=gen) for n in lengths]
 
 
-def _left_padded(prompts, device):
+def _left_padded(prompts, device, pad: int = 0):
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
         ids[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
