@@ -82,7 +82,7 @@ def attach(
     others wait in host memory (max_cpu_loras bounds the pinned copies kept ready, vLLM's
     --max-cpu-loras) and are copied in when a call names them.
     max_graph_tokens: on a GPU (unless enforce_eager), each MoE layer replays a CUDA graph of
-    itself for calls of at most this many tokens (decode), captured on first use: an eager
+    itself for calls of at most this many tokens (decode), captured at a shape's second call: an eager
     decode step is otherwise bound by Triton's Python launch cost. 0 turns it off.
     The model is put in eval mode: moelora serves inference (no autograd through experts).
     """
