@@ -15,6 +15,7 @@ import copy
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -61,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # transformers' own deprecation notes, raised when PEFT calls it: nothing a user acts on
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\.")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
     cuda = torch.cuda.is_available()
     if not cuda:
         # No GPU: the Triton kernels run through Triton's interpreter (slow, exact).
