@@ -168,10 +168,13 @@ class ParallelMoELoRALayer:
 
     Build it on every rank of an initialised default process group of size tp * ep, from
     the full (unsharded) weights: each rank keeps its shard only. The oracle checks the
-    deployment (its parallel layout included) once, at construction.
+    deployment (its parallel layout included) once, at construction. check_values: as
+    MoELoRALayer's (False drops its per-forward GPU sync, what a timed or captured loop needs).
     """
 
-    def __init__(self, deployment: Deployment, experts: ExpertWeights) -> None:
+    def __init__(
+        self, deployment: Deployment, experts: ExpertWeights, *, check_values: bool = True
+    ) -> None:
         parallel = deployment.parallel
         world = dist.get_world_size()
         if world != parallel.tp * parallel.ep:
@@ -183,7 +186,11 @@ class ParallelMoELoRALayer:
             )
         self.layout = RankLayout.of(parallel, dist.get_rank())
         self.num_experts = deployment.shape.num_experts
-        self.layer = MoELoRALayer(deployment, shard_experts(experts, deployment.shape, self.layout))
+        self.layer = MoELoRALayer(
+            deployment,
+            shard_experts(experts, deployment.shape, self.layout),
+            check_values=check_values,
+        )
         self.comm = (
             DistComm(self.layout, deployment.shape.hidden_size, _tp_group(self.layout))
             if self.layout.fully_sharded
@@ -209,10 +216,16 @@ class ParallelMoELoRALayer:
         ids = local_topk_ids(topk_ids, self.num_experts, self.layout)
         comm = self.comm if lora is not None else None
         y = self.layer.forward(x, ids, topk_weights, token_slots, lora, lora_comm=comm)
-        dist.all_reduce(y)
+        self.reduce_output(y)
         if out is None:
             return y
         mode = resolve_add_inputs(self.layer.deployment, add_inputs)
         return out.add_(y) if mode is AddInputs.ADD else out.copy_(y)
+
+    def reduce_output(self, y: Tensor) -> None:
+        """y [T, H]: this rank's partial sum -> the sum over the world, in place. The one
+        collective every layout issues (fully sharded LoRA adds `comm`'s two); a method, so
+        that scripts/parallel_bench.py can time the layer without it and it alone."""
+        dist.all_reduce(y)
 
     __call__ = forward

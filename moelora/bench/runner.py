@@ -37,18 +37,21 @@ def commit() -> str:
         return "unknown"
 
 
-def stamp(ceil: Ceilings) -> dict:
+def stamp(ceil: Ceilings | None) -> dict:
+    """Device, versions, commit and time; the ceilings when measured (None: not measured)."""
     import triton
 
-    return dict(
+    out = dict(
         device=probe().name,
         torch=torch.__version__,
         triton=triton.__version__,
         python=platform.python_version(),
         commit=commit(),
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        ceilings=dict(bandwidth_Bps=ceil.bandwidth, matmul_flops=ceil.matmul),
     )
+    if ceil is not None:
+        out["ceilings"] = dict(bandwidth_Bps=ceil.bandwidth, matmul_flops=ceil.matmul)
+    return out
 
 
 def time_graph(fwd, static, sets, iters: int) -> float:
