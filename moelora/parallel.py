@@ -102,7 +102,7 @@ def shard_bank(bank: LoRABank, layout: RankLayout) -> LoRABank:
     if layout.fully_sharded:
         w13_a = _split(w13_a, 3, tp, r)  # [L, E_l, S, R/tp, H]
         w2_b = _split(w2_b, 2, tp, r)  # [L, E_l, H/tp, R]
-    return LoRABank(w13_a, w13_b, w2_a, w2_b)
+    return LoRABank(w13_a, w13_b, w2_a, w2_b, ranks=bank.ranks, tile_rank=bank.tile_rank)
 
 
 def local_topk_ids(topk_ids: Tensor, num_experts: int, layout: RankLayout) -> Tensor:

@@ -31,15 +31,18 @@ def _w13_delta(
     x: torch.Tensor,
     lora: LoRABank,
     slot: int,
+    rank: int,
     expert: int,
     comm: LoRAComm | None,
 ) -> torch.Tensor:
+    """The gate/up delta of one (slot, expert) over its real rank `rank` (the factors'
+    columns past it are not the adapter's)."""
     parts = []
     for s in range(shape.activation.width_factor):
         u = x @ lora.w13_a[slot, expert, s].float().t()  # [N, R] (R/tp when fully sharded)
         if comm is not None:
             u = comm.gather_rank(u)
-        parts.append(u @ lora.w13_b[slot, expert, s].float().t())
+        parts.append(u[:, :rank] @ lora.w13_b[slot, expert, s, :, :rank].float().t())
     return parts[0] if len(parts) == 1 else _join_gate_up(shape, parts[0], parts[1])
 
 
@@ -47,15 +50,18 @@ def _w2_delta(
     z: torch.Tensor,
     lora: LoRABank,
     slot: int,
+    rank: int,
     expert: int,
     o: torch.Tensor,
     comm: LoRAComm | None,
 ) -> torch.Tensor:
-    """o [N, H] plus the down delta; fully sharded: B2 holds this rank's H slice only."""
-    v = z @ lora.w2_a[slot, expert].float().t()  # [N, R]; partial over I under TP
+    """o [N, H] plus the down delta over the real rank; fully sharded: B2 holds this rank's
+    H slice only."""
+    v = z @ lora.w2_a[slot, expert, :rank].float().t()  # [N, r]; partial over I under TP
+    b = lora.w2_b[slot, expert, :, :rank].float()
     if comm is None:
-        return o + v @ lora.w2_b[slot, expert].float().t()
-    delta = comm.reduce_rank(v) @ lora.w2_b[slot, expert].float().t()  # [N, H/tp]
+        return o + v @ b.t()
+    delta = comm.reduce_rank(v) @ b.t()  # [N, H/tp]
     o = o.clone()
     o[:, comm.hidden_offset : comm.hidden_offset + delta.shape[1]] += delta
     return o
@@ -91,6 +97,7 @@ def moe_lora_reference(
         if token_slots is not None
         else torch.full((tokens,), -1, dtype=torch.int32, device=x.device)
     )
+    ranks = [] if lora is None else lora.ranks.tolist()  # each slot's real rank
     for expert in range(experts.w13.shape[0]):
         tok, j = torch.nonzero(topk_ids == expert, as_tuple=True)
         if tok.numel() == 0:
@@ -104,7 +111,7 @@ def moe_lora_reference(
         active = [] if lora is None else sorted(set(tok_slots[tok_slots >= 0].tolist()))
         for slot in active:
             rows = tok_slots == slot
-            h[rows] += _w13_delta(shape, xe[rows], lora, slot, expert, lora_comm)
+            h[rows] += _w13_delta(shape, xe[rows], lora, slot, ranks[slot], expert, lora_comm)
         z = apply_activation(
             shape.activation, h, alpha=shape.swiglu_alpha, limit=shape.swiglu_limit
         )
@@ -113,6 +120,6 @@ def moe_lora_reference(
             o = o + experts.b2[expert].float()
         for slot in active:
             rows = tok_slots == slot
-            o[rows] = _w2_delta(z[rows], lora, slot, expert, o[rows], lora_comm)
+            o[rows] = _w2_delta(z[rows], lora, slot, ranks[slot], expert, o[rows], lora_comm)
         y.index_add_(0, tok, o if weights_on_input else o * g)
     return y.to(x.dtype)

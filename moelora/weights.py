@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import MoEShape
+from .errors import InputError
 
 
 @dataclass
@@ -31,17 +32,42 @@ class LoRABank:
     w13_b [L, E, S, I, R]
     w2_a  [L, E, R, I]
     w2_b  [L, E, H, R]
+    ranks [L] int32 on the factors' device: each slot's real rank r (0 <= r <= R; 0 = an
+          empty slot). The kernels read it: a slot's shrink and expand stop at r rounded
+          up to the MMA step, and the factors' columns [r, R) are never read, whatever
+          they hold. None at construction: every slot at rank R.
+    tile_rank: the rank the tile plan is keyed on (host side, performance only): the
+          largest real rank loaded; None: R.
 
-    Every value must be finite, in slots no token uses too: the triton backend's in-GEMM
-    expand loads the B of every slot in a slot group that a block touches and multiplies
-    the unused ones by zero (0 * inf is NaN). SlotManager keeps unloaded slots zero and
-    the adapter loader rejects non-finite factors.
+    Within its real rank every slot must be finite, in slots no token uses too: the
+    triton backend's in-GEMM expand loads the B of every slot whose lanes share a dot with
+    a slot that a block uses, and multiplies the unused ones by zero (0 * inf is NaN).
+    SlotManager keeps unloaded slots at rank 0 and the adapter loader rejects non-finite
+    factors.
     """
 
     w13_a: torch.Tensor
     w13_b: torch.Tensor
     w2_a: torch.Tensor
     w2_b: torch.Tensor
+    ranks: torch.Tensor | None = None
+    tile_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        # R from B: under fully sharded LoRA w13_a holds a rank shard (parallel.shard_bank)
+        num_slots, max_rank = self.w13_a.shape[0], self.w13_b.shape[4]
+        device = self.w13_a.device
+        if self.ranks is None:
+            self.ranks = torch.full((num_slots,), max_rank, dtype=torch.int32, device=device)
+        else:
+            self.ranks = torch.as_tensor(self.ranks).to(device=device, dtype=torch.int32)
+            check_ranks(self.ranks, num_slots, max_rank)
+        if self.tile_rank is None:
+            self.tile_rank = max_rank
+        elif not 0 <= self.tile_rank <= max_rank:
+            raise InputError(
+                "LoRABank.tile_rank", self.tile_rank, f"0 <= tile_rank <= R = {max_rank}"
+            )
 
     @property
     def num_slots(self) -> int:
@@ -49,13 +75,14 @@ class LoRABank:
 
     @property
     def max_rank(self) -> int:
-        return self.w13_a.shape[3]
+        return self.w13_b.shape[4]
 
     @staticmethod
     def empty(
         shape: MoEShape, num_slots: int, max_rank: int, *, device=None, dtype=None
     ) -> LoRABank:
-        """A bank of zeros (every slot empty): what the slot manager starts from."""
+        """A bank of zeros with every slot at rank R (fill the factors by hand, or set
+        `ranks`); the slot manager starts from it with every rank at 0."""
         e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
         s = shape.activation.width_factor
         kw = {"device": device, "dtype": dtype or shape.dtype}
@@ -64,6 +91,20 @@ class LoRABank:
             w13_b=torch.zeros(num_slots, e, s, i, max_rank, **kw),
             w2_a=torch.zeros(num_slots, e, max_rank, i, **kw),
             w2_b=torch.zeros(num_slots, e, h, max_rank, **kw),
+        )
+
+
+def check_ranks(ranks: torch.Tensor, num_slots: int, max_rank: int) -> None:
+    """ranks must be [L] with every value in [0, R] (reads the values: a host sync)."""
+    if tuple(ranks.shape) != (num_slots,):
+        raise InputError(
+            "LoRABank.ranks", f"shape {list(ranks.shape)}", f"[L = {num_slots}] (one per slot)"
+        )
+    if num_slots and not bool(((ranks >= 0) & (ranks <= max_rank)).all()):
+        raise InputError(
+            "LoRABank.ranks",
+            f"values {ranks.tolist()}",
+            f"each slot's real rank in [0, R = {max_rank}]",
         )
 
 
@@ -108,6 +149,7 @@ def random_lora_bank(
         bank.w2_a[slot, :, :r] = torch.randn(e, r, i, generator=g) / i**0.5
         bank.w2_b[slot, :, :, :r] = torch.randn(e, h, r, generator=g) / r**0.5
     dtype = dtype or shape.dtype
-    return LoRABank(
-        *(t.to(device=device, dtype=dtype) for t in (bank.w13_a, bank.w13_b, bank.w2_a, bank.w2_b))
+    factors = (
+        t.to(device=device, dtype=dtype) for t in (bank.w13_a, bank.w13_b, bank.w2_a, bank.w2_b)
     )
+    return LoRABank(*factors, ranks=torch.tensor(ranks, dtype=torch.int32), tile_rank=max(ranks))

@@ -207,8 +207,10 @@ class ModelBench:
 
 
 def _tensors(weights) -> list[torch.Tensor | None]:
-    """The fields themselves (dataclasses.astuple would deep-copy GBs of weights)."""
-    return [getattr(weights, f.name) for f in dataclasses.fields(weights)]
+    """The tensor fields themselves (dataclasses.astuple would deep-copy GBs of weights);
+    None for an absent one, host-side fields (a bank's tile_rank) left out."""
+    values = [getattr(weights, f.name) for f in dataclasses.fields(weights)]
+    return [v for v in values if v is None or isinstance(v, torch.Tensor)]
 
 
 def output_buffer(prior: torch.Tensor, mode: AddInputs) -> torch.Tensor:

@@ -59,9 +59,9 @@ DEMO_CHECKS = [
      ["backend reference (auto fallback, refused: triton (device.interpreted = False",
       "checked against: nothing independent", "verdict: UNCHECKED",
       "Fix: drop --no-interpret (triton then checks it)"], ["PASS"]),
-    ("rank-200-falls-back-unchecked", ("--rank", "200"), True,
-     ["auto fallback, refused: triton (lora.max_rank = 200: needs at most 128)",
-      "verdict: UNCHECKED", "Fix: --rank 128 (triton then checks it)"], ["PASS"]),
+    ("rank-300-falls-back-unchecked", ("--rank", "300"), True,
+     ["auto fallback, refused: triton (lora.max_rank = 300: needs at most 256)",
+      "verdict: UNCHECKED", "Fix: --rank 256 (triton then checks it)"], ["PASS"]),
     ("explicit-reference-checked-by-triton", ("--moe-backend", "reference"), True,
      ["backend reference (explicit: --moe-backend reference)", "checked against: triton",
       "error vs triton", "verdict: PASS (reference vs triton)"], []),
@@ -135,8 +135,8 @@ def test_rank_no_backend_takes_names_the_nearest_deployments():
     done = moelora("plan", "--model", "tiny", "--enable-lora", "--max-lora-rank", "100000",
                    "--device", "h200")  # fmt: skip
     assert done.returncode == 3
-    assert "[2] triton lora: lora.max_rank = 100000: needs at most 128" in done.stdout
-    assert "fix: --max-lora-rank 128 (triton then accepts it); or --enforce-eager (reference " in (
+    assert "[2] triton lora: lora.max_rank = 100000: needs at most 256" in done.stdout
+    assert "fix: --max-lora-rank 256 (triton then accepts it); or --enforce-eager (reference " in (
         done.stdout
     )
 
@@ -174,8 +174,8 @@ REFUSALS = [
      "--moe-backend grouped_mm --device h200 --enforce-eager"),
     ("gmm-on-cpu", "--model tiny --moe-backend grouped_mm --device cpu"),
     ("gmm-graphs-fp32", "--model tiny --moe-backend grouped_mm --device h200"),
-    ("triton-rank-256", "--model tiny --moe-backend triton --device h200 --enable-lora "
-     "--max-lora-rank 256 --max-loras 4"),
+    ("triton-rank-512", "--model tiny --moe-backend triton --device h200 --enable-lora "
+     "--max-lora-rank 512 --max-loras 4"),
     ("reference-graphs", "--model qwen3-30b-a3b --moe-backend reference --device b200"),
 ]  # fmt: skip
 

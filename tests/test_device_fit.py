@@ -21,8 +21,8 @@ from moelora.tiling import heuristic
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.fit import (
     MARGIN,
+    dot_lanes,
     expand_bytes,
-    expand_dot_lanes,
     fit_config,
     fit_expand,
     fit_shrink,
@@ -57,7 +57,7 @@ def _fits(cfg: TileConfig, parts: int, elem: int, limit: int, rank: int = 0, slo
         for t, p in ((cfg.up, parts), (cfg.down, 1))
     ]
     if rank:
-        lanes = expand_dot_lanes(cfg, rank, slots)
+        lanes = dot_lanes(cfg, rank, slots)
         phases += [
             expand_bytes(cfg.block_m, t.block_n, lanes, p, elem, cfg.expand_first)
             for t, p in ((cfg.up, parts), (cfg.down, 1))
@@ -199,10 +199,15 @@ def test_fit_expand_order_and_floor() -> None:
 def test_fit_shrink_halves_its_block_k() -> None:
     cfg = dataclasses.replace(pick_config(4096, *QWEN3, lora=True), shrink_block_k=256)
     assert cfg.shrink_block_m == 64
-    for elem in (2, 4):  # 16-bit: 3 copies of (64 + 128) x 256, fp32: 2
-        assert fit_shrink(cfg, 2, elem, H200, 128).shrink_block_k == 128
+    # R = 128 runs in rank chunks of 32 lanes, both parts per program (64 lanes): fp32 is
+    # 2 copies of (64 + 64) x 256 x 4 bytes, over the H200's; 16-bit 3 x 128 x 256 x 2 fits
+    assert fit_shrink(cfg, 2, 4, H200, 128).shrink_block_k == 128
+    assert fit_shrink(cfg, 2, 2, H200, 128) == cfg
     assert fit_shrink(cfg, 2, 4, 0, 128).shrink_block_k == 16
     assert fit_shrink(cfg, 2, 2, H200, 16) == cfg  # fits: 3 x (64 + 32) x 256 x 2 bytes
+    # the expanding shrink needs the whole rank in one program: 128 lanes of one part
+    whole = dataclasses.replace(cfg, lora_delta=True, shrink_expand=True)
+    assert fit_shrink(whole, 2, 2, H200, 128).shrink_block_k == 128
 
 
 def test_decode_and_cpu_configs_are_left_alone() -> None:
@@ -319,8 +324,10 @@ SM90_CASES = {
 }
 # the launch compiled as picked too, where it overflows (so these cases need the fit, and
 # the compile test fails without it): fp32 expand 327736 bytes (fp32-T16384: 262144, not
-# compiled, 8 s), 16-bit expand 262144, shrink 393216
-SM90_PICKED = {"fp32-T4096": UP, "bf16-T4096": UP, "fp32-T4096-shrink-k256": SHRINK}
+# compiled, 8 s), shrink 393216. The 16-bit pipelined expand over packed rank lanes
+# compiles to 197120 as picked (262144 over the slot groups before it), so it fits
+# without the fit, which still turns its expand_first off (its model is an upper bound).
+SM90_PICKED = {"fp32-T4096": UP, "fp32-T4096-shrink-k256": SHRINK}
 SM90_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

@@ -52,7 +52,8 @@ TABLE = [
     ("triton-cpu-not-interpreted", lambda: on(CPU_NOT_INTERPRETED), "triton", REFUSE, "device.interpreted"),
     ("triton-sm75", lambda: on(SM75), "triton", REFUSE, "device.compute_capability"),
     ("triton-no-triton-package", lambda: on(H200_WITHOUT_TRITON), "triton", REFUSE, "device.packages"),
-    ("triton-rank-256", lambda: deploy("qwen3-30b-a3b", lora=True, rank=256), "triton", REFUSE, "lora.max_rank"),
+    ("triton-rank-256", lambda: deploy("qwen3-30b-a3b", lora=True, rank=256), "triton", ACCEPT, None),
+    ("triton-rank-512", lambda: deploy("qwen3-30b-a3b", lora=True, rank=512), "triton", REFUSE, "lora.max_rank"),
     ("triton-fully-sharded", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True), "triton", ACCEPT, None),  # SPEC "Why it exists" #2
     ("triton-fully-sharded-overwrite", lambda: deploy("qwen3-30b-a3b", tp=2, lora=True, fully_sharded=True, add_inputs=AddInputs.OVERWRITE), "triton", ACCEPT, None),
     ("triton-fully-sharded-attention-only", lambda: deploy("qwen3-30b-a3b", tp=4, lora=True, fully_sharded=True, targets=("q_proj",)), "triton", ACCEPT, None),

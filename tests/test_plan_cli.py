@@ -187,7 +187,7 @@ EXIT_CODES = [
                   "--fully-sharded-loras", "--device", "h200", "--enforce-eager",
                   "--moe-backend", "grouped_mm"), 3, "lora.sharding = fully_sharded",
                  id="fully-sharded-with-ep-on-grouped-mm-refused"),
-    pytest.param(("--model", "tiny", "--enable-lora", "--max-lora-rank", "256", "--device",
+    pytest.param(("--model", "tiny", "--enable-lora", "--max-lora-rank", "512", "--device",
                   "h200"), 3, "no registered backend accepts", id="auto-nothing-accepts"),
     # well formed and run: fully sharded over a TP group of 2, on each of 2 expert blocks
     pytest.param(("--model", "qwen3-30b-a3b", "-tp", "2", "-ep", "2", "--enable-lora",

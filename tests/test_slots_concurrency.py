@@ -39,8 +39,10 @@ def _one_thread():
 def _expected_bank(behind: dict[str, tuple[int, Adapter]], layer: int) -> LoRABank:
     """The bank implied by name -> (slot, adapter), built from the adapters directly."""
     bank = LoRABank.empty(MC.shape, SLOTS, R, dtype=torch.float32)
+    bank.ranks.zero_()  # empty slots, as the manager's
     for slot, ad in behind.values():
         lora, r = ad.layers[layer], ad.rank
+        bank.ranks[slot] = r
         bank.w13_a[slot, :, :, :r], bank.w13_b[slot, :, :, :, :r] = lora.w13_a, lora.w13_b
         bank.w2_a[slot, :, :r], bank.w2_b[slot, :, :, :r] = lora.w2_a, lora.w2_b
     return bank

@@ -79,9 +79,11 @@ def load_lines():
 def _expected_bank(slot_of: dict, adapters: dict[str, Adapter], layer: int, slots: int):
     """The bank implied by name -> slot, built from the adapters directly."""
     bank = LoRABank.empty(MC.shape, slots, R, dtype=torch.float32)
+    bank.ranks.zero_()  # empty slots, as the manager's
     for name, slot in slot_of.items():
         ad = adapters[name]
         lora, r = ad.layers[layer], ad.rank
+        bank.ranks[slot] = r
         bank.w13_a[slot, :, :, :r], bank.w13_b[slot, :, :, :, :r] = lora.w13_a, lora.w13_b
         bank.w2_a[slot, :, :r], bank.w2_b[slot, :, :, :r] = lora.w2_a, lora.w2_b
     return bank

@@ -81,23 +81,27 @@ def _sort_pairs(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Ten
     return order, key[order], offs, local[order]
 
 
-def _lora_delta(rows: Tensor, a: Tensor, b: Tensor, key: Tensor) -> Tensor:
-    """B[a, e] @ (A[a, e] @ row) per row with key = a * E + e (-1 = none); fp32 rank
-    intermediate. rows [n, in]; a [L, E, R, in]; b [L, E, out, R]; key [n]."""
+def _lora_delta(rows: Tensor, a: Tensor, b: Tensor, key: Tensor, ranks: list[int]) -> Tensor:
+    """B[a, e] @ (A[a, e] @ row) per row with key = a * E + e (-1 = none), over slot a's real
+    rank ranks[a]; fp32 rank intermediate. rows [n, in]; a [L, E, R, in]; b [L, E, out, R];
+    key [n]."""
     num_experts = a.shape[1]
     delta = torch.zeros(rows.shape[0], b.shape[2], dtype=torch.float32, device=rows.device)
     for k in torch.unique(key[key >= 0]).tolist():  # host sync: one segment per (slot, expert)
         slot, expert = divmod(k, num_experts)
         sel = key == k
-        inner = rows[sel].float() @ a[slot, expert].float().t()
-        delta[sel] = inner @ b[slot, expert].float().t()
+        r = ranks[slot]
+        inner = rows[sel].float() @ a[slot, expert, :r].float().t()
+        delta[sel] = inner @ b[slot, expert, :, :r].float().t()
     return delta
 
 
-def _w13_lora(shape: MoEShape, rows: Tensor, lora: LoRABank, key: Tensor) -> Tensor:
+def _w13_lora(
+    shape: MoEShape, rows: Tensor, lora: LoRABank, key: Tensor, ranks: list[int]
+) -> Tensor:
     """The w13 delta [n, S*I], gate and up placed in w13's row layout."""
     parts = [
-        _lora_delta(rows, lora.w13_a[:, :, s], lora.w13_b[:, :, s], key)
+        _lora_delta(rows, lora.w13_a[:, :, s], lora.w13_b[:, :, s], key, ranks)
         for s in range(shape.activation.width_factor)
     ]
     if len(parts) == 1:
@@ -148,7 +152,8 @@ class GroupedMMBackend:
         if experts.b13 is not None:
             h += experts.b13[expert.clamp(max=num_experts - 1)].float()
         if lora is not None:
-            h += _w13_lora(shape, rows, lora, key)
+            ranks = lora.ranks.tolist()  # host sync, as the segments below
+            h += _w13_lora(shape, rows, lora, key, ranks)
         z = apply_activation(
             shape.activation, h, alpha=shape.swiglu_alpha, limit=shape.swiglu_limit
         )
@@ -156,7 +161,7 @@ class GroupedMMBackend:
         if experts.b2 is not None:
             o += experts.b2[expert.clamp(max=num_experts - 1)].float()
         if lora is not None:
-            o += _lora_delta(z, lora.w2_a, lora.w2_b, key)
+            o += _lora_delta(z, lora.w2_a, lora.w2_b, key, ranks)
         o = o if weights_on_input else o * g
         o = torch.where(local.unsqueeze(1), o, 0.0)  # rows past offs[-1] are not computed
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)

@@ -73,8 +73,10 @@ CAPABILITIES = Capabilities(
     parallel_modes=frozenset(ParallelMode),
     lora=True,
     runs_without_lora=True,
-    # BLOCK_R = next_pow2(R) >= 16 rank lanes per row in registers; validated up to 128.
-    max_lora_rank=128,
+    # Each slot's real rank is data (LoRABank.ranks): the shrink splits the rank into chunks
+    # over its grid, the in-GEMM expand packs the slots' rank lanes into its dots, and the
+    # decode kernels hold one slot's rank lanes in registers (at most 256 of them).
+    max_lora_rank=256,
     max_loras=None,  # slots only enter the sort key and a per-block loop: no limit
     # Fully sharded LoRA: the pipeline runs shrink and expand as separate launches with the
     # fp32 rank intermediates in memory between them, so the caller's LoRAComm all-gathers
@@ -223,7 +225,7 @@ def forward_plan(
             shape.activation.width_factor,
             x.dtype,
             limits,
-            rank=lora.w13_b.shape[-1] if use_lora and lora.num_slots else 0,
+            rank=lora.tile_rank if use_lora and lora.num_slots else 0,
             num_slots=lora.num_slots if use_lora else 0,
         )
     return plan_forward(

@@ -26,6 +26,7 @@ from ..tiling.config import GemmTiles
 from ..tiling.geometry import rank_block
 from .checks import check_dtype_match, check_shape, workspace
 from .pdl import chain_point
+from .ranks import slot_ranks
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -45,6 +46,7 @@ def _decode_down_kernel(
     num_experts,
     num_slots,
     rank,
+    ranks_ptr,
     inter_size,
     hidden,
     lora_n_offset,
@@ -102,7 +104,8 @@ def _decode_down_kernel(
         slot = tl.load(slots_ptr + token)
         has = (slot >= 0) & (slot < num_slots)
         offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < tl.where(has, rank, 0)  # all off without an adapter
+        slot_rank = tl.load(ranks_ptr + tl.where(has, slot, 0))
+        r_ok = offs_r < tl.where(has, tl.minimum(rank, slot_rank), 0)  # none without adapter
         offs_b = offs_n - lora_n_offset
         b_ok = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
         t = tl.load(
@@ -162,6 +165,7 @@ def decode_down(
     z_inter: torch.Tensor | None = None,
     lora_b: torch.Tensor | None = None,
     lora_n_offset: int = 0,
+    lora_ranks: torch.Tensor | None = None,
     tiles: GemmTiles,
     out: torch.Tensor | None = None,
     add: bool = False,
@@ -171,7 +175,8 @@ def decode_down(
 ) -> torch.Tensor:
     """z [P, I] (decode_up), w2 [E, H, I], b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
-    topk_weights [T, K] (None: applied to the input). Returns y [T, H] in z's dtype (into
+    lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R); topk_weights [T, K]
+    (None: applied to the input). Returns y [T, H] in z's dtype (into
     `out` if given; add=True adds to it). early / pdl / chained: as decode_up's."""
     block_n = tiles.block_n
     num_tokens, top_k = topk_ids.shape
@@ -217,6 +222,7 @@ def decode_down(
         num_experts=num_experts,
         num_slots=lora_b.shape[0] if has_lora else 0,
         rank=rank,
+        ranks_ptr=slot_ranks(lora_b, lora_ranks, 3) if has_lora else dummy,
         inter_size=inter_size,
         hidden=hidden,
         lora_n_offset=lora_n_offset,

@@ -8,7 +8,8 @@ in as few wide loads as the registers allow, so the whole A traffic is in flight
 step). The decode up kernel adds the z shrink into z_inter with atomics, so its rows are
 zeroed here, one launch before.
 
-Rows of pairs with slot -1, a slot >= L or an expert outside [0, E) get zeros.
+Rows of pairs with slot -1, a slot >= L or an expert outside [0, E), and columns past a
+slot's real rank, get zeros.
 
 Legend: T tokens, K top-k, P = T*K pairs, S parts (2 gated), R max rank, H hidden.
 """
@@ -22,6 +23,7 @@ import triton.language as tl
 from ..tiling.geometry import rank_block
 from .checks import check_dtype_match, check_shape, workspace
 from .pdl import chain_point
+from .ranks import slot_ranks
 
 
 @triton.jit
@@ -38,6 +40,7 @@ def _decode_shrink_kernel(
     num_slots,
     parts,
     rank,
+    ranks_ptr,
     hidden,
     stride_xm,
     stride_xk,
@@ -68,8 +71,8 @@ def _decode_shrink_kernel(
     token = pair // top_k
     expert = tl.load(topk_ids_ptr + pair, mask=q_ok, other=-1)
     slot = tl.load(slots_ptr + token, mask=q_ok, other=-1)
-    live = q_ok & (r < rank) & (expert >= 0) & (expert < num_experts)
-    live = live & (slot >= 0) & (slot < num_slots)
+    live = q_ok & (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots)
+    live = live & (r < tl.load(ranks_ptr + slot, mask=live, other=0))  # the slot's real rank
     a_row = (
         a_ptr
         + tl.where(live, slot, 0).to(tl.int64) * stride_al
@@ -107,11 +110,13 @@ def decode_shrink(
     rows_per_prog: int = 2,
     block_k: int = 1024,
     num_warps: int = 4,
+    ranks: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], lora_a (w13_a) [L, E, S, R, H], topk_ids [T, K], token_slots [T] int32 ->
     (inter [P, S, R] fp32, z_inter [P, z_rank] fp32 zeros: the down A's rank, which under
-    fully sharded LoRA is the whole R while lora_a holds an R/tp shard).
+    fully sharded LoRA is the whole R while lora_a holds an R/tp shard). ranks [L] int32
+    (LoRABank.ranks; None: every slot at R): columns past a slot's real rank are zeros.
 
     Defaults (rows_per_prog 2, block_k 1024): a program loads 2 rows x 1024 columns (4 KB
     in bf16) per step, so at T = 1 (256 rows) the 128 programs put every A row in flight in
@@ -142,6 +147,7 @@ def decode_shrink(
         num_slots=num_slots,
         parts=parts,
         rank=rank,
+        ranks_ptr=slot_ranks(lora_a, ranks, 3),
         hidden=hidden,
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),

@@ -30,6 +30,7 @@ from ..tiling.config import GemmTiles
 from .activation import act_code, apply_act
 from .checks import check_dtype_match, check_shape, workspace
 from .pdl import chain_point
+from .ranks import slot_ranks
 
 
 @triton.jit
@@ -57,6 +58,7 @@ def _decode_up_kernel(
     num_slots,
     rank,
     z_rank,
+    ranks_ptr,
     hidden,
     inter_size,
     up_offset,
@@ -127,7 +129,8 @@ def _decode_up_kernel(
         slot = tl.load(slots_ptr + token)
         has = (slot >= 0) & (slot < num_slots)
         slot = tl.where(has, slot, 0).to(tl.int64)
-        r_ok = offs_r < tl.where(has, rank, 0)  # all off without an adapter
+        slot_rank = tl.where(has, tl.load(ranks_ptr + slot), 0)  # 0 without an adapter
+        r_ok = offs_r < tl.minimum(rank, slot_rank)
         i_ptrs = inter_ptr + pair * stride_im + offs_r * stride_ir
         b_ptrs = (
             lora_b_ptr
@@ -142,7 +145,7 @@ def _decode_up_kernel(
         if GATED:
             t_u = tl.load(i_ptrs + stride_is, mask=r_ok, other=0.0)
             b_u = tl.load(b_ptrs + stride_ls, mask=nr_mask, other=0.0)
-        q_ok = offs_r < tl.where(has, z_rank, 0)
+        q_ok = offs_r < tl.minimum(z_rank, slot_rank)
         a_ptrs = (
             lora_a2_ptr
             + slot * stride_al
@@ -211,6 +214,7 @@ def decode_up(
     lora_b: torch.Tensor | None = None,
     lora_a2: torch.Tensor | None = None,
     z_inter: torch.Tensor | None = None,
+    lora_ranks: torch.Tensor | None = None,
     tiles: GemmTiles,
     pdl: bool = False,
     chained: bool = False,
@@ -219,7 +223,8 @@ def decode_up(
     """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
-    added; topk_weights [T, K] only for weights_on_input; tiles: the GEMV tiles (BLOCK_N
+    added; lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R): the LoRA terms stop
+    at each slot's real rank; topk_weights [T, K] only for weights_on_input; tiles: the GEMV tiles (BLOCK_N
     rows of a pair per program, BLOCK_K per step). Returns z [P, I] in x's dtype.
     early: the first K step's weight tiles load before the chain point (TileConfig.pdl;
     runs in the interpreter too); pdl (tiling.plan decided it): the chain point's
@@ -266,6 +271,7 @@ def decode_up(
         num_slots=lora_b.shape[0] if has_lora else 0,
         rank=rank,
         z_rank=z_rank,
+        ranks_ptr=slot_ranks(lora_b, lora_ranks, 4) if has_lora else dummy,
         hidden=hidden,
         inter_size=inter_size,
         up_offset=1 if swiglu else inter_size,

@@ -18,11 +18,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import InputError
-from ..tiling.geometry import rank_block, slots_per_dot
+from ..tiling.geometry import next_pow2
 from ..tiling.plan import GemmPlan
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok, workspace
 from .pdl import chain_point
+from .ranks import expand_lanes_of
 from .tiles import (
     add_delta,
     block_rows,
@@ -53,7 +54,7 @@ def _expert_down_kernel(
     num_pairs,
     top_k,
     num_slots,
-    rank,
+    ranks_ptr,
     inter_size,
     hidden,
     lora_n_offset,
@@ -89,8 +90,8 @@ def _expert_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SLOTS_PER_DOT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    DOT_LANES: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -170,8 +171,8 @@ def _expert_down_kernel(
                     acc = _down_lora(
                         acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
                         stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
-                        num_slots, offs_n, n_mask, rank, lora_n_offset, lora_n_size, HAS_LORA, DELTA,
-                        BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE, EXPAND_FIRST,
+                        num_slots, offs_n, n_mask, ranks_ptr, lora_n_offset, lora_n_size, HAS_LORA,
+                        DELTA, BLOCK_L, DOT_LANES, UPCAST, IEEE, EXPAND_FIRST,
                     )  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(
@@ -210,13 +211,13 @@ def _down_lora(
     num_slots,
     offs_n,
     n_mask,
-    rank,
+    ranks_ptr,
     lora_n_offset,
     lora_n_size,
     HAS_LORA: tl.constexpr,
     DELTA: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SLOTS_PER_DOT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    DOT_LANES: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
@@ -235,8 +236,8 @@ def _down_lora(
             b_mask = n_mask & (offs_b >= 0) & (offs_b < lora_n_size)
             acc, _ = lora_expand(
                 acc, acc, inter_ptr, stride_im, 0, stride_ir, pair, slot, num_slots, b_ptr,
-                stride_ll, 0, stride_ln, stride_lr, tl.where(b_mask, offs_b, 0), b_mask, rank,
-                BLOCK_R, SLOTS_PER_DOT, False, UPCAST, IEEE, PIPELINED,
+                stride_ll, 0, stride_ln, stride_lr, tl.where(b_mask, offs_b, 0), b_mask,
+                ranks_ptr, BLOCK_L, DOT_LANES, False, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc
 
@@ -256,6 +257,8 @@ def expert_down(
     lora_n_offset: int = 0,
     num_pairs: int | None = None,
     delta: torch.Tensor | None = None,
+    lora_ranks: torch.Tensor | None = None,
+    tile_rank: int | None = None,
     out: torch.Tensor | None = None,
     sum_into: torch.Tensor | None = None,
     pdl: bool = False,
@@ -308,8 +311,7 @@ def expert_down(
         out = sum_into
     elif out is None:
         out = workspace(num_pairs, hidden, dtype=z.dtype, device=z.device)
-    rank = lora_b.shape[3] if has_lora else 1
-    block_r = rank_block(rank)
+    ranks, dot_lanes = expand_lanes_of(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 3)
     dummy = z  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(z)
     block_m = aligned.block_m
@@ -338,7 +340,7 @@ def expert_down(
         num_pairs=num_pairs,
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,
-        rank=rank,
+        ranks_ptr=ranks if ranks is not None else dummy,
         inter_size=inter_size,
         hidden=hidden,
         lora_n_offset=lora_n_offset,
@@ -374,8 +376,8 @@ def expert_down(
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=block_r,
-        SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, gemm.expand_lanes),
+        BLOCK_L=next_pow2(lora_b.shape[0]) if has_lora else 1,
+        DOT_LANES=dot_lanes,
         GROUP_M=gemm.group_m,
         UPCAST=upcast,
         IEEE=ieee,

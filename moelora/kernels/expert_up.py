@@ -19,12 +19,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..activations import Activation
-from ..tiling.geometry import rank_block, slots_per_dot
+from ..tiling.geometry import next_pow2
 from ..tiling.plan import GemmPlan
 from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_box_ok, workspace
 from .pdl import chain_point
+from .ranks import expand_lanes_of
 from .tiles import (
     add_delta,
     block_rows,
@@ -54,7 +55,7 @@ def _expert_up_kernel(
     num_pairs,
     top_k,
     num_slots,
-    rank,
+    ranks_ptr,
     hidden,
     inter_size,
     up_offset,
@@ -95,8 +96,8 @@ def _expert_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SLOTS_PER_DOT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    DOT_LANES: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -180,8 +181,8 @@ def _expert_up_kernel(
                     acc_g, acc_u = _up_lora(
                         acc_g, acc_u, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr,
                         stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
-                        stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask, rank,
-                        HAS_LORA, DELTA, GATED, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE, EXPAND_FIRST,
+                        stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask, ranks_ptr,
+                        HAS_LORA, DELTA, GATED, BLOCK_L, DOT_LANES, UPCAST, IEEE, EXPAND_FIRST,
                     )  # fmt: skip
             if WEIGHT_INPUT:
                 g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
@@ -226,12 +227,12 @@ def _up_lora(
     num_slots,
     offs_n,
     n_mask,
-    rank,
+    ranks_ptr,
     HAS_LORA: tl.constexpr,
     DELTA: tl.constexpr,
     GATED: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SLOTS_PER_DOT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    DOT_LANES: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
@@ -248,7 +249,7 @@ def _up_lora(
             acc_g, acc_u = lora_expand(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                 num_slots, b_ptr, stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask,
-                rank, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE, PIPELINED,
+                ranks_ptr, BLOCK_L, DOT_LANES, GATED, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc_g, acc_u
 
@@ -269,6 +270,8 @@ def expert_up(
     inter: torch.Tensor | None = None,
     lora_b: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
+    lora_ranks: torch.Tensor | None = None,
+    tile_rank: int | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -304,8 +307,7 @@ def expert_up(
         out = workspace(z_rows, inter_size, dtype=x.dtype, device=x.device)
     check_shape("z", out, (z_rows, inter_size))
     swiglu = activation is Activation.SWIGLUOAI
-    rank = lora_b.shape[4] if has_lora else 1
-    block_r = rank_block(rank)
+    ranks, dot_lanes = expand_lanes_of(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 4)
     dummy = x  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(x)
     use_tma = gemm.tma and not swiglu and tma_box_ok(w13, (1, block_n, block_k))
@@ -331,7 +333,7 @@ def expert_up(
         num_pairs=num_pairs,
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,
-        rank=rank,
+        ranks_ptr=ranks if ranks is not None else dummy,
         hidden=hidden,
         inter_size=inter_size,
         up_offset=1 if swiglu else inter_size,
@@ -372,8 +374,8 @@ def expert_up(
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=block_r,
-        SLOTS_PER_DOT=slots_per_dot(lora_b.shape[0] if has_lora else 1, block_r, gemm.expand_lanes),
+        BLOCK_L=next_pow2(lora_b.shape[0]) if has_lora else 1,
+        DOT_LANES=dot_lanes,
         GROUP_M=gemm.group_m,
         UPCAST=upcast,
         IEEE=ieee,

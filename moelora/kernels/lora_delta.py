@@ -29,9 +29,11 @@ from ..tiling.geometry import rank_block
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
 from .pdl import chain_point
+from .ranks import slot_ranks
 from .tiles import expand_dot, lora_tile
 
 BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
+DELTA_BLOCK_R = 32  # rank lanes per expand step, up to the slot's rank; reasoned, not tuned
 
 
 @triton.jit
@@ -74,7 +76,7 @@ def _lora_delta_kernel(
     sorted_pair_ids_ptr,
     tiles_ptr,
     num_tiles_ptr,
-    rank,
+    ranks_ptr,
     n_size,
     stride_im,
     stride_is,
@@ -103,32 +105,28 @@ def _lora_delta_kernel(
         return
     part = tl.program_id(1)
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    t = tl.load(
-        inter_ptr + pair[:, None] * stride_im + part * stride_is + offs_r[None, :] * stride_ir,
-        mask=row_ok[:, None] & r_ok[None, :],
-        other=0.0,
-    )
+    rank = tl.load(ranks_ptr + slot)  # the slot's real rank: BLOCK_R lanes per step up to it
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_size
     b_part = b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
-    expand_tile(
-        t,
-        b_part + part * stride_bs,
-        offs_r,
-        r_ok,
-        offs_n,
-        offs_n < n_size,
-        delta_ptr + part * stride_ds,
-        pair,
-        row_ok,
-        stride_bn,
-        stride_br,
-        stride_dm,
-        stride_dn,
-        UPCAST,
-        IEEE,
-    )
+    b_part += part * stride_bs
+    d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        t = tl.load(
+            inter_ptr + pair[:, None] * stride_im + part * stride_is + offs_r[None, :] * stride_ir,
+            mask=row_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_part + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+            mask=r_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        d = expand_dot(t, b, d, UPCAST, IEEE)
+    d_ptrs = delta_ptr + part * stride_ds + pair[:, None] * stride_dm + offs_n[None, :] * stride_dn
+    tl.store(d_ptrs, d.to(delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 def lora_delta(
@@ -137,11 +135,13 @@ def lora_delta(
     aligned: AlignedPairs,
     *,
     dtype: torch.dtype,
+    ranks: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """inter [P, S, R] fp32 (lora_shrink), lora_b [L, E, S, N, R] (w13_b) or [L, E, N, R]
-    (w2_b, S = 1), aligned with its LoRA tiles. Returns delta [P, S, N] in `dtype`, rows of
-    pairs without an adapter unwritten."""
+    (w2_b, S = 1), aligned with its LoRA tiles; ranks [L] int32 (LoRABank.ranks; None: every
+    slot at R): a slot's expand stops at its real rank. Returns delta [P, S, N] in `dtype`,
+    rows of pairs without an adapter unwritten."""
     b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
     _, _, parts, n_size, rank = b5.shape
     num_pairs = inter.shape[0]
@@ -158,7 +158,7 @@ def lora_delta(
         sorted_pair_ids_ptr=aligned.sorted_pair_ids,
         tiles_ptr=aligned.lora_tiles,
         num_tiles_ptr=aligned.num_lora_tiles,
-        rank=rank,
+        ranks_ptr=slot_ranks(b5, ranks, 4),
         n_size=n_size,
         stride_im=inter.stride(0),
         stride_is=inter.stride(1),
@@ -173,7 +173,7 @@ def lora_delta(
         stride_dn=delta.stride(2),
         BLOCK_M=max(16, triton.next_power_of_2(aligned.lora_tile_m)),
         BLOCK_N=BLOCK_N,
-        BLOCK_R=rank_block(rank),
+        BLOCK_R=min(DELTA_BLOCK_R, rank_block(rank)),
         UPCAST=upcast,
         IEEE=ieee,
         PDL=pdl,

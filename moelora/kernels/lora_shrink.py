@@ -25,11 +25,17 @@ import triton
 import triton.language as tl
 
 from ..errors import InputError
-from ..tiling.geometry import EXPAND_BLOCK_N, SHRINK_STAGES, rank_block, shrink_parts_per_program
+from ..tiling.geometry import (
+    EXPAND_BLOCK_N,
+    SHRINK_STAGES,
+    shrink_parts_per_program,
+    shrink_rank_block,
+)
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .lora_delta import expand_tile
 from .pdl import chain_point
+from .ranks import slot_ranks
 from .tiles import lora_tile, mma
 
 
@@ -97,7 +103,8 @@ def _lora_shrink_kernel(
     num_tiles_ptr,
     row_div,
     parts,
-    rank,
+    part_groups,
+    ranks_ptr,
     k_dim,
     k_chunk,
     stride_im,
@@ -142,6 +149,11 @@ def _lora_shrink_kernel(
         return
     k_start = tl.program_id(2) * k_chunk
     k_end = tl.minimum(k_start + k_chunk, k_dim)
+    # grid dimension 1: (rank chunk, part group); a chunk past the slot's real rank is idle
+    r0 = (tl.program_id(1) // part_groups) * BLOCK_R
+    rank = tl.load(ranks_ptr + slot)
+    if r0 >= rank:
+        return
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
     if ROWS_SORTED:  # input rows in the sorted order (z of a z_sorted up GEMM)
         row = offs_m.to(tl.int64)
@@ -149,8 +161,8 @@ def _lora_shrink_kernel(
         row = (pair // row_div).to(tl.int64)
     # lanes: (part, r) of the parts this program covers
     offs_q = tl.arange(0, PARTS_PER_PROG * BLOCK_R)
-    q_part = tl.program_id(1) * PARTS_PER_PROG + offs_q // BLOCK_R
-    q_r = offs_q % BLOCK_R
+    q_part = (tl.program_id(1) % part_groups) * PARTS_PER_PROG + offs_q // BLOCK_R
+    q_r = r0 + offs_q % BLOCK_R
     q_ok = (q_r < rank) & (q_part < parts)
     q_off = q_part * stride_as + q_r * stride_ar
     # int64: L*E*S*R*H exceeds 2**31 (DeepSeek-V3, R=128)
@@ -223,6 +235,8 @@ def lora_shrink(
     num_stages: int = SHRINK_STAGES,
     out: torch.Tensor | None = None,
     expand_b: torch.Tensor | None = None,
+    ranks: torch.Tensor | None = None,
+    tile_rank: int | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """inp: x [T, H] (rows "tokens"), z [P, I] (rows "pairs") or z [P_pad, I] in the sorted
@@ -234,7 +248,11 @@ def lora_shrink(
     expand_b (lora_b: w13_b [L, E, S, N, R] or w2_b [L, E, N, R]): the expand follows in the
     same program (lora_delta's product, the intermediate never stored; split_k ignored, a
     whole-K intermediate is needed) and the result is the delta [P, S, N] in inp's dtype,
-    rows of pairs without an adapter unwritten."""
+    rows of pairs without an adapter unwritten.
+
+    ranks [L] int32 (LoRABank.ranks; None: every slot at R): a slot's programs stop at its
+    real rank, and the intermediate's columns [r, R) of its rows are left unwritten (zero
+    with split-K); tile_rank: the rank the rank chunks are sized for (None: R)."""
     if aligned.lora_tiles is None:
         raise InputError(
             "aligned", "pairs aligned without LoRA tiles", "align_pairs(..., lora_tile_m > 0)"
@@ -273,10 +291,13 @@ def lora_shrink(
         out = alloc(num_pairs, parts, rank, dtype=torch.float32, device=inp.device)
     elif split > 1:
         out.zero_()
-    block_r = rank_block(rank)
+    ranks = slot_ranks(a5, ranks, 3)
+    key = rank if tile_rank is None else min(rank, max(1, tile_rank))
+    block_r = shrink_rank_block(parts, rank if b5 is not None else key, whole=b5 is not None)
     per_prog = shrink_parts_per_program(parts, block_r)
+    part_groups = triton.cdiv(parts, per_prog)
     upcast, ieee = precision_flags(inp)
-    grid = (aligned.max_lora_tiles, triton.cdiv(parts, per_prog), split)
+    grid = (aligned.max_lora_tiles, part_groups * triton.cdiv(rank, block_r), split)
     _lora_shrink_kernel[grid](
         in_ptr=inp,
         a_ptr=a5,
@@ -286,7 +307,8 @@ def lora_shrink(
         num_tiles_ptr=aligned.num_lora_tiles,
         row_div=top_k if rows == "tokens" else 1,
         parts=parts,
-        rank=rank,
+        part_groups=part_groups,
+        ranks_ptr=ranks,
         k_dim=k_dim,
         k_chunk=k_chunk,
         stride_im=inp.stride(0),

@@ -121,8 +121,10 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     inter13 = delta13 = None
     if lora is not None:
         gather = None if c.comm is None else lambda t: _gather_parts(t, c.comm)
+        # fully sharded: this rank's w13_a holds a rank shard, so its shrink runs every
+        # shard column; the columns past a slot's real rank are dropped by the expand
         inter13, delta13 = _lora_side(
-            plan, c, c.x, lora.w13_a, lora.w13_b, aligned, "tokens", gather
+            plan, c, c.x, lora.w13_a, lora.w13_b, aligned, "tokens", gather, c.comm is None
         )
     z = expert_up(
         c.x,
@@ -139,13 +141,15 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         inter=inter13,
         lora_b=lora.w13_b if lora is not None else None,
         delta=delta13,
+        lora_ranks=lora.ranks if lora is not None else None,
+        tile_rank=lora.tile_rank if lora is not None else None,
         pdl=plan.pdl,
     )
     inter2 = delta2 = None
     if lora is not None:
         reduce = None if c.comm is None else lambda t: c.comm.reduce_rank(t.view(t.shape[0], -1))
         rows = "sorted" if plan.z_sorted else "pairs"
-        inter2, delta2 = _lora_side(plan, c, z, lora.w2_a, lora.w2_b, aligned, rows, reduce)
+        inter2, delta2 = _lora_side(plan, c, z, lora.w2_a, lora.w2_b, aligned, rows, reduce, True)
     return _down_and_sum(plan, c, z, aligned, inter2, delta2)
 
 
@@ -181,6 +185,8 @@ def _down_and_sum(
         lora_n_offset=c.comm.hidden_offset if c.comm is not None else 0,
         num_pairs=c.num_pairs,
         delta=delta2 if lora is not None else None,
+        lora_ranks=lora.ranks if lora is not None else None,
+        tile_rank=lora.tile_rank if lora is not None else None,
         sum_into=acc,
         pdl=plan.pdl,
     )
@@ -212,10 +218,12 @@ def _lora_side(
     aligned: AlignedPairs,
     rows: str,
     collect,
+    shrink_ranks: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One LoRA side (gate/up from x, or down from z): the shrink, then `collect` (fully
     sharded LoRA's collective on the intermediate, or None), then on the DELTA path the
-    expand over the shrink tiles (inside the shrink with delta_by_shrink).
+    expand over the shrink tiles (inside the shrink with delta_by_shrink). shrink_ranks: the
+    shrink stops at each slot's real rank (False: lora_a is a rank shard, every column runs).
     -> (inter, delta)."""
     kw = dict(
         num_pairs=c.num_pairs,
@@ -223,18 +231,20 @@ def _lora_side(
         top_k=c.topk_ids.shape[1],
         block_k=plan.tiles.shrink_block_k,
         split_k=plan.tiles.shrink_split_k,
+        tile_rank=c.lora.tile_rank,
         pdl=plan.pdl,
     )
+    ranks = c.lora.ranks
     if plan.delta_by_shrink:
         # no collective between shrink and expand: the plan takes DELTA only unsharded
         assert collect is None, "shrink_expand needs whole intermediates"
-        return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, **kw)
-    inter = lora_shrink(inp, lora_a, aligned, **kw)
+        return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, ranks=ranks, **kw)
+    inter = lora_shrink(inp, lora_a, aligned, ranks=ranks if shrink_ranks else None, **kw)
     if collect is not None:
         inter = collect(inter)
     if plan.lora is not LoRAPath.DELTA:
         return inter, None
-    return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype, pdl=plan.pdl)
+    return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype, ranks=ranks, pdl=plan.pdl)
 
 
 def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
@@ -252,6 +262,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
             lora.w2_a.shape[2],
             rows_per_prog=rows_per_prog,
             block_k=block_k,
+            ranks=lora.ranks if c.comm is None else None,  # a rank shard: every column
             pdl=plan.pdl,
         )
         if c.comm is not None:
@@ -270,6 +281,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         lora_b=lora.w13_b if lora is not None else None,
         lora_a2=lora.w2_a if lora is not None else None,
         z_inter=z_inter,
+        lora_ranks=lora.ranks if lora is not None else None,
         tiles=plan.tiles.up,
         pdl=plan.pdl,
         chained=lora is not None,  # after decode_shrink; else the layer's first kernel
@@ -287,6 +299,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         z_inter=z_inter,
         lora_b=lora.w2_b if lora is not None else None,
         lora_n_offset=c.comm.hidden_offset if c.comm is not None else 0,
+        lora_ranks=lora.ranks if lora is not None else None,
         tiles=plan.tiles.down,
         out=c.out,
         add=c.add,

@@ -6,6 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..tiling.geometry import RANK_STEP as _STEP
+
+RANK_STEP = tl.constexpr(_STEP)  # a jit function reads only constexpr globals
+
 
 @triton.jit
 def grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -97,6 +101,29 @@ def expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def slot_lanes(ranks_ptr, num_slots, BLOCK_L: tl.constexpr):
+    """The packed rank lanes of the bank: slot s owns lanes [end[s] - width[s], end[s]),
+    width[s] its real rank rounded up to RANK_STEP (0 for an empty slot). -> (offs_l [BLOCK_L]
+    slot ids, width, end) with slots >= num_slots at width 0."""
+    offs_l = tl.arange(0, BLOCK_L)
+    r = tl.load(ranks_ptr + offs_l, mask=offs_l < num_slots, other=0)
+    width = (r + RANK_STEP - 1) // RANK_STEP * RANK_STEP
+    return offs_l, width, tl.cumsum(width, axis=0)
+
+
+@triton.jit
+def lane_map(lane, lane_hi, ranks_ptr, width, end):
+    """For packed lanes `lane`: (slot, r, ok) with ok = below lane_hi and r < that slot's
+    real rank (the padding lanes up to RANK_STEP load nothing)."""
+    before = end[None, :] <= lane[:, None]  # [lanes, BLOCK_L]: slots wholly before the lane
+    lane_slot = tl.sum(before.to(tl.int32), axis=1)
+    lane_r = lane - tl.sum(tl.where(before, width[None, :], 0), axis=1)
+    inside = lane < lane_hi
+    lane_rank = tl.load(ranks_ptr + lane_slot, mask=inside, other=0)
+    return lane_slot, lane_r, inside & (lane_r < lane_rank)
+
+
+@triton.jit
 def lora_expand(
     acc_g,
     acc_u,
@@ -114,63 +141,64 @@ def lora_expand(
     stride_br,
     offs_n,
     n_mask,
-    rank,
-    BLOCK_R: tl.constexpr,
-    SLOTS_PER_DOT: tl.constexpr,
+    ranks_ptr,
+    BLOCK_L: tl.constexpr,
+    DOT_LANES: tl.constexpr,
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
 ):
-    """acc [BLOCK_M, BLOCK_N] += per row: inter[pair] (fp32 [R]) @ B[slot]^T, for the gate
-    part into acc_g and (TWO_PARTS) the up part into acc_u.
+    """acc [BLOCK_M, BLOCK_N] += per row: inter[pair, :r] (fp32) @ B[slot, :, :r]^T, r the
+    slot's real rank (ranks_ptr), for the gate part into acc_g and (TWO_PARTS) the up part
+    into acc_u.
 
-    One dot covers SLOTS_PER_DOT slots: its K lanes are (slot, r) pairs; a row's A operand
-    holds its intermediate in its own slot's lanes and zeros elsewhere, and the B operand
-    stacks those slots' B matrices. So the loads of a group are one round trip (all its
-    slots' B tiles at once, both parts) instead of one per slot, at the price of dot lanes
-    for slots absent from the block; groups with no row in the block are skipped.
-    PIPELINED (expand_first): no per-group skip (a branch in the loop body stops Triton's
-    software pipelining), so the groups' loads are issued stages ahead of their dots; an
-    absent group's t loads are masked off and its dots add zeros. On both paths a group's
-    B lanes are loaded for each of its slots below num_slots, used by a row of the block
-    or not, and multiply zeros there: the bank must be finite in every slot (0 * inf is
-    NaN). Masking B by slot use measured 4-9% slower with LoRA on the H200 (1504b23:
-    T = 4096 0.930 -> 1.016 ms), so the bank's finiteness is a documented input rule
-    (weights.LoRABank; SlotManager keeps unloaded slots zero, the loader rejects
-    non-finite adapters).
+    The K lanes of the dots are the bank's packed rank lanes (slot_lanes): each slot owns
+    its real rank rounded up to RANK_STEP, so an R = 128 bank of rank-8 adapters costs what
+    an R = 16 bank does, and an empty slot costs nothing. One dot covers DOT_LANES
+    consecutive lanes of the slots [first, last] that the block's rows use; a row's A
+    operand holds its intermediate in its own slot's lanes and zeros elsewhere, and the B
+    operand stacks those lanes' B columns, so the loads of a dot are one round trip for
+    every slot it covers. PIPELINED (expand_first): no per-dot skip (a branch in the loop
+    body stops Triton's software pipelining), so the loads are issued stages ahead of their
+    dots; a dot without rows adds zeros. On both paths a dot loads B for every slot whose
+    lanes it covers, used by a row of the block or not, and multiplies zeros there: the bank
+    must be finite within each slot's real rank (weights.LoRABank); columns past a slot's
+    rank are never loaded. Masking B by slot use measured 4-9% slower with LoRA on the H200
+    (1504b23: T = 4096 0.930 -> 1.016 ms).
     inter_ptr is at part 0 (part stride stride_is); b_ptr at (slot 0, expert, part 0)."""
-    offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
-    q_slot = offs_q // BLOCK_R
-    q_r = offs_q % BLOCK_R
-    q_ok = q_r < rank
+    offs_l, width, end = slot_lanes(ranks_ptr, num_slots, BLOCK_L)
     has = slot >= 0
     first = tl.min(tl.where(has, slot, num_slots), axis=0)
     last = tl.max(slot, axis=0)  # -1 when no row of the block has an adapter
-    g_lo = first // SLOTS_PER_DOT
-    g_hi = tl.where(last >= 0, last // SLOTS_PER_DOT, -1)
+    lane_lo = tl.sum(tl.where(offs_l < first, width, 0), axis=0)
+    lane_hi = tl.sum(tl.where(offs_l <= last, width, 0), axis=0)
+    offs_q = tl.arange(0, DOT_LANES)
     if PIPELINED:
-        for g in tl.range(g_lo, g_hi + 1, num_stages=2):
-            acc_g, acc_u = _expand_group(
-                acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, num_slots,
-                b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, q_slot, q_r,
-                q_ok, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE,
+        for q0 in tl.range(lane_lo, lane_hi, DOT_LANES, num_stages=2):
+            lane_slot, lane_r, ok = lane_map(q0 + offs_q, lane_hi, ranks_ptr, width, end)
+            acc_g, acc_u = _expand_dot_lanes(
+                acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, b_ptr,
+                stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, lane_slot, lane_r,
+                ok, TWO_PARTS, UPCAST, IEEE,
             )  # fmt: skip
     else:
-        for g in range(g_lo, g_hi + 1):
-            s0 = g * SLOTS_PER_DOT
-            in_group = has & (slot >= s0) & (slot < s0 + SLOTS_PER_DOT)
-            if tl.max(in_group.to(tl.int32), axis=0) > 0:
-                acc_g, acc_u = _expand_group(
-                    acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
-                    num_slots, b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n,
-                    n_mask, q_slot, q_r, q_ok, s0, TWO_PARTS, UPCAST, IEEE,
+        for q0 in range(lane_lo, lane_hi, DOT_LANES):
+            lane_slot, lane_r, ok = lane_map(q0 + offs_q, lane_hi, ranks_ptr, width, end)
+            s_lo = tl.min(tl.where(ok, lane_slot, num_slots), axis=0)
+            s_hi = tl.max(tl.where(ok, lane_slot, -1), axis=0)
+            in_dot = has & (slot >= s_lo) & (slot <= s_hi)
+            if tl.max(in_dot.to(tl.int32), axis=0) > 0:
+                acc_g, acc_u = _expand_dot_lanes(
+                    acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, b_ptr,
+                    stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, lane_slot,
+                    lane_r, ok, TWO_PARTS, UPCAST, IEEE,
                 )  # fmt: skip
     return acc_g, acc_u
 
 
 @triton.jit
-def _expand_group(
+def _expand_dot_lanes(
     acc_g,
     acc_u,
     inter_ptr,
@@ -179,7 +207,6 @@ def _expand_group(
     stride_ir,
     pair,
     slot,
-    num_slots,
     b_ptr,
     stride_bl,
     stride_bs,
@@ -187,25 +214,23 @@ def _expand_group(
     stride_br,
     offs_n,
     n_mask,
-    q_slot,
-    q_r,
-    q_ok,
-    s0,
+    lane_slot,
+    lane_r,
+    ok,
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """One expand dot group of lora_expand: the slots [s0, s0 + SLOTS_PER_DOT)."""
-    lane_slot = s0 + q_slot
-    sel = (slot[:, None] == lane_slot[None, :]) & q_ok[None, :]
-    t_ptrs = inter_ptr + pair[:, None] * stride_im + q_r[None, :] * stride_ir
+    """One expand dot of lora_expand over the lanes (lane_slot, lane_r) where ok."""
+    sel = (slot[:, None] == lane_slot[None, :]) & ok[None, :]
+    t_ptrs = inter_ptr + pair[:, None] * stride_im + lane_r[None, :] * stride_ir
     b_ptrs = (
         b_ptr
         + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
         + offs_n[None, :] * stride_bn
-        + q_r[:, None] * stride_br
+        + lane_r[:, None] * stride_br
     )
-    b_mask = (q_ok & (lane_slot < num_slots))[:, None] & n_mask[None, :]
+    b_mask = ok[:, None] & n_mask[None, :]
     t_g = tl.load(t_ptrs, mask=sel, other=0.0)
     b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
     if TWO_PARTS:

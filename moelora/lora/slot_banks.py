@@ -33,7 +33,11 @@ class SlotBanks:
             )
             for layer in model_config.moe_layers
         }
+        for bank in banks.values():  # every slot empty: rank 0, no lanes, no work
+            bank.ranks.zero_()
+            bank.tile_rank = 0
         self.banks = MappingProxyType(banks)
+        self._ranks = [0] * num_slots  # host copy of each slot's real rank (0: empty)
         first = next(iter(banks.values()), None)
         self.device = first.w13_a.device if first is not None else torch.device(device or "cpu")
         self.stream = None
@@ -53,13 +57,18 @@ class SlotBanks:
 
     def write(self, slot: int, adapter: Adapter | None) -> None:
         """Write `slot` of every layer in place: zeros, then the adapter's factors (rank
-        r < R fills [:r]; a layer it lacks stays zero). On CUDA on the side stream,
-        synchronized before returning, so a map naming the slot can follow the data."""
+        r < R fills [:r]; a layer it lacks stays zero) and the slot's real rank (0 where the
+        adapter lacks the layer, or for None). On CUDA on the side stream, synchronized
+        before returning, so a map naming the slot can follow the data. Every bank's
+        tile_rank becomes the largest rank loaded."""
+        self._ranks[slot] = 0 if adapter is None else adapter.rank
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             for layer, bank in self.banks.items():
                 for t in (bank.w13_a, bank.w13_b, bank.w2_a, bank.w2_b):
                     t[slot].zero_()
                 lora = None if adapter is None else adapter.layers.get(layer)
+                bank.ranks[slot] = 0 if lora is None else adapter.rank
+                bank.tile_rank = max(self._ranks)
                 if lora is not None:
                     r = adapter.rank
                     bank.w13_a[slot, :, :, :r].copy_(lora.w13_a, non_blocking=True)

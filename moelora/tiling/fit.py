@@ -19,10 +19,11 @@ from .config import GemmTiles, TileConfig
 from .geometry import (
     EXPAND_BLOCK_N,
     SHRINK_STAGES,
+    expand_dot_lanes,
     next_pow2,
     rank_block,
     shrink_parts_per_program,
-    slots_per_dot,
+    shrink_rank_block,
 )
 
 MARGIN = 1024  # bytes kept free per block: barriers and small scratch besides the phases
@@ -51,7 +52,7 @@ def expand_bytes(
 def shrink_bytes(cfg: TileConfig, parts: int, elem: int, rank: int) -> int:
     """Shared memory of the LoRA shrink of `parts` parts at `rank` (docs/kernels.md)."""
     block_m = max(16, next_pow2(cfg.shrink_block_m))
-    block_r = rank_block(rank)
+    block_r = shrink_rank_block(parts, rank, whole=cfg.lora_delta and cfg.shrink_expand)
     lanes = shrink_parts_per_program(parts, block_r) * block_r  # as lora_shrink packs
     copies = SHRINK_STAGES - 1 if elem == 4 else SHRINK_STAGES
     total = copies * (block_m + lanes) * cfg.shrink_block_k * elem
@@ -60,10 +61,9 @@ def shrink_bytes(cfg: TileConfig, parts: int, elem: int, rank: int) -> int:
     return total
 
 
-def expand_dot_lanes(cfg: TileConfig, rank: int, num_slots: int) -> int:
+def dot_lanes(cfg: TileConfig, rank: int, num_slots: int) -> int:
     """K lanes of one expand dot, as the GEMM launchers size it."""
-    block_r = rank_block(rank)
-    return block_r * slots_per_dot(num_slots, block_r, cfg.expand_lanes)
+    return expand_dot_lanes(rank, num_slots, cfg.expand_lanes)
 
 
 def fit_tiles(block_m: int, tiles: GemmTiles, parts: int, elem: int, limit: int) -> GemmTiles:
@@ -87,7 +87,7 @@ def fit_expand(
     a cfg that fits comes back unchanged."""
     block_r = rank_block(rank)
     while True:
-        lanes = expand_dot_lanes(cfg, rank, num_slots)
+        lanes = dot_lanes(cfg, rank, num_slots)
         over = _expand_over(cfg, parts, elem, limit, lanes)
         if not over:
             return cfg

@@ -12,6 +12,11 @@ EXPAND_BLOCK_N = 64
 SHRINK_STAGES = 3
 
 
+# Rank lanes a slot takes in the in-GEMM expand dots: its real rank rounded up to this (the
+# smallest K of a 16-bit tl.dot), so a slot's cost follows its rank, not the bank's R.
+RANK_STEP = 16
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1), as triton.next_power_of_2."""
     return 1 << (n - 1).bit_length()
@@ -20,13 +25,33 @@ def next_pow2(n: int) -> int:
 def rank_block(rank: int) -> int:
     """BLOCK_R: the K lanes one adapter's rank takes in a dot (a power of two, at least
     16, the smallest dot)."""
-    return max(16, next_pow2(rank))
+    return max(16, next_pow2(max(1, rank)))
+
+
+# fp32 accumulator lanes per row of one LoRA shrink program (both parts' rank chunks)
+SHRINK_LANES = 64
+
+
+def shrink_rank_block(parts: int, rank: int, whole: bool = False) -> int:
+    """BLOCK_R of the LoRA shrink: the rank lanes of one part per program, for a bank keyed
+    on `rank` (its tile rank). The whole rank_block(rank) when `whole` (the expanding shrink
+    needs the whole intermediate); else at most SHRINK_LANES // parts (at least 16), the
+    rank split into chunks over the grid, so a slot's programs stop at its real rank."""
+    block_r = rank_block(rank)
+    return block_r if whole else min(block_r, max(16, SHRINK_LANES // parts))
 
 
 def shrink_parts_per_program(parts: int, block_r: int) -> int:
     """Parts one shrink program computes: both while their lanes stay within 64 fp32
     registers per row, else one."""
-    return parts if parts * block_r <= 64 else 1
+    return parts if parts * block_r <= SHRINK_LANES else 1
+
+
+def expand_dot_lanes(rank: int, num_slots: int, lanes: int) -> int:
+    """K lanes of one in-GEMM expand dot for a bank keyed on `rank` (its tile rank): the
+    lanes of as many whole rank blocks as fit `lanes` (at least one)."""
+    block_r = rank_block(rank)
+    return block_r * slots_per_dot(num_slots, block_r, lanes)
 
 
 def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
