@@ -1,11 +1,14 @@
 """Random layer inputs of a model preset: expert weights, LoRA banks and routed tokens,
 the one builder that `moelora validate`, `moelora bench`, benchmarks/ and tests share.
 
-Conventions: adapters alternate rank R and R/2 (zero-padded to R in the bank), and token t
-takes slot (t + seed) % (L + 1) - 1, so every (L+1)-th token has no adapter (slot -1).
+Conventions: build_lora's adapters alternate rank R and R/2 (zero-padded to R in the bank;
+build_bank takes each slot's rank instead), and token t takes slot (t + seed) % (L + 1) - 1,
+so every (L+1)-th token has no adapter (slot -1).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -26,8 +29,14 @@ def build_lora(model: ModelConfig, adapters: int, rank: int, device: str) -> LoR
     if adapters == 0:
         return None
     ranks = [rank if a % 2 == 0 else max(1, rank // 2) for a in range(adapters)]
-    with torch.device(device):
-        return random_lora_bank(model.shape, adapters, rank, ranks=ranks, device=device)
+    return build_bank(model, ranks, rank, device)
+
+
+def build_bank(model: ModelConfig, ranks: Sequence[int], max_rank: int, device: str) -> LoRABank:
+    """A bank of len(ranks) slots of max rank `max_rank`, slot a holding a random adapter of
+    real rank ranks[a] (zero-padded up to max_rank): the banks a benchmark case names."""
+    with torch.device(device):  # generate on the device: GBs of fp32 factors at 128 slots
+        return random_lora_bank(model.shape, len(ranks), max_rank, ranks=list(ranks), device=device)
 
 
 def build_inputs(model: ModelConfig, tokens: int, adapters: int, device: str, seed: int):

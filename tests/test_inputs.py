@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelora.inputs import build_experts, build_inputs, build_lora
+from moelora.inputs import build_bank, build_experts, build_inputs, build_lora
 from moelora.presets import resolve_model
 
 
@@ -36,3 +36,14 @@ def test_experts_are_seeded() -> None:
     model = resolve_model("tiny")
     a, b = build_experts(model, "cpu", seed=1), build_experts(model, "cpu", seed=1)
     assert torch.equal(a.w13, b.w13) and a.w13.shape[0] == model.shape.num_experts
+
+
+def test_bank_holds_each_slot_rank_zero_padded() -> None:
+    bank = build_bank(resolve_model("tiny"), [8, 2, 0], 8, "cpu")
+    assert bank.num_slots == 3 and bank.max_rank == 8
+    for slot, rank in enumerate([8, 2, 0]):
+        for factor, rank_dim in ((bank.w13_a, 3), (bank.w13_b, 4), (bank.w2_a, 2), (bank.w2_b, 3)):
+            real = factor[slot].narrow(rank_dim - 1, 0, rank)
+            padding = factor[slot].narrow(rank_dim - 1, rank, 8 - rank)
+            assert torch.count_nonzero(padding) == 0
+            assert rank == 0 or torch.count_nonzero(real) == real.numel()

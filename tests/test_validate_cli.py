@@ -1,11 +1,14 @@
 """`moelora validate --dtype`: the same cases in another dtype, judged by that dtype's
-tolerance (the interpreter on CPU with the tiny preset here; a GPU runs the real shapes)."""
+tolerance; `--rank`; `--lora-sweep`: the LoRA sweep's banks added (the interpreter on CPU
+with the tiny preset here; a GPU runs the real shapes)."""
 
 from __future__ import annotations
 
 import pytest
 
 from moelora import cli
+from moelora.cli import build_parser
+from moelora.commands.validate import LORA_SWEEP_TOKENS, lora_sweep_cases
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", "1e-05"), ("fp16", "2e-03")])
@@ -32,3 +35,31 @@ def test_validate_refuses_an_unknown_dtype(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["validate", "--device", "cpu", "--models", "tiny", "--dtype", "fp8"])
     assert exc.value.code == 2 and "fp8" in capsys.readouterr().err
+
+
+def test_lora_sweep_adds_the_sweep_banks() -> None:
+    # (adapters, bank R, each slot's real rank or None = alternating R and R/2)
+    banks = {(c.adapters, c.rank, c.ranks) for c in lora_sweep_cases()}
+    assert banks == {
+        (8, 128, (8, 16, 64, 128) * 2),  # mixed real ranks in one bank
+        (8, 128, (8,) * 8),  # every slot padded from rank 8 to R = 128
+        (64, 16, None),
+        (128, 16, None),
+        (8, 256, None),
+    }
+    assert {c.tokens for c in lora_sweep_cases()} == set(LORA_SWEEP_TOKENS)
+    assert not any(c.graphs for c in lora_sweep_cases())
+    assert not build_parser().parse_args(["validate"]).lora_sweep  # off unless asked
+
+
+def test_lora_sweep_runs_on_tiny_shapes(capsys) -> None:
+    """The sweep's banks built and checked on the CPU (tiny preset, T capped at 2: one token
+    with an adapter): every bank the backend accepts passes; rank 256 is listed either way
+    (refused where the backend's record says at most 128)."""
+    args = ["--device", "cpu", "--models", "tiny", "--tokens", "2", "--quick", "--lora-sweep"]
+    cli.main(["validate", *args, "--dtype", "fp32"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("triton")]
+    assert len(rows) == 1 + len(lora_sweep_cases()) // len(LORA_SWEEP_TOKENS)
+    assert any("R=128 ranks=8,16,64,128,8,16,64,128" in r for r in rows)
+    assert all(" pass " in r for r in rows if "R=256" not in r)
+    assert any("R=256" in r for r in rows)

@@ -6,9 +6,12 @@ bytes and FLOPs counted from the actual routing (experts hit, (slot, expert) pai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,15 @@ def layer_work(
     hidden: int,
     inter: int,
     parts: int,
-    rank: int,
+    rank: int | Sequence[int],
     elem: int = 2,
     lora: bool = True,
 ) -> Work:
     """Fewest bytes and FLOPs of one layer: each hit expert's weights (and each hit
-    (slot, expert) adapter) read once, x read once, y written once."""
+    (slot, expert) adapter, at its slot's real rank) read once, x read once, y written once.
+
+    topk_ids [T, K]; token_slots [T] (-1 = no adapter) or None; rank: every slot's real
+    rank, or one per slot [L] (a mixed bank; padding up to the bank's R is not work)."""
     tokens, top_k = topk_ids.shape
     e_hit = torch.unique(topk_ids).numel()
     per_expert = (parts + 1) * hidden * inter
@@ -71,11 +77,25 @@ def layer_work(
     flops = 2.0 * tokens * top_k * per_expert
     if lora and token_slots is not None:
         active = (token_slots >= 0).repeat_interleave(top_k)
-        keys = (
-            token_slots.long().repeat_interleave(top_k) * 1_000_003 + topk_ids.reshape(-1).long()
-        )[active]
-        p_hit = torch.unique(keys).numel()
-        per_pair = rank * (parts * hidden + parts * inter + inter + hidden)
-        nbytes += elem * per_pair * p_hit
-        flops += 2.0 * int(active.sum()) * per_pair
+        slots = token_slots.long().repeat_interleave(top_k)[active]
+        keys = slots * 1_000_003 + topk_ids.reshape(-1).long()[active]
+        pair_slots = torch.unique(keys) // 1_000_003
+        per_rank = parts * hidden + parts * inter + inter + hidden  # A and B elements per rank
+        nbytes += elem * per_rank * int(_ranks_of(rank, pair_slots).sum())
+        flops += 2.0 * per_rank * int(_ranks_of(rank, slots).sum())
     return Work(float(nbytes), flops)
+
+
+def _ranks_of(rank: int | Sequence[int], slots: torch.Tensor) -> torch.Tensor:
+    """The real rank of each entry of `slots` (int64)."""
+    if isinstance(rank, int):
+        return torch.full_like(slots, rank)
+    table = torch.as_tensor(list(rank), dtype=torch.long, device=slots.device)
+    if slots.numel() and int(slots.max()) >= table.numel():
+        raise ConfigError(
+            "rank",
+            list(rank),
+            f"one real rank per slot: token_slots name slot {int(slots.max())}",
+            f"pass at least {int(slots.max()) + 1} ranks (the bank's slot count)",
+        )
+    return table[slots]

@@ -15,7 +15,7 @@ import torch
 
 from ..compare import compare
 from ..device import probe
-from ..inputs import build_experts, build_inputs, build_lora
+from ..inputs import build_bank, build_experts, build_inputs
 from ..presets import resolve_model
 from ..reference import moe_lora_reference
 from .cases import BenchCase
@@ -90,7 +90,7 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
         experts_cache.clear()
         experts_cache[case.model] = build_experts(model, "cuda")
     experts = experts_cache[case.model]
-    lora = build_lora(model, case.adapters, case.rank, "cuda")
+    lora = build_bank(model, case.slot_ranks, case.max_rank, "cuda")
     woi = model.routing.method.weights_on_input
     sets = [
         build_inputs(model, case.tokens, case.adapters, "cuda", seed) for seed in range(INPUT_SETS)
@@ -98,7 +98,14 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
     # token t -> slot t % L (every token has an adapter), as the vLLM peer assigns them
     for s in sets:
         s[3].copy_(torch.arange(case.tokens, device="cuda") % case.adapters)
-    row = dict(case=case.id, model=case.model, T=case.tokens, L=case.adapters, R=case.rank)
+    row = dict(
+        case=case.id,
+        model=case.model,
+        T=case.tokens,
+        L=case.adapters,
+        R=case.max_rank,
+        ranks=list(case.slot_ranks),
+    )
     for label, bank in (("base", None), ("lora", lora)):
 
         def fwd(x, ids, w, slots, bank=bank):
@@ -125,7 +132,7 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
             shape.hidden_size,
             shape.intermediate_size,
             shape.activation.width_factor,
-            case.rank,
+            case.slot_ranks,
             lora=bank is not None,
         )
         floor_ms = work.floor_s(ceil) * 1e3

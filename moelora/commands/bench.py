@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ..errors import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, UnsupportedDeploymentError
 
 
 def _suites() -> list[str]:
@@ -46,14 +46,20 @@ def add_parser(subparsers) -> None:
         "--iters", type=int, default=100, help="graph replays timed per case (default 100)"
     )
     p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--peer-json", default=None, help="vllm_peer.json from the same run")
+    p.add_argument(
+        "--peer-json",
+        default=None,
+        help="vllm_peer.json from the same run, of the suite's one (adapters, rank) (the "
+        "lora-sweep suite spans several: benchmarks/lora_sweep_report.py sets each peer JSON "
+        "beside its cases)",
+    )
     p.set_defaults(run=run)
 
 
 def select_backend(name: str, case):
     """The backend `name` through the oracle, for exactly what the case times (its model,
-    this GPU, LoRA with the case's slots and rank, CUDA graphs): a backend the oracle would
-    refuse is never timed (the refusal raises, naming the failing capabilities)."""
+    this GPU, LoRA with the case's slots and bank rank, CUDA graphs): a backend the oracle
+    would refuse is never timed (the refusal raises, naming the failing capabilities)."""
     import logging
 
     from ..config import AddInputs, LoRAConfig
@@ -64,7 +70,7 @@ def select_backend(name: str, case):
 
     lora = LoRAConfig(
         enabled=True,
-        max_rank=case.rank,
+        max_rank=case.max_rank,
         max_loras=case.adapters,
         add_inputs=AddInputs.OVERWRITE,  # forward without `out` writes y
     )
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.cases import CASES
     from ..bench.floors import measure_ceilings
     from ..bench.peer import peer_rows
-    from ..bench.runner import dump, run_case, stamp
+    from ..bench.runner import dump, stamp
 
     cases = CASES[args.suite]
     if args.tokens:
@@ -105,24 +111,63 @@ def run(args: argparse.Namespace) -> int:
         f"{ceil.matmul / 1e12:.0f} TFLOP/s"
     )
     peer = peer_rows(args.peer_json, cases)
-    rows, failed = [], False
+    head = dict(**stamp(ceil), suite=args.suite)
+
+    def save(rows: list[dict], complete: bool) -> None:
+        if args.json:  # after every case: a run cut short by its time limit keeps its rows
+            dump(args.json, dict(**head, complete=complete, rows=rows))
+
+    rows = _run_cases(args, cases, ceil, peer, save)
+    save(rows, complete=True)
+    timed = [r for r in rows if "refused" not in r]
+    _print_table(timed)
+    failed = any(not (r["base"]["ok"] and r["lora"]["ok"]) for r in timed)
+    refused = len(rows) - len(timed)
+    print(
+        "bench: SOME PROVIDERS FAILED THE REFERENCE CHECK (times still listed)"
+        if failed
+        else "bench: all providers matched the reference"
+        + (f"; {refused} case(s) refused by the oracle (not timed)" if refused else "")
+    )
+    return EXIT_FAILED if failed else EXIT_REFUSED if refused else EXIT_OK
+
+
+def _run_cases(args: argparse.Namespace, cases: list, ceil, peer: dict, save) -> list[dict]:
+    """One row per (backend, case): timed, or {"refused": why} where the oracle refuses the
+    case (a sweep goes on past a bank the backend cannot run yet; the row says so); each
+    saved as it comes (save(rows, complete=False))."""
+    from ..bench.runner import run_case
+
+    rows: list[dict] = []
     cache: dict = {}
     for name in args.backends.split(","):
         for i, case in enumerate(cases):
             print(f"[{i + 1}/{len(cases)}] {name} {case.id}", flush=True)
-            row = run_case(select_backend(name, case), case, ceil, args.iters, cache)
+            try:
+                backend = select_backend(name, case)
+            except UnsupportedDeploymentError as err:
+                why = " ".join(str(err).split())
+                print(f"  refused: {why}", flush=True)
+                rows.append(dict(case=case.id, T=case.tokens, backend=name, refused=why))
+                save(rows, complete=False)
+                continue
+            row = run_case(backend, case, ceil, args.iters, cache)
             row["backend"] = name
             p = peer.get(case.tokens)
             if p:
                 row["peer"] = {
                     k: p.get(k) for k in ("base_ms", "lora_ms", "base_pre_ms", "lora_pre_ms")
                 }
-            failed |= not (row["base"]["ok"] and row["lora"]["ok"])
             rows.append(row)
+            save(rows, complete=False)
+    return rows
+
+
+def _print_table(rows: list[dict]) -> None:
     print(
         f"\n{'backend':<8} {'T':>6} {'base ms':>8} {'floor':>7} {'x':>5} {'lora ms':>8} "
         f"{'floor':>7} {'x':>5} {'TFLOP/s':>7} {'GB/s':>6} {'vllm b/l pre':>13} "
-        f"{'vs vllm l':>9}"
+        f"{'vs vllm l':>9}  case"
     )
     for r in rows:
         b, lo, p = r["base"], r["lora"], r.get("peer") or {}
@@ -132,13 +177,5 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{r['backend']:<8} {r['T']:>6} {b['ms']:8.3f} {b['floor_ms']:7.3f} "
             f"{b['ratio']:5.2f} {lo['ms']:8.3f} {lo['floor_ms']:7.3f} {lo['ratio']:5.2f} "
-            f"{lo['tflops']:7.1f} {lo['gbps']:6.0f} {peer_s:>13} {speed:>9}"
+            f"{lo['tflops']:7.1f} {lo['gbps']:6.0f} {peer_s:>13} {speed:>9}  {r['case']}"
         )
-    if args.json:
-        dump(args.json, dict(**stamp(ceil), suite=args.suite, rows=rows))
-    print(
-        "bench: all providers matched the reference"
-        if not failed
-        else "bench: SOME PROVIDERS FAILED THE REFERENCE CHECK (times still listed)"
-    )
-    return EXIT_FAILED if failed else EXIT_OK

@@ -3,8 +3,10 @@ shapes, in the serving dtype (bf16; `--dtype` for fp16 / fp32), on this machine'
 Prints pass/fail per case.
 
 Cases per model: T sweep (8 adapters, rank 16, eager), CUDA-graph replay with fresh inputs
-copied into the captured buffers, ranks 8/16/64/128, 1 adapter, and the LoRA-free path.
-Adapters alternate rank R and R/2 (zero-padded), and every (L+1)-th token has slot -1.
+copied into the captured buffers, ranks 8/16/64/128, 1 adapter, and the LoRA-free path;
+--lora-sweep adds the banks of `moelora bench --suite lora-sweep` (mixed real ranks, padded
+ranks, 64 and 128 slots, rank 256). Adapters alternate rank R and R/2 (zero-padded) unless a
+case names each slot's rank, and every (L+1)-th token has slot -1.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..config import AddInputs, DeviceFacts, LoRAConfig, ModelConfig
 from ..deployment import Deployment
 from ..device import probe
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
-from ..inputs import build_experts, build_inputs, build_lora
+from ..inputs import build_bank, build_experts, build_inputs, build_lora
 from ..oracle import default_registry, select
 from ..presets import PRESETS, resolve_model
 from ..reference import moe_lora_reference
@@ -46,17 +48,48 @@ REFERENCE = "reference"
 class Case:
     tokens: int
     adapters: int  # L; 0 = no LoRA bank (base path)
-    rank: int
+    rank: int  # R of the bank
     graphs: bool
+    # each slot's real rank (zero-padded to R); None: alternating R and R/2 (build_lora)
+    ranks: tuple[int, ...] | None = None
 
     def label(self) -> str:
         lora = f"L={self.adapters} R={self.rank}" if self.adapters else "no LoRA"
+        if self.ranks is not None:
+            lora += f" ranks={_ranks_text(self.ranks)}"
         return f"T={self.tokens} {lora} {'graph' if self.graphs else 'eager'}"
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """8 for (8,) * L, else every slot's rank (as the bench case ids write them)."""
+    return str(ranks[0]) if len(set(ranks)) == 1 else ",".join(map(str, ranks))
 
 
 def sweep_cases(tokens: tuple[int, ...], rank: int = 16) -> list[Case]:
     """The T sweep (--quick runs only this): 8 adapters of rank `rank`, eager."""
     return [Case(t, 8, rank, False) for t in tokens]
+
+
+# Issue 19's banks (moelora bench --suite lora-sweep times them), each at these T
+LORA_SWEEP_TOKENS = (2, 255, 4096)  # one token with an adapter; a partial block; prefill
+
+
+def lora_sweep_cases() -> list[Case]:
+    """--lora-sweep: a mixed bank (real ranks 8, 16, 64, 128 in an R = 128 bank), rank-8
+    adapters padded to R = 128, 64 and 128 slots of R = 16 and 8 slots of R = 256 (these
+    three alternating R and R/2, as build_lora makes them); eager."""
+    banks = [
+        (8, 128, (8, 16, 64, 128) * 2),
+        (8, 128, (8,) * 8),
+        (64, 16, None),
+        (8, 256, None),
+        (128, 16, None),
+    ]
+    return [
+        Case(t, adapters, rank, False, ranks)
+        for adapters, rank, ranks in banks
+        for t in LORA_SWEEP_TOKENS
+    ]
 
 
 def default_cases(tokens: tuple[int, ...] = TOKENS, rank: int = 16) -> list[Case]:
@@ -121,7 +154,11 @@ def run_case(
 ) -> tuple[object, float]:
     """-> (Comparison on the first ref_tokens rows, seconds)."""
     start = time.perf_counter()
-    lora = build_lora(model, case.adapters, case.rank, device)
+    lora = (
+        build_lora(model, case.adapters, case.rank, device)
+        if case.ranks is None
+        else build_bank(model, case.ranks, case.rank, device)
+    )
     woi = model.routing.method.weights_on_input
     x, ids, w, slots = build_inputs(model, case.tokens, case.adapters, device, seed)
 
@@ -200,6 +237,14 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--quick", action="store_true", help="T sweep only, eager")
     p.add_argument(
+        "--lora-sweep",
+        action="store_true",
+        help="also the LoRA sweep's banks at T "
+        f"{','.join(map(str, LORA_SWEEP_TOKENS))}: real ranks 8/16/64/128 mixed in an "
+        "R=128 bank, rank 8 padded to R=128, 64 and 128 slots of rank 16, rank 256 (long on "
+        "a CPU: rank 256 and 128 slots)",
+    )
+    p.add_argument(
         "--rank",
         type=int,
         default=16,
@@ -274,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
     backends = _backends(args.backends)
     models = (args.models or ",".join(MODELS if args.device == "cuda" else CPU_MODELS)).split(",")
     cases = sweep_cases(tokens, args.rank) if args.quick else default_cases(tokens, args.rank)
+    if args.lora_sweep:
+        cases += lora_sweep_cases()
     if args.device != "cuda":  # no graphs, and no case larger than the largest T asked for
         capped = (dataclasses.replace(c, tokens=min(c.tokens, max(tokens))) for c in cases)
         cases = list(dict.fromkeys(c for c in capped if not c.graphs))
