@@ -33,13 +33,14 @@ class LoRABank:
     w2_a  [L, E, R, I]
     w2_b  [L, E, H, R]
     ranks [L] int32 on the factors' device: each slot's real rank r (0 <= r <= R; 0 = an
-          empty slot). The kernels read it: a slot's shrink and expand stop at r rounded
-          up to the MMA step, and the factors' columns [r, R) are never read, whatever
-          they hold. None at construction: every slot at rank R.
+          empty slot). The kernels read it: a slot's shrink and expand stop at its width
+          (r rounded up to 16, the MMA step). A's columns [r, R) are never read; B's
+          columns [r, width) meet an exact zero intermediate, so they must be finite, and
+          those past the width are never read. None at construction: every slot at R.
     tile_rank: the rank the tile plan is keyed on (host side, performance only): the
           largest real rank loaded; None: R.
 
-    Within its real rank every slot must be finite, in slots no token uses too: the
+    Within its width every slot must be finite, in slots no token uses too: the
     triton backend's in-GEMM expand loads the B of every slot whose lanes share a dot with
     a slot that a block uses, and multiplies the unused ones by zero (0 * inf is NaN).
     SlotManager keeps unloaded slots at rank 0 and the adapter loader rejects non-finite

@@ -23,7 +23,9 @@ from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.weights import LoRABank, random_expert_weights, random_lora_bank
 
 TILES = TileConfig(16, GemmTiles(32, 32), GemmTiles(32, 32), shrink_block_k=32)
-GARBAGE = 1e30
+# large finite garbage (the kernels multiply a slot's columns [r, r rounded up to 16) by an
+# exact zero intermediate, so the bank must be finite there: weights.LoRABank)
+GARBAGE = {torch.float32: 1e30, torch.float16: 3e4}
 
 # the pipeline's LoRA paths (docs/kernels.md): each must stop at every slot's real rank
 PATHS = {
@@ -55,13 +57,14 @@ def _problem(seed, *, ranks, max_rank, tokens=12, experts=4, top_k=2, hidden=64,
 
 def _with_garbage(lora: LoRABank) -> LoRABank:
     """A copy whose columns past each slot's real rank hold GARBAGE (the bank's ranks kept)."""
+    value = GARBAGE[lora.w13_a.dtype]
     dirty = LoRABank(*(t.clone() for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
                      ranks=lora.ranks.clone(), tile_rank=lora.tile_rank)  # fmt: skip
     for slot, r in enumerate(lora.ranks.tolist()):
-        dirty.w13_a[slot, :, :, r:] = GARBAGE
-        dirty.w13_b[slot, :, :, :, r:] = GARBAGE
-        dirty.w2_a[slot, :, r:] = GARBAGE
-        dirty.w2_b[slot, :, :, r:] = GARBAGE
+        dirty.w13_a[slot, :, :, r:] = value
+        dirty.w13_b[slot, :, :, :, r:] = value
+        dirty.w2_a[slot, :, r:] = value
+        dirty.w2_b[slot, :, :, r:] = value
     return dirty
 
 

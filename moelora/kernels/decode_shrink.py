@@ -41,6 +41,7 @@ def _decode_shrink_kernel(
     parts,
     rank,
     ranks_ptr,
+    rank_offset,
     hidden,
     stride_xm,
     stride_xk,
@@ -72,7 +73,8 @@ def _decode_shrink_kernel(
     expert = tl.load(topk_ids_ptr + pair, mask=q_ok, other=-1)
     slot = tl.load(slots_ptr + token, mask=q_ok, other=-1)
     live = q_ok & (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots)
-    live = live & (r < tl.load(ranks_ptr + slot, mask=live, other=0))  # the slot's real rank
+    # the slot's real rank, in this A's columns (a rank shard from rank_offset: fully sharded)
+    live = live & (r + rank_offset < tl.load(ranks_ptr + slot, mask=live, other=0))
     a_row = (
         a_ptr
         + tl.where(live, slot, 0).to(tl.int64) * stride_al
@@ -111,12 +113,14 @@ def decode_shrink(
     block_k: int = 1024,
     num_warps: int = 4,
     ranks: torch.Tensor | None = None,
+    rank_offset: int = 0,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], lora_a (w13_a) [L, E, S, R, H], topk_ids [T, K], token_slots [T] int32 ->
     (inter [P, S, R] fp32, z_inter [P, z_rank] fp32 zeros: the down A's rank, which under
     fully sharded LoRA is the whole R while lora_a holds an R/tp shard). ranks [L] int32
-    (LoRABank.ranks; None: every slot at R): columns past a slot's real rank are zeros.
+    (LoRABank.ranks; None: every slot at R): columns past a slot's real rank are zeros;
+    rank_offset: lora_a holds the rank columns from there on (a fully sharded shard).
 
     Defaults (rows_per_prog 2, block_k 1024): a program loads 2 rows x 1024 columns (4 KB
     in bf16) per step, so at T = 1 (256 rows) the 128 programs put every A row in flight in
@@ -148,6 +152,7 @@ def decode_shrink(
         parts=parts,
         rank=rank,
         ranks_ptr=slot_ranks(lora_a, ranks, 3),
+        rank_offset=rank_offset,
         hidden=hidden,
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),

@@ -56,6 +56,7 @@ def _expert_up_kernel(
     top_k,
     num_slots,
     ranks_ptr,
+    rank_size,
     hidden,
     inter_size,
     up_offset,
@@ -181,8 +182,9 @@ def _expert_up_kernel(
                     acc_g, acc_u = _up_lora(
                         acc_g, acc_u, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr,
                         stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
-                        stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask, ranks_ptr,
-                        HAS_LORA, DELTA, GATED, BLOCK_L, DOT_LANES, UPCAST, IEEE, EXPAND_FIRST,
+                        stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask,
+                        ranks_ptr, rank_size, HAS_LORA, DELTA, GATED, BLOCK_L, DOT_LANES, UPCAST,
+                        IEEE, EXPAND_FIRST,
                     )  # fmt: skip
             if WEIGHT_INPUT:
                 g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
@@ -228,6 +230,7 @@ def _up_lora(
     offs_n,
     n_mask,
     ranks_ptr,
+    rank_size,
     HAS_LORA: tl.constexpr,
     DELTA: tl.constexpr,
     GATED: tl.constexpr,
@@ -249,7 +252,7 @@ def _up_lora(
             acc_g, acc_u = lora_expand(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                 num_slots, b_ptr, stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask,
-                ranks_ptr, BLOCK_L, DOT_LANES, GATED, UPCAST, IEEE, PIPELINED,
+                ranks_ptr, rank_size, BLOCK_L, DOT_LANES, GATED, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc_g, acc_u
 
@@ -334,6 +337,7 @@ def expert_up(
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,
         ranks_ptr=ranks if ranks is not None else dummy,
+        rank_size=lora_b.shape[4] if has_lora else 16,
         hidden=hidden,
         inter_size=inter_size,
         up_offset=1 if swiglu else inter_size,

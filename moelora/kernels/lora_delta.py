@@ -30,7 +30,7 @@ from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import expand_dot, lora_tile
+from .tiles import RANK_STEP, expand_dot, lora_tile
 
 BLOCK_N = 128  # 256-byte bf16 row pieces per store; reasoned, not tuned
 DELTA_BLOCK_R = 32  # rank lanes per expand step, up to the slot's rank; reasoned, not tuned
@@ -77,6 +77,7 @@ def _lora_delta_kernel(
     tiles_ptr,
     num_tiles_ptr,
     ranks_ptr,
+    rank_size,
     n_size,
     stride_im,
     stride_is,
@@ -105,7 +106,10 @@ def _lora_delta_kernel(
         return
     part = tl.program_id(1)
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
-    rank = tl.load(ranks_ptr + slot)  # the slot's real rank: BLOCK_R lanes per step up to it
+    # the slot's width (real rank rounded up to RANK_STEP: the intermediate is zero past the
+    # rank, B finite; cut to R = rank_size), BLOCK_R lanes per step
+    rank = tl.load(ranks_ptr + slot)
+    rank = tl.minimum((rank + RANK_STEP - 1) // RANK_STEP * RANK_STEP, rank_size)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_size
     b_part = b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
@@ -159,6 +163,7 @@ def lora_delta(
         tiles_ptr=aligned.lora_tiles,
         num_tiles_ptr=aligned.num_lora_tiles,
         ranks_ptr=slot_ranks(b5, ranks, 4),
+        rank_size=rank,
         n_size=n_size,
         stride_im=inter.stride(0),
         stride_is=inter.stride(1),

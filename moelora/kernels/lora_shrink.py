@@ -36,7 +36,7 @@ from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .lora_delta import expand_tile
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import lora_tile, mma
+from .tiles import RANK_STEP, lora_tile, mma
 
 
 @triton.jit
@@ -105,6 +105,8 @@ def _lora_shrink_kernel(
     parts,
     part_groups,
     ranks_ptr,
+    rank_offset,
+    r_size,
     k_dim,
     k_chunk,
     stride_im,
@@ -149,10 +151,15 @@ def _lora_shrink_kernel(
         return
     k_start = tl.program_id(2) * k_chunk
     k_end = tl.minimum(k_start + k_chunk, k_dim)
-    # grid dimension 1: (rank chunk, part group); a chunk past the slot's real rank is idle
+    # grid dimension 1: (rank chunk, part group). In this A's columns (a rank shard from
+    # rank_offset under fully sharded LoRA): [0, rank) are the slot's, [rank, width) are
+    # written as zeros (its width: the real rank rounded up to RANK_STEP, which the expand
+    # reads), and a chunk past the width is idle.
     r0 = (tl.program_id(1) // part_groups) * BLOCK_R
-    rank = tl.load(ranks_ptr + slot)
-    if r0 >= rank:
+    real = tl.load(ranks_ptr + slot)
+    rank = real - rank_offset
+    width = tl.minimum((real + RANK_STEP - 1) // RANK_STEP * RANK_STEP - rank_offset, r_size)
+    if r0 >= width:
         return
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
     if ROWS_SORTED:  # input rows in the sorted order (z of a z_sorted up GEMM)
@@ -163,7 +170,8 @@ def _lora_shrink_kernel(
     offs_q = tl.arange(0, PARTS_PER_PROG * BLOCK_R)
     q_part = (tl.program_id(1) % part_groups) * PARTS_PER_PROG + offs_q // BLOCK_R
     q_r = r0 + offs_q % BLOCK_R
-    q_ok = (q_r < rank) & (q_part < parts)
+    q_ok = (q_r < rank) & (q_part < parts)  # lanes read from A
+    q_st = (q_r < width) & (q_part < parts)  # lanes written (zeros past the rank)
     q_off = q_part * stride_as + q_r * stride_ar
     # int64: L*E*S*R*H exceeds 2**31 (DeepSeek-V3, R=128)
     a_base = a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
@@ -190,7 +198,7 @@ def _lora_shrink_kernel(
             acc,
             q_part,
             q_r,
-            q_ok,
+            q_st,
             pair,
             row_ok,
             b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be,
@@ -214,7 +222,7 @@ def _lora_shrink_kernel(
             + pair[:, None].to(tl.int64) * stride_om
             + (q_part * stride_os + q_r * stride_or)[None, :]
         )
-        o_mask = row_ok[:, None] & q_ok[None, :]
+        o_mask = row_ok[:, None] & q_st[None, :]
         if SPLIT:
             tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")  # a reduction
         else:
@@ -236,6 +244,7 @@ def lora_shrink(
     out: torch.Tensor | None = None,
     expand_b: torch.Tensor | None = None,
     ranks: torch.Tensor | None = None,
+    rank_offset: int = 0,
     tile_rank: int | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -251,8 +260,10 @@ def lora_shrink(
     rows of pairs without an adapter unwritten.
 
     ranks [L] int32 (LoRABank.ranks; None: every slot at R): a slot's programs stop at its
-    real rank, and the intermediate's columns [r, R) of its rows are left unwritten (zero
-    with split-K); tile_rank: the rank the rank chunks are sized for (None: R)."""
+    real rank r; the intermediate's columns [r, width) of its rows are written as zeros
+    (width: r rounded up to RANK_STEP, what the expand reads), those past the width left
+    unwritten (zero with split-K). rank_offset: lora_a holds the rank columns from there
+    on (fully sharded LoRA's shard). tile_rank: the rank the chunks are sized for (None: R)."""
     if aligned.lora_tiles is None:
         raise InputError(
             "aligned", "pairs aligned without LoRA tiles", "align_pairs(..., lora_tile_m > 0)"
@@ -309,6 +320,8 @@ def lora_shrink(
         parts=parts,
         part_groups=part_groups,
         ranks_ptr=ranks,
+        rank_offset=rank_offset,
+        r_size=rank,
         k_dim=k_dim,
         k_chunk=k_chunk,
         stride_im=inp.stride(0),

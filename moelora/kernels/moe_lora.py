@@ -121,10 +121,8 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     inter13 = delta13 = None
     if lora is not None:
         gather = None if c.comm is None else lambda t: _gather_parts(t, c.comm)
-        # fully sharded: this rank's w13_a holds a rank shard, so its shrink runs every
-        # shard column; the columns past a slot's real rank are dropped by the expand
         inter13, delta13 = _lora_side(
-            plan, c, c.x, lora.w13_a, lora.w13_b, aligned, "tokens", gather, c.comm is None
+            plan, c, c.x, lora.w13_a, lora.w13_b, aligned, "tokens", gather, _rank_offset(c)
         )
     z = expert_up(
         c.x,
@@ -149,7 +147,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     if lora is not None:
         reduce = None if c.comm is None else lambda t: c.comm.reduce_rank(t.view(t.shape[0], -1))
         rows = "sorted" if plan.z_sorted else "pairs"
-        inter2, delta2 = _lora_side(plan, c, z, lora.w2_a, lora.w2_b, aligned, rows, reduce, True)
+        inter2, delta2 = _lora_side(plan, c, z, lora.w2_a, lora.w2_b, aligned, rows, reduce, 0)
     return _down_and_sum(plan, c, z, aligned, inter2, delta2)
 
 
@@ -218,12 +216,12 @@ def _lora_side(
     aligned: AlignedPairs,
     rows: str,
     collect,
-    shrink_ranks: bool,
+    rank_offset: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One LoRA side (gate/up from x, or down from z): the shrink, then `collect` (fully
     sharded LoRA's collective on the intermediate, or None), then on the DELTA path the
-    expand over the shrink tiles (inside the shrink with delta_by_shrink). shrink_ranks: the
-    shrink stops at each slot's real rank (False: lora_a is a rank shard, every column runs).
+    expand over the shrink tiles (inside the shrink with delta_by_shrink). rank_offset:
+    lora_a's first rank column (fully sharded LoRA's gate/up A is a rank shard).
     -> (inter, delta)."""
     kw = dict(
         num_pairs=c.num_pairs,
@@ -239,7 +237,7 @@ def _lora_side(
         # no collective between shrink and expand: the plan takes DELTA only unsharded
         assert collect is None, "shrink_expand needs whole intermediates"
         return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, ranks=ranks, **kw)
-    inter = lora_shrink(inp, lora_a, aligned, ranks=ranks if shrink_ranks else None, **kw)
+    inter = lora_shrink(inp, lora_a, aligned, ranks=ranks, rank_offset=rank_offset, **kw)
     if collect is not None:
         inter = collect(inter)
     if plan.lora is not LoRAPath.DELTA:
@@ -262,7 +260,8 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
             lora.w2_a.shape[2],
             rows_per_prog=rows_per_prog,
             block_k=block_k,
-            ranks=lora.ranks if c.comm is None else None,  # a rank shard: every column
+            ranks=lora.ranks,
+            rank_offset=_rank_offset(c),
             pdl=plan.pdl,
         )
         if c.comm is not None:
@@ -307,6 +306,14 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         chained=True,
         early=plan.early_loads,
     )
+
+
+def _rank_offset(c: _Layer) -> int:
+    """The first rank column of this process's gate/up A: 0, or under fully sharded LoRA
+    its TP rank's shard start (tp_rank = the down B's H slice index)."""
+    if c.comm is None:
+        return 0
+    return c.comm.hidden_offset // c.lora.w2_b.shape[2] * c.lora.w13_a.shape[3]
 
 
 def _gather_parts(inter: torch.Tensor, comm: LoRAComm) -> torch.Tensor:

@@ -101,26 +101,25 @@ def expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def slot_lanes(ranks_ptr, num_slots, BLOCK_L: tl.constexpr):
-    """The packed rank lanes of the bank: slot s owns lanes [end[s] - width[s], end[s]),
-    width[s] its real rank rounded up to RANK_STEP (0 for an empty slot). -> (offs_l [BLOCK_L]
-    slot ids, width, end) with slots >= num_slots at width 0."""
+def slot_runs(ranks_ptr, num_slots, BLOCK_L: tl.constexpr):
+    """The packed rank lanes of the bank, in runs of RANK_STEP lanes: slot s owns the runs
+    [end[s] - runs[s], end[s]), runs[s] = its real rank / RANK_STEP rounded up (0 for an
+    empty slot). -> (offs_l [BLOCK_L] slot ids, runs, end); slots >= num_slots own none."""
     offs_l = tl.arange(0, BLOCK_L)
     r = tl.load(ranks_ptr + offs_l, mask=offs_l < num_slots, other=0)
-    width = (r + RANK_STEP - 1) // RANK_STEP * RANK_STEP
-    return offs_l, width, tl.cumsum(width, axis=0)
+    runs = (r + RANK_STEP - 1) // RANK_STEP
+    return offs_l, runs, tl.cumsum(runs, axis=0)
 
 
 @triton.jit
-def lane_map(lane, lane_hi, ranks_ptr, width, end):
-    """For packed lanes `lane`: (slot, r, ok) with ok = below lane_hi and r < that slot's
-    real rank (the padding lanes up to RANK_STEP load nothing)."""
-    before = end[None, :] <= lane[:, None]  # [lanes, BLOCK_L]: slots wholly before the lane
-    lane_slot = tl.sum(before.to(tl.int32), axis=1)
-    lane_r = lane - tl.sum(tl.where(before, width[None, :], 0), axis=1)
-    inside = lane < lane_hi
-    lane_rank = tl.load(ranks_ptr + lane_slot, mask=inside, other=0)
-    return lane_slot, lane_r, inside & (lane_r < lane_rank)
+def run_map(run, run_hi, runs, end):
+    """For runs `run` [G]: (slot, r0, ok): the slot owning the run, the run's first rank
+    column (a multiple of RANK_STEP by construction, which lets the loads over its
+    RANK_STEP consecutive columns vectorise) and ok = below run_hi."""
+    before = end[None, :] <= run[:, None]  # [G, BLOCK_L]: slots wholly before the run
+    run_slot = tl.sum(before.to(tl.int32), axis=1)
+    r0 = (run - tl.sum(tl.where(before, runs[None, :], 0), axis=1)) * RANK_STEP
+    return run_slot, r0, run < run_hi
 
 
 @triton.jit
@@ -142,6 +141,7 @@ def lora_expand(
     offs_n,
     n_mask,
     ranks_ptr,
+    rank_size,
     BLOCK_L: tl.constexpr,
     DOT_LANES: tl.constexpr,
     TWO_PARTS: tl.constexpr,
@@ -150,55 +150,57 @@ def lora_expand(
     PIPELINED: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += per row: inter[pair, :r] (fp32) @ B[slot, :, :r]^T, r the
-    slot's real rank (ranks_ptr), for the gate part into acc_g and (TWO_PARTS) the up part
+    slot's real rank (ranks_ptr; rank_size: the factors' R, which a width past it is cut
+    to), for the gate part into acc_g and (TWO_PARTS) the up part
     into acc_u.
 
-    The K lanes of the dots are the bank's packed rank lanes (slot_lanes): each slot owns
+    The K lanes of the dots are the bank's packed rank lanes (slot_runs): each slot owns
     its real rank rounded up to RANK_STEP, so an R = 128 bank of rank-8 adapters costs what
     an R = 16 bank does, and an empty slot costs nothing. One dot covers DOT_LANES
-    consecutive lanes of the slots [first, last] that the block's rows use; a row's A
-    operand holds its intermediate in its own slot's lanes and zeros elsewhere, and the B
-    operand stacks those lanes' B columns, so the loads of a dot are one round trip for
-    every slot it covers. PIPELINED (expand_first): no per-dot skip (a branch in the loop
-    body stops Triton's software pipelining), so the loads are issued stages ahead of their
-    dots; a dot without rows adds zeros. On both paths a dot loads B for every slot whose
-    lanes it covers, used by a row of the block or not, and multiplies zeros there: the bank
-    must be finite within each slot's real rank (weights.LoRABank); columns past a slot's
-    rank are never loaded. Masking B by slot use measured 4-9% slower with LoRA on the H200
-    (1504b23: T = 4096 0.930 -> 1.016 ms).
+    consecutive lanes (DOT_LANES / RANK_STEP runs) of the slots [first, last] that the
+    block's rows use; a row's A operand holds its intermediate in its own slot's lanes and
+    zeros elsewhere, and the B operand stacks those lanes' B columns, so the loads of a dot
+    are one round trip for every slot it covers. PIPELINED (expand_first): no per-dot skip
+    (a branch in the loop body stops Triton's software pipelining), so the loads are issued
+    stages ahead of their dots; a dot without rows adds zeros. On both paths a dot loads B
+    for every slot whose lanes it covers, used by a row of the block or not, and multiplies
+    zeros there, and a slot's columns [r, its width) meet a zero intermediate (the shrink
+    writes zeros up to the width): the bank must be finite there (weights.LoRABank);
+    columns past a slot's width are never loaded. Masking B by slot use measured 4-9%
+    slower with LoRA on the H200 (1504b23: T = 4096 0.930 -> 1.016 ms).
     inter_ptr is at part 0 (part stride stride_is); b_ptr at (slot 0, expert, part 0)."""
-    offs_l, width, end = slot_lanes(ranks_ptr, num_slots, BLOCK_L)
+    offs_l, runs, end = slot_runs(ranks_ptr, num_slots, BLOCK_L)
     has = slot >= 0
     first = tl.min(tl.where(has, slot, num_slots), axis=0)
     last = tl.max(slot, axis=0)  # -1 when no row of the block has an adapter
-    lane_lo = tl.sum(tl.where(offs_l < first, width, 0), axis=0)
-    lane_hi = tl.sum(tl.where(offs_l <= last, width, 0), axis=0)
-    offs_q = tl.arange(0, DOT_LANES)
+    run_lo = tl.sum(tl.where(offs_l < first, runs, 0), axis=0)
+    run_hi = tl.sum(tl.where(offs_l <= last, runs, 0), axis=0)
+    offs_g = tl.arange(0, DOT_LANES // RANK_STEP)
     if PIPELINED:
-        for q0 in tl.range(lane_lo, lane_hi, DOT_LANES, num_stages=2):
-            lane_slot, lane_r, ok = lane_map(q0 + offs_q, lane_hi, ranks_ptr, width, end)
-            acc_g, acc_u = _expand_dot_lanes(
+        for g0 in tl.range(run_lo, run_hi, DOT_LANES // RANK_STEP, num_stages=2):
+            run_slot, r0, ok = run_map(g0 + offs_g, run_hi, runs, end)
+            acc_g, acc_u = _expand_dot_runs(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, b_ptr,
-                stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, lane_slot, lane_r,
-                ok, TWO_PARTS, UPCAST, IEEE,
+                stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, run_slot, r0, ok,
+                rank_size, DOT_LANES, TWO_PARTS, UPCAST, IEEE,
             )  # fmt: skip
     else:
-        for q0 in range(lane_lo, lane_hi, DOT_LANES):
-            lane_slot, lane_r, ok = lane_map(q0 + offs_q, lane_hi, ranks_ptr, width, end)
-            s_lo = tl.min(tl.where(ok, lane_slot, num_slots), axis=0)
-            s_hi = tl.max(tl.where(ok, lane_slot, -1), axis=0)
+        for g0 in range(run_lo, run_hi, DOT_LANES // RANK_STEP):
+            run_slot, r0, ok = run_map(g0 + offs_g, run_hi, runs, end)
+            s_lo = tl.min(tl.where(ok, run_slot, num_slots), axis=0)
+            s_hi = tl.max(tl.where(ok, run_slot, -1), axis=0)
             in_dot = has & (slot >= s_lo) & (slot <= s_hi)
             if tl.max(in_dot.to(tl.int32), axis=0) > 0:
-                acc_g, acc_u = _expand_dot_lanes(
+                acc_g, acc_u = _expand_dot_runs(
                     acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, b_ptr,
-                    stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, lane_slot,
-                    lane_r, ok, TWO_PARTS, UPCAST, IEEE,
+                    stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, run_slot, r0,
+                    ok, rank_size, DOT_LANES, TWO_PARTS, UPCAST, IEEE,
                 )  # fmt: skip
     return acc_g, acc_u
 
 
 @triton.jit
-def _expand_dot_lanes(
+def _expand_dot_runs(
     acc_g,
     acc_u,
     inter_ptr,
@@ -214,28 +216,38 @@ def _expand_dot_lanes(
     stride_br,
     offs_n,
     n_mask,
-    lane_slot,
-    lane_r,
+    run_slot,
+    r0,
     ok,
+    rank_size,
+    DOT_LANES: tl.constexpr,
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """One expand dot of lora_expand over the lanes (lane_slot, lane_r) where ok."""
-    sel = (slot[:, None] == lane_slot[None, :]) & ok[None, :]
-    t_ptrs = inter_ptr + pair[:, None] * stride_im + lane_r[None, :] * stride_ir
+    """One expand dot of lora_expand over the runs (run_slot, r0) where ok: the operands
+    are loaded as [.., runs, RANK_STEP] tiles (RANK_STEP consecutive columns each) and
+    reshaped to the dot's DOT_LANES lanes."""
+    r = r0[:, None] + tl.arange(0, RANK_STEP)[None, :]  # [G, RANK_STEP] rank columns
+    # (with R a multiple of RANK_STEP, which Triton's divisibility hint on rank_size tells
+    # it, the cut below is constant over each run and the loads still vectorise)
+    ok = ok[:, None] & (r < rank_size)
+    sel = (slot[:, None, None] == run_slot[None, :, None]) & ok[None, :, :]
+    t_ptrs = inter_ptr + pair[:, None, None] * stride_im + r[None, :, :] * stride_ir
     b_ptrs = (
         b_ptr
-        + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
-        + offs_n[None, :] * stride_bn
-        + lane_r[:, None] * stride_br
+        + run_slot[:, None, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
+        + r[:, :, None] * stride_br
+        + offs_n[None, None, :] * stride_bn
     )
-    b_mask = ok[:, None] & n_mask[None, :]
-    t_g = tl.load(t_ptrs, mask=sel, other=0.0)
-    b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    b_mask = ok[:, :, None] & n_mask[None, None, :]
+    t_shape: tl.constexpr = (acc_g.shape[0], DOT_LANES)
+    b_shape: tl.constexpr = (DOT_LANES, acc_g.shape[1])
+    t_g = tl.reshape(tl.load(t_ptrs, mask=sel, other=0.0), t_shape)
+    b_g = tl.reshape(tl.load(b_ptrs, mask=b_mask, other=0.0), b_shape)
     if TWO_PARTS:
-        t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
-        b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
+        t_u = tl.reshape(tl.load(t_ptrs + stride_is, mask=sel, other=0.0), t_shape)
+        b_u = tl.reshape(tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0), b_shape)
         acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
         acc_u = expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
     else:
