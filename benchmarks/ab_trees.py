@@ -64,7 +64,20 @@ def _tree_api():
     return CASES, build_experts, build_inputs, build_lora, time_graph
 
 
-def worker(suite: str, model_name: str | None, device: str) -> None:
+def _bank(model, case, device, build_lora):
+    """The case's bank with every slot at the case's rank (as the vLLM peer's), where the
+    tree builds banks of given ranks (build_bank, since real ranks); before that, the
+    tree's build_lora, whose padded slots cost the full rank there anyway."""
+    try:
+        from moelora.inputs import build_bank
+    except ImportError:
+        return build_lora(model, case.adapters, case.rank, device)
+    return build_bank(model, [case.rank] * case.adapters, case.rank, device)
+
+
+def worker(
+    suite: str, model_name: str | None, device: str, adapters: int | None, rank: int | None
+) -> None:
     """Serve measurements: a JSON line {"T", "lora", "iters"} in, {"ms", "ok", "rel_err"} out.
     The replies go to the original stdout; anything else printed goes to stderr (the log)."""
     reply = os.fdopen(os.dup(1), "w")
@@ -80,6 +93,9 @@ def worker(suite: str, model_name: str | None, device: str) -> None:
     cases = {c.tokens: c for c in CASES[suite]}
     if model_name:  # another model at the suite's T (the --device cpu smoke test)
         cases = {t: dataclasses.replace(c, model=model_name) for t, c in cases.items()}
+    if adapters or rank:  # another LoRA configuration at the suite's T
+        change = {k: v for k, v in (("adapters", adapters), ("rank", rank)) if v}
+        cases = {t: dataclasses.replace(c, **change) for t, c in cases.items()}
     model = resolve_model(next(iter(cases.values())).model)
     experts = build_experts(model, device)
     woi = model.routing.method.weights_on_input
@@ -96,7 +112,7 @@ def worker(suite: str, model_name: str | None, device: str) -> None:
             from moelora.backends.registry import REGISTRY
 
             backend = REGISTRY["triton"]
-        bank = build_lora(model, case.adapters, case.rank, device) if req["lora"] else None
+        bank = _bank(model, case, device, build_lora) if req["lora"] else None
         sets = [build_inputs(model, case.tokens, case.adapters, device, s) for s in range(INPUT_SETS)]  # fmt: skip
         for s in sets:  # token t -> slot t % L, as moelora bench and the vLLM peer
             s[3].copy_(torch.arange(case.tokens, device=device) % case.adapters)
@@ -131,6 +147,8 @@ class Worker:
         env = {**os.environ, "PYTHONPATH": tree, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--suite", args.suite]
         cmd += ["--device", args.device] + (["--model", args.model] if args.model else [])
+        cmd += ["--adapters", str(args.adapters)] if args.adapters else []
+        cmd += ["--rank", str(args.rank)] if args.rank else []
         self.side = side
         self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
@@ -202,10 +220,13 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--model", default=None, help="another model at the suite's T")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the plumbing only")
+    p.add_argument("--adapters", type=int, default=None, help="LoRA slots L (the suite's)")
+    p.add_argument("--rank", type=int, default=None, help="every slot's rank (the suite's)")
+    p.add_argument("--modes", default="base,lora", help="base (LoRA-free), lora, or both")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.suite, args.model, args.device)
+        worker(args.suite, args.model, args.device, args.adapters, args.rank)
         return 0
     if not args.base or not os.path.isdir(os.path.join(args.base, "moelora")):
         p.error(f"--base {args.base}: no moelora/ there (see scripts/gpu_ab_refactor.sh)")
@@ -229,7 +250,7 @@ def main() -> int:
         print(f"workers ready in {time.time() - start:.0f} s", flush=True)
         order = ["new", "base", "base", "new", "new", "base"] * args.reps
         for t in tokens:
-            for lora in (False, True):
+            for lora in [m == "lora" for m in args.modes.split(",")]:
                 for side in order[: 2 * args.reps]:
                     got = workers[side].measure(t, lora, args.iters)
                     samples.append(dict(T=t, lora=lora, side=side, **got))

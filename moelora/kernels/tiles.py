@@ -225,29 +225,29 @@ def _expand_dot_runs(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """One expand dot of lora_expand over the runs (run_slot, r0) where ok: the operands
-    are loaded as [.., runs, RANK_STEP] tiles (RANK_STEP consecutive columns each) and
-    reshaped to the dot's DOT_LANES lanes."""
-    r = r0[:, None] + tl.arange(0, RANK_STEP)[None, :]  # [G, RANK_STEP] rank columns
-    # (with R a multiple of RANK_STEP, which Triton's divisibility hint on rank_size tells
-    # it, the cut below is constant over each run and the loads still vectorise)
-    ok = ok[:, None] & (r < rank_size)
-    sel = (slot[:, None, None] == run_slot[None, :, None]) & ok[None, :, :]
-    t_ptrs = inter_ptr + pair[:, None, None] * stride_im + r[None, :, :] * stride_ir
+    """One expand dot of lora_expand over the runs (run_slot, r0) where ok: the dot's
+    DOT_LANES lanes are the runs' RANK_STEP consecutive columns each, laid out as a
+    [runs, RANK_STEP] grid of offsets flattened to the lanes (so the compiler sees the
+    contiguous columns and vectorises the loads), columns past R = rank_size cut."""
+    cols = r0[:, None] + tl.arange(0, RANK_STEP)[None, :]  # [G, RANK_STEP]
+    runs: tl.constexpr = DOT_LANES // RANK_STEP
+    lane_r = tl.reshape(cols, (DOT_LANES,))
+    lane_slot = tl.reshape(tl.broadcast_to(run_slot[:, None], (runs, RANK_STEP)), (DOT_LANES,))
+    lane_ok = tl.reshape(ok[:, None] & (cols < rank_size), (DOT_LANES,))
+    sel = (slot[:, None] == lane_slot[None, :]) & lane_ok[None, :]
+    t_ptrs = inter_ptr + pair[:, None] * stride_im + lane_r[None, :] * stride_ir
     b_ptrs = (
         b_ptr
-        + run_slot[:, None, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
-        + r[:, :, None] * stride_br
-        + offs_n[None, None, :] * stride_bn
+        + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
+        + offs_n[None, :] * stride_bn
+        + lane_r[:, None] * stride_br
     )
-    b_mask = ok[:, :, None] & n_mask[None, None, :]
-    t_shape: tl.constexpr = (acc_g.shape[0], DOT_LANES)
-    b_shape: tl.constexpr = (DOT_LANES, acc_g.shape[1])
-    t_g = tl.reshape(tl.load(t_ptrs, mask=sel, other=0.0), t_shape)
-    b_g = tl.reshape(tl.load(b_ptrs, mask=b_mask, other=0.0), b_shape)
+    b_mask = lane_ok[:, None] & n_mask[None, :]
+    t_g = tl.load(t_ptrs, mask=sel, other=0.0)
+    b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
     if TWO_PARTS:
-        t_u = tl.reshape(tl.load(t_ptrs + stride_is, mask=sel, other=0.0), t_shape)
-        b_u = tl.reshape(tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0), b_shape)
+        t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
+        b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
         acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
         acc_u = expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
     else:
