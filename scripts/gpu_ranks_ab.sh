@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 call for issue 19's real-rank kernels: a same-run A/B of this tree against
+# One H200 call for issue 19's real-rank kernels: scripts/gpu_ranks_check.py, a same-run A/B of this tree against
 # 83b9b60 (the kernels before real ranks; benchmarks/ab_trees.py, every slot at the case's
 # rank in both trees, measurements alternated new, base, base, new) at 8 x 16 (T = 256,
 # 4096, 16384, LoRA-free and +LoRA), 64 x 16 and 8 x 128 (T = 4096, +LoRA); then the
@@ -19,6 +19,11 @@ PY=${PYTHON:-python3}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   echo "this tree: ${MOELORA_COMMIT:-unknown}; base: 83b9b60 (.ab_base)"; } > "$W/gpu.txt" 2>&1
+# the real-rank kernels against the reference, garbage past each slot's rank (CHECK_S: 0 skips)
+if [ "${CHECK_S:-110}" -gt 0 ]; then
+  timeout "${CHECK_S:-110}" $PY scripts/gpu_ranks_check.py > "$W/ranks_check.log" 2>&1
+  echo "ranks check exit: $?"; tail -n 1 "$W/ranks_check.log"; grep FAIL "$W/ranks_check.log" | head
+fi
 ab() {  # ab NAME ARGS...: one A/B into $W/NAME
   timeout "${AB_S:-150}" $PY -m benchmarks.ab_trees --base .ab_base --out "$W/$1" \
     --suite qwen3 --reps "${REPS:-2}" --iters "${ITERS:-30}" "${@:2}" > "$W/$1.log" 2>&1
@@ -30,7 +35,8 @@ ab ab_8x128 --tokens 4096 --adapters 8 --rank 128 --modes lora
 timeout "${BENCH_S:-150}" $PY -m moelora bench --suite lora-sweep --iters "${ITERS:-30}" \
   --json "$W/sweep.json" > "$W/bench.log" 2>&1
 echo "bench exit: $?"
-for entry in ${PEERS:-"8x64:4096,16384 8x256:256,4096"}; do
+PEERS=${PEERS:-"8x64:4096,16384 8x256:256,4096"}
+for entry in $PEERS; do
   config=${entry%%:*}; tokens=${entry#*:}; L=${config%%x*}; R=${config#*x}
   timeout "${PEER_S:-60}" $PY .peer/vllm_moe_lora_bench.py --max-loras "$L" --rank "$R" \
     --tokens "$tokens" --iters 30 --warmup 5 --check-max-tokens 4096 \

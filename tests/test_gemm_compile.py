@@ -24,16 +24,16 @@ from moelora.tiling.config import GemmTiles, TileConfig
 
 # the config every variant changes: the BLOCK_M 128 heuristic tiles, z in the sorted order
 BASE = TileConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), z_sorted=True)
-RANK, SLOTS = 16, 8  # LoRA on: 8 slots (BLOCK_L 8), 32-lane expand dots (2 slots of rank 16)
+RANK, SLOTS = 16, 8  # LoRA on: BLOCK_R 16, 2 slots per 32-lane expand dot, BLOCK_L 8
 # the constexprs each kernel is launched with from BASE (with the expert biases)
 BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEIGHT_INPUT=False,
                Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, W_TMA=False, BLOCK_M=128,
                BLOCK_N=128,
-               BLOCK_K=64, BLOCK_L=8, DOT_LANES=32, GROUP_M=8, UPCAST=False, IEEE=False,
+               BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8, UPCAST=False, IEEE=False,
                PDL=False)  # fmt: skip
 BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=False,
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
-                 BLOCK_N=256, BLOCK_K=64, BLOCK_L=8, DOT_LANES=32, GROUP_M=8,
+                 BLOCK_N=256, BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
                  UPCAST=False, IEEE=False, PDL=False)  # fmt: skip
 KERNELS = {"up": ("_expert_up_kernel", BASE_UP), "down": ("_expert_down_kernel", BASE_DOWN)}
 
@@ -48,7 +48,7 @@ class Variant(NamedTuple):
     lora: bool = True
 
 
-NO_LORA = dict(HAS_LORA=False, BLOCK_L=1, DOT_LANES=16)  # unused lanes
+NO_LORA = dict(HAS_LORA=False, BLOCK_L=1, SLOTS_PER_DOT=1)  # one (unused) slot per dot
 VARIANTS = {
     ("up", "default"): Variant({}, {}),
     ("up", "half-tail"): Variant(dict(half_tail=1), dict(TAIL_VARIANTS=2)),

@@ -92,7 +92,8 @@ def _expert_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_L: tl.constexpr,
-    DOT_LANES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -173,7 +174,7 @@ def _expert_down_kernel(
                         acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
                         stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
                         num_slots, offs_n, n_mask, ranks_ptr, rank_size, lora_n_offset,
-                        lora_n_size, HAS_LORA, DELTA, BLOCK_L, DOT_LANES, UPCAST, IEEE,
+                        lora_n_size, HAS_LORA, DELTA, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE,
                         EXPAND_FIRST,
                     )  # fmt: skip
             if HAS_BIAS:
@@ -220,7 +221,8 @@ def _down_lora(
     HAS_LORA: tl.constexpr,
     DELTA: tl.constexpr,
     BLOCK_L: tl.constexpr,
-    DOT_LANES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
@@ -240,7 +242,7 @@ def _down_lora(
             acc, _ = lora_expand(
                 acc, acc, inter_ptr, stride_im, 0, stride_ir, pair, slot, num_slots, b_ptr,
                 stride_ll, 0, stride_ln, stride_lr, tl.where(b_mask, offs_b, 0), b_mask,
-                ranks_ptr, rank_size, BLOCK_L, DOT_LANES, False, UPCAST, IEEE, PIPELINED,
+                ranks_ptr, rank_size, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, False, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc
 
@@ -314,7 +316,7 @@ def expert_down(
         out = sum_into
     elif out is None:
         out = workspace(num_pairs, hidden, dtype=z.dtype, device=z.device)
-    ranks, dot_lanes = expand_lanes_of(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 3)
+    ranks, block_r, per_dot = expand_lanes_of(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 3)
     dummy = z  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(z)
     block_m = aligned.block_m
@@ -381,7 +383,8 @@ def expert_down(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_L=next_pow2(lora_b.shape[0]) if has_lora else 1,
-        DOT_LANES=dot_lanes,
+        BLOCK_R=block_r,
+        SLOTS_PER_DOT=per_dot,
         GROUP_M=gemm.group_m,
         UPCAST=upcast,
         IEEE=ieee,

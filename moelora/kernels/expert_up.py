@@ -98,7 +98,8 @@ def _expert_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_L: tl.constexpr,
-    DOT_LANES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
@@ -183,7 +184,7 @@ def _expert_up_kernel(
                         acc_g, acc_u, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr,
                         stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
                         stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask,
-                        ranks_ptr, rank_size, HAS_LORA, DELTA, GATED, BLOCK_L, DOT_LANES, UPCAST,
+                        ranks_ptr, rank_size, HAS_LORA, DELTA, GATED, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST,
                         IEEE, EXPAND_FIRST,
                     )  # fmt: skip
             if WEIGHT_INPUT:
@@ -235,7 +236,8 @@ def _up_lora(
     DELTA: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_L: tl.constexpr,
-    DOT_LANES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
@@ -252,7 +254,7 @@ def _up_lora(
             acc_g, acc_u = lora_expand(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                 num_slots, b_ptr, stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask,
-                ranks_ptr, rank_size, BLOCK_L, DOT_LANES, GATED, UPCAST, IEEE, PIPELINED,
+                ranks_ptr, rank_size, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc_g, acc_u
 
@@ -310,7 +312,7 @@ def expert_up(
         out = workspace(z_rows, inter_size, dtype=x.dtype, device=x.device)
     check_shape("z", out, (z_rows, inter_size))
     swiglu = activation is Activation.SWIGLUOAI
-    ranks, dot_lanes = expand_lanes_of(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 4)
+    ranks, block_r, per_dot = expand_lanes_of(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 4)
     dummy = x  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(x)
     use_tma = gemm.tma and not swiglu and tma_box_ok(w13, (1, block_n, block_k))
@@ -379,7 +381,8 @@ def expert_up(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_L=next_pow2(lora_b.shape[0]) if has_lora else 1,
-        DOT_LANES=dot_lanes,
+        BLOCK_R=block_r,
+        SLOTS_PER_DOT=per_dot,
         GROUP_M=gemm.group_m,
         UPCAST=upcast,
         IEEE=ieee,

@@ -36,7 +36,7 @@ from .checks import check_dtype_match, check_shape, precision_flags, workspace
 from .lora_delta import expand_tile
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import RANK_STEP, lora_tile, mma
+from .tiles import RANK_STEP, lora_tile, max_width, mma
 
 
 @triton.jit
@@ -107,6 +107,7 @@ def _lora_shrink_kernel(
     ranks_ptr,
     rank_offset,
     r_size,
+    num_slots,
     k_dim,
     k_chunk,
     stride_im,
@@ -134,6 +135,8 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PARTS_PER_PROG: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    FILL_BLOCK: tl.constexpr,
     SPLIT: tl.constexpr,
     ROWS_SORTED: tl.constexpr,
     EXPAND: tl.constexpr,
@@ -153,14 +156,20 @@ def _lora_shrink_kernel(
     k_end = tl.minimum(k_start + k_chunk, k_dim)
     # grid dimension 1: (rank chunk, part group). In this A's columns (a rank shard from
     # rank_offset under fully sharded LoRA): [0, rank) are the slot's, [rank, width) are
-    # written as zeros (its width: the real rank rounded up to RANK_STEP, which the expand
-    # reads), and a chunk past the width is idle.
+    # written as zeros, and a chunk past the width is idle. The width: the real rank
+    # rounded up to RANK_STEP (what the decode and delta expands read), or with FILL_BLOCK
+    # the widest slot's rounded up to FILL_BLOCK (what the in-GEMM expand's passes read).
     r0 = (tl.program_id(1) // part_groups) * BLOCK_R
     real = tl.load(ranks_ptr + slot)
     rank = real - rank_offset
-    width = tl.minimum((real + RANK_STEP - 1) // RANK_STEP * RANK_STEP - rank_offset, r_size)
+    width = (real + RANK_STEP - 1) // RANK_STEP * RANK_STEP
+    if FILL_BLOCK > 0:
+        width = tl.cdiv(max_width(ranks_ptr, num_slots, BLOCK_L), FILL_BLOCK) * FILL_BLOCK
+    width = tl.minimum(width - rank_offset, r_size)
     if r0 >= width:
         return
+    if r0 >= rank:  # zeros only: no K steps
+        k_end = k_start
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
     if ROWS_SORTED:  # input rows in the sorted order (z of a z_sorted up GEMM)
         row = offs_m.to(tl.int64)
@@ -246,6 +255,7 @@ def lora_shrink(
     ranks: torch.Tensor | None = None,
     rank_offset: int = 0,
     tile_rank: int | None = None,
+    fill_block: int = 0,
     pdl: bool = False,
 ) -> torch.Tensor:
     """inp: x [T, H] (rows "tokens"), z [P, I] (rows "pairs") or z [P_pad, I] in the sorted
@@ -263,7 +273,9 @@ def lora_shrink(
     real rank r; the intermediate's columns [r, width) of its rows are written as zeros
     (width: r rounded up to RANK_STEP, what the expand reads), those past the width left
     unwritten (zero with split-K). rank_offset: lora_a holds the rank columns from there
-    on (fully sharded LoRA's shard). tile_rank: the rank the chunks are sized for (None: R)."""
+    on (fully sharded LoRA's shard). tile_rank: the rank the chunks are sized for (None: R).
+    fill_block > 0: every row's zeros go on up to the widest slot's width rounded up to
+    it (the in-GEMM expand's BLOCK_R: its passes read that far for every slot)."""
     if aligned.lora_tiles is None:
         raise InputError(
             "aligned", "pairs aligned without LoRA tiles", "align_pairs(..., lora_tile_m > 0)"
@@ -322,6 +334,7 @@ def lora_shrink(
         ranks_ptr=ranks,
         rank_offset=rank_offset,
         r_size=rank,
+        num_slots=a5.shape[0],
         k_dim=k_dim,
         k_chunk=k_chunk,
         stride_im=inp.stride(0),
@@ -349,6 +362,8 @@ def lora_shrink(
         BLOCK_K=block_k,
         BLOCK_R=block_r,
         PARTS_PER_PROG=per_prog,
+        BLOCK_L=triton.next_power_of_2(max(1, a5.shape[0])),
+        FILL_BLOCK=fill_block,
         SPLIT=split > 1,
         ROWS_SORTED=rows == "sorted",
         EXPAND=b5 is not None,

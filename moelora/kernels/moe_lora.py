@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import MoEShape
+from ..tiling.geometry import expand_rank_block
 from ..tiling.plan import ForwardPlan, LoRAPath, TopKSum
 from ..weights import ExpertWeights, LoRABank
 from .align import AlignedPairs, align_pairs
@@ -233,11 +234,16 @@ def _lora_side(
         pdl=plan.pdl,
     )
     ranks = c.lora.ranks
+    # the in-GEMM expand's passes read every slot's intermediate up to one block of columns
+    # past the widest slot: the shrink writes zeros that far (the delta expands read less)
+    fill = 0 if plan.lora is LoRAPath.DELTA else expand_rank_block(c.lora.tile_rank)
     if plan.delta_by_shrink:
         # no collective between shrink and expand: the plan takes DELTA only unsharded
         assert collect is None, "shrink_expand needs whole intermediates"
         return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, ranks=ranks, **kw)
-    inter = lora_shrink(inp, lora_a, aligned, ranks=ranks, rank_offset=rank_offset, **kw)
+    inter = lora_shrink(
+        inp, lora_a, aligned, ranks=ranks, rank_offset=rank_offset, fill_block=fill, **kw
+    )
     if collect is not None:
         inter = collect(inter)
     if plan.lora is not LoRAPath.DELTA:

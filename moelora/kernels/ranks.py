@@ -1,13 +1,13 @@
 """Each slot's real rank as the kernels read it: the [L] int32 rank vector of the bank
 (weights.LoRABank.ranks), checked, or every slot at the factors' R when a caller of a
-launcher passes none; and the K lanes of one in-GEMM expand dot. No policy."""
+launcher passes none; and the lanes of the in-GEMM expand dots. No policy."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import InputError
-from ..tiling.geometry import expand_dot_lanes
+from ..tiling.geometry import expand_rank_block, slots_per_dot
 from .checks import check_shape
 
 
@@ -39,10 +39,12 @@ def expand_lanes_of(
     tile_rank: int | None,
     lanes: int,
     rank_dim: int,
-) -> tuple[torch.Tensor | None, int]:
-    """(ranks as slot_ranks gives them, K lanes of one expand dot for a bank keyed on
-    tile_rank, None: the factor's R); (None, 16) without LoRA."""
+) -> tuple[torch.Tensor | None, int, int]:
+    """(ranks as slot_ranks gives them, BLOCK_R and slots per dot of the in-GEMM expand for
+    a bank keyed on tile_rank (None: the factor's R) with `lanes` K lanes per dot);
+    (None, 16, 1) without LoRA."""
     if lora_b is None:
-        return None, 16
-    key = lora_b.shape[rank_dim] if tile_rank is None else tile_rank
-    return slot_ranks(lora_b, ranks, rank_dim), expand_dot_lanes(key, lora_b.shape[0], lanes)
+        return None, 16, 1
+    block_r = expand_rank_block(lora_b.shape[rank_dim] if tile_rank is None else tile_rank)
+    per_dot = slots_per_dot(lora_b.shape[0], block_r, lanes)
+    return slot_ranks(lora_b, ranks, rank_dim), block_r, per_dot

@@ -101,25 +101,12 @@ def expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def slot_runs(ranks_ptr, num_slots, BLOCK_L: tl.constexpr):
-    """The packed rank lanes of the bank, in runs of RANK_STEP lanes: slot s owns the runs
-    [end[s] - runs[s], end[s]), runs[s] = its real rank / RANK_STEP rounded up (0 for an
-    empty slot). -> (offs_l [BLOCK_L] slot ids, runs, end); slots >= num_slots own none."""
+def max_width(ranks_ptr, num_slots, BLOCK_L: tl.constexpr):
+    """The largest slot width of the bank: a real rank rounded up to RANK_STEP (0 when
+    every slot is empty)."""
     offs_l = tl.arange(0, BLOCK_L)
     r = tl.load(ranks_ptr + offs_l, mask=offs_l < num_slots, other=0)
-    runs = (r + RANK_STEP - 1) // RANK_STEP
-    return offs_l, runs, tl.cumsum(runs, axis=0)
-
-
-@triton.jit
-def run_map(run, run_hi, runs, end):
-    """For runs `run` [G]: (slot, r0, ok): the slot owning the run, the run's first rank
-    column (a multiple of RANK_STEP by construction, which lets the loads over its
-    RANK_STEP consecutive columns vectorise) and ok = below run_hi."""
-    before = end[None, :] <= run[:, None]  # [G, BLOCK_L]: slots wholly before the run
-    run_slot = tl.sum(before.to(tl.int32), axis=1)
-    r0 = (run - tl.sum(tl.where(before, runs[None, :], 0), axis=1)) * RANK_STEP
-    return run_slot, r0, run < run_hi
+    return tl.max((r + RANK_STEP - 1) // RANK_STEP * RANK_STEP, axis=0)
 
 
 @triton.jit
@@ -143,64 +130,72 @@ def lora_expand(
     ranks_ptr,
     rank_size,
     BLOCK_L: tl.constexpr,
-    DOT_LANES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
 ):
-    """acc [BLOCK_M, BLOCK_N] += per row: inter[pair, :r] (fp32) @ B[slot, :, :r]^T, r the
-    slot's real rank (ranks_ptr; rank_size: the factors' R, which a width past it is cut
-    to), for the gate part into acc_g and (TWO_PARTS) the up part
-    into acc_u.
+    """acc [BLOCK_M, BLOCK_N] += per row: inter[pair] (fp32) @ B[slot]^T over the slot's
+    rank, for the gate part into acc_g and (TWO_PARTS) the up part into acc_u.
 
-    The K lanes of the dots are the bank's packed rank lanes (slot_runs): each slot owns
-    its real rank rounded up to RANK_STEP, so an R = 128 bank of rank-8 adapters costs what
-    an R = 16 bank does, and an empty slot costs nothing. One dot covers DOT_LANES
-    consecutive lanes (DOT_LANES / RANK_STEP runs) of the slots [first, last] that the
-    block's rows use; a row's A operand holds its intermediate in its own slot's lanes and
-    zeros elsewhere, and the B operand stacks those lanes' B columns, so the loads of a dot
-    are one round trip for every slot it covers. PIPELINED (expand_first): no per-dot skip
-    (a branch in the loop body stops Triton's software pipelining), so the loads are issued
-    stages ahead of their dots; a dot without rows adds zeros. On both paths a dot loads B
-    for every slot whose lanes it covers, used by a row of the block or not, and multiplies
-    zeros there, and a slot's columns [r, its width) meet a zero intermediate (the shrink
-    writes zeros up to the width): the bank must be finite there (weights.LoRABank);
-    columns past a slot's width are never loaded. Masking B by slot use measured 4-9%
-    slower with LoRA on the H200 (1504b23: T = 4096 0.930 -> 1.016 ms).
+    One dot covers SLOTS_PER_DOT slots and BLOCK_R rank columns of each: its K lanes are
+    (slot, r) pairs; a row's A operand holds its intermediate in its own slot's lanes and
+    zeros elsewhere, and the B operand stacks those slots' B columns. So the loads of a
+    group are one round trip (all its slots' B tiles at once, both parts) instead of one
+    per slot, at the price of dot lanes for slots absent from the block; groups with no row
+    in the block are skipped. BLOCK_R comes from the bank's tile rank (the largest real
+    rank loaded), so an R = 128 bank of rank-8 adapters runs the lanes of an R = 16 bank;
+    each group runs `passes` dots of BLOCK_R columns, enough for the widest slot of the
+    bank (one when the tile rank is current; none when every slot is empty), columns past
+    R = rank_size cut. The columns are the same for every lane of a slot, so the loads stay
+    vectorised: a slot's columns past its rank meet an intermediate the shrink wrote as
+    zeros (lora_shrink's fill_block), and B there is multiplied by them (the bank must be
+    finite everywhere, weights.LoRABank). PIPELINED (expand_first): one flat loop over
+    (group, pass) with no per-group skip (a branch in the loop body stops Triton's software
+    pipelining), so the loads are issued stages ahead of their dots; an absent group's t
+    loads are masked off and its dots add zeros. On both paths a group's B lanes are
+    loaded for each of its slots below num_slots, used by a row of the block or not, and
+    multiply zeros there. Masking B by slot use measured 4-9% slower with LoRA on the H200
+    (1504b23: T = 4096 0.930 -> 1.016 ms).
     inter_ptr is at part 0 (part stride stride_is); b_ptr at (slot 0, expert, part 0)."""
-    offs_l, runs, end = slot_runs(ranks_ptr, num_slots, BLOCK_L)
+    passes = tl.cdiv(max_width(ranks_ptr, num_slots, BLOCK_L), BLOCK_R)
+    offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
+    q_slot = offs_q // BLOCK_R
+    q_r = offs_q % BLOCK_R
     has = slot >= 0
     first = tl.min(tl.where(has, slot, num_slots), axis=0)
     last = tl.max(slot, axis=0)  # -1 when no row of the block has an adapter
-    run_lo = tl.sum(tl.where(offs_l < first, runs, 0), axis=0)
-    run_hi = tl.sum(tl.where(offs_l <= last, runs, 0), axis=0)
-    offs_g = tl.arange(0, DOT_LANES // RANK_STEP)
+    g_lo = first // SLOTS_PER_DOT
+    g_hi = tl.where(last >= 0, last // SLOTS_PER_DOT, -1)
     if PIPELINED:
-        for g0 in tl.range(run_lo, run_hi, DOT_LANES // RANK_STEP, num_stages=2):
-            run_slot, r0, ok = run_map(g0 + offs_g, run_hi, runs, end)
-            acc_g, acc_u = _expand_dot_runs(
-                acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, b_ptr,
-                stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, run_slot, r0, ok,
-                rank_size, DOT_LANES, TWO_PARTS, UPCAST, IEEE,
+        for i in tl.range(0, (g_hi + 1 - g_lo) * passes, num_stages=2):
+            g = g_lo + i // passes
+            cols = q_r + (i % passes) * BLOCK_R
+            acc_g, acc_u = _expand_group(
+                acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, num_slots,
+                b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, q_slot, cols,
+                cols < rank_size, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE,
             )  # fmt: skip
     else:
-        for g0 in range(run_lo, run_hi, DOT_LANES // RANK_STEP):
-            run_slot, r0, ok = run_map(g0 + offs_g, run_hi, runs, end)
-            s_lo = tl.min(tl.where(ok, run_slot, num_slots), axis=0)
-            s_hi = tl.max(tl.where(ok, run_slot, -1), axis=0)
-            in_dot = has & (slot >= s_lo) & (slot <= s_hi)
-            if tl.max(in_dot.to(tl.int32), axis=0) > 0:
-                acc_g, acc_u = _expand_dot_runs(
-                    acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, b_ptr,
-                    stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, run_slot, r0,
-                    ok, rank_size, DOT_LANES, TWO_PARTS, UPCAST, IEEE,
+        # one flat loop too (a nested pass loop would be software-pipelined on its own,
+        # multi-buffering its loads: 640 KB of shared memory in the sm_90 compile)
+        for i in range(0, (g_hi + 1 - g_lo) * passes):
+            s0 = (g_lo + i // passes) * SLOTS_PER_DOT
+            in_group = has & (slot >= s0) & (slot < s0 + SLOTS_PER_DOT)
+            if tl.max(in_group.to(tl.int32), axis=0) > 0:
+                cols = q_r + (i % passes) * BLOCK_R
+                acc_g, acc_u = _expand_group(
+                    acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
+                    num_slots, b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n,
+                    n_mask, q_slot, cols, cols < rank_size, s0, TWO_PARTS, UPCAST, IEEE,
                 )  # fmt: skip
     return acc_g, acc_u
 
 
 @triton.jit
-def _expand_dot_runs(
+def _expand_group(
     acc_g,
     acc_u,
     inter_ptr,
@@ -209,6 +204,7 @@ def _expand_dot_runs(
     stride_ir,
     pair,
     slot,
+    num_slots,
     b_ptr,
     stride_bl,
     stride_bs,
@@ -216,33 +212,25 @@ def _expand_dot_runs(
     stride_br,
     offs_n,
     n_mask,
-    run_slot,
-    r0,
-    ok,
-    rank_size,
-    DOT_LANES: tl.constexpr,
+    q_slot,
+    q_r,
+    q_ok,
+    s0,
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """One expand dot of lora_expand over the runs (run_slot, r0) where ok: the dot's
-    DOT_LANES lanes are the runs' RANK_STEP consecutive columns each, laid out as a
-    [runs, RANK_STEP] grid of offsets flattened to the lanes (so the compiler sees the
-    contiguous columns and vectorises the loads), columns past R = rank_size cut."""
-    cols = r0[:, None] + tl.arange(0, RANK_STEP)[None, :]  # [G, RANK_STEP]
-    runs: tl.constexpr = DOT_LANES // RANK_STEP
-    lane_r = tl.reshape(cols, (DOT_LANES,))
-    lane_slot = tl.reshape(tl.broadcast_to(run_slot[:, None], (runs, RANK_STEP)), (DOT_LANES,))
-    lane_ok = tl.reshape(ok[:, None] & (cols < rank_size), (DOT_LANES,))
-    sel = (slot[:, None] == lane_slot[None, :]) & lane_ok[None, :]
-    t_ptrs = inter_ptr + pair[:, None] * stride_im + lane_r[None, :] * stride_ir
+    """One expand dot of lora_expand: the slots [s0, s0 + SLOTS_PER_DOT), columns q_r."""
+    lane_slot = s0 + q_slot
+    sel = (slot[:, None] == lane_slot[None, :]) & q_ok[None, :]
+    t_ptrs = inter_ptr + pair[:, None] * stride_im + q_r[None, :] * stride_ir
     b_ptrs = (
         b_ptr
         + lane_slot[:, None].to(tl.int64) * stride_bl  # L*E*... can exceed 2**31
         + offs_n[None, :] * stride_bn
-        + lane_r[:, None] * stride_br
+        + q_r[:, None] * stride_br
     )
-    b_mask = lane_ok[:, None] & n_mask[None, :]
+    b_mask = (q_ok & (lane_slot < num_slots))[:, None] & n_mask[None, :]
     t_g = tl.load(t_ptrs, mask=sel, other=0.0)
     b_g = tl.load(b_ptrs, mask=b_mask, other=0.0)
     if TWO_PARTS:

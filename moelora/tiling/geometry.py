@@ -12,8 +12,8 @@ EXPAND_BLOCK_N = 64
 SHRINK_STAGES = 3
 
 
-# Rank lanes a slot takes in the in-GEMM expand dots: its real rank rounded up to this (the
-# smallest K of a 16-bit tl.dot), so a slot's cost follows its rank, not the bank's R.
+# A slot's width: its real rank rounded up to this (the smallest K of a 16-bit tl.dot),
+# the columns its shrink computes and the kernels mask at.
 RANK_STEP = 16
 
 
@@ -47,10 +47,16 @@ def shrink_parts_per_program(parts: int, block_r: int) -> int:
     return parts if parts * block_r <= SHRINK_LANES else 1
 
 
+def expand_rank_block(tile_rank: int) -> int:
+    """BLOCK_R of the in-GEMM expand (and the block the shrink fills its zeros up to) for a
+    bank whose tile rank, the largest real rank loaded, is `tile_rank`."""
+    return rank_block(tile_rank)
+
+
 def expand_dot_lanes(rank: int, num_slots: int, lanes: int) -> int:
     """K lanes of one in-GEMM expand dot for a bank keyed on `rank` (its tile rank): the
     lanes of as many whole rank blocks as fit `lanes` (at least one)."""
-    block_r = rank_block(rank)
+    block_r = expand_rank_block(rank)
     return block_r * slots_per_dot(num_slots, block_r, lanes)
 
 
