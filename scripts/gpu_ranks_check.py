@@ -8,8 +8,8 @@ Banks: mixed ranks (8, 16, 64, 128) in R = 128; 8 rank-8 adapters in R = 128; ra
 64 slots of rank 16; 128 slots of ranks 8/16 with every other slot empty (rank 0).
 T: 1, 7, 64, 1024, 4096 (the reference on the first 1024 tokens).
 
-Run on a GPU machine from the repository root:  python3 scripts/gpu_ranks_check.py
-Prints one line per (bank, T, mode) and exits non-zero if any fails.
+Run on a GPU machine from the repository root:  python3 scripts/gpu_ranks_check.py [PIECE ...]
+(only the banks whose name contains one of the pieces, e.g. "rank 256"). Prints one line per (bank, T, mode) and exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def main() -> int:
     experts = build_experts(model, "cuda")
     backend = TritonBackend()
     failed = 0
+    pieces = sys.argv[1:]
     for name, (max_rank, ranks) in BANKS.items():
+        if pieces and not any(p in name for p in pieces):
+            continue
         torch.manual_seed(len(ranks) + max_rank)
         with torch.device("cuda"):
             clean = random_lora_bank(shape, len(ranks), max_rank, ranks=ranks, device="cuda")

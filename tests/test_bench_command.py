@@ -32,3 +32,20 @@ def test_a_refused_case_is_a_row_and_the_sweep_goes_on(monkeypatch) -> None:
     assert "lora.max_rank = 256" in rows[0]["refused"] and rows[0]["case"] == cases[0].id
     assert rows[1] == dict(case=cases[1].id, T=256, backend="triton")
     assert saved == [(1, False), (2, False)]
+
+
+def test_select_cases_by_tokens_and_id_pieces() -> None:
+    from moelora.bench.cases import CASES
+    from moelora.commands.bench import select_cases
+
+    sweep = CASES["lora-sweep"]
+    got = select_cases(sweep, None, "R=256,T=4096/L=8/R=128/ranks=8")
+    assert {c.id for c in got} == {
+        "qwen3-30b-a3b/T=256/L=8/R=256",
+        "qwen3-30b-a3b/T=4096/L=8/R=256",
+        "qwen3-30b-a3b/T=4096/L=8/R=128/ranks=8",
+        "qwen3-30b-a3b/T=4096/L=8/R=128/ranks=8,16,64,128,8,16,64,128",  # a piece, not a whole id
+    }
+    assert [c.id for c in select_cases(sweep, "256", "R=256")] == ["qwen3-30b-a3b/T=256/L=8/R=256"]
+    assert select_cases(sweep, None, None) == sweep
+    assert select_cases(sweep, "3", None) == []

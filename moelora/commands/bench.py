@@ -38,6 +38,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--tokens", default=None, help="comma-separated subset of the suite's T")
     p.add_argument(
+        "--cases",
+        default=None,
+        help="comma-separated pieces of case ids: only the cases whose id contains one "
+        "(e.g. R=256,T=4096/L=64/)",
+    )
+    p.add_argument(
         "--backends",
         default="triton",
         help="comma-separated backends to time (default triton; also grouped_mm, reference)",
@@ -86,6 +92,18 @@ def select_backend(name: str, case):
         oracle_log.setLevel(level)
 
 
+def select_cases(cases: list, tokens: str | None, pieces: str | None) -> list:
+    """The cases at the comma-separated T of `tokens` whose id contains one of the
+    comma-separated `pieces` (None: no filter)."""
+    if tokens:
+        keep = {int(t) for t in tokens.split(",")}
+        cases = [c for c in cases if c.tokens in keep]
+    if pieces:
+        wanted = [p for p in pieces.split(",") if p]
+        cases = [c for c in cases if any(p in c.id for p in wanted)]
+    return cases
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -101,10 +119,15 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.peer import peer_rows
     from ..bench.runner import dump, stamp
 
-    cases = CASES[args.suite]
-    if args.tokens:
-        keep = {int(t) for t in args.tokens.split(",")}
-        cases = [c for c in cases if c.tokens in keep]
+    cases = select_cases(CASES[args.suite], args.tokens, args.cases)
+    if not cases:
+        print(
+            f"moelora bench: no case of suite {args.suite!r} matches --tokens {args.tokens} "
+            f"--cases {args.cases}. Fix: `moelora bench --suite {args.suite}` without them "
+            "runs every case (ids in moelora/bench/cases.py)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     ceil = measure_ceilings()
     print(
         f"ceilings: copy {ceil.bandwidth / 1e12:.2f} TB/s, bf16 matmul "

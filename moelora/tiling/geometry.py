@@ -47,10 +47,16 @@ def shrink_parts_per_program(parts: int, block_r: int) -> int:
     return parts if parts * block_r <= SHRINK_LANES else 1
 
 
+# Widest BLOCK_R of the in-GEMM expand: wider ranks run as passes of this many columns
+# (rank 256 as one 256-lane dot took 8-9 ms at T = 256 / 4096 on the H200, 310c49a; the
+# tiles were tuned at ranks up to 128).
+EXPAND_MAX_BLOCK_R = 128
+
+
 def expand_rank_block(tile_rank: int) -> int:
     """BLOCK_R of the in-GEMM expand (and the block the shrink fills its zeros up to) for a
     bank whose tile rank, the largest real rank loaded, is `tile_rank`."""
-    return rank_block(tile_rank)
+    return min(rank_block(tile_rank), EXPAND_MAX_BLOCK_R)
 
 
 def expand_dot_lanes(rank: int, num_slots: int, lanes: int) -> int:
