@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moelora.backends.triton import TritonBackend  # noqa: E402
-from moelora.compare import compare  # noqa: E402
-from moelora.inputs import build_experts, build_inputs  # noqa: E402
-from moelora.presets import resolve_model  # noqa: E402
-from moelora.reference import moe_lora_reference  # noqa: E402
-from moelora.weights import LoRABank, random_lora_bank  # noqa: E402
+from moelora.backends.triton import TritonBackend
+from moelora.compare import compare
+from moelora.inputs import build_experts, build_inputs
+from moelora.presets import resolve_model
+from moelora.reference import moe_lora_reference
+from moelora.weights import LoRABank, random_lora_bank
 
 GARBAGE = 1e4  # large and finite in bf16 (1e30 overflows a bf16 product to inf)
 BANKS = {  # name: (max rank R, real rank of each slot)
