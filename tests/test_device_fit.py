@@ -324,10 +324,8 @@ SM90_CASES = {
 }
 # the launch compiled as picked too, where it overflows (so these cases need the fit, and
 # the compile test fails without it): fp32 expand 327736 bytes (fp32-T16384: 262144, not
-# compiled, 8 s), shrink 393216. The 16-bit pipelined expand over packed rank lanes
-# compiles to 197120 as picked (262144 over the slot groups before it), so it fits
-# without the fit, which still turns its expand_first off (its model is an upper bound).
-SM90_PICKED = {"fp32-T4096": UP, "fp32-T4096-shrink-k256": SHRINK}
+# compiled, 8 s), 16-bit expand 262144, shrink 393216
+SM90_PICKED = {"fp32-T4096": UP, "bf16-T4096": UP, "fp32-T4096-shrink-k256": SHRINK}
 SM90_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

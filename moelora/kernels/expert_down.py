@@ -23,7 +23,7 @@ from ..tiling.plan import GemmPlan
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok, workspace
 from .pdl import chain_point
-from .ranks import expand_lanes_of
+from .ranks import expand_layout
 from .tiles import (
     add_delta,
     block_rows,
@@ -316,7 +316,7 @@ def expert_down(
         out = sum_into
     elif out is None:
         out = workspace(num_pairs, hidden, dtype=z.dtype, device=z.device)
-    ranks, block_r, per_dot = expand_lanes_of(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 3)
+    ranks, block_r, per_dot = expand_layout(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 3)
     dummy = z  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(z)
     block_m = aligned.block_m

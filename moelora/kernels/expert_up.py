@@ -25,7 +25,7 @@ from .activation import act_code, apply_act
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, tma_box_ok, workspace
 from .pdl import chain_point
-from .ranks import expand_lanes_of
+from .ranks import expand_layout
 from .tiles import (
     add_delta,
     block_rows,
@@ -312,7 +312,7 @@ def expert_up(
         out = workspace(z_rows, inter_size, dtype=x.dtype, device=x.device)
     check_shape("z", out, (z_rows, inter_size))
     swiglu = activation is Activation.SWIGLUOAI
-    ranks, block_r, per_dot = expand_lanes_of(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 4)
+    ranks, block_r, per_dot = expand_layout(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 4)
     dummy = x  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(x)
     use_tma = gemm.tma and not swiglu and tma_box_ok(w13, (1, block_n, block_k))

@@ -271,8 +271,8 @@ def lora_shrink(
 
     ranks [L] int32 (LoRABank.ranks; None: every slot at R): a slot's programs stop at its
     real rank r; the intermediate's columns [r, width) of its rows are written as zeros
-    (width: r rounded up to RANK_STEP, what the expand reads), those past the width left
-    unwritten (zero with split-K). rank_offset: lora_a holds the rank columns from there
+    (width: r rounded up to RANK_STEP, what the delta and decode expands read), those past
+    the width left unwritten (zero with split-K). rank_offset: lora_a holds the rank columns from there
     on (fully sharded LoRA's shard). tile_rank: the rank the chunks are sized for (None: R).
     fill_block > 0: every row's zeros go on up to the widest slot's width rounded up to
     it (the in-GEMM expand's BLOCK_R: its passes read that far for every slot)."""

@@ -33,7 +33,7 @@ def slot_ranks(
     return ranks.contiguous()
 
 
-def expand_lanes_of(
+def expand_layout(
     lora_b: torch.Tensor | None,
     ranks: torch.Tensor | None,
     tile_rank: int | None,
