@@ -54,6 +54,52 @@ CASES = [
         {},
         dict(delta_in_reduce=True, down_gemm_lora=False),
     ),
+    # lora_stream: the down side on the DELTA path into the reduce, the gate/up side as set
+    (
+        "lora-stream",
+        {"lora_stream": True, "atomic_reduce": True},
+        {},
+        dict(
+            lora=LoRAPath.EXPAND,
+            down_lora=LoRAPath.DELTA,
+            delta_in_reduce=True,
+            down_gemm_lora=False,
+            lora_stream=True,
+            top_k_sum=TopKSum.REDUCE,
+        ),
+    ),
+    (
+        "lora-stream-delta",
+        {"lora_stream": True, "lora_delta": True},
+        {},
+        dict(lora=LoRAPath.DELTA, down_lora=LoRAPath.DELTA, lora_stream=True),
+    ),
+    # the interpreter runs the same kernels in order: no streams, same paths
+    (
+        "lora-stream-interpreted",
+        {"lora_stream": True},
+        dict(interpreted=True),
+        dict(down_lora=LoRAPath.DELTA, delta_in_reduce=True, lora_stream=False),
+    ),
+    # not under fully sharded LoRA (its all-reduce sits in the branch), not without LoRA
+    (
+        "lora-stream-sharded",
+        {"lora_stream": True},
+        dict(sharded=True),
+        dict(down_lora=LoRAPath.EXPAND, delta_in_reduce=False, lora_stream=False),
+    ),
+    (
+        "lora-stream-lora-free",
+        {"lora_stream": True},
+        dict(lora=False),
+        dict(down_lora=LoRAPath.NONE, lora_stream=False, down_gemm_lora=False),
+    ),
+    (
+        "lora-stream-decode",
+        {"lora_stream": True, "decode": True},
+        {},
+        dict(lora=LoRAPath.EXPAND, down_lora=LoRAPath.EXPAND, lora_stream=False),
+    ),
     # fully sharded: collectives sit between shrink and expand, so no lora_delta
     (
         "sharded-delta",

@@ -177,6 +177,15 @@ CASES = [
         lora_delta=True,
         delta_in_reduce=True,
     ),
+    # lora_stream: the down side on the DELTA path, its delta added by the reduce, with the
+    # gate/up side expanding in the GEMM (or on the DELTA path too); the CPU runs in order
+    Case("lora-stream", extra={"ls": True}),
+    Case("lora-stream-z-sorted-fp16", z_sorted=True, dtype=torch.float16, extra={"ls": True}),
+    Case("lora-stream-swigluoai-bias-drop", act=A.SWIGLUOAI, bias=True, drop_ids=True,
+         extra={"ls": True}),  # fmt: skip
+    Case("lora-stream-weights-on-input", top_k=1, weights_on_input=True, extra={"ls": True}),
+    Case("lora-stream-delta", lora_delta=True, extra={"ls": True}),
+    Case("lora-stream-rank-128", ranks=(128, 5, 64), max_rank=128, extra={"ls": True}),
     # the shrink programs expand their intermediate themselves (no delta launches)
     Case("shrink-expand", lora_delta=True, shrink_expand=True),
     # split_k 4 over 3 K chunks (H = 96) must be ignored: the delta needs the whole K
@@ -486,6 +495,7 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             expand_first=case.extra.get("ef", False),
             up_tma=case.extra.get("ut", False),
             atomic_reduce=case.extra.get("ar", False),
+            lora_stream=case.extra.get("ls", False),
         ),
         weights_on_input=case.weights_on_input,
     )
@@ -493,7 +503,8 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["aligned", "expand-first", "delta", "delta-in-reduce", "shrink-expand", "decode"]
+    "path",
+    ["aligned", "expand-first", "delta", "delta-in-reduce", "shrink-expand", "decode", "stream"],
 )
 def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
     """Slot -1 tokens in a mixed batch get bit-for-bit the base output, on every path."""
@@ -505,6 +516,7 @@ def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
         shrink_expand=path == "shrink-expand",
         decode=path == "decode",
         expand_first=path == "expand-first",
+        lora_stream=path == "stream",
     )
     mixed = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)
     base = fused_moe_lora(x, ids, weights, None, experts, None, shape, config=cfg)
@@ -535,10 +547,11 @@ def test_backend_add_inputs(mode: AddInputs, seed: int) -> None:
         {"decode": True},
         {"decode": True, "pdl": True},
         {"lora_delta": True, "delta_in_reduce": True},
+        {"lora_stream": True, "atomic_reduce": True},
         {"atomic_reduce": True},
         {"atomic_reduce": True, "_dtype": torch.float16},
     ],
-    ids=["decode", "decode-pdl", "delta-in-reduce", "atomic-fp32", "atomic-fp16"],
+    ids=["decode", "decode-pdl", "delta-in-reduce", "stream", "atomic-fp32", "atomic-fp16"],
 )
 def test_add_into_out(knobs: dict, seed: int) -> None:
     """The decode path's down kernel, the reduce with the delta and the atomic reduce

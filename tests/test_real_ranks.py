@@ -34,6 +34,7 @@ PATHS = {
     "expand-first": {"expand_first": True, "expand_lanes": 32},
     "split-k": {"shrink_split_k": 2},
     "delta": {"lora_delta": True},
+    "lora-stream": {"lora_stream": True},
     "delta-in-reduce": {"lora_delta": True, "delta_in_reduce": True},
     "shrink-expand": {"lora_delta": True, "shrink_expand": True},
     "atomic-reduce": {"atomic_reduce": True},

@@ -37,6 +37,7 @@ from .expert_down import expert_down
 from .expert_up import expert_up
 from .lora_delta import lora_delta
 from .lora_shrink import lora_shrink
+from .side_stream import side_stream
 from .topk_reduce import topk_reduce
 
 if TYPE_CHECKING:  # annotations only: parallel.py sits above the kernels
@@ -123,7 +124,8 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     if lora is not None:
         gather = None if c.comm is None else lambda t: _gather_parts(t, c.comm)
         inter13, delta13 = _lora_side(
-            plan, c, c.x, lora.w13_a, lora.w13_b, aligned, "tokens", gather, _rank_offset(c)
+            plan, c, c.x, lora.w13_a, lora.w13_b, aligned, "tokens", gather, _rank_offset(c),
+            plan.lora,
         )
     z = expert_up(
         c.x,
@@ -144,12 +146,21 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         tile_rank=lora.tile_rank if lora is not None else None,
         pdl=plan.pdl,
     )
-    inter2 = delta2 = None
-    if lora is not None:
-        reduce = None if c.comm is None else lambda t: c.comm.reduce_rank(t.view(t.shape[0], -1))
-        rows = "sorted" if plan.z_sorted else "pairs"
-        inter2, delta2 = _lora_side(plan, c, z, lora.w2_a, lora.w2_b, aligned, rows, reduce, 0)
-    return _down_and_sum(plan, c, z, aligned, inter2, delta2)
+    if lora is None:
+        return _down_and_sum(plan, c, z, aligned, None, None)
+    reduce = None if c.comm is None else lambda t: c.comm.reduce_rank(t.view(t.shape[0], -1))
+    rows = "sorted" if plan.z_sorted else "pairs"
+
+    def down_side():
+        return _lora_side(
+            plan, c, z, lora.w2_a, lora.w2_b, aligned, rows, reduce, 0, plan.down_lora
+        )
+
+    if plan.lora_stream:
+        with side_stream(z.device) as branch:
+            branch.run(down_side)  # z shrink + delta expand, beside the LoRA-free down GEMM
+            return _down_and_sum(plan, c, z, aligned, *branch.result, before_sum=branch.join)
+    return _down_and_sum(plan, c, z, aligned, *down_side())
 
 
 def _down_and_sum(
@@ -159,10 +170,12 @@ def _down_and_sum(
     aligned: AlignedPairs,
     inter2: torch.Tensor | None,
     delta2: torch.Tensor | None,
+    before_sum=None,
 ) -> torch.Tensor:
     """The down GEMM (with its LoRA term unless the reduce adds it), then the top-k sum:
     the GEMM's own atomic sum, or the reduce over o (adding the down delta with
-    delta_in_reduce)."""
+    delta_in_reduce). before_sum: called between the two (lora_stream: the join, after
+    which delta2 is ready)."""
     num_tokens, hidden = c.x.shape
     lora = c.lora if plan.down_gemm_lora else None
     acc = direct = None
@@ -190,6 +203,8 @@ def _down_and_sum(
         pdl=plan.pdl,
     )
     num_experts = c.experts.w13.shape[0]
+    if before_sum is not None:
+        before_sum()
     if plan.top_k_sum is TopKSum.ATOMIC:
         return acc if direct else finish_sum(acc, c.x.dtype, out=c.out, add=c.add, pdl=plan.pdl)
     if not plan.delta_in_reduce:
@@ -218,12 +233,13 @@ def _lora_side(
     rows: str,
     collect,
     rank_offset: int,
+    path: LoRAPath,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One LoRA side (gate/up from x, or down from z): the shrink, then `collect` (fully
-    sharded LoRA's collective on the intermediate, or None), then on the DELTA path the
-    expand over the shrink tiles (inside the shrink with delta_by_shrink). rank_offset:
-    lora_a's first rank column (fully sharded LoRA's gate/up A is a rank shard).
-    -> (inter, delta)."""
+    """One LoRA side (gate/up from x, or down from z) on its path (EXPAND or DELTA): the
+    shrink, then `collect` (fully sharded LoRA's collective on the intermediate, or None),
+    then on the DELTA path the expand over the shrink tiles (inside the shrink with
+    delta_by_shrink). rank_offset: lora_a's first rank column (fully sharded LoRA's gate/up
+    A is a rank shard). -> (inter, delta)."""
     kw = dict(
         num_pairs=c.num_pairs,
         rows=rows,
@@ -236,8 +252,8 @@ def _lora_side(
     ranks = c.lora.ranks
     # the in-GEMM expand's passes read every slot's intermediate up to one block of columns
     # past the widest slot: the shrink writes zeros that far (the delta expands read less)
-    fill = 0 if plan.lora is LoRAPath.DELTA else expand_rank_block(c.lora.tile_rank)
-    if plan.delta_by_shrink:
+    fill = 0 if path is LoRAPath.DELTA else expand_rank_block(c.lora.tile_rank)
+    if plan.delta_by_shrink and path is LoRAPath.DELTA:
         # no collective between shrink and expand: the plan takes DELTA only unsharded
         assert collect is None, "shrink_expand needs whole intermediates"
         return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, ranks=ranks, **kw)
@@ -246,7 +262,7 @@ def _lora_side(
     )
     if collect is not None:
         inter = collect(inter)
-    if plan.lora is not LoRAPath.DELTA:
+    if path is not LoRAPath.DELTA:
         return inter, None
     return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype, ranks=ranks, pdl=plan.pdl)
 

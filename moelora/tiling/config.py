@@ -45,6 +45,7 @@ class TileConfig:
     half_tail: int = 0  # 1 up, 2 down GEMM, 3 both: half-height blocks where half is padding
     up_tma: bool = False  # the up GEMM's w13 tiles by TMA (gate / up rows not interleaved)
     atomic_reduce: bool = False  # the down GEMM sums pairs into fp32 [T, H] (atomic_reduce.py)
+    lora_stream: bool = False  # LoRA: the down LoRA on a side stream beside the down GEMM
 
 
 # The knobs a table row may set: every TileConfig field but the tiles themselves.
@@ -63,5 +64,6 @@ LORA_KNOBS = frozenset(
         "shrink_expand",
         "expand_first",
         "decode_shrink",
+        "lora_stream",
     }
 )

@@ -48,9 +48,11 @@ class ForwardPlan:
 
     tiles: TileConfig  # the config the kernels launch with
     decode: bool  # the decode path (GEMVs from the top-k ids) instead of the aligned one
-    lora: LoRAPath
+    lora: LoRAPath  # the gate/up side's LoRA path (and the down side's, but for lora_stream)
     delta_by_shrink: bool  # DELTA: each shrink program writes its delta rows (shrink_expand)
     delta_in_reduce: bool  # DELTA: the top-k reduce adds the down delta, the down GEMM LoRA-free
+    down_lora: LoRAPath  # the down side's path: DELTA when the reduce adds its delta
+    lora_stream: bool  # the down side's shrink and delta on a side stream beside the down GEMM
     top_k_sum: TopKSum
     pdl: bool  # the layer's kernels after the first launched with PDL
     early_loads: bool  # decode: each kernel's first weight step loaded before its wait
@@ -84,6 +86,11 @@ def plan_forward(
       shrink_expand act only with it.
     - atomic_reduce: not with delta_in_reduce, whose reduce pass adds the delta rows.
     - down_tma implies z_sorted (the TMA tiles of z need the sorted rows).
+    - lora_stream: the down side takes the DELTA path with its delta added by the reduce
+      (whatever the gate/up side does), so that the z shrink and the delta expand depend
+      on z only and run on a side stream while the down GEMM runs LoRA-free; not under
+      fully sharded LoRA (its all-reduce sits in that branch) nor on the decode path. The
+      interpreter runs the same kernels in order (no streams on the CPU).
     """
     pdl = cfg.pdl and pdl_supported and not interpreted and not sharded
     if not lora:
@@ -93,7 +100,8 @@ def plan_forward(
     else:
         path = LoRAPath.EXPAND
     delta = path is LoRAPath.DELTA
-    in_reduce = delta and cfg.delta_in_reduce
+    stream = cfg.lora_stream and lora and not sharded and not cfg.decode
+    in_reduce = (delta and cfg.delta_in_reduce) or stream
     z_sorted = cfg.z_sorted or cfg.down_tma
 
     def gemm(tiles: GemmTiles, half_tail_bit: int, tma: bool) -> GemmPlan:
@@ -113,6 +121,8 @@ def plan_forward(
         lora=path,
         delta_by_shrink=delta and cfg.shrink_expand,
         delta_in_reduce=in_reduce,
+        down_lora=LoRAPath.DELTA if in_reduce else path,
+        lora_stream=stream and not interpreted,
         top_k_sum=TopKSum.ATOMIC if cfg.atomic_reduce and not in_reduce else TopKSum.REDUCE,
         pdl=pdl,
         early_loads=cfg.pdl and (pdl or interpreted),
