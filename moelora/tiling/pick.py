@@ -29,10 +29,9 @@ def pick_config(
     the bank's tile rank and slot count (0: the REFERENCE class the table was first tuned
     at, 8 adapters of rank 16), rounded to their LoRA class (tiling/lora_class.py); a class
     the table lacks at this T takes its nearest tuned neighbour's row (Table.lookup), which
-    the backend then fits to this rank's shared memory (tiling/fit.py): so an untuned
-    class runs no slower than the neighbour's tiles do at its rank. With LoRA, the knobs a
-    row does not set come from the rules (heuristic.lora_rules). A shape without rows takes
-    the heuristic."""
+    the backend then fits to this rank's shared memory (tiling/fit.py): an untuned class's
+    heuristic is its neighbours' tiles. With LoRA, the knobs a row does not set come from
+    the rules (heuristic.lora_rules). A shape without rows takes the heuristic."""
     lora_class = LoRAClass.of(rank, slots) if lora else None
     row = (H200 if table is None else table).lookup(
         (num_experts, top_k, hidden, inter), lora, num_tokens, lora_class
