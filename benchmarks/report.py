@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 
 from moelora.presets import PRESETS, resolve_model
+from moelora.tiling.lora_class import REFERENCE, LoRAClass
 from moelora.tiling.pick import H200
-from moelora.tiling.table import INF, Table
+from moelora.tiling.table import INF, Table, lows
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -132,6 +133,11 @@ def _label(shape: tuple) -> str:
     return "E={} K={} H={} I={}".format(*shape)
 
 
+def _class_label(lora_class: LoRAClass) -> str:
+    """'' for the REFERENCE class, else ' 8x128' (slots x rank)."""
+    return "" if lora_class == REFERENCE else f" {lora_class}"
+
+
 def _ranges(rows: list) -> str:
     """'1..8, 1025..2048' from rows of one shape and mode (sorted by bound), merged."""
     spans: list[list[int]] = []
@@ -145,10 +151,7 @@ def _ranges(rows: list) -> str:
 
 def knob_block(table: Table = H200) -> str:
     """Which rows of `table` use each code-path knob (docs/kernels.md)."""
-    lows, last = {}, {}
-    for row in sorted(table.rows, key=lambda r: r.key):
-        lows[row.key] = last.get((row.shape, row.lora), 0) + 1
-        last[(row.shape, row.lora)] = row.max_tokens
+    low = lows(table.rows)
     lines = [
         f"Of the {len(table.rows)} rows of moelora/tiling/h200_table.json, the rows that set "
         "each knob (T ranges per model and mode; a knob a row does not set is off):",
@@ -161,11 +164,11 @@ def knob_block(table: Table = H200) -> str:
         for value in values or [True]:
             using = [r for r in table.rows if r.knobs.get(knob) == value]
             where: dict = {}
-            for r in sorted(using, key=lambda r: r.key):
-                where.setdefault((_label(r.shape), r.lora), []).append((lows[r.key], r.max_tokens))  # fmt: skip
+            for r in sorted(using, key=lambda r: r.order):
+                mode = "LoRA-free" if not r.lora else "+LoRA" + _class_label(r.lora_class)
+                where.setdefault((_label(r.shape), mode), []).append((low[r.key], r.max_tokens))
             text = "; ".join(
-                f"{name} {'+LoRA' if lora else 'LoRA-free'} T {_ranges(spans)}"
-                for (name, lora), spans in where.items()
+                f"{name} {mode} T {_ranges(spans)}" for (name, mode), spans in where.items()
             )
             name = knob if value is True else f"{knob} = {value}"
             lines.append(f"| `{name}` | {len(using)} | {text or 'none'} |")

@@ -9,13 +9,19 @@ the T = 4096 row whose bucket ran to infinity, leaving T = 4096 on a row it was 
 timed at). Every key is fixed before tuning starts, so the order the T are tuned in does
 not matter. Without a committed bucket, a tuned T takes the bound from its neighbours
 among the tuned T.
+
+Only REFERENCE-class rows (moelora/tiling/lora_class.py) are split; a row of another LoRA
+class takes the T range of the REFERENCE-class bucket holding its tuned T (`class_bucket`), so a
+class tuned at a few T gets predictable ranges, with gaps where nothing holds them.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
+from moelora.tiling.lora_class import REFERENCE, LoRAClass
 from moelora.tiling.table import TableRow
 
 
@@ -26,15 +32,29 @@ class Buckets:
     T its row was measured at (when not re-tuned); each anchor's bound is the geometric
     mean with the next anchor, the largest keeps the bucket's bound, and the committed row
     moves to its anchor's bound. Tuned T in no committed bucket take bounds from their
-    neighbours among those T."""
+    neighbours among those T. Only the buckets of `modes` (the modes this run re-tunes at
+    the REFERENCE class) are split: a mode not re-tuned keeps its rows as committed."""
 
-    def __init__(self, dims: tuple, table: dict[tuple, TableRow], tuned: list[int], commit: str):
+    def __init__(
+        self,
+        dims: tuple,
+        table: dict[tuple, TableRow],
+        tuned: list[int],
+        commit: str,
+        modes: tuple[bool, ...] = (False, True),
+    ):
         self.dims, self.commit = dims, commit
         self.table = dict(table)
-        self._ups = {on: sorted(k[5] for k in table if k[:4] == dims and k[4] == on)
-                     for on in (False, True)}  # fmt: skip
+        self._ups = {
+            on: sorted(
+                r.max_tokens
+                for r in table.values()
+                if r.shape == dims and r.lora == on and r.lora_class == REFERENCE
+            )
+            for on in (False, True)
+        }
         self._keys: dict[tuple[int, bool], tuple] = {}
-        for on in (False, True):
+        for on in modes:
             self._assign(sorted(set(tuned)), on)
 
     def committed(self, on: bool) -> dict:
@@ -48,6 +68,16 @@ class Buckets:
 
     def key(self, t: int, on: bool) -> tuple:
         return self._keys[(t, on)]
+
+    def class_bucket(self, t: int, lora_class: LoRAClass) -> tuple[tuple, int] | None:
+        """(key, tokens.from) of the LoRA row of `lora_class` tuned at T: the T range of the
+        committed REFERENCE-class LoRA bucket holding T (before this run's splits); None
+        when this shape has no such row (tune the REFERENCE class first)."""
+        ups = self._ups[True]
+        i = bisect.bisect_left(ups, t)
+        if i == len(ups):
+            return None
+        return (*self.dims, True, ups[i], lora_class), ups[i - 1] + 1 if i else 1
 
     def _assign(self, tuned: list[int], on: bool) -> None:
         lower, placed = 0, set()

@@ -12,7 +12,17 @@ rows, else it is dropped. The fastest candidate is kept; the table lists, per en
 heuristic's and the chosen config's time. A time budget stops the search early (T are
 visited in the order given; unvisited T keep the heuristic).
 
+LoRA classes (moelora/tiling/lora_class.py): the bank is --adapters L slots of rank --rank R
+(default 8 x 16, the REFERENCE class), token t on slot t % L. Another class tunes LoRA
+rows only, written with that lora_class: each starts from the row pick_config gives the
+class (its nearest tuned neighbour, fitted to the GPU as a forward fits it) and from the
+LoRA-free tiles, and takes the T range of the REFERENCE-class row holding its T.
+`--search quick` (for class tunes, device time being scarce) tries the starts, the up
+tiles, BLOCK_M halved / doubled and the LoRA knobs only. `--table-in` starts from another
+table file than the packaged one (e.g. the previous class tune's output).
+
 Usage (GPU): python -m benchmarks.tune --out $OUT/h200_table.json --json $OUT/tune.json
+  class tune: ... --adapters 8 --rank 128 --tokens 256,4096,16384 --search quick
 """
 
 from __future__ import annotations
@@ -27,13 +37,16 @@ import torch
 from moelora.backends.triton import fused_moe_lora
 from moelora.bench.runner import commit, time_graph
 from moelora.compare import compare
+from moelora.device import gpu_limits
 from moelora.inputs import build_experts, build_inputs, build_lora
 from moelora.presets import resolve_model
 from moelora.reference import moe_lora_reference
 from moelora.tiling.config import GemmTiles, TileConfig
+from moelora.tiling.fit import fit_to_device
 from moelora.tiling.heuristic import DECODE_TILES, aligned_config
+from moelora.tiling.lora_class import RANK_CLASSES, REFERENCE, SLOT_CLASSES, LoRAClass
 from moelora.tiling.pick import H200, pick_config
-from moelora.tiling.table import TableRow, write_table
+from moelora.tiling.table import Table, TableRow, load_table, write_table
 
 from .table_buckets import Buckets
 
@@ -115,13 +128,13 @@ def _size(block_m: int) -> str:
     return "small" if block_m <= 32 else "large"
 
 
-def load_model(name: str) -> tuple:
-    """(model, dims (E, K, H, I), experts, LoRA bank of 8 adapters of rank 16) on the GPU:
-    the setup every tuning tool times against."""
+def load_model(name: str, adapters: int = 8, rank: int = 16) -> tuple:
+    """(model, dims (E, K, H, I), experts, LoRA bank of `adapters` slots of rank `rank`) on
+    the GPU: the setup every tuning tool times against (8 x 16: the REFERENCE class)."""
     model = resolve_model(name)
     shape = model.shape
     dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
-    return model, dims, build_experts(model, "cuda"), build_lora(model, 8, 16, "cuda")
+    return model, dims, build_experts(model, "cuda"), build_lora(model, adapters, rank, "cuda")
 
 
 class Layer:
@@ -129,9 +142,10 @@ class Layer:
 
     def __init__(self, model, experts, lora, tokens: int, iters: int):
         self.model, self.experts, self.lora, self.iters = model, experts, lora, iters
-        self.sets = [build_inputs(model, tokens, 8, "cuda", seed) for seed in range(2)]
-        for s in self.sets:  # token t -> slot t % 8, as the bench and the vLLM peer do
-            s[3].copy_(torch.arange(tokens, device="cuda") % 8)
+        adapters = lora.num_slots
+        self.sets = [build_inputs(model, tokens, adapters, "cuda", seed) for seed in range(2)]
+        for s in self.sets:  # token t -> slot t % L, as the bench and the vLLM peer do
+            s[3].copy_(torch.arange(tokens, device="cuda") % adapters)
         self.n = min(tokens, 256)
         self.refs: dict[bool, torch.Tensor] = {}
 
@@ -161,10 +175,17 @@ class Layer:
 
 
 def search(
-    layer: Layer, start: TileConfig, lora: bool, log: list, other_starts: tuple = ()
+    layer: Layer,
+    start: TileConfig,
+    lora: bool,
+    log: list,
+    other_starts: tuple = (),
+    quick: bool = False,
 ) -> tuple[TileConfig, float]:
     """Coordinate search from `start` (its time is the heuristic's); other_starts are tried
-    first and the search continues from the fastest."""
+    first and the search continues from the fastest. quick (--search quick): the starts,
+    the up tiles of the size class, BLOCK_M halved / doubled and the LoRA knobs only (no
+    down tiles, no layout knobs): about half the candidates, for class tunes."""
     best, best_ms = start, layer.measure(start, lora)
     base_ms = best_ms
     log.append(dict(cfg=dataclasses.asdict(start), ms=best_ms))
@@ -182,7 +203,7 @@ def search(
         consider(cfg)
     for up in UP[_size(best.block_m)]:
         consider(dataclasses.replace(best, up=GemmTiles(*up)))
-    for down in DOWN[_size(best.block_m)]:
+    for down in () if quick else DOWN[_size(best.block_m)]:
         consider(dataclasses.replace(best, down=GemmTiles(*down)))
     for bm in (best.block_m // 2, best.block_m * 2):
         if 16 <= bm <= 128:
@@ -194,6 +215,9 @@ def search(
         for on in itertools.product((False, True), repeat=len(DELTA_KNOBS)):
             if any(on):  # lora_delta plus each combination of its knobs
                 consider(dataclasses.replace(best, lora_delta=True, **dict(zip(DELTA_KNOBS, on))))
+    if quick:
+        print(f"    start {base_ms} ms -> {best_ms} ms  {best}  (quick)")
+        return best, base_ms
     # z layout, then TMA in the down GEMM (which needs the sorted layout)
     consider(dataclasses.replace(best, z_sorted=not best.z_sorted, down_tma=False))
     consider(dataclasses.replace(best, z_sorted=True, down_tma=True))
@@ -284,9 +308,17 @@ def _knobs(cfg: TileConfig) -> dict:
 
 
 def table_row(
-    cfg: TileConfig, lora: bool, key: tuple, t: int, before_ms: float, after_ms: float, run: str
+    cfg: TileConfig,
+    lora: bool,
+    key: tuple,
+    t: int,
+    before_ms: float,
+    after_ms: float,
+    run: str,
+    min_tokens: int | None = None,
 ) -> TableRow:
-    """The table row of `cfg`, tuned at T = t in run `run`, serving the bucket `key`: its
+    """The table row of `cfg`, tuned at T = t in run `run`, serving the bucket `key` (a key
+    with a LoRA class, TableRow.key: a row of that class serving T from min_tokens): its
     tiles and the knobs the search decides (LoRA knobs only with LoRA, layout knobs only
     when on)."""
     knobs = _knobs(cfg) if lora and not cfg.decode else {}  # the decode path has no such knobs
@@ -309,24 +341,65 @@ def table_row(
         run=run,
         before_ms=before_ms,
         after_ms=after_ms,
+        lora_class=key[6] if len(key) > 6 else REFERENCE,
+        min_tokens=min_tokens,
     )
 
 
 def with_kept_rows(rows: list[TableRow], table: dict[tuple, TableRow]) -> list[TableRow]:
     """rows plus every row of `table` (all shapes, not only the tuned one) that they do not
-    re-tune, kept as committed (its run, times and note)."""
+    re-tune, kept as committed (its run, times and note). A kept row of another LoRA class
+    than REFERENCE whose T range overlaps a tuned row of its shape and class gives way to
+    it (its bucket came from an older REFERENCE row; the class's rows must not overlap)."""
     tuned = {r.key for r in rows}
-    return rows + [r for k, r in table.items() if k not in tuned]
+    return rows + [r for k, r in table.items() if k not in tuned and not _overlaps(r, rows)]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def _overlaps(kept: TableRow, rows: list[TableRow]) -> bool:
+    if kept.lora_class == REFERENCE:
+        return False  # REFERENCE buckets are fixed up front (table_buckets.Buckets)
+    return any(
+        (r.shape, r.lora, r.lora_class) == (kept.shape, kept.lora, kept.lora_class)
+        and r.min_tokens <= kept.max_tokens
+        and kept.min_tokens <= r.max_tokens
+        for r in rows
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options; a class tune (--rank / --adapters other than the REFERENCE 16 / 8) is
+    LoRA-only and takes the REFERENCE buckets (args.lora_class: the class tuned)."""
+    p = argparse.ArgumentParser(description="Tile tuning on this GPU (module docstring).")
     p.add_argument("--model", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=150)
     p.add_argument("--out", required=True, help="table file to write (JSON, as h200_table.json)")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--table-in",
+        default=None,
+        help="start from this table file instead of the packaged one (its rows not re-tuned "
+        "are kept), e.g. the previous class tune's output",
+    )
+    p.add_argument(
+        "--adapters",
+        type=int,
+        default=8,
+        help=f"LoRA slots L of the bank, token t on slot t %% L; a slot class {SLOT_CLASSES}",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=16,
+        help=f"LoRA rank R of the bank (adapters alternate R and R/2); a rank class {RANK_CLASSES}",
+    )
+    p.add_argument(
+        "--search",
+        choices=("full", "quick"),
+        default="full",
+        help="quick: starts, up tiles, BLOCK_M and the LoRA knobs only (search(quick=True))",
+    )
     p.add_argument(
         "--lora-only",
         action="store_true",
@@ -345,13 +418,51 @@ def main() -> int:
         "bucket it falls in, e.g. to split a bucket where the decode path wins only below; "
         "T above the largest tuned one keep the committed rows (or the heuristic)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.rank not in RANK_CLASSES:
+        p.error(f"--rank {args.rank}: expected a rank class, one of {list(RANK_CLASSES)}")
+    if args.adapters not in SLOT_CLASSES:
+        p.error(f"--adapters {args.adapters}: expected a slot class, one of {list(SLOT_CLASSES)}")
+    args.lora_class = LoRAClass(args.rank, args.adapters)
+    if args.lora_class != REFERENCE:
+        if args.knobs_only or args.own_buckets:
+            p.error(
+                f"--knobs-only / --own-buckets with the LoRA class {args.lora_class}: a class "
+                "tune searches from its nearest class's row into the REFERENCE buckets; "
+                "drop the option (or tune --rank 16 --adapters 8)"
+            )
+        args.lora_only = True  # a class has LoRA rows only
+    return args
+
+
+def starts(
+    t: int, dims: tuple, on: bool, table: Table, args: argparse.Namespace, fit
+) -> tuple[TileConfig, TileConfig, tuple]:
+    """(chosen, start, other starts) of the search at T: `chosen` the row pick_config gives
+    this class (the committed row, its nearest class's, or the heuristic), `start` its
+    aligned side, and with LoRA the LoRA-free tiles with start's LoRA knobs. `fit` fits a
+    class tune's starts to the GPU as a forward fits them (identity otherwise)."""
+    lora_class = args.lora_class
+    chosen = pick_config(
+        t, *dims, lora=on, table=table, rank=lora_class.rank, slots=lora_class.slots
+    )
+    start = fit(aligned_config(chosen, t, dims[0], dims[1], on))
+    # with LoRA, also start from the LoRA-free tiles (their knobs from the rules)
+    base = aligned_config(pick_config(t, *dims, table=table), t, dims[0], dims[1], False)
+    others = (fit(dataclasses.replace(base, **_knobs(start))),) if on else ()
+    return chosen, start, others
+
+
+def main() -> int:
+    args = parse_args()
     import json
 
     import triton
 
     start = time.time()
-    model, dims, experts, lora = load_model(args.model)
+    lora_class, is_class = args.lora_class, args.lora_class != REFERENCE
+    table = H200 if args.table_in is None else load_table(args.table_in)
+    model, dims, experts, lora = load_model(args.model, args.adapters, args.rank)
     tokens = [int(t) for t in args.tokens.split(",")]
     header = dict(
         device=torch.cuda.get_device_name(),
@@ -365,14 +476,25 @@ def main() -> int:
     modes = (True,) if args.lora_only else (False, True)
     # Rows of the committed table that this run does not re-tune are kept (all shapes, with
     # their notes); a tuned T takes the committed bucket it falls in, split when that
-    # bucket's row was measured at another T (table_buckets.Buckets).
-    buckets = Buckets(dims, H200.by_key(), tokens, header["commit"])
+    # bucket's row was measured at another T (table_buckets.Buckets); a class row takes
+    # the REFERENCE-class bucket holding its T, unsplit.
+    buckets = Buckets(dims, table.by_key(), tokens, header["commit"], () if is_class else modes)
 
     def key_of(t: int, on: bool) -> tuple:
+        if is_class:
+            return buckets.class_bucket(t, lora_class)[0]
         return (*dims, on, t) if args.own_buckets else buckets.key(t, on)
 
     def rows() -> list:
         return with_kept_rows(entries, buckets.table)
+
+    def fit(cfg: TileConfig) -> TileConfig:  # a class tune starts where a forward would
+        if not is_class:
+            return cfg
+        parts, limits = model.shape.activation.width_factor, gpu_limits(torch.device("cuda"))
+        return fit_to_device(
+            cfg, parts, model.shape.dtype, limits, rank=lora.tile_rank, num_slots=lora.num_slots
+        )
 
     for t in tokens:
         layer = Layer(model, experts, lora, t, args.iters)
@@ -380,16 +502,15 @@ def main() -> int:
             if time.time() - start > args.budget_s:
                 print(f"budget reached: T={t} lora={on} and later keep the heuristic")
                 break
-            print(f"T={t} lora={on}", flush=True)
-            chosen = pick_config(t, *dims, lora=on)  # the committed row or the heuristic
-            heur = aligned_config(chosen, t, dims[0], dims[1], on)
-            # with LoRA, also start from the LoRA-free tiles (their knobs from the rules)
-            base = aligned_config(pick_config(t, *dims), t, dims[0], dims[1], False)
-            others = (dataclasses.replace(base, **_knobs(heur)),) if on else ()
+            print(f"T={t} lora={on}" + (f" class {lora_class}" if is_class else ""), flush=True)
+            if is_class and buckets.class_bucket(t, lora_class) is None:
+                print("    no REFERENCE-class LoRA row holds T: tune that class first; skipped")
+                continue
+            chosen, heur, others = starts(t, dims, on, table, args, fit)
             steps: list = []
             if args.knobs_only:
                 committed_row = (
-                    (*dims, on, t) in H200.by_key()  # --own-buckets: a row bounded at T itself
+                    (*dims, on, t) in table.by_key()  # --own-buckets: a row bounded at T itself
                     if args.own_buckets
                     else buckets.containing(t, on) is not None
                 )
@@ -405,7 +526,7 @@ def main() -> int:
                 entries.append(table_row(best, on, key_of(t, on), t, h_ms, ms, header["commit"]))
                 write_table(args.out, rows(), header)
                 continue
-            best, h_ms = search(layer, heur, on, steps, others)
+            best, h_ms = search(layer, heur, on, steps, others, quick=args.search == "quick")
             # the decode path competes with the aligned best where its whole bucket is in the
             # decode range (a win measured at T must not stand for larger T unmeasured)
             if key_of(t, on)[5] <= DECODE_MAX_T:
@@ -414,12 +535,13 @@ def main() -> int:
                 if dec_ms is not None and (aligned_ms is None or dec_ms < aligned_ms):
                     best = dec
             ms = min((s["ms"] for s in steps if s["ms"] is not None), default=float("nan"))
-            log.append(dict(T=t, lora=on, steps=steps))
+            log.append(dict(T=t, lora=on, lora_class=str(lora_class), steps=steps))
             key = key_of(t, on)
             if any(e.key == key for e in entries):  # two tuned T in one committed bucket
                 print(f"    T={t} falls in the bucket of an earlier T here: not written")
                 continue
-            entries.append(table_row(best, on, key, t, h_ms, ms, header["commit"]))
+            low = buckets.class_bucket(t, lora_class)[1] if is_class else None
+            entries.append(table_row(best, on, key, t, h_ms, ms, header["commit"], low))
             write_table(args.out, rows(), header)  # after each step: a timeout keeps it
         del layer
     if args.json:

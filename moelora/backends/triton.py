@@ -213,25 +213,32 @@ def forward_plan(
     sharded: bool = False,
 ) -> ForwardPlan:
     """The plan of one forward (lora: the bank, None without LoRA or token slots). Without
-    `config`, the picked config fitted to the GPU x is on (its shared memory, TMA; the
-    rank is B's, under fully sharded LoRA the expand still runs at the full R); a config
-    passed explicitly (the tune, tests) is launched as given."""
+    `config`, the config picked for the bank's LoRA class (its tile rank and slots),
+    fitted to the GPU x is on (its shared memory, TMA; the rank is B's, under fully sharded
+    LoRA the expand still runs at the full R); a config passed explicitly (the tune,
+    tests) is launched as given."""
     limits = gpu_limits(x.device)
     use_lora = lora is not None
     cfg = config
     if cfg is None:
         num_tokens, hidden = x.shape
         num_experts, inter_size = experts.w13.shape[0], experts.w2.shape[2]
+        # the bank's LoRA class picks the table row (tiling/lora_class.py) and its rank
+        # fits it to the shared memory
+        rank = lora.tile_rank if use_lora and lora.num_slots else 0
+        slots = lora.num_slots if use_lora else 0
         picked = pick_config(
-            num_tokens, num_experts, topk_ids.shape[1], hidden, inter_size, use_lora
+            num_tokens,
+            num_experts,
+            topk_ids.shape[1],
+            hidden,
+            inter_size,
+            use_lora,
+            rank=rank,
+            slots=slots,
         )
         cfg = fit_to_device(
-            picked,
-            shape.activation.width_factor,
-            x.dtype,
-            limits,
-            rank=lora.tile_rank if use_lora and lora.num_slots else 0,
-            num_slots=lora.num_slots if use_lora else 0,
+            picked, shape.activation.width_factor, x.dtype, limits, rank=rank, num_slots=slots
         )
     return plan_forward(
         cfg,

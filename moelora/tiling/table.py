@@ -4,12 +4,17 @@ benchmarks/tune.py writes the file on the GPU (`write_table`); `load_table` read
 back and checks every record, so a malformed file fails at import with a `TableError`
 that names the file, the row and the field. A row serves one model shape (E, K, H, I)
 and mode (LoRA or not) for the tokens T in [tokens.from, tokens.to] (to null: no upper
-bound); the rows of one shape and mode tile T from 1 without gaps.
+bound). A LoRA row also belongs to a LoRA class (tiling/lora_class.py: the bank's rank and
+slots it was tuned with; REFERENCE, 8 adapters of rank 16, unless it says otherwise). The
+REFERENCE-class rows of one shape and mode tile T from 1 without gaps; the rows of another
+class are tuned at a few T only, so they may start above 1 and leave gaps, but never
+overlap. A LoRA lookup takes the nearest class that has a row for T (`Table.lookup`).
 
 Record fields: shape {experts, top_k, hidden, intermediate}, lora, tokens {from, to},
 block_m, up / down {block_n, block_k, num_warps, num_stages}, knobs (TileConfig fields,
 only those the tune set), tuned {tokens, run, before_ms, after_ms} (the T it was timed
-at, the commit of that run, the starting and the chosen config's ms), note.
+at, the commit of that run, the starting and the chosen config's ms), note, and on a LoRA
+row of another class than REFERENCE, lora_class {rank, slots} (absent: REFERENCE).
 """
 
 from __future__ import annotations
@@ -23,12 +28,24 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .config import KNOBS, LORA_KNOBS, GemmTiles, TileConfig
+from .lora_class import REFERENCE, LoRAClass
 
 FORMAT = 1
 INF = 2**31 - 1  # the upper T bound of a row whose tokens.to is null
 H200_TABLE_FILE = "h200_table.json"
 
-_ROW_FIELDS = {"shape", "lora", "tokens", "block_m", "up", "down", "knobs", "tuned", "note"}
+_ROW_FIELDS = {
+    "shape",
+    "lora",
+    "lora_class",
+    "tokens",
+    "block_m",
+    "up",
+    "down",
+    "knobs",
+    "tuned",
+    "note",
+}
 _SHAPE_FIELDS = ("experts", "top_k", "hidden", "intermediate")
 _TILE_FIELDS = ("block_n", "block_k", "num_warps", "num_stages")
 _TUNED_FIELDS = {"tokens": int, "run": str, "before_ms": float, "after_ms": float}
@@ -59,11 +76,36 @@ class TableRow:
     before_ms: float | None = None  # the starting config's time at tuned_at
     after_ms: float | None = None  # the chosen config's time at tuned_at
     note: str = ""  # what happened to the row since (a split bucket, a hand edit)
+    lora_class: LoRAClass = REFERENCE  # the bank class it was tuned with (LoRA rows only)
+    # The smallest T a row of another class than REFERENCE serves (its record's tokens.from;
+    # such rows may leave gaps). None on a REFERENCE-class row: it serves the T above the
+    # previous row's bound, so its tokens.from follows from the table.
+    min_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora_class != REFERENCE and not self.lora:
+            raise ValueError(
+                f"lora_class: {self.lora_class} on a LoRA-free row; expected REFERENCE"
+            )
+        if (self.min_tokens is None) != (self.lora_class == REFERENCE):
+            raise ValueError(
+                f"min_tokens: {self.min_tokens} on a row of class {self.lora_class}; expected the "
+                "smallest T it serves on a row of another class than REFERENCE, else None"
+            )
 
     @property
-    def key(self) -> tuple[int, int, int, int, bool, int]:
-        """(E, K, H, I, LoRA on, T upper bound): the row's place in the table."""
-        return (*self.shape, self.lora, self.max_tokens)
+    def key(self) -> tuple:
+        """(E, K, H, I, LoRA on, T upper bound), and the LoRA class after it on a row of
+        another class than REFERENCE: the row's place in the table (the keys of a table
+        without class rows are those of before classes)."""
+        key = (*self.shape, self.lora, self.max_tokens)
+        return key if self.lora_class == REFERENCE else (*key, self.lora_class)
+
+    @property
+    def order(self) -> tuple:
+        """The file's order: by shape, LoRA-free rows first, then by class (REFERENCE, the
+        smallest, first), then by T."""
+        return (*self.shape, self.lora, self.lora_class, self.max_tokens)
 
     def config(self) -> TileConfig:
         """The row's tiles with its knobs (knobs it does not set keep TileConfig's defaults)."""
@@ -80,26 +122,46 @@ class TableRow:
 
 @dataclass(frozen=True)
 class Table:
-    """The rows of a tile table file, looked up by shape, mode and T."""
+    """The rows of a tile table file, looked up by shape, mode, LoRA class and T."""
 
     rows: tuple[TableRow, ...]
     last_run: dict = field(default_factory=dict)  # device, versions and commit of the last tune
     _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        index: dict = {}
-        for row in sorted(self.rows, key=lambda r: r.key):
-            index.setdefault((row.shape, row.lora), []).append(row)
+        index: dict = {}  # (shape, lora) -> {class: its rows by T bound}
+        for row in sorted(self.rows, key=lambda r: r.order):
+            index.setdefault((row.shape, row.lora), {}).setdefault(row.lora_class, []).append(row)
         object.__setattr__(self, "_index", index)
 
-    def lookup(self, shape: tuple[int, int, int, int], lora: bool, tokens: int) -> TableRow | None:
-        """The row serving T = tokens for this shape and mode, else None."""
-        rows = self._index.get((shape, lora), [])
-        i = bisect.bisect_left([r.max_tokens for r in rows], tokens)
-        return rows[i] if i < len(rows) else None
+    def lookup(
+        self,
+        shape: tuple[int, int, int, int],
+        lora: bool,
+        tokens: int,
+        lora_class: LoRAClass | None = None,
+    ) -> TableRow | None:
+        """The row serving T = tokens for this shape and mode, else None. With LoRA, of the
+        classes with a row holding T the nearest to `lora_class` (None: REFERENCE) by
+        LoRAClass.distance; ties go to the larger rank class, then the larger slot class
+        (a larger class's tiles were fitted for more shared memory). The row's lora_class
+        says which class served it."""
+        want = REFERENCE if lora_class is None else lora_class
+        classes = self._index.get((shape, lora), {}).values()
+        found = [row for rows in classes if (row := _holding(rows, tokens)) is not None]
+        return min(found, key=lambda r: want.preference(r.lora_class), default=None)
 
     def by_key(self) -> dict[tuple, TableRow]:
         return {row.key: row for row in self.rows}
+
+
+def _holding(rows: list[TableRow], tokens: int) -> TableRow | None:
+    """Of the rows of one shape, mode and class (by T bound), the one whose T range holds
+    `tokens`, else None (a REFERENCE-class row holds the T above the row before it)."""
+    i = bisect.bisect_left([r.max_tokens for r in rows], tokens)
+    if i == len(rows) or (rows[i].min_tokens is not None and rows[i].min_tokens > tokens):
+        return None
+    return rows[i]
 
 
 def load_table(path: str | Path | None = None) -> Table:
@@ -133,6 +195,9 @@ def _where(name: str, i: int, record: object) -> str:
         s = record["shape"]
         label += " (" + " ".join(f"{k}={s.get(k)}" for k in _SHAPE_FIELDS)
         label += ", LoRA" if record.get("lora") else ", LoRA-free"
+        c = record.get("lora_class")
+        if isinstance(c, dict):  # slots x rank, as LoRAClass prints
+            label += f" {c.get('slots')}x{c.get('rank')}"
         t = record.get("tokens")
         if isinstance(t, dict):
             label += f", T {t.get('from')}..{t.get('to') or 'inf'}"
@@ -205,6 +270,17 @@ def _tuned(where: str, value: object) -> dict:
     return t
 
 
+def _lora_class(where: str, value: object, lora: bool) -> LoRAClass:
+    if not lora:
+        raise TableError(where, value, "no lora_class on a LoRA-free row (remove the field)")
+    c = _object(where, value, ("rank", "slots"))
+    try:
+        return LoRAClass(c["rank"], c["slots"])
+    except ConfigError as err:  # a value off its grid: err.key is lora_class.rank / .slots
+        field = err.key.rsplit(".", 1)[-1]
+        raise TableError(f"{where}.{field}", err.value, f"a {field} class, {err.expected}") from err
+
+
 def _row(name: str, i: int, record: object) -> TableRow:
     where = _where(name, i, record)
     r = _object(where, record, {"shape", "lora", "tokens", "block_m", "up", "down"}, _ROW_FIELDS)
@@ -221,6 +297,9 @@ def _row(name: str, i: int, record: object) -> TableRow:
     tuned = _tuned(f"{where}: tuned", r["tuned"]) if "tuned" in r else {}
     if not isinstance(r.get("note", ""), str):
         raise TableError(f"{where}: note", r["note"], "a string")
+    lora_class = REFERENCE
+    if "lora_class" in r:
+        lora_class = _lora_class(f"{where}: lora_class", r["lora_class"], r["lora"])
     return TableRow(
         shape=shape,
         lora=r["lora"],
@@ -234,24 +313,51 @@ def _row(name: str, i: int, record: object) -> TableRow:
         before_ms=tuned.get("before_ms"),
         after_ms=tuned.get("after_ms"),
         note=r.get("note", ""),
+        lora_class=lora_class,
+        min_tokens=None if lora_class == REFERENCE else low,  # REFERENCE: from the row before
     )
 
 
 def _check_ranges(name: str, records: list, rows: tuple[TableRow, ...]) -> None:
-    """The rows of each shape and mode cover T from 1 on, without gap or overlap."""
+    """The REFERENCE-class rows of each shape and mode cover T from 1 on, without gap or
+    overlap; the rows of each other class do not overlap (they may leave gaps)."""
     last: dict = {}
-    order = sorted(range(len(rows)), key=lambda i: rows[i].key)
-    for i in order:
+    for i in sorted(range(len(rows)), key=lambda i: rows[i].order):
         row, low = rows[i], records[i]["tokens"]["from"]
-        want = last.get((row.shape, row.lora), 0) + 1
-        if low != want:
+        group = (row.shape, row.lora, row.lora_class)
+        previous = last.get(group, 0)
+        if row.lora_class == REFERENCE and low != previous + 1:
             raise TableError(
                 f"{_where(name, i, records[i])}: tokens.from",
                 low,
-                f"{want} (one more than the previous row's tokens.to of this shape and mode; "
-                "rows may neither overlap nor leave a gap)",
+                f"{previous + 1} (one more than the previous row's tokens.to of this shape and "
+                "mode; rows may neither overlap nor leave a gap)",
             )
-        last[(row.shape, row.lora)] = row.max_tokens
+        if row.lora_class != REFERENCE and low <= previous:
+            raise TableError(
+                f"{_where(name, i, records[i])}: tokens.from",
+                low,
+                f"more than {previous} (the previous row's tokens.to of this shape and LoRA "
+                f"class {row.lora_class}; rows of a class may leave gaps but not overlap)",
+            )
+        last[group] = row.max_tokens
+
+
+def lows(rows: Iterable[TableRow]) -> dict[tuple, int]:
+    """Each row's tokens.from, by key: a REFERENCE-class row serves the T above the
+    previous row of its shape and mode, a row of another class from its min_tokens."""
+    out, last = {}, {}
+    for row in sorted(rows, key=lambda r: r.order):
+        if row.lora_class == REFERENCE:
+            out[row.key] = last.get((row.shape, row.lora), 0) + 1
+            last[(row.shape, row.lora)] = row.max_tokens
+        else:
+            out[row.key] = row.min_tokens
+    return out
+
+
+def _class_record(lora_class: LoRAClass) -> dict:
+    return {"rank": lora_class.rank, "slots": lora_class.slots}
 
 
 def _record(row: TableRow, low: int) -> dict:
@@ -260,6 +366,7 @@ def _record(row: TableRow, low: int) -> dict:
     record: dict = {
         "shape": dict(zip(_SHAPE_FIELDS, row.shape)),
         "lora": row.lora,
+        **({} if row.lora_class == REFERENCE else {"lora_class": _class_record(row.lora_class)}),
         "tokens": {"from": low, "to": None if row.max_tokens == INF else row.max_tokens},
         "block_m": row.block_m,
         "up": tiles(row.up),
@@ -279,18 +386,21 @@ def _record(row: TableRow, low: int) -> dict:
 
 
 def table_json(rows: Iterable[TableRow], last_run: dict) -> str:
-    """The file text of a table: a header, then one record per line (by shape, LoRA-free
-    rows first, then by T), each row's tokens.from following the row before it."""
-    rows = sorted(rows, key=lambda r: r.key)
-    lines, last = [], {}
-    for row in rows:
-        low = last.get((row.shape, row.lora), 0) + 1
-        last[(row.shape, row.lora)] = row.max_tokens
-        lines.append("  " + json.dumps(_record(row, low)))
+    """The file text of a table: a header, then one record per line (TableRow.order: by
+    shape, LoRA-free rows first, then by class and T), a REFERENCE-class row's tokens.from
+    following the row before it, another class's row's its own (`lows`)."""
+    rows = sorted(rows, key=lambda r: r.order)
+    low = lows(rows)
+    lines = ["  " + json.dumps(_record(row, low[row.key])) for row in rows]
     head = json.dumps({"format": FORMAT, "last_run": last_run}, indent=1)[:-2]
     return head + ',\n "rows": [\n' + ",\n".join(lines) + "\n ]\n}\n"
 
 
 def write_table(path: str | Path, rows: Iterable[TableRow], last_run: dict) -> None:
-    """Write `rows` as a table file that load_table reads back unchanged."""
-    Path(path).write_text(table_json(rows, last_run))
+    """Write `rows` as a table file that load_table reads back unchanged. Written beside
+    and renamed over it: a tune killed at its time limit leaves the previous file whole
+    (scripts/gpu_lora_tune.sh starts the next tune from it)."""
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    part.write_text(table_json(rows, last_run))
+    part.replace(path)
