@@ -34,7 +34,7 @@ QWEN3 = (128, 8, 2048, 768)
 # the knobs that switch a code path (docs/kernels.md), in the order the docs explain them
 PATH_KNOBS = (
     "decode", "pdl", "lora_delta", "delta_in_reduce", "shrink_expand", "expand_first",
-    "half_tail", "z_sorted", "down_tma", "up_tma", "atomic_reduce",
+    "half_tail", "z_sorted", "down_tma", "up_tma", "atomic_reduce", "lora_stream",
 )  # fmt: skip
 
 

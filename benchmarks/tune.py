@@ -117,6 +117,7 @@ LORA_KNOBS = {
     "shrink_split_k": (1, 2, 4, 8),
     "lora_delta": (False, True),  # expand over the shrink tiles (kernels/lora_delta.py)
     "expand_first": (False, True),  # the in-GEMM expand pipelined before the K loop
+    "lora_stream": (False, True),  # the down LoRA on a side stream (kernels/side_stream.py)
 }
 # both modes, aligned path: half-height tail blocks (bit 1 up GEMM, bit 2 down GEMM)
 HALF_TAIL = (0, 1, 2, 3)
@@ -224,7 +225,8 @@ def search(
     for half_tail in HALF_TAIL:
         consider(dataclasses.replace(best, half_tail=half_tail))
     consider(dataclasses.replace(best, up_tma=not best.up_tma))
-    if not (best.lora_delta and best.delta_in_reduce):  # a no-op there (tiling/plan.py)
+    if not (best.lora_delta and best.delta_in_reduce) and not best.lora_stream:
+        # atomic_reduce is a no-op with the reduce adding the down delta (tiling/plan.py)
         consider(dataclasses.replace(best, atomic_reduce=not best.atomic_reduce))
     print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
     return best, base_ms
@@ -245,7 +247,9 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
     for knob, value in steps:
         if knob in DELTA_KNOBS and not best.lora_delta:
             continue  # each acts only with lora_delta
-        if knob == "atomic_reduce" and best.lora_delta and best.delta_in_reduce:
+        if knob == "atomic_reduce" and (
+            (best.lora_delta and best.delta_in_reduce) or best.lora_stream
+        ):
             continue  # a no-op with that reduce pass (tiling/plan.py)
         cfg = dataclasses.replace(best, **{knob: value})
         if knob == "down_tma" and value:

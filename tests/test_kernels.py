@@ -181,8 +181,13 @@ CASES = [
     # gate/up side expanding in the GEMM (or on the DELTA path too); the CPU runs in order
     Case("lora-stream", extra={"ls": True}),
     Case("lora-stream-z-sorted-fp16", z_sorted=True, dtype=torch.float16, extra={"ls": True}),
-    Case("lora-stream-swigluoai-bias-drop", act=A.SWIGLUOAI, bias=True, drop_ids=True,
-         extra={"ls": True}),  # fmt: skip
+    Case(
+        "lora-stream-swigluoai-bias-drop",
+        act=A.SWIGLUOAI,
+        bias=True,
+        drop_ids=True,
+        extra={"ls": True},
+    ),
     Case("lora-stream-weights-on-input", top_k=1, weights_on_input=True, extra={"ls": True}),
     Case("lora-stream-delta", lora_delta=True, extra={"ls": True}),
     Case("lora-stream-rank-128", ranks=(128, 5, 64), max_rank=128, extra={"ls": True}),

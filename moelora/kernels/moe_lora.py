@@ -124,7 +124,15 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     if lora is not None:
         gather = None if c.comm is None else lambda t: _gather_parts(t, c.comm)
         inter13, delta13 = _lora_side(
-            plan, c, c.x, lora.w13_a, lora.w13_b, aligned, "tokens", gather, _rank_offset(c),
+            plan,
+            c,
+            c.x,
+            lora.w13_a,
+            lora.w13_b,
+            aligned,
+            "tokens",
+            gather,
+            _rank_offset(c),
             plan.lora,
         )
     z = expert_up(
