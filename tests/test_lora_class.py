@@ -210,8 +210,9 @@ def test_class_rows_round_trip(tmp_path, table) -> None:
 
 
 def test_the_committed_table_rewrites_byte_identically(tmp_path) -> None:
+    """The packaged table (REFERENCE rows and class rows) reads back and re-writes as is."""
     committed = (Path(pick.__file__).parent / "h200_table.json").read_text()
-    assert all(r.lora_class == REFERENCE for r in H200.rows)
+    assert any(r.lora_class == REFERENCE for r in H200.rows)
     assert table_json(H200.rows, H200.last_run) == committed
     write_table(tmp_path / "h200_table.json", H200.rows, H200.last_run)
     assert (tmp_path / "h200_table.json").read_text() == committed
