@@ -20,10 +20,12 @@ CLASSES=${CLASSES:-"8x256 128x16"} TOKENS=${TOKENS:-4096,16384} TUNE_S=${TUNE_S:
 echo "class tunes exit: $?"; cat "$W/tune.log"
 table=moelora/tiling/h200_table.json
 [ -s "$W/tune/h200_table.json" ] && table="$W/tune/h200_table.json"
-timeout $((${REF_S:-90} + 30)) $PY -m benchmarks.tune --lora-only --knobs-only \
-  --tokens "${REF_TOKENS:-4096,16384}" --budget-s "${REF_S:-90}" --table-in "$table" \
-  --out "$W/h200_table.json" --json "$W/tune_ref.json" > "$W/tune_ref.log" 2>&1
-echo "reference knobs tune exit: $?"; grep -E "^T=|committed|budget|tune:" "$W/tune_ref.log"
+if [ "${REF_S:-90}" -gt 0 ]; then  # REF_S=0: no reference re-tune
+  timeout $((${REF_S:-90} + 30)) $PY -m benchmarks.tune --lora-only --knobs-only \
+    --tokens "${REF_TOKENS:-4096,16384}" --budget-s "${REF_S:-90}" --table-in "$table" \
+    --out "$W/h200_table.json" --json "$W/tune_ref.json" > "$W/tune_ref.log" 2>&1
+  echo "reference knobs tune exit: $?"; grep -E "^T=|committed|budget|tune:" "$W/tune_ref.log"
+fi
 if [ -s "$W/h200_table.json" ]; then cp "$W/h200_table.json" moelora/tiling/h200_table.json
 elif [ "$table" != moelora/tiling/h200_table.json ]; then
   cp "$table" moelora/tiling/h200_table.json; cp "$table" "$W/h200_table.json"; fi
