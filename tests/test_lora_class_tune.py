@@ -16,7 +16,7 @@ from benchmarks import tune
 from benchmarks.table_buckets import Buckets
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.lora_class import REFERENCE, LoRAClass
-from moelora.tiling.pick import H200
+from moelora.tiling.pick import H200, pick_config
 from moelora.tiling.table import INF, Table, TableRow, load_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,9 +135,12 @@ def test_a_class_tune_starts_from_its_nearest_row_and_the_lora_free_tiles() -> N
     chosen, start, others = tune.starts(4096, DIMS, True, table, args, fit)
     assert chosen.block_m == 128  # the 8x128 row: 1 step away (REFERENCE is 4)
     assert chosen in fitted and start == dataclasses.replace(chosen, shrink_block_k=32)
-    (lora_free,) = others
+    lora_free, *classes = others
     assert lora_free.block_m == 16 and lora_free.expand_lanes == start.expand_lanes
     assert lora_free.shrink_block_k == 32  # fitted too
+    # and every other class's row holding T (here REFERENCE's), fitted, none twice
+    reference = pick_config(4096, *DIMS, lora=True, table=table)
+    assert classes == [dataclasses.replace(reference, shrink_block_k=32)]
 
 
 class FakeLayer:
