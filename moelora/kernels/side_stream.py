@@ -53,9 +53,9 @@ class Branch:
             self.result = work()
             return
         self.side.wait_stream(self.main)  # the fork: the branch sees everything before it
+        self.joined = False  # from here on the caller's stream must wait, even if work raises
         with torch.cuda.stream(self.side):
             self.result = work()
-        self.joined = False
 
     def join(self) -> None:
         """The caller's stream waits for the branch (once; later calls do nothing)."""
