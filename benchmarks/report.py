@@ -24,7 +24,8 @@ from pathlib import Path
 from moelora.presets import PRESETS, resolve_model
 from moelora.tiling.lora_class import REFERENCE, LoRAClass
 from moelora.tiling.pick import H200
-from moelora.tiling.table import INF, Table, lows
+from moelora.tiling.table import INF, Table
+from moelora.tiling.table_file import lows
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

@@ -46,7 +46,8 @@ from moelora.tiling.fit import fit_to_device
 from moelora.tiling.heuristic import DECODE_TILES, aligned_config
 from moelora.tiling.lora_class import RANK_CLASSES, REFERENCE, SLOT_CLASSES, LoRAClass
 from moelora.tiling.pick import H200, pick_config
-from moelora.tiling.table import Table, TableRow, load_table, write_table
+from moelora.tiling.table import Table, TableRow, load_table
+from moelora.tiling.table_file import write_table
 
 from .table_buckets import Buckets
 

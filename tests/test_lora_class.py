@@ -17,15 +17,8 @@ from moelora.tiling import pick
 from moelora.tiling.config import GemmTiles
 from moelora.tiling.lora_class import REFERENCE, LoRAClass
 from moelora.tiling.pick import H200, pick_config
-from moelora.tiling.table import (
-    INF,
-    Table,
-    TableError,
-    TableRow,
-    load_table,
-    table_json,
-    write_table,
-)
+from moelora.tiling.table import INF, Table, TableError, TableRow, load_table
+from moelora.tiling.table_file import table_json, write_table
 
 QWEN3 = (128, 8, 2048, 768)
 TILES = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}

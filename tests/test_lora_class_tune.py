@@ -17,7 +17,8 @@ from benchmarks.table_buckets import Buckets
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.lora_class import REFERENCE, LoRAClass
 from moelora.tiling.pick import H200, pick_config
-from moelora.tiling.table import INF, Table, TableRow, load_table, write_table
+from moelora.tiling.table import INF, Table, TableRow, load_table
+from moelora.tiling.table_file import write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DIMS = (64, 8, 2048, 1024)  # OLMoE: no row in the committed table

@@ -11,7 +11,8 @@ import pytest
 
 from moelora.errors import ConfigError
 from moelora.tiling.pick import H200
-from moelora.tiling.table import INF, TableError, load_table, table_json
+from moelora.tiling.table import INF, TableError, load_table
+from moelora.tiling.table_file import table_json
 
 ROW = {
     "shape": {"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768},

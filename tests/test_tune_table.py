@@ -11,7 +11,8 @@ from benchmarks.table_buckets import Buckets
 from benchmarks.tune import table_row, with_kept_rows
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.pick import H200
-from moelora.tiling.table import TableRow, load_table, write_table
+from moelora.tiling.table import TableRow, load_table
+from moelora.tiling.table_file import write_table
 
 HEADER = dict(device="GPU", torch="t", triton="tr", commit="abc1234", time="today", iters=20)
 

@@ -1,6 +1,6 @@
 """The H200 tile table as data: one JSON record per row (tiling/h200_table.json).
 
-benchmarks/tune.py writes the file on the GPU (`write_table`); `load_table` reads it
+benchmarks/tune.py writes the file on the GPU (`tiling/table_file.py`); `load_table` reads it
 back and checks every record, so a malformed file fails at import with a `TableError`
 that names the file, the row and the field. A row serves one model shape (E, K, H, I)
 and mode (LoRA or not) for the tokens T in [tokens.from, tokens.to] (to null: no upper
@@ -46,8 +46,8 @@ _ROW_FIELDS = {
     "tuned",
     "note",
 }
-_SHAPE_FIELDS = ("experts", "top_k", "hidden", "intermediate")
-_TILE_FIELDS = ("block_n", "block_k", "num_warps", "num_stages")
+SHAPE_FIELDS = ("experts", "top_k", "hidden", "intermediate")
+TILE_FIELDS = ("block_n", "block_k", "num_warps", "num_stages")
 _TUNED_FIELDS = {"tokens": int, "run": str, "before_ms": float, "after_ms": float}
 
 
@@ -193,7 +193,7 @@ def _where(name: str, i: int, record: object) -> str:
     label = f"{name} row {i}"
     if isinstance(record, dict) and isinstance(record.get("shape"), dict):
         s = record["shape"]
-        label += " (" + " ".join(f"{k}={s.get(k)}" for k in _SHAPE_FIELDS)
+        label += " (" + " ".join(f"{k}={s.get(k)}" for k in SHAPE_FIELDS)
         label += ", LoRA" if record.get("lora") else ", LoRA-free"
         c = record.get("lora_class")
         if isinstance(c, dict):  # slots x rank, as LoRAClass prints
@@ -230,7 +230,7 @@ def _object(where: str, value: object, keys: Iterable[str], optional: Iterable[s
 
 
 def _tiles(where: str, value: object) -> GemmTiles:
-    t = _object(where, value, _TILE_FIELDS)
+    t = _object(where, value, TILE_FIELDS)
     return GemmTiles(
         _pow2(f"{where}.block_n", t["block_n"], "BLOCK_N"),
         _pow2(f"{where}.block_k", t["block_k"], "BLOCK_K"),
@@ -284,8 +284,8 @@ def _lora_class(where: str, value: object, lora: bool) -> LoRAClass:
 def _row(name: str, i: int, record: object) -> TableRow:
     where = _where(name, i, record)
     r = _object(where, record, {"shape", "lora", "tokens", "block_m", "up", "down"}, _ROW_FIELDS)
-    s = _object(f"{where}: shape", r["shape"], _SHAPE_FIELDS)
-    shape = tuple(_int(f"{where}: shape.{k}", s[k], k) for k in _SHAPE_FIELDS)
+    s = _object(f"{where}: shape", r["shape"], SHAPE_FIELDS)
+    shape = tuple(_int(f"{where}: shape.{k}", s[k], k) for k in SHAPE_FIELDS)
     if not isinstance(r["lora"], bool):
         raise TableError(f"{where}: lora", r["lora"], "true or false")
     t = _object(f"{where}: tokens", r["tokens"], ("from", "to"))
@@ -341,66 +341,3 @@ def _check_ranges(name: str, records: list, rows: tuple[TableRow, ...]) -> None:
                 f"class {row.lora_class}; rows of a class may leave gaps but not overlap)",
             )
         last[group] = row.max_tokens
-
-
-def lows(rows: Iterable[TableRow]) -> dict[tuple, int]:
-    """Each row's tokens.from, by key: a REFERENCE-class row serves the T above the
-    previous row of its shape and mode, a row of another class from its min_tokens."""
-    out, last = {}, {}
-    for row in sorted(rows, key=lambda r: r.order):
-        if row.lora_class == REFERENCE:
-            out[row.key] = last.get((row.shape, row.lora), 0) + 1
-            last[(row.shape, row.lora)] = row.max_tokens
-        else:
-            out[row.key] = row.min_tokens
-    return out
-
-
-def _class_record(lora_class: LoRAClass) -> dict:
-    return {"rank": lora_class.rank, "slots": lora_class.slots}
-
-
-def _record(row: TableRow, low: int) -> dict:
-    """The JSON record of `row`, serving T from `low`."""
-    tiles = lambda g: {k: getattr(g, k) for k in _TILE_FIELDS}  # noqa: E731
-    record: dict = {
-        "shape": dict(zip(_SHAPE_FIELDS, row.shape)),
-        "lora": row.lora,
-        **({} if row.lora_class == REFERENCE else {"lora_class": _class_record(row.lora_class)}),
-        "tokens": {"from": low, "to": None if row.max_tokens == INF else row.max_tokens},
-        "block_m": row.block_m,
-        "up": tiles(row.up),
-        "down": tiles(row.down),
-        "knobs": {k: list(v) if isinstance(v, tuple) else v for k, v in row.knobs.items()},
-    }
-    if row.tuned_at is not None:
-        record["tuned"] = {
-            "tokens": row.tuned_at,
-            "run": row.run,
-            "before_ms": round(row.before_ms, 4),
-            "after_ms": round(row.after_ms, 4),
-        }
-    if row.note:
-        record["note"] = row.note
-    return record
-
-
-def table_json(rows: Iterable[TableRow], last_run: dict) -> str:
-    """The file text of a table: a header, then one record per line (TableRow.order: by
-    shape, LoRA-free rows first, then by class and T), a REFERENCE-class row's tokens.from
-    following the row before it, another class's row's its own (`lows`)."""
-    rows = sorted(rows, key=lambda r: r.order)
-    low = lows(rows)
-    lines = ["  " + json.dumps(_record(row, low[row.key])) for row in rows]
-    head = json.dumps({"format": FORMAT, "last_run": last_run}, indent=1)[:-2]
-    return head + ',\n "rows": [\n' + ",\n".join(lines) + "\n ]\n}\n"
-
-
-def write_table(path: str | Path, rows: Iterable[TableRow], last_run: dict) -> None:
-    """Write `rows` as a table file that load_table reads back unchanged. Written beside
-    and renamed over it: a tune killed at its time limit leaves the previous file whole
-    (scripts/gpu_lora_tune.sh starts the next tune from it)."""
-    path = Path(path)
-    part = path.with_name(path.name + ".part")
-    part.write_text(table_json(rows, last_run))
-    part.replace(path)
