@@ -18,14 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import torch
-
-from moelora.device import gpu_limits
 from moelora.tiling.config import TileConfig
-from moelora.tiling.fit import fit_to_device
 from moelora.tiling.pick import pick_config
 
-from .tune import Layer, load_model
+from .tune import Layer, fit_like_forward, load_model
 
 
 def _value(knob: str, text: str):
@@ -47,13 +43,12 @@ def parse_set(text: str) -> dict:
     return fixed
 
 
-def picked(t: int, dims: tuple, lora_on: bool, bank, dtype, parts: int) -> TileConfig:
+def picked(t: int, dims: tuple, lora_on: bool, model, bank) -> TileConfig:
     """The config a forward of this bank would run (the table row of its LoRA class, fitted
     to this GPU's shared memory as forward_plan fits it)."""
     rank, slots = (bank.tile_rank, bank.num_slots) if lora_on else (0, 0)
     cfg = pick_config(t, *dims, lora=lora_on, rank=rank, slots=slots)
-    limits = gpu_limits(torch.device("cuda"))
-    return fit_to_device(cfg, parts, dtype, limits, rank=rank, num_slots=slots)
+    return fit_like_forward(cfg, model, bank if lora_on else None)
 
 
 def main() -> None:
@@ -74,16 +69,13 @@ def main() -> None:
     fixed = parse_set(args.set)
     model, dims, experts, lora = load_model(args.model, args.adapters, args.rank)
     values = [_value(args.knob, v) for v in args.values.split(",")]
-    parts = model.shape.activation.width_factor
     print(f"{args.adapters} x {args.rank}{' (LoRA-free)' if args.base else ''}, fixed: "
           f"{fixed or 'nothing'}, best of {args.reps} alternated rounds")  # fmt: skip
     print(f"{'T':>6} " + " ".join(f"{args.knob}={v!s:>6}" for v in values) + "   ratio")
     for t in (int(v) for v in args.tokens.split(",")):
         layer = Layer(model, experts, lora, t, args.iters)
         lora_on = not args.base
-        base = dataclasses.replace(
-            picked(t, dims, lora_on, lora, model.shape.dtype, parts), **fixed
-        )
+        base = dataclasses.replace(picked(t, dims, lora_on, model, lora), **fixed)
         best: dict[int, float | None] = {}
         for rep in range(args.reps):
             order = range(len(values)) if rep % 2 == 0 else reversed(range(len(values)))

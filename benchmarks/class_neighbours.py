@@ -15,20 +15,15 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from moelora.device import gpu_limits
-from moelora.tiling.fit import fit_to_device
 from moelora.tiling.lora_class import LoRAClass
 from moelora.tiling.pick import H200, pick_config
 
-from .tune import Layer, load_model
+from .tune import Layer, fit_like_forward, load_model
 
 
 def classes_at(dims: tuple, tokens: int) -> list[LoRAClass]:
     """The LoRA classes with a table row for this shape holding T."""
-    found = {r.lora_class for r in H200.rows if r.shape == dims and r.lora}
-    return sorted(c for c in found if H200.lookup(dims, True, tokens, c).lora_class == c)
+    return sorted(r.lora_class for r in H200.holding(dims, True, tokens))
 
 
 def main() -> int:
@@ -44,8 +39,6 @@ def main() -> int:
     for bank_name in args.banks.split(","):
         adapters, rank = (int(v) for v in bank_name.split("x"))
         model, dims, experts, lora = load_model(args.model, adapters, rank)
-        parts = model.shape.activation.width_factor
-        limits = gpu_limits(torch.device("cuda"))
         mine = LoRAClass.of(lora.tile_rank, lora.num_slots)
         for t in (int(v) for v in args.tokens.split(",")):
             layer = Layer(model, experts, lora, t, args.iters)
@@ -55,10 +48,7 @@ def main() -> int:
             for rep in range(args.reps):
                 for c in classes if rep % 2 == 0 else classes[::-1]:
                     cfg = pick_config(t, *dims, lora=True, rank=c.rank, slots=c.slots)
-                    cfg = fit_to_device(
-                        cfg, parts, model.shape.dtype, limits, rank=lora.tile_rank,
-                        num_slots=lora.num_slots,
-                    )  # fmt: skip
+                    cfg = fit_like_forward(cfg, model, lora)
                     ms = layer.measure(cfg, True)
                     if ms is not None and (best.get(c) is None or ms < best[c]):
                         best[c] = ms

@@ -139,6 +139,15 @@ def load_model(name: str, adapters: int = 8, rank: int = 16) -> tuple:
     return model, dims, build_experts(model, "cuda"), build_lora(model, adapters, rank, "cuda")
 
 
+def fit_like_forward(cfg: TileConfig, model, bank) -> TileConfig:
+    """cfg fitted to this GPU for `bank` (None: LoRA-free) as a forward of it is fitted
+    (backends/triton.py, forward_plan)."""
+    rank, slots = (bank.tile_rank, bank.num_slots) if bank is not None else (0, 0)
+    limits = gpu_limits(torch.device("cuda"))
+    parts = model.shape.activation.width_factor
+    return fit_to_device(cfg, parts, model.shape.dtype, limits, rank=rank, num_slots=slots)
+
+
 class Layer:
     """One model layer at one T: inputs, reference rows, and a timer per tile config."""
 
@@ -458,11 +467,8 @@ def starts(
     base = aligned_config(pick_config(t, *dims, table=table), t, dims[0], dims[1], False)
     others = (fit(dataclasses.replace(base, **_knobs(start))),) if on else ()
     if on and lora_class != REFERENCE:
-        shape = dims[:4]
-        found = {r.lora_class for r in table.rows if r.shape == shape and r.lora}
-        for c in sorted(found - {lora_class}):
-            row = table.lookup(shape, True, t, c)
-            if row is not None and row.lora_class == c:
+        for c in sorted(r.lora_class for r in table.holding(dims[:4], True, t)):
+            if c != lora_class:
                 cfg = pick_config(t, *dims, lora=True, table=table, rank=c.rank, slots=c.slots)
                 cfg = fit(aligned_config(cfg, t, dims[0], dims[1], True))
                 if cfg != start and cfg not in others:
@@ -506,12 +512,7 @@ def main() -> int:
         return with_kept_rows(entries, buckets.table)
 
     def fit(cfg: TileConfig) -> TileConfig:  # a class tune starts where a forward would
-        if not is_class:
-            return cfg
-        parts, limits = model.shape.activation.width_factor, gpu_limits(torch.device("cuda"))
-        return fit_to_device(
-            cfg, parts, model.shape.dtype, limits, rank=lora.tile_rank, num_slots=lora.num_slots
-        )
+        return fit_like_forward(cfg, model, lora) if is_class else cfg
 
     for t in tokens:
         layer = Layer(model, experts, lora, t, args.iters)

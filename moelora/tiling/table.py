@@ -132,6 +132,10 @@ class Table:
         index: dict = {}  # (shape, lora) -> {class: its rows by T bound}
         for row in sorted(self.rows, key=lambda r: r.order):
             index.setdefault((row.shape, row.lora), {}).setdefault(row.lora_class, []).append(row)
+        # with each class's T bounds, built once here: every forward looks a row up
+        for classes in index.values():
+            for c, rows in classes.items():
+                classes[c] = ([r.max_tokens for r in rows], rows)
         object.__setattr__(self, "_index", index)
 
     def lookup(
@@ -147,18 +151,23 @@ class Table:
         (a larger class's tiles were fitted for more shared memory). The row's lora_class
         says which class served it."""
         want = REFERENCE if lora_class is None else lora_class
-        classes = self._index.get((shape, lora), {}).values()
-        found = [row for rows in classes if (row := _holding(rows, tokens)) is not None]
+        found = self.holding(shape, lora, tokens)
         return min(found, key=lambda r: want.preference(r.lora_class), default=None)
+
+    def holding(self, shape: tuple[int, int, int, int], lora: bool, tokens: int) -> list:
+        """Of each class of this shape and mode, its row whose T range holds `tokens` (a
+        class without one has none here)."""
+        classes = self._index.get((shape, lora), {}).values()
+        return [row for group in classes if (row := _holding(*group, tokens)) is not None]
 
     def by_key(self) -> dict[tuple, TableRow]:
         return {row.key: row for row in self.rows}
 
 
-def _holding(rows: list[TableRow], tokens: int) -> TableRow | None:
+def _holding(bounds: list[int], rows: list[TableRow], tokens: int) -> TableRow | None:
     """Of the rows of one shape, mode and class (by T bound), the one whose T range holds
     `tokens`, else None (a REFERENCE-class row holds the T above the row before it)."""
-    i = bisect.bisect_left([r.max_tokens for r in rows], tokens)
+    i = bisect.bisect_left(bounds, tokens)
     if i == len(rows) or (rows[i].min_tokens is not None and rows[i].min_tokens > tokens):
         return None
     return rows[i]
