@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -199,34 +200,39 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if any(c.startswith("moelora") for c in configs):
         handle, adapter_sets = _attach(a, shape, model, attach, emit, sync)
     calls = {c: _call_for(c, model, handle, adapter_sets, a) for c in configs}
-    batches = [int(b) for b in a.batches.split(",")]
     gen = torch.Generator().manual_seed(1)
-    for b in batches:
+    for b in (int(b) for b in a.batches.split(",")):
         ids = torch.randint(1, shape.vocab, (b, a.prompt), generator=gen).to(a.device)
-        for c in configs:  # warm-up at the timed shapes (graphs captured, compiles done)
-            first = _timed(lambda c=c: calls[c](ids, 1), sync)
-            _timed(lambda c=c: calls[c](ids, a.new), sync)
-            if c == "hf_static":
-                emit(kind="compile", config=c, batch=b, first_call_s=round(first, 1))
-        times = {c: ([], []) for c in configs}
-        for rep in range(a.repeats):
-            order = configs if rep % 2 == 0 else configs[::-1]
-            for c in order:
-                times[c][0].append(_timed(lambda c=c: calls[c](ids, 1), sync))
-                times[c][1].append(_timed(lambda c=c: calls[c](ids, a.new), sync))
         floor = None
         if bandwidth:
             floor = b / (step_bytes(model, shape, b, a.prompt + a.new // 2) / bandwidth)
-        for c in configs:
-            peak = _peak(lambda c=c: calls[c](ids, a.new)) if cuda else None
-            ttft, total = min(times[c][0]), min(times[c][1])
-            decode = b * (a.new - 1) / max(total - ttft, 1e-9)
-            emit(kind="decode", config=c, batch=b, ttft_ms=round(ttft * 1e3, 2),
-                 prefill_tok_s=round(b * a.prompt / ttft, 1), decode_tok_s=round(decode, 1),
-                 floor_tok_s=None if floor is None else round(floor, 1),
-                 of_floor=None if floor is None else round(decode / floor, 3),
-                 peak_gib=None if peak is None else round(peak / 2**30, 3))  # fmt: skip
+        _measure_batch(a, calls, ids, floor, emit, sync, cuda)
     return rows
+
+
+def _measure_batch(a, calls: dict, ids, floor: float | None, emit, sync, cuda: bool) -> None:
+    """Warm every configuration at this batch's shapes (graphs captured, compiles done), then
+    time them alternately: a one-token generate (time to first token) and a --new one."""
+    b = ids.shape[0]
+    for c, call in calls.items():
+        first = _timed(partial(call, ids, 1), sync)
+        _timed(partial(call, ids, a.new), sync)
+        if c == "hf_static":
+            emit(kind="compile", config=c, batch=b, first_call_s=round(first, 1))
+    times = {c: ([], []) for c in calls}
+    for rep in range(a.repeats):
+        for c in list(calls) if rep % 2 == 0 else list(calls)[::-1]:
+            times[c][0].append(_timed(partial(calls[c], ids, 1), sync))
+            times[c][1].append(_timed(partial(calls[c], ids, a.new), sync))
+    for c, call in calls.items():
+        peak = _peak(partial(call, ids, a.new)) if cuda else None
+        ttft, total = min(times[c][0]), min(times[c][1])
+        decode = b * (a.new - 1) / max(total - ttft, 1e-9)
+        emit(kind="decode", config=c, batch=b, ttft_ms=round(ttft * 1e3, 2),
+             prefill_tok_s=round(b * a.prompt / ttft, 1), decode_tok_s=round(decode, 1),
+             floor_tok_s=None if floor is None else round(floor, 1),
+             of_floor=None if floor is None else round(decode / floor, 3),
+             peak_gib=None if peak is None else round(peak / 2**30, 3))  # fmt: skip
 
 
 def _stamp(emit, a: argparse.Namespace, cuda: bool) -> None:
