@@ -281,8 +281,11 @@ def _attach(a, shape: Shape, model, attach, emit, sync):
     emit(kind="startup", backend=handle.backend_name, attach_and_load_s=round(loaded, 2),
          warmup_s=None if warm_s is None else round(warm_s, 2), adapters=sorted(dirs))  # fmt: skip
     expert_only = [f"e{k}" for k in range(a.adapters)]
-    keep = a.adapters - a.attention_adapters
-    mixed = expert_only[:keep] + [f"q{k}" for k in range(a.attention_adapters)]
+    attention = [f"q{k}" for k in range(a.attention_adapters)]
+    # attention adapters first, interleaved: batch 1 runs one, every batch holds both kinds
+    rest = expert_only[: a.adapters - len(attention)]
+    mixed = [n for pair in zip(attention, rest) for n in pair] + attention[len(rest) :]
+    mixed += rest[len(attention) :]
     return handle, {"moelora_experts": expert_only, "moelora_attention": mixed}
 
 
