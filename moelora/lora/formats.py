@@ -28,7 +28,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import AdapterError
-from .validate import check_shape, lora_scale
+from .validate import check_shape, lora_scale, peft_name
 
 FUSED_KEY = re.compile(
     r"^(?P<path>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?experts)\."
@@ -86,11 +86,6 @@ class Context:
                 f"({self.model.num_layers} layers)",
                 "load the adapter for the model it was trained on",
             )
-
-
-def peft_name(path: str) -> str:
-    """The module name PEFT matches rank_pattern / alpha_pattern against."""
-    return path.removeprefix("base_model.model.")
 
 
 def classify(key: str) -> str:
