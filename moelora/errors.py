@@ -87,7 +87,7 @@ class AdapterError(MoeloraError, ValueError):
     """
 
     def __init__(self, file: str, key: str, found: object, expected: str, fix: str = "") -> None:
-        self.file, self.key, self.found, self.expected = file, key, found, expected
+        self.file, self.key, self.found, self.expected, self.fix = file, key, found, expected, fix
         msg = f"adapter file '{file}', key '{key}': found {found}, expected {expected}"
         super().__init__(msg + (f". Fix: {fix}" if fix else ""))
 
