@@ -221,35 +221,48 @@ def test_module_rank_mismatch_names_file_and_module(tmp_path, serves) -> None:
 
 # ---- the fused orientation from peft_version ---------------------------------------------------
 
-# (id, peft_version written, orientation the file was saved in, fused_orientation, loads)
+# Llama-4 stores its experts [E, in, out] with no is_transposed flag: PEFT reads it the
+# other way round from Qwen3-MoE (fused.STORED_IN_OUT).
+LLAMA4_2I = from_hf(
+    {"model_type": "llama4_text", "hidden_size": 32, "num_local_experts": 4,
+     "intermediate_size": 16, "num_experts_per_tok": 1, "num_hidden_layers": 2,
+     "torch_dtype": "float32"}, name="tiny-llama4",
+)  # fmt: skip
+MODELS = {"qwen3_moe": MC_2I, "llama4_text": LLAMA4_2I}  # both H = 2I
+
+# (id, model, peft_version written, orientation the file was saved in, fused_orientation,
+# loads)
 VERSIONS = [
-    ("peft-0.21.2", "0.21.2", "natural", None, True),
-    ("peft-0.19.1-first-fixed", "0.19.1", "natural", None, True),
-    ("peft-0.20-dev", "0.20.0.dev0@5d602fdbf", "natural", None, True),
-    ("peft-0.18.1", "0.18.1", "swapped", None, True),
-    ("peft-0.17.1", "0.17.1", "swapped", None, True),
-    ("told-overrides-version", "0.21.2", "swapped", "swapped", True),
-    ("peft-0.19.0-undecided", "0.19.0", "natural", None, False),  # depends on transformers
-    ("peft-0.19.1-dev-undecided", "0.19.1.dev0@abc", "natural", None, False),
-    ("no-peft-version", None, "natural", None, False),
-    ("unreadable-version", "main", "natural", None, False),
+    ("peft-0.21.2", "qwen3_moe", "0.21.2", "natural", None, True),
+    ("peft-0.19.1-first-fixed", "qwen3_moe", "0.19.1", "natural", None, True),
+    ("peft-0.20-dev", "qwen3_moe", "0.20.0.dev0@5d602fdbf", "natural", None, True),
+    ("peft-0.18.1", "qwen3_moe", "0.18.1", "swapped", None, True),
+    ("peft-0.17.1", "qwen3_moe", "0.17.1", "swapped", None, True),
+    ("told-overrides-version", "qwen3_moe", "0.21.2", "swapped", "swapped", True),
+    ("llama4-peft-0.21.2", "llama4_text", "0.21.2", "swapped", None, True),
+    ("llama4-peft-0.18.1", "llama4_text", "0.18.1", "natural", None, True),
+    ("peft-0.19.0-undecided", "qwen3_moe", "0.19.0", "natural", None, False),  # see fused.py
+    ("peft-0.19.1-dev-undecided", "qwen3_moe", "0.19.1.dev0@abc", "natural", None, False),
+    ("no-peft-version", "qwen3_moe", None, "natural", None, False),
+    ("unreadable-version", "qwen3_moe", "main", "natural", None, False),
 ]
 
 
 @pytest.mark.parametrize(
-    "version,written,told,loads", [c[1:] for c in VERSIONS], ids=[c[0] for c in VERSIONS]
+    "model,version,written,told,loads", [c[1:] for c in VERSIONS], ids=[c[0] for c in VERSIONS]
 )
 def test_peft_version_decides_an_ambiguous_orientation(
-    tmp_path, seed, version, written, told, loads
+    tmp_path, seed, model, version, written, told, loads
 ) -> None:
-    factors, tensors = _fused_gate_up(MC_2I, seed, written, with_down=False)
+    mc = MODELS[model]
+    factors, tensors = _fused_gate_up(mc, seed, written, with_down=False)
     extra = {} if version is None else {"peft_version": version}
     root = write_adapter(tmp_path / "ad", tensors, lora_config(2, 3, **extra))
     if loads:
-        _assert_deltas(load_adapter(root, MC_2I, 4, fused_orientation=told), factors, 1.5)
+        _assert_deltas(load_adapter(root, mc, 4, fused_orientation=told), factors, 1.5)
         return
     with pytest.raises(AdapterError) as info:
-        load_adapter(root, MC_2I, 4)
+        load_adapter(root, mc, 4)
     fix = info.value.fix
     assert "fused_orientation='natural'" in fix and "--fused-orientation natural|swapped" in fix
     assert repr(version) in fix, fix

@@ -23,6 +23,12 @@ from .formats import FUSED_KEY, Context, Projection, peft_name
 from .validate import check_shape, lora_scale
 
 ORIENTATIONS = ("natural", "swapped")
+_OTHER = {"natural": "swapped", "swapped": "natural"}
+# Families whose experts transformers stores [E, in, out] WITHOUT an is_transposed flag
+# (the same fact as hf/weights.py's ALWAYS_TRANSPOSED): PEFT <= 0.18 read their first
+# dimension as `in` (natural), PEFT >= 0.19.1 swaps in / out for an unflagged 3-D
+# parameter (swapped). Checked on PEFT 0.21.2's own files in tests/test_hf_generate.py.
+STORED_IN_OUT = frozenset({"llama4_text"})
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?P<rest>.*)$")
 
 
@@ -49,11 +55,16 @@ def _orientations(ctx: Context) -> tuple[str, ...]:
     if ctx.model.model_type == "gpt_oss":
         return ("natural",)
     by_version = orientation_of_version(ctx.config.get("peft_version"))
-    return ORIENTATIONS if by_version is None else (by_version,)
+    if by_version is None:
+        return ORIENTATIONS
+    if ctx.model.model_type in STORED_IN_OUT:  # PEFT's in / out there is the stored reverse
+        return (_OTHER[by_version],)
+    return (by_version,)
 
 
 def orientation_of_version(peft_version: object) -> str | None:
-    """The orientation PEFT `peft_version` saved [E, out, in] experts in, or None if unknown.
+    """The orientation PEFT `peft_version` saved [E, out, in] experts in (every family but
+    gpt-oss and STORED_IN_OUT, which read the other way), or None if unknown.
 
     PEFT <= 0.18 read a 3-D parameter as [E, in, out] whatever its layout: "swapped" for
     Qwen3-MoE / Mixtral. 0.19.0 swapped in / out when the experts module `is_transposed`
