@@ -243,6 +243,7 @@ VERSIONS = [
     ("llama4-peft-0.18.1", "llama4_text", "0.18.1", "natural", None, True),
     ("peft-0.19.0-undecided", "qwen3_moe", "0.19.0", "natural", None, False),  # see fused.py
     ("peft-0.19.1-dev-undecided", "qwen3_moe", "0.19.1.dev0@abc", "natural", None, False),
+    ("peft-0.18.2-dev-undecided", "qwen3_moe", "0.18.2.dev0@5356277", "swapped", None, False),
     ("no-peft-version", "qwen3_moe", None, "natural", None, False),
     ("unreadable-version", "qwen3_moe", "main", "natural", None, False),
 ]

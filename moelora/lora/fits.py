@@ -17,8 +17,6 @@ from .adapter import Adapter
 from .refusals import Refusals
 from .validate import check_tensor
 
-_FACTORS = ("w13_a", "w13_b", "w2_a", "w2_b")
-
 
 def check_fits(adapter: Adapter, model_config: ModelConfig, max_rank: int) -> None:
     """Refuse an Adapter read for another model, of rank above R, with non-MoE layers, or

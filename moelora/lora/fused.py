@@ -66,19 +66,21 @@ def orientation_of_version(peft_version: object) -> str | None:
     """The orientation PEFT `peft_version` saved [E, out, in] experts in (every family but
     gpt-oss and STORED_IN_OUT, which read the other way), or None if unknown.
 
-    PEFT <= 0.18 read a 3-D parameter as [E, in, out] whatever its layout: "swapped" for
-    Qwen3-MoE / Mixtral. 0.19.0 swapped in / out when the experts module `is_transposed`
-    (peft 5356277d0, #3083), the wrong way round; 0.19.1 swaps when it is NOT transposed
-    (peft e84dd8f40, #3165, in v0.19.1 and later): "natural". A 0.19.0 file depends on
-    whether transformers' own patch of PEFT ran (the #3165 message): undecided, as are a
-    0.19.1 pre-release (the fix landed during 0.19.1.dev0), a missing peft_version (PEFT
-    writes it since 0.18.0, #2782; a hand-written config may omit it) and an unreadable one.
+    PEFT <= 0.18.1 read a 3-D parameter as [E, in, out] whatever its layout: "swapped" for
+    Qwen3-MoE / Mixtral. Then (peft 5356277d0, #3083, during 0.18.2.dev0; released in
+    0.19.0) it swapped in / out when the experts module `is_transposed`, the wrong way
+    round; 0.19.1 swaps when it is NOT transposed (peft e84dd8f40, #3165, in v0.19.1 and
+    later): "natural". A file from in between depends on whether transformers' own patch of
+    PEFT ran (the #3165 message): undecided (0.18.2 dev builds, 0.19.0, 0.19.1 pre-releases),
+    as are a missing peft_version (PEFT writes it since 0.18.0, #2782; a hand-written config
+    may omit it) and an unreadable one.
     """
     m = _VERSION.match(str(peft_version or "").partition("@")[0])  # dev: "0.19.1.dev0@<sha>"
     if peft_version is None or m is None:
         return None
-    release, pre = tuple(int(g) for g in m.group(1, 2, 3)), bool(m["rest"])
-    if release < (0, 19, 0):
+    release = tuple(int(g) for g in m.group(1, 2, 3))
+    pre = re.match(r"\.?(dev|a|b|rc)", m["rest"]) is not None  # "0.19.1.post1" is no pre
+    if release <= (0, 18, 1):
         return "swapped"
     if release > (0, 19, 1) or (release == (0, 19, 1) and not pre):
         return "natural"
@@ -164,7 +166,10 @@ def _reading(ctx: Context, tensors, pairs: list) -> tuple[str, tuple[str, ...], 
         (orient, names)
         for orient in tried
         for names in itertools.permutations(params, len(pairs))
-        if all((d_a, d_b) == _dims(params[n], orient) for (d_a, d_b, _), n in zip(shapes, names))
+        if all(
+            (d_a, d_b) == _dims(params[n], orient)
+            for (d_a, d_b, _), n in zip(shapes, names, strict=True)
+        )
     ]
     found = ", ".join(
         f"A {tuple(tensors[p['A']].shape)} B {tuple(tensors[p['B']].shape)}" for p in pairs
