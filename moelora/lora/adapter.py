@@ -22,7 +22,14 @@ from .fused import parse_fused
 from .refusals import Refusals
 from .safe_io import CONFIG_NAME, read_config, read_tensors
 from .targets import check_serves, experts_delta_is_zero, modules_delta_is_zero
-from .validate import check_lora_config, check_module_rank, check_rank, check_tensor, zero_alphas
+from .validate import (
+    check_lora_config,
+    check_module_rank,
+    check_rank,
+    check_tensor,
+    module_factors,
+    zero_alphas,
+)
 
 log = logging.getLogger("moelora.lora")
 
@@ -157,9 +164,9 @@ def _check_values(
     for key, t in tensors.items():
         with refusals.check():
             check_tensor(ctx.file, key, t)
-    for key, t in other.items():
+    for module, factors in sorted(module_factors(other).items()):
         with refusals.check():
-            check_module_rank(ctx.file, ctx.config, key, t)
+            check_module_rank(ctx.file, ctx.config, module, factors)
 
 
 def _parse(

@@ -86,22 +86,33 @@ def lora_scale(file: str, config: dict[str, Any], target: str, rank: int, key: s
     return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
-def check_module_rank(file: str, config: dict[str, Any], key: str, t: torch.Tensor) -> None:
-    """A non-expert module's factor (A [r, in] or B [out, r], e.g. attention) must have the
-    rank adapter_config.json gives that module (r / rank_pattern): PEFT would build its layer
-    from the config and fail on the copy, after the adapter was half applied. The key field
-    names the module; other entries (biases, embeddings, modules_to_save) are not factors."""
-    module, sep, factor = key.rpartition(".lora_")
-    if not sep or factor not in ("A.weight", "B.weight") or t.dim() != 2:
-        return
-    rank = t.shape[0] if factor == "A.weight" else t.shape[1]
+def module_factors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Non-expert tensors grouped by module: path -> {'A': [r, in], 'B': [out, r]}; entries
+    that are not LoRA factors (biases, embeddings, modules_to_save) are left out."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, sep, factor = key.rpartition(".lora_")
+        if sep and factor in ("A.weight", "B.weight") and t.dim() == 2:
+            out.setdefault(module, {})[factor[0]] = t
+    return out
+
+
+def check_module_rank(
+    file: str, config: dict[str, Any], module: str, factors: dict[str, torch.Tensor]
+) -> None:
+    """A non-expert module's factors (A [r, in], B [out, r], e.g. attention) must have the
+    rank adapter_config.json gives that module (r / rank_pattern): PEFT builds its layer
+    from the config and would fail on the copy, after the adapter was half applied. The
+    key field names the module."""
     name = peft_name(module)
     r = pattern_value(config.get("rank_pattern") or {}, name, config["r"])
-    if r != rank:
+    ranks = {k: t.shape[0] if k == "A" else t.shape[1] for k, t in sorted(factors.items())}
+    if any(rank != r for rank in ranks.values()):
+        shapes = ", ".join(f"lora_{k} {list(factors[k].shape)}" for k in ranks)
         raise AdapterError(
             file,
             module,
-            f"rank {rank} in lora_{factor} {list(t.shape)}",
+            f"rank {'/'.join(str(v) for v in dict.fromkeys(ranks.values()))} in {shapes}",
             f"rank {r} from adapter_config.json (r / rank_pattern for '{name}')",
             "the config and the weights come from different adapters: save them together",
         )
