@@ -1,6 +1,8 @@
 """Refusals: the independent checks of one adapter run to the end, so that its error lists
-every problem found (a fused orientation the shapes cannot decide AND a NaN factor AND a
-router LoRA nobody serves), not only the first.
+every problem found (a fused orientation nothing decides AND a NaN factor AND an int8 one),
+not only the first. A caller with checks of its own (the transformers integration refuses
+LoRA on modules it cannot apply, e.g. a router) runs them in the same collector, around
+load_adapter: its AdapterProblems is flattened into the list.
 
     refusals = Refusals()
     with refusals.check():
