@@ -31,8 +31,9 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError, InputError, MoeloraError
-from .adapter import Adapter, check_fits, load_adapter
+from .adapter import Adapter, load_adapter
 from .catalog import AdapterCatalog, Source
+from .fits import check_fits
 from .host_cache import HostCache, adapter_bytes
 from .leases import BankSnapshot, SlotLeases
 from .placement import choose_slot
