@@ -12,6 +12,7 @@ unloads go on. Legend: B rows, L slots (max_loras), R max rank (max_lora_rank).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import re
@@ -241,9 +242,15 @@ class MoELoRAModel:
         return self._manager.max_rank
 
     def describe(self, name: str) -> dict[str, Any]:
-        """What is loaded under `name`: rank, slot or not, non-expert modules."""
+        """What is loaded under `name`: rank, expert factors or not, pinned, other modules."""
         v = self._known(name)
-        return {"name": name, "rank": v.rank, "experts": v.in_slots, "modules": list(v.modules)}
+        return {
+            "name": name,
+            "rank": v.rank,
+            "experts": v.in_slots,
+            "pinned": v.pinned,
+            "modules": list(v.modules),
+        }
 
     # ---- adapters -------------------------------------------------------------------------
 
@@ -251,13 +258,16 @@ class MoELoRAModel:
         self,
         path: str | Path,
         name: str | None = None,
-        pin: bool = False,
+        pin: bool | None = None,
         *,
         fused_orientation: str | None = None,
     ) -> str:
         """Load a PEFT adapter directory under `name` (default: the directory's name); a name
         already loaded is replaced (calls running keep the old version). Every check runs
-        before anything is written: a refused adapter changes nothing. Returns the name.
+        before anything is written, and the old version is retired only once the new one is
+        in: a refused adapter (or a slot wait that times out) changes nothing. Returns the name.
+        pin: keep the expert factors in a slot (never evicted); None: a replacement keeps the
+        replaced version's pin (logged), a new name is not pinned. unpin(name) drops it.
         fused_orientation: "natural" (PEFT 0.21) or "swapped" (PEFT 0.17), only for fused
         target_parameters files whose shapes read both ways (the error says when)."""
         root = Path(path)
@@ -286,27 +296,18 @@ class MoELoRAModel:
                 "LoRA on the routed experts or on nn.Linear modules of the model",
                 "check target_modules / target_parameters against the model's module names",
             )
-        version = _Version(
-            name,
-            internal,
-            in_slots=bool(adapter.layers),
-            peft=part is not None,
-            rank=adapter.rank,
-            modules=tuple(part.modules) if part is not None else (),
-            pinned=pin or (name in self._versions and self._versions[name].pinned),
-        )
         with self._lock:
             old = self._versions.get(name)
-            if old is not None and old.in_slots and self._slots_full() and version.in_slots:
-                # Full slots: free the old version's own slot first (when no call holds it,
-                # the new version takes it; else the manager evicts the LRU adapter).
-                self._retire(old)
-                old = None
-                del self._versions[name]
-            self._write(version, adapter, part)
-            self._versions[name] = version
-            if old is not None:
-                self._retire(old)
+            version = _Version(
+                name,
+                internal,
+                in_slots=bool(adapter.layers),
+                peft=part is not None,
+                rank=adapter.rank,
+                modules=tuple(part.modules) if part is not None else (),
+                pinned=self._pin_for(name, old, pin),
+            )
+            self._replace(old, version, adapter, part)
         log.info(
             "adapter %s loaded: rank %d, experts %s, %d other modules (%s)",
             name,
@@ -324,20 +325,58 @@ class MoELoRAModel:
             del self._versions[name]
             self._retire(version)
 
-    def _write(self, version: _Version, adapter, part: NonExpertPart | None) -> None:
-        """Register the expert factors (a call naming them copies them into a slot if they
-        are in none) and load them now when a slot is free or they are pinned; inject the
-        other modules into PEFT. On failure, both are undone."""
+    def unpin(self, name: str) -> None:
+        """Let `name`'s expert factors be evicted again (a no-op when it is not pinned)."""
+        with self._lock:
+            version = self._known(name)
+            if version.in_slots:
+                self._manager.unpin(version.internal)
+            self._versions[name] = dataclasses.replace(version, pinned=False)
+
+    def _pin_for(self, name: str, old: _Version | None, pin: bool | None) -> bool:
+        """Under self._lock: the new version's pin (see load_adapter's `pin`)."""
+        if pin is not None:
+            return pin
+        if old is not None and old.pinned:
+            log.info("adapter %s: the replacement keeps the pin (unpin(%r) drops it)", name, name)
+            return True
+        return False
+
+    def _replace(self, old: _Version | None, version: _Version, adapter, part) -> None:
+        """Under self._lock: write `version`, then publish it and retire `old`. A pinned old
+        version is unpinned during the write (with every slot full, its slot may be the one
+        the new version takes); if the write fails it is pinned again, still in its slot."""
+        repin = old is not None and old.pinned and old.in_slots
+        if repin:
+            self._manager.unpin(old.internal)
         try:
+            self._write(version, adapter, part)
+        except BaseException:
+            if repin and old.internal in self._manager.loaded:
+                self._manager.pin(old.internal)
+            raise
+        self._versions[version.public] = version
+        if old is not None:
+            self._retire(old)
+
+    def _write(self, version: _Version, adapter, part: NonExpertPart | None) -> None:
+        """Inject the other modules into PEFT (its late checks run first), then register the
+        expert factors (a call naming them copies them into a slot if they are in none) and
+        load them now when a slot is free or they are pinned. On failure, both are undone."""
+        injected = False
+        try:
+            if part is not None:
+                self._peft.inject(version.internal, part)
+                injected = True
             if version.in_slots:
                 self._manager.register(version.internal, adapter)
                 if version.pinned or not self._slots_full():
                     self._manager.load(adapter, name=version.internal, pin=version.pinned)
-            if part is not None:
-                self._peft.inject(version.internal, part)
-        except Exception:
+        except BaseException:
             if version.in_slots and version.internal in self._manager.registered:
                 self._manager.unregister(version.internal)
+            if injected:
+                self._peft.delete(version.internal)
             raise
 
     def _slots_full(self) -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import AdapterError
 from ..lora import formats
+from ..lora.validate import check_tensor, lora_scale
 from . import batch
 
 _FACTOR = {"lora_A.weight": "A", "lora_B.weight": "B"}
@@ -44,7 +45,8 @@ def read_non_expert(
 ) -> NonExpertPart | None:
     """The non-expert factors of an adapter file, checked against `model` (every module must
     exist and be an nn.Linear, or a PEFT LoRA layer over one); None when there are none.
-    Raises AdapterError naming the first module that cannot be applied."""
+    Raises AdapterError naming the first module that cannot be applied, a factor that is not
+    a finite float, or a rank that r / rank_pattern in adapter_config.json contradict."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         if formats.classify(key) != "other":
@@ -77,8 +79,9 @@ def read_non_expert(
                 f"lora_A [r, {base.in_features}], lora_B [{base.out_features}, r]",
                 "load the adapter for the model it was trained on",
             )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(file, path, "non-finite values", "finite LoRA factors")
+        for factor, t in (("lora_A", a), ("lora_B", b)):  # int8 / NaN refused, never cast
+            check_tensor(file, f"{path}.{factor}.weight", t)
+        lora_scale(file, config, path, a.shape[0], f"{path}.lora_A.weight")  # r / rank_pattern
         factors[path] = (a, b)
     return NonExpertPart(factors, config)
 
