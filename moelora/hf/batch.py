@@ -3,8 +3,8 @@
 The handle builds a `RowAdapters` once per generate / forward call (one host-to-device copy
 of the per-row slots into a buffer the thread keeps) and makes it current for the calling
 thread; the first MoE layer of each forward expands the rows to one slot per token into a
-second kept buffer on the device (no host sync), every MoE layer reads it, and PEFT's LoRA
-layers get their per-row adapter names from it. Both buffers stay the same tensors across
+second kept buffer on the device (no host sync), every MoE layer reads it, and the served
+Linear modules (module_lora.py) expand the same row slots over their own input's tokens. Both buffers stay the same tensors across
 calls, so a CUDA graph captured over a forward reads the slots of the call it is replayed
 in. Legend: B rows, S tokens per row, T = B * S.
 """
@@ -28,23 +28,18 @@ _current = threading.local()
 
 @dataclass
 class RowAdapters:
-    """row_slots [B] int32 on the model's device (-1 = no expert adapter); snapshot: the slot
-    banks those slots index (held by a lease for the whole call); peft_names: per row, the
-    PEFT adapter of its non-expert modules or BASE."""
+    """row_slots [B] int32 on the model's device (-1 = no adapter); snapshot: the slot banks
+    those slots index, expert and module banks alike (held by a lease for the whole call)."""
 
     row_slots: Tensor
     snapshot: BankSnapshot
-    peft_names: tuple[str, ...]
-    expert_lora: bool  # some row has an expert adapter
+    expert_lora: bool  # some row's adapter has expert factors
+    module_lora: bool  # some row's adapter has factors on a served Linear module
     token_buffer: Tensor  # [capacity >= T] int32, kept by the thread across calls
 
     @property
     def rows(self) -> int:
-        return len(self.peft_names)
-
-    @property
-    def peft_lora(self) -> bool:
-        return any(name != BASE for name in self.peft_names)
+        return self.row_slots.shape[0]
 
     def token_slots(self, tokens: int, refresh: bool) -> Tensor:
         """token_slots [T] int32: each row's slot repeated for its S = T / B tokens, in the
@@ -62,13 +57,14 @@ class RowAdapters:
             slots.copy_(self.row_slots.repeat_interleave(per_row, output_size=tokens))
         return slots
 
-    def peft_names_for(self, leading: int) -> list[str]:
-        """adapter_names for a PEFT LoRA layer whose input has `leading` rows: [B, S, ...]
-        inputs take one name per row, flattened [T, ...] inputs one per token."""
-        repeat = self._per_row(leading, "LoRA layer input")
-        if repeat == 1:
-            return list(self.peft_names)
-        return [name for name in self.peft_names for _ in range(repeat)]
+    def slots_for(self, tokens: int, what: str) -> Tensor:
+        """slots [T] int32 for a module input of T = B * S' tokens in row-major order (S' its
+        own tokens per row: the LM head may see only the last one): each row's slot repeated
+        S' times, computed on the device (no host sync)."""
+        per_row = self._per_row(tokens, what)
+        if per_row == 1:
+            return self.row_slots
+        return self.row_slots.repeat_interleave(per_row, output_size=tokens)
 
     def _per_row(self, leading: int, what: str) -> int:
         if leading % self.rows:

@@ -3,11 +3,12 @@ row of a batch uses its own adapter; the returned handle owns the slot banks.
 
 The model keeps its own routing, attention and everything else. Per MoE layer the handle
 binds a MoELoRALayer whose weights are views of the module's own expert tensors (no copy),
-all sharing one oracle verdict (asked once per layer type, logged once). Adapters are PEFT
-directories: the expert factors go into the slot banks (SlotManager), the other modules
-into PEFT's own LoRA layers (peft_modules.py). Each load gets an internal version name, so a
-call holds the versions it started with (one lease over the call) while loads, replaces and
-unloads go on. Legend: B rows, L slots (max_loras), R max rank (max_lora_rank).
+all sharing one oracle verdict (asked once per layer type, logged once). Every nn.Linear an
+adapter may target gets a per-token LoRA hook (module_lora.py). Adapters are PEFT
+directories: the expert factors and the Linear modules' factors go into the slot banks of
+one SlotManager, in the same slot. Each load gets an internal version name, so a call holds
+the versions it started with (one lease over the call) while loads, replaces and unloads go
+on. Legend: B rows, L slots (max_loras), R max rank (max_lora_rank).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import itertools
 import logging
 import re
 import threading
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +38,7 @@ from ..oracle import Selection, select
 from . import batch, experts
 from .graphs import MAX_GRAPH_TOKENS, LayerGraphs
 from .llama4 import swap_llama4_blocks
-from .peft_modules import NonExpertPart, PeftModules, read_non_expert
+from .module_lora import ModuleHooks, module_shapes, read_module_factors, target_linears
 from .weights import expert_weights_from_hf
 
 log = logging.getLogger("moelora.hf")
@@ -48,13 +48,11 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class _Version:
-    """One load of one adapter name: its slot-manager name (None: no expert factors) and its
-    PEFT adapter name (None: no non-expert modules)."""
+    """One load of one adapter name, registered with the slot manager under `internal`."""
 
     public: str
     internal: str
-    in_slots: bool  # has expert factors: registered with the slot manager under `internal`
-    peft: bool
+    experts: bool  # has expert factors
     rank: int
     modules: tuple[str, ...]
     pinned: bool
@@ -71,6 +69,7 @@ def attach(
     max_cpu_loras: int | None = None,
     max_graph_tokens: int = MAX_GRAPH_TOKENS,
     load_timeout_s: float = 30.0,
+    lora_target_modules: Sequence[str] | None = None,
 ) -> MoELoRAModel:
     """Serve `model`'s routed experts with moelora; returns the handle (MoELoRAModel).
 
@@ -85,10 +84,15 @@ def attach(
     max_graph_tokens: on a GPU (unless enforce_eager), each MoE layer replays a CUDA graph of
     itself for calls of at most this many tokens (decode), captured at a shape's second call: an eager
     decode step is otherwise bound by Triton's Python launch cost. 0 turns it off.
+    lora_target_modules: the nn.Linear modules adapters may carry LoRA on (PEFT's
+    target_modules matching: "q_proj" names every q_proj), each given a bank of
+    L x R x (in + out) values and a per-token LoRA hook; None: every nn.Linear of the model.
+    An adapter with LoRA on another module is refused at load, naming it.
     The model is put in eval mode: moelora serves inference (no autograd through experts).
     """
     model_config = _model_config(model)
     modules = _experts_modules(model, model_config)
+    linears = target_linears(model, lora_target_modules)
     first = next(iter(modules.values()))
     param = first.down_proj
     device, dtype = param.device, param.dtype
@@ -122,6 +126,7 @@ def attach(
         dtype=dtype,
         load_timeout_s=load_timeout_s,
         max_cpu_loras=max_cpu_loras,
+        module_shapes=module_shapes(linears),
     )
     experts.register()
     for index, module in modules.items():
@@ -135,8 +140,9 @@ def attach(
     if not swapped:
         model.set_experts_implementation(experts.NAME)
     model.eval()
-    handle = MoELoRAModel(model, model_config, selection, manager, device)
-    handle._bound = (list(modules.values()), swapped, previous)
+    handle = MoELoRAModel(model, model_config, selection, manager, device, linears)
+    hooks = ModuleHooks(linears, manager.module_banks)
+    handle._bound = (list(modules.values()), swapped, previous, hooks)
     return handle
 
 
@@ -206,20 +212,18 @@ class MoELoRAModel:
         selection: Selection,
         manager: SlotManager,
         device: torch.device,
+        linears: dict[str, nn.Module],
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.selection = selection
         self.device = device
         self._manager = manager
-        self._peft = PeftModules(model)
+        self._linears = linears  # path -> the served nn.Linear modules
         self._versions: dict[str, _Version] = {}  # public name -> current version
-        self._refs: Counter[str] = Counter()  # internal name -> calls holding it
-        self._retired: dict[str, _Version] = {}  # replaced or unloaded, still held
         self._lock = threading.Lock()  # writers, and the start of a call
-        self._refs_lock = threading.Lock()
         self._seq = itertools.count()
-        self._bound: tuple[list, list, str | None] = ([], [], None)
+        self._bound: tuple[list, list, str | None, ModuleHooks | None] = ([], [], None, None)
         self._local = threading.local()
 
     # ---- facts --------------------------------------------------------------------------
@@ -242,12 +246,12 @@ class MoELoRAModel:
         return self._manager.max_rank
 
     def describe(self, name: str) -> dict[str, Any]:
-        """What is loaded under `name`: rank, expert factors or not, pinned, other modules."""
+        """What is loaded under `name`: rank, expert factors or not, pinned, Linear modules."""
         v = self._known(name)
         return {
             "name": name,
             "rank": v.rank,
-            "experts": v.in_slots,
+            "experts": v.experts,
             "pinned": v.pinned,
             "modules": list(v.modules),
         }
@@ -287,8 +291,8 @@ class MoELoRAModel:
         )
         config = read_config(root)
         file, tensors = read_tensors(root)
-        part = read_non_expert(str(file), config, tensors, self.model)
-        if not adapter.layers and part is None:
+        factors = read_module_factors(str(file), config, tensors, self._linears)
+        if not adapter.layers and not factors:
             raise AdapterError(
                 str(file),
                 "<modules>",
@@ -301,18 +305,17 @@ class MoELoRAModel:
             version = _Version(
                 name,
                 internal,
-                in_slots=bool(adapter.layers),
-                peft=part is not None,
-                rank=adapter.rank,
-                modules=tuple(part.modules) if part is not None else (),
+                experts=bool(adapter.layers),
+                rank=max([adapter.rank, *(f.rank for f in factors.values())]),
+                modules=tuple(sorted(factors)),
                 pinned=self._pin_for(name, old, pin),
             )
-            self._replace(old, version, adapter, part)
+            self._replace(old, version, dataclasses.replace(adapter, modules=factors))
         log.info(
             "adapter %s loaded: rank %d, experts %s, %d other modules (%s)",
             name,
             version.rank,
-            "yes" if version.in_slots else "no",
+            "yes" if version.experts else "no",
             len(version.modules),
             root,
         )
@@ -329,8 +332,7 @@ class MoELoRAModel:
         """Let `name`'s expert factors be evicted again (a no-op when it is not pinned)."""
         with self._lock:
             version = self._known(name)
-            if version.in_slots:
-                self._manager.unpin(version.internal)
+            self._manager.unpin(version.internal)
             self._versions[name] = dataclasses.replace(version, pinned=False)
 
     def _pin_for(self, name: str, old: _Version | None, pin: bool | None) -> bool:
@@ -342,15 +344,15 @@ class MoELoRAModel:
             return True
         return False
 
-    def _replace(self, old: _Version | None, version: _Version, adapter, part) -> None:
+    def _replace(self, old: _Version | None, version: _Version, adapter) -> None:
         """Under self._lock: write `version`, then publish it and retire `old`. A pinned old
         version is unpinned during the write (with every slot full, its slot may be the one
         the new version takes); if the write fails it is pinned again, still in its slot."""
-        repin = old is not None and old.pinned and old.in_slots
+        repin = old is not None and old.pinned
         if repin:
             self._manager.unpin(old.internal)
         try:
-            self._write(version, adapter, part)
+            self._write(version, adapter)
         except BaseException:
             if repin and old.internal in self._manager.loaded:
                 self._manager.pin(old.internal)
@@ -359,40 +361,25 @@ class MoELoRAModel:
         if old is not None:
             self._retire(old)
 
-    def _write(self, version: _Version, adapter, part: NonExpertPart | None) -> None:
-        """Inject the other modules into PEFT (its late checks run first), then register the
-        expert factors (a call naming them copies them into a slot if they are in none) and
-        load them now when a slot is free or they are pinned. On failure, both are undone."""
-        injected = False
+    def _write(self, version: _Version, adapter) -> None:
+        """Register the version (a call naming it copies it into a slot if it is in none) and
+        load it now when a slot is free or it is pinned. On failure it is unregistered."""
         try:
-            if part is not None:
-                self._peft.inject(version.internal, part)
-                injected = True
-            if version.in_slots:
-                self._manager.register(version.internal, adapter)
-                if version.pinned or not self._slots_full():
-                    self._manager.load(adapter, name=version.internal, pin=version.pinned)
+            self._manager.register(version.internal, adapter)
+            if version.pinned or not self._slots_full():
+                self._manager.load(adapter, name=version.internal, pin=version.pinned)
         except BaseException:
-            if version.in_slots and version.internal in self._manager.registered:
+            if version.internal in self._manager.registered:
                 self._manager.unregister(version.internal)
-            if injected:
-                self._peft.delete(version.internal)
             raise
 
     def _slots_full(self) -> bool:
         return len(self._manager.loaded) >= self._manager.num_slots
 
     def _retire(self, version: _Version) -> None:
-        """Under self._lock: the version leaves the slots now (a slot a call still holds is
-        kept by the manager until released) and PEFT once no call holds it."""
-        if version.in_slots:
-            self._manager.unregister(version.internal)  # a held slot stays until released
-        with self._refs_lock:
-            if self._refs[version.internal]:
-                self._retired[version.internal] = version
-                return
-        if version.peft:
-            self._peft.delete(version.internal)
+        """Under self._lock: the version leaves the slots (a slot a call still holds is kept
+        by the manager until released: expert and module banks alike)."""
+        self._manager.unregister(version.internal)
 
     def _known(self, name: str) -> _Version:
         if name not in self._versions:
@@ -451,16 +438,14 @@ class MoELoRAModel:
 
     @contextmanager
     def _call(self, names: list[str | None], tokens: int) -> Iterator[batch.RowAdapters]:
-        """Hold the current version of every named adapter for the block (one slot lease,
-        one PEFT reference each) and make the per-row adapters current for this thread."""
+        """Hold the current version of every named adapter for the block (one slot lease)
+        and make the per-row adapters current for this thread."""
         with self._lock:
             versions = [None if n is None else self._known(n) for n in names]
-            slot_names = [v.internal if v is not None and v.in_slots else None for v in versions]
-            reading = self._manager.reading(slot_names, device=self.device)
+            reading = self._manager.reading(
+                [None if v is None else v.internal for v in versions], device=self.device
+            )
             snapshot, fresh_slots = reading.__enter__()
-            held = {v.internal for v in versions if v is not None}
-            with self._refs_lock:
-                self._refs.update(held)
         try:
             row_slots, token_buffer = self._buffers(len(names), tokens)
             row_slots.copy_(fresh_slots)
@@ -468,41 +453,27 @@ class MoELoRAModel:
                 row_slots=row_slots,
                 token_buffer=token_buffer,
                 snapshot=snapshot,
-                peft_names=tuple(
-                    v.internal if v is not None and v.peft else batch.BASE for v in versions
-                ),
-                expert_lora=any(s is not None for s in slot_names),
+                expert_lora=any(v is not None and v.experts for v in versions),
+                module_lora=any(v is not None and v.modules for v in versions),
             )
             with batch.using(rows):
                 yield rows
         finally:
             reading.__exit__(None, None, None)
-            self._release(held)
-
-    def _release(self, held: set[str]) -> None:
-        done = []
-        with self._refs_lock:
-            self._refs.subtract(held)
-            for internal in held:
-                if self._refs[internal] <= 0:
-                    del self._refs[internal]
-                    if internal in self._retired:
-                        done.append(self._retired.pop(internal))
-        for version in done:
-            if version.peft:
-                self._peft.delete(version.internal)
 
     def detach(self) -> None:
         """Give the model back: its experts run transformers' implementation again (the one
-        set before attach), Llama 4 blocks are restored. Loaded PEFT modules stay."""
-        modules, swapped, previous = self._bound
+        set before attach), Llama 4 blocks are restored, the Linear modules' hooks removed."""
+        modules, swapped, previous, hooks = self._bound
+        if hooks is not None:
+            hooks.remove()
         for module in modules:
             experts.unbind(module)
         for parent, attr, original in swapped:
             setattr(parent, attr, original)
         if not swapped and previous not in (None, experts.NAME):
             self.model.set_experts_implementation(previous)
-        self._bound = ([], [], previous)
+        self._bound = ([], [], previous, None)
 
 
 def _rows(input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[int, int]:

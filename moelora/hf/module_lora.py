@@ -1,0 +1,153 @@
+"""The dense Linear modules of a model served with per-token LoRA by moelora: attention
+q/k/v/o (and fused qkv), shared experts, dense MLP layers, the LM head.
+
+At attach, every nn.Linear an adapter may target (`lora_target_modules`, default every
+nn.Linear of the model) gets a bank in the slot manager (lora/module_banks.py) and a
+forward hook: output + dense_lora_delta(input, the call's per-token slots, the bank). The
+slots are the ones the experts read (batch.current()); the banks are the manager's own
+tensors, written under the same slot leases, so a call keeps the versions it started with
+for every module. Outside a handle call, and in a call with no module LoRA, the hook
+changes nothing. PEFT's files are read here; PEFT's modules are never injected.
+Legend: T tokens, N in features, M out features, r rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import AdapterError, ConfigError
+from ..lora import formats
+from ..lora.module_banks import ModuleBanks, ModuleLoRA, ModuleShape, dense_lora_delta
+from ..lora.validate import check_tensor, lora_scale
+from . import batch
+
+_FACTOR = {"lora_A.weight": "A", "lora_B.weight": "B"}
+
+
+def target_linears(model: nn.Module, names: Sequence[str] | None) -> dict[str, nn.Linear]:
+    """path -> nn.Linear of every module attach() serves LoRA on: all of the model's plain
+    nn.Linear modules (names None), or those whose path equals or ends with ".name" for a
+    name in `names` (PEFT's target_modules matching). A name matching none is refused."""
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    if names is None:
+        return linears
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(
+            "lora_target_modules", repr(names), "a list of module names, or None for every Linear"
+        )
+    chosen = {p: m for p, m in linears.items() if any(_matches(p, n) for n in names)}
+    unmatched = [n for n in names if not any(_matches(p, n) for p in linears)]
+    if unmatched:
+        short = sorted({p.rsplit(".", 1)[-1] for p in linears})
+        raise ConfigError(
+            "lora_target_modules",
+            repr(unmatched[0]),
+            f"the name of an nn.Linear of the model (e.g. {short})",
+            "name the model's own Linear modules, as PEFT's target_modules does",
+        )
+    return chosen
+
+
+def _matches(path: str, name: str) -> bool:
+    return path == name or path.endswith("." + name)
+
+
+def module_shapes(linears: dict[str, nn.Linear]) -> dict[str, ModuleShape]:
+    return {
+        p: ModuleShape(m.in_features, m.out_features, m.weight.device, m.weight.dtype)
+        for p, m in linears.items()
+    }
+
+
+def read_module_factors(
+    file: str,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    linears: dict[str, nn.Linear],
+) -> dict[str, ModuleLoRA]:
+    """The non-expert factors of an adapter file (path -> ModuleLoRA, scale folded into b),
+    each checked against its served Linear. Raises AdapterError naming the first module that
+    cannot be served: not a LoRA A/B weight, not a served Linear, a missing half, a shape or a
+    rank (r / rank_pattern) that disagrees, a factor that is not a finite float."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if formats.classify(key) != "other":
+            continue
+        head, sep, tail = key.partition(".lora_")
+        factor = _FACTOR.get(f"lora_{tail}") if sep else None
+        if factor is None:
+            raise AdapterError(
+                file,
+                key,
+                "a non-expert entry that is not a LoRA A/B weight",
+                "lora_A.weight / lora_B.weight factors",
+                "train without DoRA, lora_bias, embeddings LoRA or modules_to_save",
+            )
+        pairs.setdefault(formats.peft_name(head), {})[factor] = t
+    return {path: _module(file, config, path, ab, linears) for path, ab in sorted(pairs.items())}
+
+
+def _module(file, config, path: str, ab: dict, linears: dict[str, nn.Linear]) -> ModuleLoRA:
+    base = linears.get(path)
+    if base is None:
+        raise AdapterError(
+            file,
+            path,
+            "LoRA on a module moelora does not serve (not an nn.Linear attach() wrapped: "
+            "a router, a norm, an embedding, a module the model lacks)",
+            "LoRA on the routed experts or on the model's nn.Linear modules",
+            "re-train without this module, or attach with lora_target_modules naming it",
+        )
+    if set(ab) != {"A", "B"}:
+        raise AdapterError(file, path, f"only lora_{next(iter(ab))}", "both lora_A and lora_B")
+    a, b = ab["A"], ab["B"]
+    for name, t in (("lora_A", a), ("lora_B", b)):  # int8 / NaN refused, never cast
+        check_tensor(file, f"{path}.{name}.weight", t)
+    want_a, want_b = (a.shape[0], base.in_features), (base.out_features, a.shape[0])
+    if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+        raise AdapterError(
+            file,
+            path,
+            f"lora_A {list(a.shape)}, lora_B {list(b.shape)}",
+            f"lora_A [r, {base.in_features}], lora_B [{base.out_features}, r]",
+            "load the adapter for the model it was trained on",
+        )
+    scale = lora_scale(file, config, path, a.shape[0], f"{path}.lora_A.weight")
+    return ModuleLoRA(a.float(), b.float() * scale)
+
+
+class ModuleHooks:
+    """The forward hooks of the served Linear modules; remove() gives the model back."""
+
+    def __init__(self, linears: dict[str, nn.Linear], banks: ModuleBanks) -> None:
+        self._handles = [
+            module.register_forward_hook(_Delta(banks.a[path], banks.bt[path]))
+            for path, module in linears.items()
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class _Delta:
+    """Forward hook of one Linear: output [..., M] + the per-token LoRA delta of its bank
+    (a [L, R, N], bt [L, R, M]) for the current call's rows."""
+
+    def __init__(self, a: torch.Tensor, bt: torch.Tensor) -> None:
+        self.a, self.bt = a, bt
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        rows = batch.current()
+        if rows is None or not rows.module_lora:
+            return None
+        x = args[0]
+        flat = x.reshape(-1, x.shape[-1])
+        slots = rows.slots_for(flat.shape[0], "Linear input")
+        delta = dense_lora_delta(flat.to(self.a.dtype), slots, self.a, self.bt)
+        return output + delta.view(output.shape).to(output.dtype)
