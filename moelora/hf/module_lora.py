@@ -26,6 +26,7 @@ from ..lora.validate import check_tensor, lora_scale
 from . import batch
 
 _FACTOR = {"lora_A.weight": "A", "lora_B.weight": "B"}
+_BASE_WEIGHT = ".base_layer.weight"
 
 
 def target_linears(model: nn.Module, names: Sequence[str] | None) -> dict[str, nn.Linear]:
@@ -77,6 +78,9 @@ def read_module_factors(
     for key, t in tensors.items():
         if formats.classify(key) != "other":
             continue
+        if key.endswith(_BASE_WEIGHT):
+            _check_saved_base(file, key, t, linears)
+            continue
         head, sep, tail = key.partition(".lora_")
         factor = _FACTOR.get(f"lora_{tail}") if sep else None
         if factor is None:
@@ -91,17 +95,30 @@ def read_module_factors(
     return {path: _module(file, config, path, ab, linears) for path, ab in sorted(pairs.items())}
 
 
+def _check_saved_base(file: str, key: str, t: torch.Tensor, linears: dict[str, nn.Linear]):
+    """PEFT saves the LM head's base weight beside its LoRA factors (save_embedding_layers
+    "auto"): accepted when it is the model's own weight, which moelora serves unchanged."""
+    path = formats.peft_name(key.removesuffix(_BASE_WEIGHT))
+    base = linears.get(path)
+    if base is None:
+        raise _not_served(file, path)
+    if t.shape != base.weight.shape or not torch.equal(
+        t.to(base.weight.dtype), base.weight.detach().cpu().to(t.device)
+    ):
+        raise AdapterError(
+            file,
+            key,
+            "a base weight that differs from the model's own (resized embeddings?)",
+            "no base weights, or the model's own",
+            "serve the model the adapter was trained on, or save it with "
+            "save_embedding_layers=False",
+        )
+
+
 def _module(file, config, path: str, ab: dict, linears: dict[str, nn.Linear]) -> ModuleLoRA:
     base = linears.get(path)
     if base is None:
-        raise AdapterError(
-            file,
-            path,
-            "LoRA on a module moelora does not serve (not an nn.Linear attach() wrapped: "
-            "a router, a norm, an embedding, a module the model lacks)",
-            "LoRA on the routed experts or on the model's nn.Linear modules",
-            "re-train without this module, or attach with lora_target_modules naming it",
-        )
+        raise _not_served(file, path)
     if set(ab) != {"A", "B"}:
         raise AdapterError(file, path, f"only lora_{next(iter(ab))}", "both lora_A and lora_B")
     a, b = ab["A"], ab["B"]
@@ -118,6 +135,17 @@ def _module(file, config, path: str, ab: dict, linears: dict[str, nn.Linear]) ->
         )
     scale = lora_scale(file, config, path, a.shape[0], f"{path}.lora_A.weight")
     return ModuleLoRA(a.float(), b.float() * scale)
+
+
+def _not_served(file: str, path: str) -> AdapterError:
+    return AdapterError(
+        file,
+        path,
+        "LoRA on a module moelora does not serve (not an nn.Linear attach() wrapped: "
+        "a router, a norm, an embedding, a module the model lacks)",
+        "LoRA on the routed experts or on the model's nn.Linear modules",
+        "re-train without this module, or attach with lora_target_modules naming it",
+    )
 
 
 class ModuleHooks:
