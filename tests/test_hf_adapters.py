@@ -48,7 +48,7 @@ def _with_extra_keys(src, dst, extra: dict[str, torch.Tensor]):
 
 REFUSALS = [
     # (id, how to make the adapter, exception, words the message must hold)
-    ("router-lora", "router", AdapterError, ["mlp.gate", "does not serve", "lora_target_modules"]),
+    ("norm-lora", "norm", AdapterError, ["input_layernorm", "does not serve"]),
     ("missing-module", "missing", AdapterError, ["self_attn.w_nope", "does not serve"]),
     ("rank-above-max", "rank", AdapterError, ["rank 8", "max_lora_rank"]),
     ("other-model", "other", AdapterError, ["expected"]),
@@ -62,10 +62,10 @@ def test_refused_adapters_change_nothing(family, tmp_path, case):
     handle.load_adapter(family.dirs["fused-r4-attn"], name="ok")
     before = _state(handle)
     src = family.dirs["fused-r4-attn"]
-    if how == "router":  # LoRA on the router, a custom module with a .weight: nobody applies it
+    if how == "norm":  # LoRA on a norm (a module with a .weight, not a Linear): not served
         path = _with_extra_keys(src, tmp_path / "bad", {
-            "base_model.model.model.layers.0.mlp.gate.lora_A.weight": torch.randn(4, 32),
-            "base_model.model.model.layers.0.mlp.gate.lora_B.weight": torch.randn(6, 4),
+            "base_model.model.model.layers.0.input_layernorm.lora_A.weight": torch.randn(4, 32),
+            "base_model.model.model.layers.0.input_layernorm.lora_B.weight": torch.randn(32, 4),
         })  # fmt: skip
     elif how == "missing":
         path = _with_extra_keys(src, tmp_path / "bad", {

@@ -39,13 +39,23 @@ def peft_linears(peft_model: nn.Module) -> set[str]:
     }
 
 
+def router_paths(model: nn.Module) -> list[str]:
+    """The routers PEFT puts LoRA on (a ParamWrapper on the weight), in the families where it
+    can (checked with PEFT 0.21 / transformers 5: the others' routers are refused by PEFT or
+    fail in its forward)."""
+    if model.config.model_type not in ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3"):
+        return []
+    return [n for n, m in model.named_modules() if n.endswith(".mlp.gate")]
+
+
 def module_adapters(model: nn.Module) -> dict[str, dict]:
-    """PEFT configs: every Linear and the experts (ranks and scales per pattern), every Linear
-    alone (rsLoRA), the experts alone."""
+    """PEFT configs: every Linear, the routers where PEFT writes them and the experts (ranks
+    and scales per pattern), every Linear alone (rsLoRA), the experts alone."""
     linears, experts = linear_paths(model), toy.expert_parameters(model)
     return {
         "all": dict(
-            r=4, lora_alpha=8, target_modules=linears, target_parameters=experts,
+            r=4, lora_alpha=8, target_modules=linears + router_paths(model),
+            target_parameters=experts,
             rank_pattern={"o_proj": 2, "lm_head": 3}, alpha_pattern={"lm_head": 1},
         ),
         "linear-only": dict(r=3, lora_alpha=6, use_rslora=True, target_modules=linears),
@@ -72,7 +82,8 @@ def test_every_linear_module_equals_peft_row_by_row(family, seed):
     for name, path in dirs.items():
         handle.load_adapter(path, name=name, **orientation)
     served = set(handle.describe("all")["modules"])
-    assert served == peft_linears(truths["all"]), "every Linear PEFT adapted is served"
+    want = peft_linears(truths["all"]) | set(router_paths(base))
+    assert served == want, "every Linear and router PEFT adapted is served"
     assert "lm_head" in served and any(".self_attn." in p or ".mixer." in p for p in served)
     from peft.tuners.lora import ParamWrapper
 

@@ -38,7 +38,8 @@ from ..oracle import Selection, select
 from . import batch, experts
 from .graphs import MAX_GRAPH_TOKENS, LayerGraphs
 from .llama4 import swap_llama4_blocks
-from .module_lora import ModuleHooks, module_shapes, read_module_factors, target_linears
+from .module_lora import ModuleHooks, module_shapes, read_module_factors, served_modules
+from .router_lora import find_routers
 from .weights import expert_weights_from_hf
 
 log = logging.getLogger("moelora.hf")
@@ -84,15 +85,15 @@ def attach(
     max_graph_tokens: on a GPU (unless enforce_eager), each MoE layer replays a CUDA graph of
     itself for calls of at most this many tokens (decode), captured at a shape's second call: an eager
     decode step is otherwise bound by Triton's Python launch cost. 0 turns it off.
-    lora_target_modules: the nn.Linear modules adapters may carry LoRA on (PEFT's
+    lora_target_modules: the nn.Linear modules and routers adapters may carry LoRA on (PEFT's
     target_modules matching: "q_proj" names every q_proj), each given a bank of
-    L x R x (in + out) values and a per-token LoRA hook; None: every nn.Linear of the model.
+    L x R x (in + out) values and a per-token LoRA hook; None: every nn.Linear and router.
     An adapter with LoRA on another module is refused at load, naming it.
     The model is put in eval mode: moelora serves inference (no autograd through experts).
     """
     model_config = _model_config(model)
     modules = _experts_modules(model, model_config)
-    linears = target_linears(model, lora_target_modules)
+    linears = served_modules(model, lora_target_modules, find_routers(model, model_config))
     first = next(iter(modules.values()))
     param = first.down_proj
     device, dtype = param.device, param.dtype

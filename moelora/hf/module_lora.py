@@ -1,9 +1,11 @@
 """The dense Linear modules of a model served with per-token LoRA by moelora: attention
-q/k/v/o (and fused qkv), shared experts, dense MLP layers, the LM head.
+q/k/v/o (and fused qkv), shared experts, dense MLP layers, the LM head, and the routers
+(router_lora.py).
 
-At attach, every nn.Linear an adapter may target (`lora_target_modules`, default every
-nn.Linear of the model) gets a bank in the slot manager (lora/module_banks.py) and a
-forward hook: output + dense_lora_delta(input, the call's per-token slots, the bank). The
+At attach, every module an adapter may target (`lora_target_modules`, default every
+nn.Linear of the model and every router) gets a bank in the slot manager
+(lora/module_banks.py) and a forward hook: output + dense_lora_delta(input, the call's
+per-token slots, the bank). The
 slots are the ones the experts read (batch.current()); the banks are the manager's own
 tensors, written under the same slot leases, so a call keeps the versions it started with
 for every module. Outside a handle call, and in a call with no module LoRA, the hook
@@ -24,16 +26,21 @@ from ..lora import formats
 from ..lora.module_banks import ModuleBanks, ModuleLoRA, ModuleShape, dense_lora_delta
 from ..lora.validate import check_tensor, lora_scale
 from . import batch
+from .router_lora import serve_router
 
 _FACTOR = {"lora_A.weight": "A", "lora_B.weight": "B"}
 _BASE_WEIGHT = ".base_layer.weight"
 
 
-def target_linears(model: nn.Module, names: Sequence[str] | None) -> dict[str, nn.Linear]:
-    """path -> nn.Linear of every module attach() serves LoRA on: all of the model's plain
-    nn.Linear modules (names None), or those whose path equals or ends with ".name" for a
-    name in `names` (PEFT's target_modules matching). A name matching none is refused."""
+def served_modules(
+    model: nn.Module, names: Sequence[str] | None, routers: dict[str, nn.Module]
+) -> dict[str, nn.Module]:
+    """path -> module of every module attach() serves LoRA on: all of the model's plain
+    nn.Linear modules and `routers` (names None), or those whose path equals or ends with
+    ".name" for a name in `names` (PEFT's target_modules matching). A name matching none is
+    refused."""
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    linears.update(routers)
     if names is None:
         return linears
     if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
@@ -47,7 +54,7 @@ def target_linears(model: nn.Module, names: Sequence[str] | None) -> dict[str, n
         raise ConfigError(
             "lora_target_modules",
             repr(unmatched[0]),
-            f"the name of an nn.Linear of the model (e.g. {short})",
+            f"the name of an nn.Linear or router of the model (e.g. {short})",
             "name the model's own Linear modules, as PEFT's target_modules does",
         )
     return chosen
@@ -57,10 +64,11 @@ def _matches(path: str, name: str) -> bool:
     return path == name or path.endswith("." + name)
 
 
-def module_shapes(linears: dict[str, nn.Linear]) -> dict[str, ModuleShape]:
+def module_shapes(modules: dict[str, nn.Module]) -> dict[str, ModuleShape]:
+    """The bank shape of each served module, from its weight [M, N]."""
     return {
-        p: ModuleShape(m.in_features, m.out_features, m.weight.device, m.weight.dtype)
-        for p, m in linears.items()
+        p: ModuleShape(m.weight.shape[1], m.weight.shape[0], m.weight.device, m.weight.dtype)
+        for p, m in modules.items()
     }
 
 
@@ -68,7 +76,7 @@ def read_module_factors(
     file: str,
     config: dict[str, Any],
     tensors: dict[str, torch.Tensor],
-    linears: dict[str, nn.Linear],
+    linears: dict[str, nn.Module],
 ) -> dict[str, ModuleLoRA]:
     """The non-expert factors of an adapter file (path -> ModuleLoRA, scale folded into b),
     each checked against its served Linear. Raises AdapterError naming the first module that
@@ -95,7 +103,7 @@ def read_module_factors(
     return {path: _module(file, config, path, ab, linears) for path, ab in sorted(pairs.items())}
 
 
-def _check_saved_base(file: str, key: str, t: torch.Tensor, linears: dict[str, nn.Linear]):
+def _check_saved_base(file: str, key: str, t: torch.Tensor, linears: dict[str, nn.Module]):
     """PEFT saves the LM head's base weight beside its LoRA factors (save_embedding_layers
     "auto"): accepted when it is the model's own weight, which moelora serves unchanged."""
     path = formats.peft_name(key.removesuffix(_BASE_WEIGHT))
@@ -115,7 +123,7 @@ def _check_saved_base(file: str, key: str, t: torch.Tensor, linears: dict[str, n
         )
 
 
-def _module(file, config, path: str, ab: dict, linears: dict[str, nn.Linear]) -> ModuleLoRA:
+def _module(file, config, path: str, ab: dict, linears: dict[str, nn.Module]) -> ModuleLoRA:
     base = linears.get(path)
     if base is None:
         raise _not_served(file, path)
@@ -124,13 +132,14 @@ def _module(file, config, path: str, ab: dict, linears: dict[str, nn.Linear]) ->
     a, b = ab["A"], ab["B"]
     for name, t in (("lora_A", a), ("lora_B", b)):  # int8 / NaN refused, never cast
         check_tensor(file, f"{path}.{name}.weight", t)
-    want_a, want_b = (a.shape[0], base.in_features), (base.out_features, a.shape[0])
+    out_features, in_features = base.weight.shape
+    want_a, want_b = (a.shape[0], in_features), (out_features, a.shape[0])
     if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != want_a or tuple(b.shape) != want_b:
         raise AdapterError(
             file,
             path,
             f"lora_A {list(a.shape)}, lora_B {list(b.shape)}",
-            f"lora_A [r, {base.in_features}], lora_B [{base.out_features}, r]",
+            f"lora_A [r, {in_features}], lora_B [{out_features}, r]",
             "load the adapter for the model it was trained on",
         )
     scale = lora_scale(file, config, path, a.shape[0], f"{path}.lora_A.weight")
@@ -141,26 +150,30 @@ def _not_served(file: str, path: str) -> AdapterError:
     return AdapterError(
         file,
         path,
-        "LoRA on a module moelora does not serve (not an nn.Linear attach() wrapped: "
-        "a router, a norm, an embedding, a module the model lacks)",
-        "LoRA on the routed experts or on the model's nn.Linear modules",
+        "LoRA on a module moelora does not serve (not an nn.Linear or router attach() "
+        "wrapped: a norm, an embedding, a module the model lacks)",
+        "LoRA on the routed experts, the routers or the model's nn.Linear modules",
         "re-train without this module, or attach with lora_target_modules naming it",
     )
 
 
 class ModuleHooks:
-    """The forward hooks of the served Linear modules; remove() gives the model back."""
+    """The forward hooks of the served Linear modules and the routers' served forwards;
+    remove() gives the model back."""
 
-    def __init__(self, linears: dict[str, nn.Linear], banks: ModuleBanks) -> None:
-        self._handles = [
-            module.register_forward_hook(_Delta(banks.a[path], banks.bt[path]))
-            for path, module in linears.items()
-        ]
+    def __init__(self, modules: dict[str, nn.Module], banks: ModuleBanks) -> None:
+        self._undo = []
+        for path, module in modules.items():
+            a, bt = banks.a[path], banks.bt[path]
+            if type(module) is nn.Linear:
+                self._undo.append(module.register_forward_hook(_Delta(a, bt)).remove)
+            else:  # a router: its logits are computed inside its forward
+                self._undo.append(serve_router(module, a, bt))
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for undo in self._undo:
+            undo()
+        self._undo = []
 
 
 class _Delta:
