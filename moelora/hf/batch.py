@@ -33,8 +33,10 @@ class RowAdapters:
 
     row_slots: Tensor
     snapshot: BankSnapshot
+    # Python branches, fixed in a captured CUDA graph: a graph meant to serve any adapter
+    # mix is captured with both True (rows of slot -1 or without the module add exactly 0).
     expert_lora: bool  # some row's adapter has expert factors
-    module_lora: bool  # some row's adapter has factors on a served Linear module
+    module_lora: bool  # some row's adapter has factors on a served Linear module or router
     token_buffer: Tensor  # [capacity >= T] int32, kept by the thread across calls
 
     @property
