@@ -4,9 +4,10 @@ The handle builds a `RowAdapters` once per generate / forward call (one host-to-
 of the per-row slots into a buffer the thread keeps) and makes it current for the calling
 thread; the first MoE layer of each forward expands the rows to one slot per token into a
 second kept buffer on the device (no host sync), every MoE layer reads it, and the served
-Linear modules (module_lora.py) expand the same row slots over their own input's tokens. Both buffers stay the same tensors across
-calls, so a CUDA graph captured over a forward reads the slots of the call it is replayed
-in. Legend: B rows, S tokens per row, T = B * S.
+Linear modules and routers (module_lora.py) expand the same row slots over their own
+input's tokens. Both buffers stay the same tensors across calls, so a CUDA graph captured
+over a forward reads the slots of the call it is replayed in.
+Legend: B rows, S tokens per row, T = B * S.
 """
 
 from __future__ import annotations
@@ -36,8 +37,14 @@ class RowAdapters:
     # Python branches, fixed in a captured CUDA graph: a graph meant to serve any adapter
     # mix is captured with both True (rows of slot -1 or without the module add exactly 0).
     expert_lora: bool  # some row's adapter has expert factors
-    module_lora: bool  # some row's adapter has factors on a served Linear module or router
+    # paths of the served Linear modules / routers some row's adapter has factors on (the
+    # others skip their delta); a graph for any mix is captured with every served path
+    lora_modules: frozenset[str]
     token_buffer: Tensor  # [capacity >= T] int32, kept by the thread across calls
+
+    @property
+    def module_lora(self) -> bool:
+        return bool(self.lora_modules)
 
     @property
     def rows(self) -> int:

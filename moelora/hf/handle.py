@@ -301,7 +301,7 @@ class MoELoRAModel:
                 token_buffer=token_buffer,
                 snapshot=snapshot,
                 expert_lora=any(v is not None and v.experts for v in versions),
-                module_lora=any(v is not None and v.modules for v in versions),
+                lora_modules=frozenset(p for v in versions if v is not None for p in v.modules),
             )
             with batch.using(rows):
                 yield rows

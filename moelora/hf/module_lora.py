@@ -166,9 +166,9 @@ class ModuleHooks:
         for path, module in modules.items():
             a, bt = banks.a[path], banks.bt[path]
             if type(module) is nn.Linear:
-                self._undo.append(module.register_forward_hook(_Delta(a, bt)).remove)
+                self._undo.append(module.register_forward_hook(_Delta(path, a, bt)).remove)
             else:  # a router: its logits are computed inside its forward
-                self._undo.append(serve_router(module, a, bt))
+                self._undo.append(serve_router(module, path, a, bt))
 
     def remove(self) -> None:
         for undo in self._undo:
@@ -178,14 +178,14 @@ class ModuleHooks:
 
 class _Delta:
     """Forward hook of one Linear: output [..., M] + the per-token LoRA delta of its bank
-    (a [L, R, N], bt [L, R, M]) for the current call's rows."""
+    (a [L, R, N], bt [L, R, M]) for the current call's rows, when one of them has LoRA here."""
 
-    def __init__(self, a: torch.Tensor, bt: torch.Tensor) -> None:
-        self.a, self.bt = a, bt
+    def __init__(self, path: str, a: torch.Tensor, bt: torch.Tensor) -> None:
+        self.path, self.a, self.bt = path, a, bt
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
         rows = batch.current()
-        if rows is None or not rows.module_lora:
+        if rows is None or self.path not in rows.lora_modules:
             return None
         x = args[0]
         flat = x.reshape(-1, x.shape[-1])

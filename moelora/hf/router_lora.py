@@ -6,7 +6,7 @@ one F.linear inside their forward and return what follows (scores, top-k ids), s
 on the output cannot add a delta to the logits. The router's forward runs instead under a
 torch function mode that adds dense_lora_delta to the result of that F.linear (PEFT's
 ParamWrapper merges the same delta into the weight: x (W + B A)^T = x W^T + (x A^T) B^T).
-The mode is pushed on the calling thread only, and only in a handle call with module LoRA.
+The mode is pushed on the calling thread only, and only in a handle call with router LoRA.
 Legend: T tokens, H hidden, E experts.
 """
 
@@ -44,14 +44,16 @@ def find_routers(model: nn.Module, model_config: ModelConfig) -> dict[str, nn.Mo
     return found
 
 
-def serve_router(module: nn.Module, a: torch.Tensor, bt: torch.Tensor) -> Callable[[], None]:
+def serve_router(
+    module: nn.Module, path: str, a: torch.Tensor, bt: torch.Tensor
+) -> Callable[[], None]:
     """Run `module`'s forward with its logits' per-token delta (bank a [L, R, H],
-    bt [L, R, E]) in handle calls with module LoRA; returns the function that undoes it."""
+    bt [L, R, E]) in handle calls where a row has LoRA on `path`; returns the undo."""
     original = module.forward
 
     def forward(*args, **kwargs):
         rows = batch.current()
-        if rows is None or not rows.module_lora:
+        if rows is None or path not in rows.lora_modules:
             return original(*args, **kwargs)
         mode = _AddDelta(rows, a, bt)
         with mode:
