@@ -111,6 +111,9 @@ def test_every_linear_module_equals_peft_row_by_row(family, seed):
     h = torch.randn(3, model.lm_head.in_features, generator=gen)
     with torch.no_grad():
         assert torch.equal(model.lm_head(h), torch.nn.functional.linear(h, model.lm_head.weight))
+    handle.detach()  # the hooks and the routers' served forwards are gone
+    assert not any(m._forward_hooks for m in model.modules() if type(m) is nn.Linear)
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_target_modules_narrow_the_banks_and_refuse_the_rest(family):

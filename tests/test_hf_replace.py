@@ -90,7 +90,8 @@ CASES = [
     ("rank-full-pinned", 2, True, None, "rank", AdapterError, ["rank 4", "q_proj"]),
     ("int8-free-slots", 4, False, True, "int8", AdapterError, ["torch.int8", "float"]),
     ("int8-full-slots", 2, True, None, "int8", AdapterError, ["torch.int8", "float"]),
-    # a call holds every slot: the pinned replacement must wait for one, and times out
+    # a call holds every slot: the pinned replacement must wait for one, and times out (with a
+    # slot free nothing waits, so a timeout exists only with full slots)
     ("timeout-full-pin", 2, False, True, "timeout", InputError, ["still leased"]),
     ("timeout-full-carried-pin", 2, True, None, "timeout", InputError, ["still leased"]),
 ]
