@@ -71,7 +71,7 @@ def attach(
     """
     model_config = _model_config(model)
     modules = _experts_modules(model, model_config)
-    linears = served_modules(model, lora_target_modules, find_routers(model, model_config))
+    served = served_modules(model, lora_target_modules, find_routers(model, model_config))
     first = next(iter(modules.values()))
     param = first.down_proj
     device, dtype = param.device, param.dtype
@@ -105,7 +105,7 @@ def attach(
         dtype=dtype,
         load_timeout_s=load_timeout_s,
         max_cpu_loras=max_cpu_loras,
-        module_shapes=module_shapes(linears),
+        module_shapes=module_shapes(served),
     )
     experts.register()
     for index, module in modules.items():
@@ -119,8 +119,8 @@ def attach(
     if not swapped:
         model.set_experts_implementation(experts.NAME)
     model.eval()
-    handle = MoELoRAModel(model, model_config, selection, manager, device, linears)
-    hooks = ModuleHooks(linears, manager.module_banks)
+    handle = MoELoRAModel(model, model_config, selection, manager, device, served)
+    hooks = ModuleHooks(served, manager.module_banks)
     handle._bound = (list(modules.values()), swapped, previous, hooks)
     return handle
 

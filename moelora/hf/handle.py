@@ -59,14 +59,14 @@ class MoELoRAModel:
         selection: Selection,
         manager: SlotManager,
         device: torch.device,
-        linears: dict[str, nn.Module],
+        served: dict[str, nn.Module],
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.selection = selection
         self.device = device
         self._manager = manager
-        self._linears = linears  # path -> the served nn.Linear modules
+        self._served = served  # path -> the served nn.Linear modules and routers
         self._versions: dict[str, _Version] = {}  # public name -> current version
         self._lock = threading.Lock()  # writers, and the start of a call
         self._seq = itertools.count()
@@ -138,7 +138,7 @@ class MoELoRAModel:
         )
         config = read_config(root)
         file, tensors = read_tensors(root)
-        factors = read_module_factors(str(file), config, tensors, self._linears)
+        factors = read_module_factors(str(file), config, tensors, self._served)
         if not adapter.layers and not factors:
             raise AdapterError(
                 str(file),

@@ -39,18 +39,21 @@ def served_modules(
     nn.Linear modules and `routers` (names None), or those whose path equals or ends with
     ".name" for a name in `names` (PEFT's target_modules matching). A name matching none is
     refused."""
-    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
-    linears.update(routers)
+    candidates = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    candidates.update(routers)
     if names is None:
-        return linears
+        return candidates
     if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(
-            "lora_target_modules", repr(names), "a list of module names, or None for every Linear"
+            "lora_target_modules",
+            repr(names),
+            "a list of module names, or None for every Linear and router",
+            "pass e.g. lora_target_modules=['q_proj', 'v_proj']",
         )
-    chosen = {p: m for p, m in linears.items() if any(_matches(p, n) for n in names)}
-    unmatched = [n for n in names if not any(_matches(p, n) for p in linears)]
+    chosen = {p: m for p, m in candidates.items() if any(_matches(p, n) for n in names)}
+    unmatched = [n for n in names if not any(_matches(p, n) for p in candidates)]
     if unmatched:
-        short = sorted({p.rsplit(".", 1)[-1] for p in linears})
+        short = sorted({p.rsplit(".", 1)[-1] for p in candidates})
         raise ConfigError(
             "lora_target_modules",
             repr(unmatched[0]),
@@ -76,10 +79,10 @@ def read_module_factors(
     file: str,
     config: dict[str, Any],
     tensors: dict[str, torch.Tensor],
-    linears: dict[str, nn.Module],
+    served: dict[str, nn.Module],
 ) -> dict[str, ModuleLoRA]:
     """The non-expert factors of an adapter file (path -> ModuleLoRA, scale folded into b),
-    each checked against its served Linear. Raises AdapterError naming the first module that
+    each checked against its served module (nn.Linear or router). Raises AdapterError naming the first module that
     cannot be served: not a LoRA A/B weight, not a served Linear, a missing half, a shape or a
     rank (r / rank_pattern) that disagrees, a factor that is not a finite float."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -87,7 +90,7 @@ def read_module_factors(
         if formats.classify(key) != "other":
             continue
         if key.endswith(_BASE_WEIGHT):
-            _check_saved_base(file, key, t, linears)
+            _check_saved_base(file, key, t, served)
             continue
         head, sep, tail = key.partition(".lora_")
         factor = _FACTOR.get(f"lora_{tail}") if sep else None
@@ -100,18 +103,18 @@ def read_module_factors(
                 "train without DoRA, lora_bias, embeddings LoRA or modules_to_save",
             )
         pairs.setdefault(formats.peft_name(head), {})[factor] = t
-    return {path: _module(file, config, path, ab, linears) for path, ab in sorted(pairs.items())}
+    return {path: _module(file, config, path, ab, served) for path, ab in sorted(pairs.items())}
 
 
-def _check_saved_base(file: str, key: str, t: torch.Tensor, linears: dict[str, nn.Module]):
+def _check_saved_base(file: str, key: str, t: torch.Tensor, served: dict[str, nn.Module]):
     """PEFT saves the LM head's base weight beside its LoRA factors (save_embedding_layers
     "auto"): accepted when it is the model's own weight, which moelora serves unchanged."""
     path = formats.peft_name(key.removesuffix(_BASE_WEIGHT))
-    base = linears.get(path)
+    base = served.get(path)
     if base is None:
         raise _not_served(file, path)
     if t.shape != base.weight.shape or not torch.equal(
-        t.to(base.weight.dtype), base.weight.detach().cpu().to(t.device)
+        t.to(base.weight.dtype), base.weight.detach().cpu()
     ):
         raise AdapterError(
             file,
@@ -123,8 +126,8 @@ def _check_saved_base(file: str, key: str, t: torch.Tensor, linears: dict[str, n
         )
 
 
-def _module(file, config, path: str, ab: dict, linears: dict[str, nn.Module]) -> ModuleLoRA:
-    base = linears.get(path)
+def _module(file, config, path: str, ab: dict, served: dict[str, nn.Module]) -> ModuleLoRA:
+    base = served.get(path)
     if base is None:
         raise _not_served(file, path)
     if set(ab) != {"A", "B"}:
