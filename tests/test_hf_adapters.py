@@ -164,9 +164,14 @@ def test_swaps_during_a_call_keep_its_versions(family, tmp_path, slots):
             errors.append(err)
 
     worker = threading.Thread(target=swap)
-    # free slots: the swap completes during the call; full slots: the new version waits for
-    # a slot the call holds, so it runs on after the call returns.
-    action = (lambda: (worker.start(), worker.join(timeout=30))) if slots > 2 else worker.start
+
+    # the swap completes during the call, with free and with full slots (full: the new
+    # version is registered and copied into a slot when a call first names it)
+    def action():
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "the swap must not wait for the call"
+
     out = _generate(handle, prompt, ["a", "b", None], action)
     worker.join(timeout=60)
     assert not worker.is_alive() and not errors, errors
