@@ -117,7 +117,7 @@ class MoELoRAModel:
         already loaded is replaced (calls running keep the old version). Every check runs
         before anything is written, and the old version is retired only once the new one is
         in: a refused adapter (or a slot wait that times out) changes nothing. Returns the name.
-        pin: keep the expert factors in a slot (never evicted); None: a replacement keeps the
+        pin: keep the adapter in its slot (never evicted); None: a replacement keeps the
         replaced version's pin (logged), a new name is not pinned. unpin(name) drops it.
         fused_orientation: "natural" (PEFT 0.21) or "swapped" (PEFT 0.17), only for fused
         target_parameters files whose shapes read both ways (the error says when)."""
@@ -176,7 +176,7 @@ class MoELoRAModel:
             self._retire(version)
 
     def unpin(self, name: str) -> None:
-        """Let `name`'s expert factors be evicted again (a no-op when it is not pinned)."""
+        """Let `name` be evicted from its slot again (a no-op when it is not pinned)."""
         with self._lock:
             version = self._known(name)
             self._manager.unpin(version.internal)
