@@ -327,13 +327,11 @@ def test_several_problems_are_listed_together(tmp_path) -> None:
     assert manager.loaded == {}
 
 
-def test_a_callers_own_check_joins_the_list(tmp_path) -> None:
-    """The issue's case through the collector a caller shares with load_adapter: a gate_up
-    file nothing decides at H = 2I AND a router LoRA, which the transformers integration's
-    module check refuses (a router is no nn.Linear): both named in one error."""
-    from moelora.hf.peft_modules import read_non_expert
-    from moelora.lora.refusals import Refusals
-    from moelora.lora.safe_io import read_config, read_tensors
+def test_the_handle_names_every_refusal(tmp_path) -> None:
+    """The issue's case through the transformers handle: a gate_up file nothing decides at
+    H = 2I AND a LoRA on a module nothing serves (a norm): both named in one error, nothing
+    loaded."""
+    from moelora.hf import attach
 
     cfg = transformers.AutoConfig.for_model(
         "qwen3_moe", hidden_size=32, moe_intermediate_size=16, num_experts=4,
@@ -341,20 +339,16 @@ def test_a_callers_own_check_joins_the_list(tmp_path) -> None:
         num_key_value_heads=2, head_dim=8, vocab_size=64,
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    router = "base_model.model.model.layers.1.mlp.gate"
+    norm = "base_model.model.model.layers.1.post_attention_layernorm"
     _, tensors = _fused_gate_up(MC_2I, 6, with_down=False)
-    tensors[f"{router}.lora_A.weight"] = torch.randn(2, 32)
-    tensors[f"{router}.lora_B.weight"] = torch.randn(4, 2)
+    tensors[f"{norm}.lora_A.weight"] = torch.randn(2, 32)
+    tensors[f"{norm}.lora_B.weight"] = torch.randn(32, 2)
     root = write_adapter(tmp_path / "ad", tensors, lora_config(2, 2))
-    refusals = Refusals()
-    with refusals.check():
-        load_adapter(root, from_hf(model.config.to_dict()), 4, serves_non_expert=True)
-    with refusals.check():
-        file, saved = read_tensors(root)
-        read_non_expert(str(file), read_config(root), saved, model)
+    handle = attach(model, max_loras=2, max_lora_rank=4)
     with pytest.raises(AdapterProblems) as info:
-        refusals.raise_any()
+        handle.load_adapter(root, name="x")
     keys = [p.key for p in info.value.problems]
-    # the integration names the router by its module path in the model
-    assert keys == [PREFIX.format(n=0) + ".lora_A.weight", "model.layers.1.mlp.gate"], keys
+    assert keys[0] == PREFIX.format(n=0) + ".lora_A.weight" and len(keys) == 2, keys
+    assert "post_attention_layernorm" in keys[1], keys
     assert "--fused-orientation" in info.value.problems[0].fix
+    assert handle.adapters == []

@@ -8,6 +8,7 @@ alpha_pattern) is folded into the B factors here, once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from ..errors import AdapterError
 from . import formats
 from .formats import Context, Projection
 from .fused import parse_fused
+from .module_banks import ModuleLoRA
 from .refusals import Refusals
 from .safe_io import CONFIG_NAME, read_config, read_tensors
 from .targets import check_serves, experts_delta_is_zero, modules_delta_is_zero
@@ -76,6 +78,9 @@ class Adapter:
     layers: dict[int, LayerLoRA]
     shape: MoEShape
     non_expert_modules: tuple[str, ...] = field(default=())  # e.g. attention: not served here
+    # module path -> factors of a dense Linear (scale in b), served from the module banks
+    # (module_banks.py); filled by a caller that serves them (moelora.hf), else empty
+    modules: Mapping[str, ModuleLoRA] = field(default_factory=dict)
 
 
 def load_adapter(
