@@ -96,7 +96,8 @@ class Engine:
         self._eos = _eos_ids(model)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.cache = RowCache(config.num_hidden_layers, self.max_rows, self.max_len)
+        # one spare row past max_rows: what padding rows of a graph bucket write
+        self.cache = RowCache(config.num_hidden_layers, self.max_rows + 1, self.max_len)
         self._static_buffers()
         self._base = handle.hold(None)  # the banks' snapshot for rows without adapter
         self._rows: dict[str, _Row] = {}  # request id -> row, running or waiting for prefill
@@ -110,11 +111,12 @@ class Engine:
 
     def _static_buffers(self) -> None:
         """What a decode step reads, kept as the same tensors for CUDA graphs: token ids [N, 1],
-        positions [N, 1], cache rows [N, 1], row slots [N] and the token-slot buffer [N]."""
+        positions [N, 1], the cache row each batch row writes [N, 1] (its own, or the spare
+        row N for padding), row slots [N] and the token-slot buffer [N]."""
         n, dev = self.max_rows, self.device
         self._ids = torch.zeros(n, 1, dtype=torch.long, device=dev)
         self._positions = torch.zeros(n, 1, dtype=torch.long, device=dev)
-        self._row_index = torch.arange(n, device=dev)[:, None]
+        self._write_rows = torch.full((n, 1), n, dtype=torch.long, device=dev)
         self._slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self._token_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
 
@@ -263,16 +265,17 @@ class Engine:
         return logits[[r.row for r in running]]
 
     def _fill(self, running: list[_Row], width: int) -> None:
-        """The static buffers for rows 0 .. width-1: padding rows read token 0 at position 0
-        of their own (free) cache row, without adapter."""
-        host = torch.zeros(3, width, dtype=torch.long)
-        host[2] = -1
+        """The static buffers for rows 0 .. width-1: padding rows (free rows, and rows
+        prefilled in this step) feed token 0 at position 0 without adapter and write the
+        spare cache row."""
+        host = torch.tensor([[0], [0], [-1], [self.max_rows]]).repeat(1, width)
         for r in running:
-            host[:, r.row] = torch.tensor([r.generated[-1], r.position, r.hold.slot])
+            host[:, r.row] = torch.tensor([r.generated[-1], r.position, r.hold.slot, r.row])
         host = host.to(self.device, non_blocking=True)
         self._ids[:width, 0].copy_(host[0])
         self._positions[:width, 0].copy_(host[1])
         self._slots[:width].copy_(host[2])
+        self._write_rows[:width, 0].copy_(host[3])
 
     def _pad_only(self, width: int) -> None:
         self._fill([], width)
@@ -280,7 +283,7 @@ class Engine:
     def _decode_step(self, width: int, kv_len: int, peft: tuple[str, ...]) -> Tensor:
         """The decode forward of rows 0 .. width-1 from the static buffers."""
         positions = self._positions[:width]
-        self.cache.plan = plan_decode(self._row_index[:width], positions, kv_len)
+        self.cache.plan = plan_decode(self._write_rows[:width], positions, kv_len)
         rows = batch.RowAdapters(
             row_slots=self._slots[:width], snapshot=self._base.snapshot, peft_names=peft,
             expert_lora=True, token_buffer=self._token_slots[:width],

@@ -104,5 +104,6 @@ def plan_prefill(row: int, length: int, device: torch.device) -> CachePlan:
 
 
 def plan_decode(rows: Tensor, positions: Tensor, kv_len: int) -> CachePlan:
-    """One token per cache row 0 .. B-1: rows [B, 1] (0 .. B-1), positions [B, 1]."""
+    """One token per batch row b, written to cache row rows[b] (b itself, or a spare row for
+    padding) at positions [B, 1]; keys read from cache rows 0 .. B-1."""
     return CachePlan(rows, positions, read_start=0, kv_len=kv_len)
