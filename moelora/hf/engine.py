@@ -217,10 +217,15 @@ class Engine:
             )
         return self.graphs.capture_all(self._pad_only)
 
-    def close(self) -> None:
-        """Release every request's adapter (cancelled without events)."""
+    def clear(self) -> None:
+        """End every request now, without events, releasing their adapters."""
         for rid in list(self._rows):
             self._finish(rid, -1, "cancelled")
+        self._cancelled.clear()
+
+    def close(self) -> None:
+        """clear(), and release the engine's own hold on the banks; the engine is done."""
+        self.clear()
         self._base.release()
 
     # ---- forwards ---------------------------------------------------------------------------

@@ -149,6 +149,7 @@ def attach(
     model.eval()
     handle = MoELoRAModel(model, model_config, selection, manager, device)
     handle._bound = (list(modules.values()), swapped, previous)
+    handle.enforce_eager = enforce_eager  # the decode engine's graphs follow it
     return handle
 
 
@@ -233,6 +234,8 @@ class MoELoRAModel:
         self._seq = itertools.count()
         self._bound: tuple[list, list, str | None] = ([], [], None)
         self._local = threading.local()
+        self.enforce_eager: bool | None = None
+        self.use_engine = True
 
     # ---- facts --------------------------------------------------------------------------
 
@@ -386,8 +389,19 @@ class MoELoRAModel:
         **generate_kwargs: Any,
     ) -> torch.Tensor:
         """model.generate with one adapter per row of input_ids (None = base model).
-        Padding, attention masks, sampling and max_new_tokens work as in model.generate."""
+        Padding, attention masks, sampling and max_new_tokens work as in model.generate.
+        Decoded by the engine (hf/engine.py: per-row KV cache, CUDA graphs on a GPU unless
+        enforce_eager) for the models and settings it supports (use_engine = False: never);
+        otherwise by model.generate."""
         rows, width = _rows(input_ids, generate_kwargs)
+        if self.use_engine:
+            from . import engine_generate  # imports transformers' cache classes
+
+            out = engine_generate.generate(
+                self, input_ids, _names(adapter_names, rows), generate_kwargs
+            )
+            if out is not None:
+                return out
         expand = _expand_factor(self.model, generate_kwargs)
         names = [n for n in _names(adapter_names, rows) for _ in range(expand)]
         # the prefill is the largest forward of a generate call: B * expand * S tokens
