@@ -120,6 +120,7 @@ def attach(
         model.set_experts_implementation(experts.NAME)
     model.eval()
     handle = MoELoRAModel(model, model_config, selection, manager, device, served)
+    handle.enforce_eager = enforce_eager
     hooks = ModuleHooks(served, manager.module_banks)
     handle._bound = (list(modules.values()), swapped, previous, hooks)
     return handle

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +25,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import AdapterError, InputError
 from ..lora import SlotManager, load_adapter
+from ..lora.leases import BankSnapshot
 from ..lora.refusals import Refusals
 from ..lora.safe_io import read_config, read_tensors
 from ..oracle import Selection
@@ -44,6 +45,20 @@ class _Version:
     rank: int
     modules: tuple[str, ...]
     pinned: bool
+
+
+@dataclass(frozen=True)
+class AdapterHold:
+    """One adapter version held for a row (MoELoRAModel.hold): its slot (-1: none), whether
+    it has expert factors, the served modules it has factors on, and the banks its slot
+    indexes; release() exactly once."""
+
+    name: str | None
+    slot: int
+    experts: bool
+    modules: frozenset[str]
+    snapshot: BankSnapshot
+    release: Callable[[], None]
 
 
 class MoELoRAModel:
@@ -73,6 +88,8 @@ class MoELoRAModel:
         self._seq = itertools.count()
         self._bound: tuple[list, list, str | None, ModuleHooks | None] = ([], [], None, None)
         self._local = threading.local()
+        self.enforce_eager: bool | None = None  # set by attach: the engine's graphs follow it
+        self.use_engine = True
 
     # ---- facts --------------------------------------------------------------------------
 
@@ -92,6 +109,11 @@ class MoELoRAModel:
     @property
     def max_lora_rank(self) -> int:
         return self._manager.max_rank
+
+    @property
+    def lora_modules(self) -> frozenset[str]:
+        """The served Linear modules / routers some loaded adapter has factors on."""
+        return frozenset(p for v in list(self._versions.values()) for p in v.modules)
 
     def describe(self, name: str) -> dict[str, Any]:
         """What is loaded under `name`: rank, expert factors or not, pinned, Linear modules."""
@@ -250,8 +272,19 @@ class MoELoRAModel:
         **generate_kwargs: Any,
     ) -> torch.Tensor:
         """model.generate with one adapter per row of input_ids (None = base model).
-        Padding, attention masks, sampling and max_new_tokens work as in model.generate."""
+        Padding, attention masks, sampling and max_new_tokens work as in model.generate.
+        Decoded by the engine (hf/engine.py: per-row KV cache, CUDA graphs on a GPU unless
+        enforce_eager) for the models and settings it supports (use_engine = False: never);
+        otherwise by model.generate."""
         rows, width = _rows(input_ids, generate_kwargs)
+        if self.use_engine:
+            from . import engine_generate  # imports transformers' cache classes
+
+            out = engine_generate.generate(
+                self, input_ids, _names(adapter_names, rows), generate_kwargs
+            )
+            if out is not None:
+                return out
         expand = _expand_factor(self.model, generate_kwargs)
         names = [n for n in _names(adapter_names, rows) for _ in range(expand)]
         # the prefill is the largest forward of a generate call: B * expand * S tokens
@@ -311,6 +344,37 @@ class MoELoRAModel:
                 yield rows
         finally:
             reading.__exit__(None, None, None)
+
+    def hold(self, name: str | None) -> AdapterHold:
+        """Hold the current version of `name` (None: the base model) until the returned
+        hold's release(): its slot lease (a registered adapter in no slot is loaded first).
+        For callers whose rows outlive one call (the decode engine)."""
+        with self._lock:
+            version = None if name is None else self._known(name)
+            reading = self._manager.reading(
+                [None if version is None else version.internal], device=self.device
+            )
+            snapshot, slots = reading.__enter__()
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                reading.__exit__(None, None, None)
+
+        return AdapterHold(
+            name,
+            int(slots[0]),
+            experts=version is not None and version.experts,
+            modules=frozenset(version.modules) if version is not None else frozenset(),
+            snapshot=snapshot,
+            release=release,
+        )
+
+    def slot_key(self, name: str | None) -> str | None:
+        """The slot-manager name of `name`'s current version (None: the base model)."""
+        version = None if name is None else self._versions.get(name)
+        return None if version is None else version.internal
 
     def detach(self) -> None:
         """Give the model back: its experts run transformers' implementation again (the one
