@@ -174,3 +174,32 @@ def test_refusals_name_the_flag(case, capsys):
 def test_no_check_says_so(capsys):
     assert main(["generate", "--max-new-tokens", "1", "--no-check"]) == 0
     assert "no comparison ran" in capsys.readouterr().out
+
+
+def test_fused_orientation_flag_settles_an_ambiguous_adapter(tmp_path, capsys):
+    # OLMoE's own proportion H = 2 I (here 32 = 2 x 16): a fused gate_up_proj factor pair
+    # (alone: down_proj's would settle it) reads both ways. With no peft_version in its config, the file cannot tell: refused, and
+    # the fix names generate's flag; with the flag it loads and equals HF + PEFT.
+    import json as json_
+
+    from moelora.hf import toy
+
+    base = toy.build_model("olmoe", seed=4, intermediate_size=16)
+    base.save_pretrained(tmp_path / "model")
+    adapter = tmp_path / "fused"
+    toy.write_peft_adapter(
+        base, adapter, seed=5, r=4, target_parameters=toy.expert_parameters(base)[:1]
+    )
+    config = json_.loads((adapter / "adapter_config.json").read_text())
+    config.pop("peft_version", None)
+    (adapter / "adapter_config.json").write_text(json_.dumps(config))
+    argv = ["generate", "--model", str(tmp_path / "model"), "--adapter", f"x={adapter}",
+            "--max-new-tokens", "2", "--moe-backend", "reference"]  # fmt: skip
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Fix: --fused-orientation natural (saved by PEFT >= 0.18) or swapped" in err, err
+    assert "fused_orientation=" not in err, err
+    assert main([*argv, "--fused-orientation", "natural"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("equal tokens, logits") == 2 and "verdict: PASS" in out, out
