@@ -59,11 +59,11 @@ def in_process(capsys, *argv: str) -> tuple[int, str, str]:
 # (id, argv, TRITON_INTERPRET, lines the summary must print, words it must not)
 DEMO_CHECKS = [
     ("no-interpret-unchecked", ("--no-interpret",), False,
-     ["backend reference (auto: the fastest backend that runs here)",
+     ["backend reference (auto fallback, refused: grouped_mm (device.kind = cpu",
       "checked against: nothing independent", "verdict: UNCHECKED",
       "Fix: drop --no-interpret (triton then checks it)"], ["PASS"]),
     ("rank-300-unchecked", ("--rank", "300"), True,
-     ["backend reference (auto: the fastest backend that runs here)",
+     ["backend reference (auto fallback, refused: grouped_mm (device.kind = cpu",
       "verdict: UNCHECKED", "Fix: --rank 256 (triton then checks it)"], ["PASS"]),
     ("explicit-reference-checked-by-triton", ("--moe-backend", "reference"), True,
      ["backend reference (explicit: --moe-backend reference)", "checked against: triton",
@@ -71,8 +71,8 @@ DEMO_CHECKS = [
     # auto on a CPU: triton would run interpreted (slower), so the reference runs, and
     # triton, interpreted, checks it
     ("auto-reference-checked-by-triton", (), True,
-     ["backend reference (auto: the fastest backend that runs here; triton would run "
-      "interpreted on this cpu (slower))", "checked against: triton",
+     ["backend reference (auto fallback, refused: grouped_mm (device.kind = cpu",
+      "triton would run interpreted on this cpu (slower)", "checked against: triton",
       "verdict: PASS (reference vs triton)"], []),
     ("triton-checked-by-the-reference", ("--moe-backend", "triton"), True,
      ["device cpu (Triton interpreter): backend triton (explicit: --moe-backend triton)",
