@@ -18,6 +18,7 @@ import os
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,8 +27,8 @@ from ..config import parse_dtype
 from ..deployment import dtype_name
 from ..errors import AdapterError, ConfigError, UnsupportedDeploymentError
 from . import generate_inputs as inputs
-from .generate_check import check_row, verdict
-from .generate_report import Run, as_json, print_text, rank_note
+from .generate_check import CheckResult, check_row, verdict
+from .generate_report import Run, as_json, exit_code, rank_note, text
 from .hf_truth import measure_noise, peft_truth, runnable_implementation, set_implementation
 
 DEFAULT_ROWS = ["fused-r8", "fused-r4-attn", None, "modules-r4", "fused-r2"]
@@ -137,8 +138,9 @@ def _attach(attach, model, args, adapters):
         raise inputs.for_generate(err) from None
 
 
-def _load(handle, path, name: str, orientation: str | None) -> None:
-    """One adapter; a refusal whose fix names the library's keyword restated as the flag."""
+def _load(handle, path: Path, name: str, orientation: str | None) -> str:
+    """One adapter; returns its rank, in words. A refusal whose fix names the library's
+    keyword is restated with generate's flag."""
     try:
         handle.load_adapter(path, name=name, fused_orientation=orientation)
     except AdapterError as err:
@@ -146,6 +148,22 @@ def _load(handle, path, name: str, orientation: str | None) -> None:
             raise
         fix = "--fused-orientation natural (saved by PEFT >= 0.18) or swapped (PEFT 0.17)"
         raise AdapterError(err.file, err.key, err.found, err.expected, fix) from None
+    rank = handle.describe(name)["rank"]
+    note = rank_note(path, rank)
+    return f"rank {rank}" + (f" ({note})" if note else "")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One generate call: the adapter per row, prompts [S] each, the left-padded ids and
+    attention mask [B, S_max], the pad id, and each row's new tokens."""
+
+    rows: list[str | None]
+    prompts: list[torch.Tensor]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pad: int
+    new: list[list[int]]
 
 
 def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
@@ -153,70 +171,82 @@ def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
     if unknown:
         raise ConfigError("--rows", unknown[0], f"'base' or a loaded adapter {sorted(adapters)}")
     tok = inputs.tokenizer(args.model, args.prompt)
-    pad = 0 if tok is None else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)  # fmt: skip
     prompts = inputs.prompts(args.prompt, base.config.vocab_size, len(rows), tok, args.seed)
-    inputs.check_positions(prompts, args.max_new_tokens, base.config)
+    inputs.check_positions(prompts, args.max_new_tokens, base.config)  # before anything runs
     check = not args.no_check
     model = copy.deepcopy(base) if check else base
     handle = _attach(attach, model, args, adapters)
-    ranks = {}
-    for name, path in adapters.items():
-        _load(handle, path, name, args.fused_orientation)
-        rank = handle.describe(name)["rank"]
-        note = rank_note(path, rank)
-        ranks[name] = f"rank {rank}" + (f" ({note})" if note else "")
-    prompts = [p.to(model.device) for p in prompts]
-    ids, mask = inputs.left_padded(prompts, model.device, pad)
+    orientation = args.fused_orientation
+    ranks = {name: _load(handle, path, name, orientation) for name, path in adapters.items()}
+    batch, seconds = _generate(handle, rows, prompts, _pad_id(tok), args.max_new_tokens)
+    checked = _check(base, adapters, truths, batch, handle, dtype) if check else None
+    mc, sel = handle.model_config, handle.selection
+    shape = mc.shape
+    result = Run(
+        what=what,
+        header=f"{mc.model_type}, {len(mc.moe_layers)} MoE layers (E={shape.num_experts} "
+        f"K={shape.top_k} H={shape.hidden_size} I={shape.intermediate_size}), "
+        f"{dtype_name(dtype)} on {model.device}",
+        dtype=dtype_name(dtype),
+        rows=rows,
+        prompts=[p.tolist() for p in batch.prompts],
+        new=batch.new,
+        texts=None
+        if tok is None
+        else [tuple(map(tok.decode, t)) for t in zip(batch.prompts, batch.new)],
+        adapters=ranks,
+        selection=sel.log_line(),
+        backend=sel.name,
+        interpreted=sel.interpreted,
+        seconds=seconds,
+        check=checked,
+    )
+    print(as_json(result) if args.json else text(result, args.max_new_tokens))
+    return exit_code(result)
+
+
+def _pad_id(tok) -> int:
+    if tok is None:
+        return 0
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0
+
+
+def _generate(handle, rows, prompts, pad: int, max_new_tokens: int) -> tuple[Batch, float]:
+    """The mixed batch through moelora, greedy; (the batch with its new tokens, seconds)."""
+    device = handle.model.device
+    prompts = [p.to(device) for p in prompts]
+    ids, mask = inputs.left_padded(prompts, device, pad)
     start = time.perf_counter()
     out = handle.generate(
-        ids, adapter_names=rows, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-        min_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad,
+        ids, adapter_names=rows, attention_mask=mask, max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
     )  # fmt: skip
-    if model.device.type == "cuda":
+    if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     new = [out[row, ids.shape[1] :].tolist() for row in range(len(rows))]
-    checked = (None, None, [], None)
-    if check:
-        checked = _check(args, base, adapters, truths, rows, prompts, new, handle, ids, mask, dtype, pad)  # fmt: skip
-    mc, sel = handle.model_config, handle.selection
-    result = Run(
-        what=what,
-        header=f"{mc.model_type}, {len(mc.moe_layers)} MoE layers (E={mc.shape.num_experts} "
-        f"K={mc.shape.top_k} H={mc.shape.hidden_size} I={mc.shape.intermediate_size}), "
-        f"{dtype_name(dtype)} on {model.device}",
-        dtype=dtype_name(dtype), rows=rows, prompts=[p.tolist() for p in prompts], new=new,
-        texts=None if tok is None else [(tok.decode(p), tok.decode(n)) for p, n in zip(prompts, new)],
-        adapters=ranks, selection=sel.log_line(), backend=sel.name, interpreted=sel.interpreted,
-        seconds=seconds, checks=checked[0], implementation=checked[1], noise=checked[2],
-        verdict=checked[3],
-    )  # fmt: skip
-    if args.json:
-        print(as_json(result))
-    else:
-        print_text(result, args.max_new_tokens)
-    return 0 if result.verdict is None or result.verdict.ok else 1
+    return Batch(rows, prompts, ids, mask, pad, new), seconds
 
 
-def _check(args, base, adapters, truths, rows, prompts, new, handle, ids, mask, dtype, pad):
-    """(row checks, HF experts implementation, HF's noise (none in fp32), verdict)."""
+def _check(base, adapters, truths, batch: Batch, handle, dtype) -> CheckResult:
+    """Each row against HF + PEFT alone (hf_truth), and the verdict (generate_check)."""
+    rows, prompts = batch.rows, batch.prompts
     truth_of, models = _truth(base, adapters, truths)
     implementation = runnable_implementation(models, truth_of(rows[0]), prompts[0])
     noise = []
-    if dtype != torch.float32:
-        base32 = copy.deepcopy(base).float()
+    if dtype != torch.float32:  # HF against itself: another implementation, and fp32
         truths32 = truths and {n: copy.deepcopy(t).float() for n, t in truths.items()}
-        truth32_of, models32 = _truth(base32, adapters, truths32)
+        truth32_of, models32 = _truth(copy.deepcopy(base).float(), adapters, truths32)
         set_implementation(models32, "eager")
         noise = measure_noise(models, truth_of, truth32_of, rows, prompts, implementation)
-        del base32, truths32, truth32_of, models32
     with torch.no_grad():
-        logits = handle(ids, adapter_names=rows, attention_mask=mask).logits
+        logits = handle(batch.ids, adapter_names=rows, attention_mask=batch.mask).logits
     checks = []
+    width = batch.ids.shape[1]
     for row, (name, prompt) in enumerate(zip(rows, prompts)):
-        mine = logits[row, ids.shape[1] - len(prompt) :]
-        checks.append(check_row(truth_of(name), row, name, prompt, new[row], mine, pad))
-    return checks, implementation, noise, verdict(checks, dtype, noise)
+        mine = logits[row, width - len(prompt) :]
+        checks.append(check_row(truth_of(name), row, name, prompt, batch.new[row], mine, batch.pad))
+    return CheckResult(checks, implementation, noise, verdict(checks, dtype, noise))
 
 
 def _truth(base, adapters, truths):

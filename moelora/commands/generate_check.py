@@ -98,3 +98,14 @@ def verdict(checks: list[RowCheck], dtype: torch.dtype, noise: list[Noise]) -> V
     largest = f"row {worst.row} {worst.name or 'base'} at {worst.logits_rel_err:.1e}"
     text = f"PASS: every row within {rule}; largest logits rel err: {largest}"
     return Verdict(True, tol, rule, text)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The whole check: each row's, the HF experts implementation the truth ran, HF's own
+    noise (empty in fp32) and the verdict."""
+
+    rows: list[RowCheck]
+    implementation: str
+    noise: list[Noise]
+    verdict: Verdict

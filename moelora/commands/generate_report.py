@@ -8,8 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .generate_check import RowCheck, Verdict
-from .hf_truth import Noise
+from .generate_check import CheckResult
 
 
 def rank_note(path: Path, loaded_rank: int) -> str:
@@ -52,34 +51,34 @@ class Run:
     backend: str
     interpreted: bool
     seconds: float
-    checks: list[RowCheck] | None  # None: --no-check
-    implementation: str | None  # HF's experts implementation under the check
-    noise: list[Noise]  # empty in fp32
-    verdict: Verdict | None
+    check: CheckResult | None  # None: --no-check
 
 
-def print_text(run: Run, max_new_tokens: int) -> None:
-    print(f"\nmoelora generate: {run.what}, {run.header}")
-    for name, rank in run.adapters.items():
-        print(f"  adapter {name}: {rank}")
-    print(f"  {len(run.rows)} rows, {max_new_tokens} new tokens each, left-padded prompts")
-    print(f"  {run.selection}\n")
-    check_head = "against HF + PEFT generating the row alone" if run.checks else "check"
-    print(f"  {'row':<4}{'adapter':<16}{'prompt':>6}  {check_head}")
+def text(run: Run, max_new_tokens: int) -> str:
+    """The run as the table a reader scans: whole token rows, every number labelled."""
+    lines = [f"\nmoelora generate: {run.what}, {run.header}"]
+    lines += [f"  adapter {name}: {rank}" for name, rank in run.adapters.items()]
+    lines.append(f"  {len(run.rows)} rows, {max_new_tokens} new tokens each, left-padded prompts")
+    lines += [f"  {run.selection}", ""]
+    check = run.check
+    check_head = "against HF + PEFT generating the row alone" if check else "check"
+    lines.append(f"  {'row':<4}{'adapter':<16}{'prompt':>6}  {check_head}")
     for row, name in enumerate(run.rows):
-        cell = run.checks[row].cell() if run.checks else "not checked"
-        print(f"  {row:<4}{name or 'base':<16}{len(run.prompts[row]):>6}  {cell}")
-        print(f"      new tokens: {run.new[row]}")
+        cell = check.rows[row].cell() if check else "not checked"
+        lines.append(f"  {row:<4}{name or 'base':<16}{len(run.prompts[row]):>6}  {cell}")
+        lines.append(f"      new tokens: {run.new[row]}")
         if run.texts is not None:
-            print(f"      {run.texts[row][0]!r} -> {run.texts[row][1]!r}")
-    print(f"\n  generate: {run.seconds:.2f} s for {len(run.rows)} rows")
-    if run.verdict is None:
-        print("  verdict: not checked (--no-check): no comparison ran")
-        return
-    print(f"  HF + PEFT ran with transformers' {run.implementation} experts implementation")
-    for noise in run.noise:
-        print(f"  {noise.describe()}")
-    print(f"  verdict: {run.verdict.text}")
+            lines.append(f"      {run.texts[row][0]!r} -> {run.texts[row][1]!r}")
+    lines += ["", f"  generate: {run.seconds:.2f} s for {len(run.rows)} rows"]
+    if check is None:
+        lines.append("  verdict: not checked (--no-check): no comparison ran")
+        return "\n".join(lines)
+    lines.append(
+        f"  HF + PEFT ran with transformers' {check.implementation} experts implementation"
+    )
+    lines += [f"  {noise.describe()}" for noise in check.noise]
+    lines.append(f"  verdict: {check.verdict.text}")
+    return "\n".join(lines)
 
 
 def as_json(run: Run) -> str:
@@ -90,8 +89,8 @@ def as_json(run: Run) -> str:
         entry["new_tokens"] = run.new[row]
         if run.texts is not None:
             entry["prompt_text"], entry["new_text"] = run.texts[row]
-        if run.checks:
-            c = run.checks[row]
+        if run.check:
+            c = run.check.rows[row]
             entry |= {"hf_peft_new_tokens": c.want, "first_different_step": c.first_difference}
             entry["logits_rel_err"] = c.logits_rel_err
         rows.append(entry)
@@ -99,15 +98,20 @@ def as_json(run: Run) -> str:
         "model": run.what, "dtype": run.dtype, "backend": run.backend,
         "interpreted": run.interpreted, "selection": run.selection, "adapters": run.adapters,
         "seconds": run.seconds, "rows": rows,
-        "check": None if run.verdict is None else {
-            "hf_experts_implementation": run.implementation,
+        "check": None if run.check is None else {
+            "hf_experts_implementation": run.check.implementation,
             "hf_noise": [
                 {"between": n.between, "logits_rel_err": n.rel_err, "row": n.row}
-                for n in run.noise
+                for n in run.check.noise
             ],
-            "logits_rel_tol": run.verdict.tol, "tolerance_rule": run.verdict.rule,
+            "logits_rel_tol": run.check.verdict.tol, "tolerance_rule": run.check.verdict.rule,
         },
-        "verdict": "NOT CHECKED" if run.verdict is None else run.verdict.text,
-        "exit_code": 0 if run.verdict is None or run.verdict.ok else 1,
+        "verdict": "NOT CHECKED" if run.check is None else run.check.verdict.text,
+        "exit_code": exit_code(run),
     }  # fmt: skip
     return json.dumps(doc, indent=2, allow_nan=True)
+
+
+def exit_code(run: Run) -> int:
+    """0 when unchecked or every row passed, 1 when a row differed (moelora.errors)."""
+    return 0 if run.check is None or run.check.verdict.ok else 1
