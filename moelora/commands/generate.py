@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import tempfile
 import time
@@ -83,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     # PEFT's note on a rank_pattern key its own gate/up rewrite left unused (the adapter
     # loads as saved; moelora checks every factor's shape itself)
     warnings.filterwarnings("ignore", message=".*rank_pattern keys did not match.*")
+    if not args.verbose:  # the summary names each adapter with its rank and why; -v adds the log
+        logging.getLogger("moelora.hf").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available()
     if not cuda:
         # No GPU: Triton kernels (when asked for) run through Triton's interpreter.
