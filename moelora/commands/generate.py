@@ -234,12 +234,14 @@ def _generate(handle, rows, prompts, pad: int, max_new_tokens: int) -> tuple[Bat
 def _check(base, adapters, truths, batch: Batch, handle, dtype) -> CheckResult:
     """Each row against HF + PEFT alone (hf_truth), and the verdict (generate_check)."""
     rows, prompts = batch.rows, batch.prompts
+    # HF in fp32, for the noise of 16-bit runs: copied before PEFT wraps `base` in place
+    base32 = copy.deepcopy(base).float() if dtype != torch.float32 else None
     truth_of, models = _truth(base, adapters, truths)
     implementation = runnable_implementation(models, truth_of(rows[0]), prompts[0])
     noise = []
-    if dtype != torch.float32:  # HF against itself: another implementation, and fp32
+    if base32 is not None:  # HF against itself: another implementation, and fp32
         truths32 = truths and {n: copy.deepcopy(t).float() for n, t in truths.items()}
-        truth32_of, models32 = _truth(copy.deepcopy(base).float(), adapters, truths32)
+        truth32_of, models32 = _truth(base32, adapters, truths32)
         set_implementation(models32, "eager")
         noise = measure_noise(models, truth_of, truth32_of, rows, prompts, implementation)
     with torch.no_grad():
