@@ -199,9 +199,8 @@ class Engine:
         self._cancelled.clear()
         waiting, self._waiting = self._waiting, []
         decode = [r for r in self._rows.values() if r not in waiting]
-        for state in waiting:
-            logits = self._prefill_tokens(list(state.request.prompt_ids), state.row, state.hold)
-            events += self._accept([state], logits)
+        for group in _same_length(waiting):
+            events += self._accept(group, self._prefill(group))
         if decode:
             events += self._accept(decode, self._decode(decode))
         return events
@@ -240,18 +239,28 @@ class Engine:
             )  # fmt: skip
         return out.logits[:, -1]
 
+    def _prefill(self, group: list[_Row]) -> Tensor:
+        """Prompts of one length into their cache rows in one forward; logits [n, V] of
+        each prompt's last token."""
+        prompts = [list(r.request.prompt_ids) for r in group]
+        return self._prefill_rows(prompts, [r.row for r in group], [r.hold for r in group])
+
     def _prefill_tokens(self, prompt: list[int], row: int, hold: AdapterHold) -> Tensor:
         """One request's prompt into its cache row; logits [1, V] of its last token."""
-        plan = plan_prefill(row, len(prompt), self.device)
+        return self._prefill_rows([prompt], [row], [hold])
+
+    def _prefill_rows(self, prompts: list[list[int]], rows: list[int], holds) -> Tensor:
+        plan = plan_prefill(rows, len(prompts[0]), self.device)
         self.cache.plan = plan
-        slots = torch.tensor([hold.slot], dtype=torch.int32, device=self.device)
-        rows = batch.RowAdapters(
-            row_slots=slots, snapshot=hold.snapshot, expert_lora=hold.experts,
-            lora_modules=hold.modules, token_buffer=torch.empty_like(slots.expand(len(prompt))),
+        slots = torch.tensor([h.slot for h in holds], dtype=torch.int32, device=self.device)
+        adapters = batch.RowAdapters(
+            row_slots=slots, snapshot=holds[0].snapshot, expert_lora=any(h.experts for h in holds),
+            lora_modules=frozenset().union(*(h.modules for h in holds)),
+            token_buffer=torch.empty(plan.positions.numel(), dtype=torch.int32, device=self.device),
         )  # fmt: skip
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         masks = build_masks(self._rule, plan.positions, plan.kv_len, self.dtype)
-        return self._forward(ids, plan.positions, masks, rows)
+        return self._forward(ids, plan.positions, masks, adapters)
 
     def _decode(self, running: list[_Row]) -> Tensor:
         """One token of every running row; logits [len(running), V] in their order."""
@@ -325,6 +334,25 @@ class Engine:
             self._waiting.remove(state)
         state.hold.release()
         return TokenEvent(request_id, token, True, reason)
+
+
+# Tokens of one prefill forward at most: the MoE layers' largest tuned T (and the activation
+# memory of a 16k-token forward stays a few hundred MB at Qwen3-30B-A3B's width).
+PREFILL_TOKENS = 16384
+
+
+def _same_length(rows: list[_Row]) -> list[list[_Row]]:
+    """The rows grouped by prompt length, in order of first appearance, each group cut to
+    PREFILL_TOKENS: one prefill forward per group (no padding, so every row's last token is
+    the forward's last)."""
+    groups: dict[int, list[list[_Row]]] = {}
+    for r in rows:
+        length = len(r.request.prompt_ids)
+        chunks = groups.setdefault(length, [[]])
+        if chunks[-1] and (len(chunks[-1]) + 1) * length > PREFILL_TOKENS:
+            chunks.append([])
+        chunks[-1].append(r)
+    return [chunk for chunks in groups.values() for chunk in chunks]
 
 
 def _eos_ids(model) -> frozenset[int]:
