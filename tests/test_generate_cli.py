@@ -160,7 +160,7 @@ CASES = [
      ["grouped_mm: device.kind = cpu", "Fix: use --moe-backend reference (or auto)"]),
     # the toy's adapters are natural: read swapped, no shape fits
     ("fused-orientation-passed-on", ["--fused-orientation", "swapped"], 2,
-     ["adapter file", "(or swapped)"]),
+     ["adapter file", "named by fused_orientation", "Fix: --fused-orientation natural"]),
 ]  # fmt: skip
 
 
@@ -201,7 +201,7 @@ def test_fused_orientation_flag_settles_an_ambiguous_adapter(tmp_path, capsys):
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "Fix: --fused-orientation natural (saved by PEFT >= 0.18) or swapped" in err, err
+    assert "Fix: --fused-orientation natural (PEFT >= 0.19.1 saves it so) or swapped" in err, err
     assert "fused_orientation=" not in err, err
     assert main([*argv, "--fused-orientation", "natural"]) == 0
     out = capsys.readouterr().out

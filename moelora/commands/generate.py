@@ -26,7 +26,13 @@ import torch
 
 from ..config import parse_dtype
 from ..deployment import dtype_name
-from ..errors import AdapterError, ConfigError, UnsupportedDeploymentError
+from ..errors import (
+    AdapterError,
+    AdapterProblems,
+    ConfigError,
+    UnsupportedDeploymentError,
+    adapter_refusal,
+)
 from . import generate_inputs as inputs
 from .generate_check import CheckResult, check_row, verdict
 from .generate_report import Run, as_json, exit_code, rank_note, text
@@ -143,17 +149,24 @@ def _attach(attach, model, args, adapters):
 
 def _load(handle, path: Path, name: str, orientation: str | None) -> str:
     """One adapter; returns its rank, in words. A refusal whose fix names the library's
-    keyword is restated with generate's flag."""
+    keyword is restated with generate's flag only."""
     try:
         handle.load_adapter(path, name=name, fused_orientation=orientation)
     except AdapterError as err:
-        if "fused_orientation=" not in str(err):
+        problems = err.problems if isinstance(err, AdapterProblems) else (err,)
+        if not any("fused_orientation=" in p.fix for p in problems):
             raise
-        fix = "--fused-orientation natural (saved by PEFT >= 0.18) or swapped (PEFT 0.17)"
-        raise AdapterError(err.file, err.key, err.found, err.expected, fix) from None
+        raise adapter_refusal([_flag_fix(p) for p in problems]) from None
     rank = handle.describe(name)["rank"]
     note = rank_note(path, rank)
     return f"rank {rank}" + (f" ({note})" if note else "")
+
+
+def _flag_fix(err: AdapterError) -> AdapterError:
+    if "fused_orientation=" not in err.fix:
+        return err
+    fix = "--fused-orientation natural (PEFT >= 0.19.1 saves it so) or swapped (PEFT <= 0.18.1)"
+    return AdapterError(err.file, err.key, err.found, err.expected, fix)
 
 
 @dataclass(frozen=True)

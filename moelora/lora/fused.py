@@ -180,7 +180,7 @@ def _reading(ctx: Context, tensors, pairs: list) -> tuple[str, tuple[str, ...], 
             pairs[0]["A"],
             found,
             " or ".join(_layout(params, o) for o in tried) + _told(ctx, tried),
-            "load the adapter for the model it was trained on",
+            _unfit_fix(ctx, tried),
         )
     if len(fits) > 1:
         raise AdapterError(
@@ -216,6 +216,18 @@ def _told(ctx: Context, tried: tuple[str, ...]) -> str:
         return ""
     version = ctx.config.get("peft_version")
     return f" (what PEFT {version} saves, from adapter_config.json's peft_version)"
+
+
+def _unfit_fix(ctx: Context, tried: tuple[str, ...]) -> str:
+    """The fix when no orientation tried fits: the other one, when only one was tried."""
+    fix = "load the adapter for the model it was trained on"
+    if len(tried) == 1 and ctx.model.model_type != "gpt_oss":
+        other = "swapped" if tried[0] == "natural" else "natural"
+        fix = (
+            f"if a PEFT version other than the one assumed saved it, read it {other} "
+            f"(fused_orientation={other!r}, --fused-orientation {other}); else {fix}"
+        )
+    return fix
 
 
 def _unfuse(
