@@ -1,0 +1,128 @@
+"""`moelora serve MODEL_DIR`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the
+decode engine, one adapter per request (the request's `model` names it), continuous batching.
+
+Flags carry vLLM's names. The oracle's verdict and selection line are printed before the
+weights load. SIGTERM (or Ctrl-C) stops accepting, lets running rows finish for
+--shutdown-timeout seconds, cancels what is left and exits 0. docs/serve.md has the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server: /v1/completions, /v1/chat/completions, one PEFT "
+        "adapter per request (model = adapter name), continuous batching",
+    )
+    p.add_argument("model", metavar="MODEL_DIR", help="a transformers model directory "
+                   "(config.json, weights, tokenizer)")  # fmt: skip
+    add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--served-model-name", default=None,
+                   help="the base model's name in requests (default: MODEL_DIR as given)")  # fmt: skip
+    p.add_argument("--enable-runtime-lora", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")  # fmt: skip
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests may finish after SIGTERM (default 30)")  # fmt: skip
+    p.set_defaults(run=run)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags `serve` and `run-batch` share (vLLM's names)."""
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                   help="PEFT adapter directories loaded at start")  # fmt: skip
+    p.add_argument(
+        "--max-loras", type=int, default=4, help="adapter slots on the device (default 4)"
+    )
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept ready in host memory (default: every loaded one)")  # fmt: skip
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="rows decoding at once (default 64)"
+    )
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max positions)")  # fmt: skip
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, "
+                   "fp16 or fp32")  # fmt: skip
+    p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def settings_of(args: argparse.Namespace):
+    from ..serve.model_dir import ServeSettings, parse_lora_modules
+
+    return ServeSettings(
+        model=Path(args.model), lora_modules=parse_lora_modules(args.lora_modules),
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras, dtype=args.dtype, moe_backend=args.moe_backend,
+        enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+    )  # fmt: skip
+
+
+def start(args: argparse.Namespace, engine_class=None):
+    """(ServeContext, ...): verdict printed, weights loaded, the scheduler thread running.
+    engine_class: moelora.hf.engine.Engine unless a caller brings another."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: Triton's interpreter
+    from ..serve import model_dir
+    from ..serve.context import ServeContext
+    from ..serve.metrics import Metrics
+    from ..serve.scheduler import Scheduler
+
+    settings = settings_of(args)
+    print(f"moelora {args.command}: {model_dir.preflight(settings)}", flush=True)
+    handle, tokenizer = model_dir.load(settings)
+    if engine_class is None:
+        from ..hf.engine import Engine as engine_class
+    engine = engine_class(handle, max_rows=settings.max_num_seqs, max_len=settings.max_model_len,
+                          enforce_eager=settings.enforce_eager or None)  # fmt: skip
+    metrics = Metrics()
+    scheduler = Scheduler(engine, metrics).start()
+    name = getattr(args, "served_model_name", None) or args.model
+    return ServeContext(
+        handle, scheduler, tokenizer, name,
+        api_key=getattr(args, "api_key", None),
+        runtime_lora=getattr(args, "enable_runtime_lora", False), metrics=metrics,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace, engine_class=None) -> int:
+    import uvicorn
+
+    from ..serve.app import build_app
+
+    ctx = start(args, engine_class)
+    app = build_app(ctx, shutdown_grace_s=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
+    print(f"moelora serve: {ctx.models[0]} and adapters {ctx.models[1:]} on "
+          f"http://{args.host}:{args.port}/v1", flush=True)  # fmt: skip
+    _server_class()(config).run()  # returns after SIGTERM / SIGINT, once shut down
+    ctx.scheduler.stop(0.0)  # idempotent: the app's shutdown already stopped it
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown (the process then dies of
+        it); a stop the operator asked for is a clean exit here: code 0, as vLLM's."""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    return Server
