@@ -104,3 +104,11 @@ def start(argv: list[str], log: Path, ready_s: float = 240.0) -> Server:
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"server not ready after {ready_s} s:\n{log.read_text()}")
+
+
+def run_child(argv: list[str], log: Path, timeout: float = 300.0) -> int:
+    """`moelora argv` in a child process (the engine double while the engine is absent)."""
+    env = os.environ | {"PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}"}
+    with open(log, "w") as out:
+        cmd = [sys.executable, str(TESTS / "serve_child.py"), *argv]
+        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
