@@ -111,4 +111,6 @@ def run_child(argv: list[str], log: Path, timeout: float = 300.0) -> int:
     env = os.environ | {"PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}"}
     with open(log, "w") as out:
         cmd = [sys.executable, str(TESTS / "serve_child.py"), *argv]
-        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        return subprocess.run(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout
+        ).returncode
