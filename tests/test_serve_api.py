@@ -8,7 +8,6 @@ import json
 import random
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
