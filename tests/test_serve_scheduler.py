@@ -15,6 +15,7 @@ from moelora.errors import InputError
 serve_engine_double.install()
 
 from moelora.hf.engine import Request, Sampling, TokenEvent  # noqa: E402
+
 from moelora.serve.scheduler import Accepted, Refused, Scheduler  # noqa: E402
 
 
