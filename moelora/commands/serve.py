@@ -70,9 +70,10 @@ def settings_of(args: argparse.Namespace):
     )  # fmt: skip
 
 
-def start(args: argparse.Namespace, engine_class=None):
-    """(ServeContext, ...): verdict printed, weights loaded, the scheduler thread running.
-    engine_class: moelora.hf.engine.Engine unless a caller brings another."""
+def start(args: argparse.Namespace, engine_class=None, model=None):
+    """The ServeContext: verdict printed, weights loaded, the scheduler thread running.
+    engine_class: moelora.hf.engine.Engine unless a caller brings another; model: weights
+    already on the device instead of MODEL_DIR's (model_dir.load)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: Triton's interpreter
     from ..serve import model_dir
@@ -82,7 +83,7 @@ def start(args: argparse.Namespace, engine_class=None):
 
     settings = settings_of(args)
     print(f"moelora {args.command}: {model_dir.preflight(settings)}", flush=True)
-    handle, tokenizer = model_dir.load(settings)
+    handle, tokenizer = model_dir.load(settings, model)
     if engine_class is None:
         from ..hf.engine import Engine as engine_class
     engine = engine_class(handle, max_rows=settings.max_num_seqs, max_len=settings.max_model_len,
@@ -97,12 +98,12 @@ def start(args: argparse.Namespace, engine_class=None):
     )  # fmt: skip
 
 
-def run(args: argparse.Namespace, engine_class=None) -> int:
+def run(args: argparse.Namespace, engine_class=None, model=None) -> int:
     import uvicorn
 
     from ..serve.app import build_app
 
-    ctx = start(args, engine_class)
+    ctx = start(args, engine_class, model)
     app = build_app(ctx, shutdown_grace_s=args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip

@@ -74,6 +74,8 @@ class ServeContext:
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
             seed=body.seed,
+            min_new_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
         )
         rid = (
             f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{next(self._ids)}"

@@ -81,8 +81,10 @@ def preflight(settings: ServeSettings) -> str:
     return select(deployment).log_line()
 
 
-def load(settings: ServeSettings):
-    """(handle, tokenizer): the weights on the device, attached, startup adapters loaded."""
+def load(settings: ServeSettings, model=None):
+    """(handle, tokenizer): the weights on the device, attached, startup adapters loaded.
+    model: a transformers model already built on the device (the load generator's random
+    weights) instead of the directory's weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..hf import attach
@@ -97,7 +99,8 @@ def load(settings: ServeSettings):
                               "a PEFT adapter directory (adapter_config.json)")  # fmt: skip
     device, dtype = device_and_dtype(settings)
     tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
     handle = attach(
         model.to(device).eval(),
         max_loras=settings.max_loras,

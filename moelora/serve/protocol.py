@@ -28,6 +28,8 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)  # one choice per request
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens past end tokens
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no end token before
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
