@@ -182,6 +182,8 @@ async def one(client, url: str, body: dict) -> dict:
             if line.startswith("data: ") and line != "data: [DONE]":
                 text = json.loads(line[6:])["choices"][0]["text"]
                 times.extend([time.perf_counter()] * len(text.split()))  # one word per token
+    if not times:
+        raise RuntimeError(f"no token streamed for {body['model']}")
     return {"ttft": times[0] - start, "itl": [b - a for a, b in itertools.pairwise(times)],
             "tokens": len(times), "latency": time.perf_counter() - start}  # fmt: skip
 
@@ -200,7 +202,8 @@ async def level(url: str, names: list[str | None], concurrency: int, count: int,
             async with gate:
                 prompt = [rng.randrange(1, args.vocab) for _ in range(args.prompt)]
                 body = {"model": rng.choice(names) or "base", "prompt": prompt,
-                        "max_tokens": args.new, "temperature": 0, "ignore_eos": True}  # fmt: skip
+                        "max_tokens": args.new, "temperature": 0, "ignore_eos": True,
+                        "stream": True}  # fmt: skip
                 return await one(client, url, body)
 
         arrivals, t = [], 0.0
