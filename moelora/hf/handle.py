@@ -17,7 +17,7 @@ import logging
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,7 @@ from ..device import probe_device
 from ..errors import AdapterError, ConfigError, InputError
 from ..layer import MoELoRALayer
 from ..lora import SlotManager, load_adapter
+from ..lora.leases import BankSnapshot
 from ..lora.safe_io import read_config, read_tensors
 from ..oracle import Selection, select
 from . import batch, experts
@@ -57,6 +58,18 @@ class _Version:
     rank: int
     modules: tuple[str, ...]
     pinned: bool
+
+
+@dataclass(frozen=True)
+class AdapterHold:
+    """One adapter version held for a row (MoELoRAModel.hold): its slot (-1: none), its PEFT
+    name (batch.BASE: none) and the banks its slot indexes; release() exactly once."""
+
+    name: str | None
+    slot: int
+    peft_name: str
+    snapshot: BankSnapshot
+    release: Callable[[], None]
 
 
 def attach(
@@ -136,6 +149,7 @@ def attach(
     model.eval()
     handle = MoELoRAModel(model, model_config, selection, manager, device)
     handle._bound = (list(modules.values()), swapped, previous)
+    handle.enforce_eager = enforce_eager  # the decode engine's graphs follow it
     return handle
 
 
@@ -220,6 +234,8 @@ class MoELoRAModel:
         self._seq = itertools.count()
         self._bound: tuple[list, list, str | None] = ([], [], None)
         self._local = threading.local()
+        self.enforce_eager: bool | None = None
+        self.use_engine = True
 
     # ---- facts --------------------------------------------------------------------------
 
@@ -373,8 +389,19 @@ class MoELoRAModel:
         **generate_kwargs: Any,
     ) -> torch.Tensor:
         """model.generate with one adapter per row of input_ids (None = base model).
-        Padding, attention masks, sampling and max_new_tokens work as in model.generate."""
+        Padding, attention masks, sampling and max_new_tokens work as in model.generate.
+        Decoded by the engine (hf/engine.py: per-row KV cache, CUDA graphs on a GPU unless
+        enforce_eager) for the models and settings it supports (use_engine = False: never);
+        otherwise by model.generate."""
         rows, width = _rows(input_ids, generate_kwargs)
+        if self.use_engine:
+            from . import engine_generate  # imports transformers' cache classes
+
+            out = engine_generate.generate(
+                self, input_ids, _names(adapter_names, rows), generate_kwargs
+            )
+            if out is not None:
+                return out
         expand = _expand_factor(self.model, generate_kwargs)
         names = [n for n in _names(adapter_names, rows) for _ in range(expand)]
         # the prefill is the largest forward of a generate call: B * expand * S tokens
@@ -439,6 +466,32 @@ class MoELoRAModel:
         finally:
             reading.__exit__(None, None, None)
             self._release(held)
+
+    def hold(self, name: str | None) -> AdapterHold:
+        """Hold the current version of `name` (None: the base model) until the returned
+        hold's release(): its slot lease (a registered adapter in no slot is loaded first) and
+        its PEFT modules. For callers whose rows outlive one call (the decode engine)."""
+        with self._lock:
+            version = None if name is None else self._known(name)
+            slot_name = version.internal if version is not None and version.in_slots else None
+            reading = self._manager.reading([slot_name], device=self.device)
+            snapshot, slots = reading.__enter__()
+            held = {version.internal} if version is not None else set()
+            with self._refs_lock:
+                self._refs.update(held)
+        peft = version.internal if version is not None and version.peft else batch.BASE
+        slot = int(slots[0])
+
+        def release() -> None:
+            reading.__exit__(None, None, None)
+            self._release(held)
+
+        return AdapterHold(name, slot, peft, snapshot, release)
+
+    def slot_key(self, name: str | None) -> str | None:
+        """The slot-manager name of `name`'s current version (None: it needs no slot)."""
+        version = None if name is None else self._versions.get(name)
+        return version.internal if version is not None and version.in_slots else None
 
     def _release(self, held: set[str]) -> None:
         done = []

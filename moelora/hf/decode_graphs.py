@@ -1,0 +1,127 @@
+"""Whole decode steps as CUDA graphs, one per bucket of rows (vLLM's cudagraph capture sizes).
+
+An eager decode step of a MoE model is bound by Python launches (hundreds of kernels per
+step); a replay is one launch. The engine keeps every input of a decode step in static
+buffers (token ids, positions, row slots, the cache), so the graph of bucket b decodes cache
+rows 0 .. b-1: a step with r running rows replays the smallest bucket >= r, the rows in
+between being padding (slot -1, token 0, position 0 of a free cache row). Buckets are
+captured at first use or all up front (`capture_all`, largest first: the smaller ones reuse
+its memory pool). `capture` is a module attribute so CPU tests swap in a stand-in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+
+log = logging.getLogger("moelora.hf")
+
+# vLLM's default capture sizes up to 64 (powers of two): a step pads at most 2x its rows.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def buckets_for(max_rows: int) -> tuple[int, ...]:
+    """The capture sizes for an engine of max_rows rows: BUCKETS below it, then max_rows."""
+    return (*(b for b in BUCKETS if b < max_rows), max_rows)
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What a capture_all took: buckets captured and wall seconds."""
+
+    buckets: tuple[int, ...]
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"decode graphs: buckets {list(self.buckets)} captured in {self.seconds:.1f} s"
+
+
+@dataclass
+class Graph:
+    """One captured step: replay() runs it, out is the tensor it writes (logits [b, V])."""
+
+    replay: Callable[[], None]
+    out: Tensor
+
+
+def capture_cuda(step: Callable[[], Tensor], pool) -> Graph:
+    """Capture step() (which reads and writes static buffers only) as a CUDA graph. A warm-up
+    run on a side stream first: Triton compiles and lazy allocations happen outside."""
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "enforce_eager", False, "None or True on a machine without CUDA (graphs need it)"
+        )
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: other threads (other engines, adapter loads) keep launching meanwhile
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = step()
+    return Graph(graph.replay, out)
+
+
+def new_pool():
+    return torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+
+
+capture = capture_cuda  # swapped for a stand-in by CPU tests
+
+
+class DecodeGraphs:
+    """The graphs of one engine. step(b) runs the decode step of bucket b from the static
+    buffers the engine has filled; prepare(b) fills them with padding rows only."""
+
+    def __init__(self, max_rows: int, step: Callable[[int], Tensor]) -> None:
+        self.buckets = buckets_for(max_rows)
+        self._step = step
+        self._graphs: dict[int, Graph] = {}
+        self._pool = None
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def bucket(self, rows: int) -> int:
+        """The smallest bucket holding `rows` rows (rows <= max_rows)."""
+        return next(b for b in self.buckets if b >= rows)
+
+    def run(self, bucket: int) -> Tensor:
+        """Replay bucket's graph (captured now if new; the buffers hold this step's inputs,
+        so the capture's warm-up run is this very step, repeated by the replay)."""
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            start = time.perf_counter()
+            graph = self._capture(bucket)
+            log.info(
+                "decode graph of %d rows captured in %.2f s", bucket, time.perf_counter() - start
+            )
+        graph.replay()
+        return graph.out
+
+    def capture_all(self, prepare: Callable[[int], None]) -> CaptureReport:
+        """Capture every bucket not yet captured, largest first; prepare(b) fills the static
+        buffers with padding for b rows before each."""
+        start = time.perf_counter()
+        for bucket in sorted(set(self.buckets) - set(self._graphs), reverse=True):
+            prepare(bucket)
+            self._capture(bucket)
+        report = CaptureReport(self.captured, time.perf_counter() - start)
+        log.info("%s", report)
+        return report
+
+    def _capture(self, bucket: int) -> Graph:
+        if self._pool is None:
+            self._pool = new_pool()
+        graph = capture(lambda: self._step(bucket), self._pool)
+        self._graphs[bucket] = graph
+        return graph

@@ -1,0 +1,335 @@
+"""The decode engine: continuous batching of requests, each with its own adapter, over a
+per-row KV cache, with whole decode steps replayed from CUDA graphs on a GPU.
+
+One scheduler thread drives an Engine (it is not thread-safe itself); adapters are loaded,
+replaced and unloaded through the handle from any thread at any time, and a request keeps
+the adapter version it held at add() until it finishes. step(): prefill the requests added
+since the last step (eagerly, one at a time, into their cache rows), then one decode step of
+every running row (input_ids [b, 1], each row at its own position; b = the highest busy row
++ 1, padded up to a graph bucket on a GPU). Legend: N max_rows, M max_len, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError, InputError
+from . import batch, decode_graphs
+from .engine_support import engine_support
+from .handle import AdapterHold, MoELoRAModel
+from .kv_cache import RowCache, plan_decode, plan_prefill
+from .kv_mask import build_masks, mask_rule
+from .sampling import RowSampler, Sampling, next_tokens
+
+__all__ = ["Engine", "Request", "Sampling", "TokenEvent"]
+
+log = logging.getLogger("moelora.hf")
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    adapter: str | None  # None = the base model
+    sampling: Sampling = Sampling()  # noqa: RUF009 - frozen: one shared default is safe
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_id: int  # -1 when a request ends without a token (cancelled)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | None
+
+
+@dataclass(eq=False)  # identity: two requests are never the same row
+class _Row:
+    """A request from add() to its finish: its cache row, adapter hold and tokens so far."""
+
+    request: Request
+    row: int
+    hold: AdapterHold
+    sampler: RowSampler
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        """Where the last generated token goes when it is fed back."""
+        return len(self.request.prompt_ids) + len(self.generated) - 1
+
+
+class Engine:
+    """Decode engine over an attached model (moelora.hf.attach's handle)."""
+
+    def __init__(
+        self,
+        handle: MoELoRAModel,
+        *,
+        max_rows: int = 64,
+        max_len: int | None = None,
+        enforce_eager: bool | None = None,
+    ) -> None:
+        model = handle.model
+        reasons = engine_support(model)
+        if reasons:
+            raise ConfigError(
+                "model", type(model).__name__, "a model the engine supports: " + "; ".join(reasons),
+                "use handle.generate (it falls back to model.generate) for this model",
+            )  # fmt: skip
+        config = model.config
+        self.max_len = int(max_len or config.max_position_embeddings)
+        self.max_rows = int(max_rows)
+        if self.max_rows < 1 or self.max_len < 2:
+            raise ConfigError(
+                "max_rows / max_len", (max_rows, max_len), "max_rows >= 1, max_len >= 2"
+            )
+        self.handle, self.model = handle, model
+        self.device = handle.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self._vocab = model.get_input_embeddings().weight.shape[0]
+        self._rule = mask_rule(config)
+        self._eos = _eos_ids(model)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # one spare row past max_rows: what padding rows of a graph bucket write
+        self.cache = RowCache(config.num_hidden_layers, self.max_rows + 1, self.max_len)
+        self._static_buffers()
+        self._base = handle.hold(None)  # the banks' snapshot for rows without adapter
+        self._rows: dict[str, _Row] = {}  # request id -> row, running or waiting for prefill
+        self._waiting: list[_Row] = []
+        self._cancelled: list[str] = []
+        use_graphs = self.device.type == "cuda" if enforce_eager is None else not enforce_eager
+        self.graphs = (
+            decode_graphs.DecodeGraphs(self.max_rows, self._graph_step) if use_graphs else None
+        )
+        self._prefill_tokens([0], row=0, hold=self._base)  # allocates every layer's cache
+
+    def _static_buffers(self) -> None:
+        """What a decode step reads, kept as the same tensors for CUDA graphs: token ids [N, 1],
+        positions [N, 1], the cache row each batch row writes [N, 1] (its own, or the spare
+        row N for padding), row slots [N] and the token-slot buffer [N]."""
+        n, dev = self.max_rows, self.device
+        self._ids = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        self._positions = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        self._write_rows = torch.full((n, 1), n, dtype=torch.long, device=dev)
+        self._slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self._token_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+
+    # ---- the contract ---------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._rows or self._cancelled)
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    def check(self, request: Request) -> None:
+        """InputError when the request can never run here."""
+        request.sampling.check()
+        prompt = request.prompt_ids
+        if not prompt:
+            raise InputError(
+                f"request {request.request_id!r} prompt_ids", "empty", "at least one token id"
+            )
+        if min(prompt) < 0 or max(prompt) >= self._vocab:
+            raise InputError(
+                f"request {request.request_id!r} prompt_ids",
+                f"ids in [{min(prompt)}, {max(prompt)}]", f"token ids in [0, {self._vocab})",
+            )  # fmt: skip
+        if request.adapter is not None and request.adapter not in self.handle.adapters:
+            raise InputError(
+                f"request {request.request_id!r} adapter", repr(request.adapter),
+                f"None (base model) or a loaded adapter {self.handle.adapters}",
+            )  # fmt: skip
+        total = len(prompt) + request.sampling.max_new_tokens
+        if total > self.max_len:
+            raise InputError(
+                f"request {request.request_id!r} prompt + max_new_tokens", total,
+                f"at most the engine's max_len = {self.max_len}: shorten the prompt or "
+                "lower max_new_tokens",
+            )  # fmt: skip
+
+    def admissible(self, request: Request) -> str | None:
+        """None when add(request) would run at the next step; else why it must wait."""
+        if len(self._rows) >= self.max_rows:
+            return f"no free row ({self.max_rows} requests running)"
+        key = self.handle.slot_key(request.adapter)
+        held = {r.hold.slot for r in self._rows.values() if r.hold.slot >= 0}
+        if key is not None and len(held) >= self.handle.max_loras:
+            mine = {
+                r.hold.slot for r in self._rows.values() if self.handle.slot_key(r.hold.name) == key
+            }
+            if not mine:
+                return f"every adapter slot ({self.handle.max_loras}) is held by running requests"
+        return None
+
+    def add(self, request: Request) -> None:
+        """Join at the next step (check() and admissible() must pass)."""
+        self.check(request)
+        if request.request_id in self._rows:
+            raise InputError("request_id", repr(request.request_id), "an id no running request has")
+        reason = self.admissible(request)
+        if reason is not None:
+            raise InputError(
+                f"request {request.request_id!r}", reason, "add() once admissible() returns None"
+            )
+        busy = {r.row for r in self._rows.values()}
+        row = next(i for i in range(self.max_rows) if i not in busy)
+        hold = self.handle.hold(request.adapter)  # the version current now, until the finish
+        sampler = RowSampler.make(request.sampling, self._eos, self.device)
+        state = _Row(request, row, hold, sampler)
+        self._rows[request.request_id] = state
+        self._waiting.append(state)
+
+    def cancel(self, request_id: str) -> None:
+        """Free the request's row at the next step (a finished or unknown id: nothing)."""
+        if request_id in self._rows and request_id not in self._cancelled:
+            self._cancelled.append(request_id)
+
+    def step(self) -> list[TokenEvent]:
+        """Prefill the requests added since the last step, then decode every running row."""
+        events = [self._finish(rid, -1, "cancelled") for rid in self._cancelled]
+        self._cancelled.clear()
+        waiting, self._waiting = self._waiting, []
+        decode = [r for r in self._rows.values() if r not in waiting]
+        for state in waiting:
+            logits = self._prefill_tokens(list(state.request.prompt_ids), state.row, state.hold)
+            events += self._accept([state], logits)
+        if decode:
+            events += self._accept(decode, self._decode(decode))
+        return events
+
+    def warmup(self) -> decode_graphs.CaptureReport | None:
+        """Capture every decode bucket now (None without graphs). Only while nothing runs:
+        the captures write padding into cache rows."""
+        if self.graphs is None:
+            return None
+        if self._rows:
+            raise InputError(
+                "warmup()", f"{len(self._rows)} requests running", "no request running"
+            )
+        return self.graphs.capture_all(self._pad_only)
+
+    def clear(self) -> None:
+        """End every request now, without events, releasing their adapters."""
+        for rid in list(self._rows):
+            self._finish(rid, -1, "cancelled")
+        self._cancelled.clear()
+
+    def close(self) -> None:
+        """clear(), and release the engine's own hold on the banks; the engine is done."""
+        self.clear()
+        self._base.release()
+
+    # ---- forwards ---------------------------------------------------------------------------
+
+    def _forward(self, ids: Tensor, positions: Tensor, masks, rows: batch.RowAdapters) -> Tensor:
+        """logits [b, V] of the last token of each row."""
+        kwargs = {self._cache_kw: self.cache}
+        with torch.no_grad(), batch.using(rows):
+            out = self.model(
+                input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
+                logits_to_keep=1, **kwargs,
+            )  # fmt: skip
+        return out.logits[:, -1]
+
+    def _prefill_tokens(self, prompt: list[int], row: int, hold: AdapterHold) -> Tensor:
+        """One request's prompt into its cache row; logits [1, V] of its last token."""
+        plan = plan_prefill(row, len(prompt), self.device)
+        self.cache.plan = plan
+        slots = torch.tensor([hold.slot], dtype=torch.int32, device=self.device)
+        rows = batch.RowAdapters(
+            row_slots=slots, snapshot=hold.snapshot, peft_names=(hold.peft_name,),
+            expert_lora=hold.slot >= 0, token_buffer=torch.empty_like(slots.expand(len(prompt))),
+        )  # fmt: skip
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        masks = build_masks(self._rule, plan.positions, plan.kv_len, self.dtype)
+        return self._forward(ids, plan.positions, masks, rows)
+
+    def _decode(self, running: list[_Row]) -> Tensor:
+        """One token of every running row; logits [len(running), V] in their order."""
+        width = max(r.row for r in running) + 1
+        peft = [batch.BASE] * width
+        for r in running:
+            peft[r.row] = r.hold.peft_name
+        graphed = self.graphs is not None and all(name == batch.BASE for name in peft)
+        width = self.graphs.bucket(width) if graphed else width
+        self._fill(running, width)
+        if graphed:
+            logits = self.graphs.run(width)
+        else:
+            kv_len = max(r.position for r in running) + 1
+            logits = self._decode_step(width, kv_len, tuple(peft))
+        return logits[[r.row for r in running]]
+
+    def _fill(self, running: list[_Row], width: int) -> None:
+        """The static buffers for rows 0 .. width-1: padding rows (free rows, and rows
+        prefilled in this step) feed token 0 at position 0 without adapter and write the
+        spare cache row."""
+        host = torch.tensor([[0], [0], [-1], [self.max_rows]]).repeat(1, width)
+        for r in running:
+            host[:, r.row] = torch.tensor([r.generated[-1], r.position, r.hold.slot, r.row])
+        host = host.to(self.device, non_blocking=True)
+        self._ids[:width, 0].copy_(host[0])
+        self._positions[:width, 0].copy_(host[1])
+        self._slots[:width].copy_(host[2])
+        self._write_rows[:width, 0].copy_(host[3])
+
+    def _pad_only(self, width: int) -> None:
+        self._fill([], width)
+
+    def _decode_step(self, width: int, kv_len: int, peft: tuple[str, ...]) -> Tensor:
+        """The decode forward of rows 0 .. width-1 from the static buffers."""
+        positions = self._positions[:width]
+        self.cache.plan = plan_decode(self._write_rows[:width], positions, kv_len)
+        rows = batch.RowAdapters(
+            row_slots=self._slots[:width], snapshot=self._base.snapshot, peft_names=peft,
+            expert_lora=True, token_buffer=self._token_slots[:width],
+        )  # fmt: skip
+        masks = build_masks(self._rule, positions, kv_len, self.dtype)
+        return self._forward(self._ids[:width], positions, masks, rows)
+
+    def _graph_step(self, width: int) -> Tensor:
+        return self._decode_step(width, self.max_len, (batch.BASE,) * width)
+
+    # ---- tokens -----------------------------------------------------------------------------
+
+    def _accept(self, rows: list[_Row], logits: Tensor) -> list[TokenEvent]:
+        """Pick each row's next token; an event per token, rows that stop finish."""
+        tokens = next_tokens(logits, [r.sampler for r in rows], [len(r.generated) for r in rows])
+        events = []
+        for state, token in zip(rows, tokens):
+            state.generated.append(token)
+            reason = None
+            if token in state.sampler.stop_ids:
+                reason = "stop"
+            elif len(state.generated) >= state.request.sampling.max_new_tokens:
+                reason = "length"
+            if reason is None:
+                events.append(TokenEvent(state.request.request_id, token, False, None))
+            else:
+                events.append(self._finish(state.request.request_id, token, reason))
+        return events
+
+    def _finish(self, request_id: str, token: int, reason: str) -> TokenEvent:
+        state = self._rows.pop(request_id)
+        if state in self._waiting:
+            self._waiting.remove(state)
+        state.hold.release()
+        return TokenEvent(request_id, token, True, reason)
+
+
+def _eos_ids(model) -> frozenset[int]:
+    """The model's eos ids (generation config first, then config; an int or a list)."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()

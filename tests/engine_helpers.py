@@ -1,0 +1,75 @@
+"""Test helpers for the decode engine: drive an Engine to the end, record the logits each
+request's tokens were picked from, and the outside truth of one row (HF + PEFT alone)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from moelora.hf import engine as engine_module
+from moelora.hf.engine import Engine, Request
+
+
+class LogitsLog:
+    """Wraps the engine's next_tokens: request id -> logits [V] of each of its tokens."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.by_request: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self._current: list[str] = []
+        real = engine_module.next_tokens
+        original_accept = Engine._accept
+
+        def accept(engine, rows, logits):
+            self._current = [r.request.request_id for r in rows]
+            return original_accept(engine, rows, logits)
+
+        def record(logits, rows, generated):
+            for rid, row_logits in zip(self._current, logits):
+                self.by_request[rid].append(row_logits.detach().float().clone())
+            return real(logits, rows, generated)
+
+        monkeypatch.setattr(engine_module, "next_tokens", record)
+        monkeypatch.setattr(Engine, "_accept", accept)
+
+
+def run_all(engine: Engine, schedule: dict[int, list[Request]] | None = None, cancel=None):
+    """Step until no work: schedule[k] are added before step k, cancel[k] ids cancelled
+    before step k. Returns request id -> (tokens, finish reason)."""
+    schedule, cancel = schedule or {}, cancel or {}
+    tokens: dict[str, list[int]] = defaultdict(list)
+    reasons: dict[str, str] = {}
+    step = 0
+    while engine.has_work or any(k >= step for k in schedule):
+        for request in schedule.get(step, []):
+            engine.add(request)
+        for rid in cancel.get(step, []):
+            engine.cancel(rid)
+        for event in engine.step():
+            assert event.request_id not in reasons, f"{event.request_id}: event after finish"
+            if event.token_id >= 0:
+                tokens[event.request_id].append(event.token_id)
+            if event.finished:
+                reasons[event.request_id] = event.finish_reason
+        step += 1
+        assert step < 500, "the engine never finished"
+    return {rid: (tokens[rid], reasons[rid]) for rid in reasons}
+
+
+def truth_logits(model, prompt: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """logits [n, V] the model gives for each of `tokens` (n = len(tokens)), from one forward
+    over prompt + tokens[:-1]."""
+    ids = torch.cat([prompt, torch.tensor(tokens[:-1], dtype=prompt.dtype)])[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    return logits[len(prompt) - 1 :]
+
+
+def greedy_alone(model, prompt: torch.Tensor, new_tokens: int, **kwargs) -> list[int]:
+    """HF generate of one row alone (greedy unless kwargs say otherwise)."""
+    kwargs.setdefault("do_sample", False)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompt[None], max_new_tokens=new_tokens, pad_token_id=0, **kwargs
+        )
+    return out[0, len(prompt) :].tolist()
