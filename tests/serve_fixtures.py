@@ -46,8 +46,8 @@ class Served:
     tokenizer: object
 
 
-def build(root: Path, seed: int = 3) -> Served:
-    base = toy.build_model("qwen3_moe", seed=seed)
+def build(root: Path, seed: int = 3, max_positions: int = 128) -> Served:
+    base = toy.build_model("qwen3_moe", seed=seed, max_position_embeddings=max_positions)
     base.generation_config.eos_token_id = None  # random weights: no end token, lengths fixed
     base.save_pretrained(root / "model")
     tok = word_tokenizer(base.config.vocab_size)
@@ -87,9 +87,9 @@ class Server:
 def start(argv: list[str], log: Path, ready_s: float = 240.0) -> Server:
     """`moelora serve ...argv` in a child process; returns once /health answers."""
     port = free_port()
-    env = os.environ | {"PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}"}
+    env = os.environ | {"PYTHONPATH": str(TESTS.parent)}
     out = open(log, "w")
-    cmd = [sys.executable, str(TESTS / "serve_child.py"), "serve", *argv, "--port", str(port)]
+    cmd = [sys.executable, "-m", "moelora", "serve", *argv, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + ready_s
@@ -107,10 +107,10 @@ def start(argv: list[str], log: Path, ready_s: float = 240.0) -> Server:
 
 
 def run_child(argv: list[str], log: Path, timeout: float = 300.0) -> int:
-    """`moelora argv` in a child process (the engine double while the engine is absent)."""
-    env = os.environ | {"PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}"}
+    """`moelora argv` in a child process; its exit code."""
+    env = os.environ | {"PYTHONPATH": str(TESTS.parent)}
     with open(log, "w") as out:
-        cmd = [sys.executable, str(TESTS / "serve_child.py"), *argv]
+        cmd = [sys.executable, "-m", "moelora", *argv]
         return subprocess.run(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout
         ).returncode

@@ -19,10 +19,12 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """No --api-key, no --enable-runtime-lora; one adapter."""
-    served = sf.build(tmp_path_factory.mktemp("plain"), seed=random.randrange(1000))
+    """No --api-key, no --enable-runtime-lora; one adapter; 4096 positions (a long request)."""
+    served = sf.build(tmp_path_factory.mktemp("plain"), seed=random.randrange(1000),
+                      max_positions=4096)  # fmt: skip
     argv = [str(served.root / "model"), "--served-model-name", "base", "--moe-backend",
-            "reference", "--lora-modules", f"fused-r8={served.dirs['fused-r8']}"]  # fmt: skip
+            "reference", "--max-num-seqs", "4", "--lora-modules",
+            f"fused-r8={served.dirs['fused-r8']}"]  # fmt: skip
     server = sf.start(argv, served.root / "server.log")
     server.served = served
     yield server
@@ -47,12 +49,12 @@ def test_runtime_loading_off_is_refused_403(plain, route):
 
 
 def test_client_leaving_mid_stream_frees_its_row(plain):
-    body = {"model": "fused-r8", "prompt": "w4 w5", "max_tokens": 120, "stream": True}
+    body = {"model": "fused-r8", "prompt": "w4 w5", "max_tokens": 4000, "stream": True}
     with httpx.stream("POST", plain.url + "/v1/completions", json=body, timeout=60) as got:
         lines = got.iter_lines()
         first = [next(lines) for _ in range(3)]  # two events (data + blank line) and more
         assert first[0].startswith("data: ")
-    # 120 tokens take far longer than this wait: only the cancellation frees the row
+    # 4000 tokens take far longer than this wait: only the cancellation frees the row
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if metric(plain, 'moelora_requests_total{finish_reason="cancelled"}') >= 1:

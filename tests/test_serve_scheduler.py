@@ -8,15 +8,10 @@ import random
 import threading
 
 import pytest
-import serve_engine_double
 
 from moelora.errors import InputError
-
-serve_engine_double.install()
-
-from moelora.hf.engine import Request, Sampling, TokenEvent  # noqa: E402
-
-from moelora.serve.scheduler import Accepted, Refused, Scheduler  # noqa: E402
+from moelora.hf.engine import Request, Sampling, TokenEvent
+from moelora.serve.scheduler import Accepted, Refused, Scheduler
 
 
 class ScriptedEngine:

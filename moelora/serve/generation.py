@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from ..errors import MoeloraError
 from . import protocol
 from .context import ServeContext, ServeError
 from .scheduler import Accepted, Refused
@@ -40,8 +41,10 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
         while not self.done:
             item = await self._queue.get()
-            if isinstance(item, Refused):
+            if isinstance(item, Refused):  # while queued: its adapter unloaded; or a fault
                 self.done = True
+                if isinstance(item.error, MoeloraError):
+                    raise ServeError(400, str(item.error), "BadRequestError", "model")
                 raise ServeError(500, f"generation failed: {item.error}", "InternalServerError")
             delta = ""
             if item.token_id >= 0:

@@ -161,10 +161,19 @@ class Scheduler:
                 self.engine.cancel(request_id)
 
     def _admit(self) -> None:
-        """FIFO: add the head while the engine says it runs at the next step."""
-        while self._waiting and self.engine.admissible(self._waiting[0].request) is None:
-            ticket = self._waiting.popleft()
-            self.engine.add(ticket.request)
+        """FIFO: add the head while the engine says it runs at the next step. A request
+        whose adapter was unloaded while it waited is refused (admissible / add raise)."""
+        while self._waiting:
+            ticket = self._waiting[0]
+            try:
+                if self.engine.admissible(ticket.request) is not None:
+                    break
+                self.engine.add(ticket.request)
+            except MoeloraError as err:
+                self._waiting.popleft()
+                self._send(ticket, Refused(ticket.request.request_id, err))
+                continue
+            self._waiting.popleft()
             self._running[ticket.request.request_id] = ticket
         self.metrics.set_load(queued=self.queued, running=len(self._running))
 
