@@ -42,6 +42,7 @@ def run(args: argparse.Namespace, engine_class=None) -> int:
             records = asyncio.run(run_lines(ctx, lines, lambda: bar.update(1)))
     finally:
         ctx.scheduler.stop(0.0)
+        ctx.scheduler.engine.close()
     Path(args.output_file).write_text("".join(json.dumps(r) + "\n" for r in records))
     failed = sum(r["error"] is not None for r in records)
     print(f"moelora run-batch: {len(records) - failed} done, {failed} failed -> "

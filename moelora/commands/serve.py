@@ -88,6 +88,9 @@ def start(args: argparse.Namespace, engine_class=None, model=None):
         from ..hf.engine import Engine as engine_class
     engine = engine_class(handle, max_rows=settings.max_num_seqs, max_len=settings.max_model_len,
                           enforce_eager=settings.enforce_eager or None)  # fmt: skip
+    report = engine.warmup()  # every decode graph captured before the first request (GPU)
+    if report is not None:
+        print(f"moelora {args.command}: {report}", flush=True)
     metrics = Metrics()
     scheduler = Scheduler(engine, metrics).start()
     name = getattr(args, "served_model_name", None) or args.model
@@ -111,6 +114,7 @@ def run(args: argparse.Namespace, engine_class=None, model=None) -> int:
           f"http://{args.host}:{args.port}/v1", flush=True)  # fmt: skip
     _server_class()(config).run()  # returns after SIGTERM / SIGINT, once shut down
     ctx.scheduler.stop(0.0)  # idempotent: the app's shutdown already stopped it
+    ctx.scheduler.engine.close()
     return 0
 
 

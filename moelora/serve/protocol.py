@@ -10,7 +10,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# OpenAI fields this server does not implement, with the value that means "off": any other
+# value is refused (400 naming it) rather than silently ignored.
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+               "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "tools": (None, []), "response_format": (None,)}  # fmt: skip
 
 
 class _Body(BaseModel):
@@ -30,6 +37,15 @@ class SamplingFields(_Body):
     n: int = Field(default=1, ge=1, le=1)  # one choice per request
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens past end tokens
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no end token before
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> SamplingFields:
+        for name, off in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in off:
+                raise ValueError(f"{name} = {value!r} is not supported by moelora serve: "
+                                 f"leave it out (expected one of {list(off)})")  # fmt: skip
+        return self
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
