@@ -8,12 +8,13 @@ off, 404 an unknown model or adapter.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import MoeloraError
@@ -52,12 +53,12 @@ def build_app(ctx: ServeContext, shutdown_grace_s: float = 30.0) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions", dependencies=authorized)
-    async def completions(body: protocol.CompletionRequest):
-        return await _generate(ctx, body, chat=False)
+    async def completions(body: protocol.CompletionRequest, http: Request):
+        return await _generate(ctx, body, False, http)
 
     @app.post("/v1/chat/completions", dependencies=authorized)
-    async def chat(body: protocol.ChatCompletionRequest):
-        return await _generate(ctx, body, chat=True)
+    async def chat(body: protocol.ChatCompletionRequest, http: Request):
+        return await _generate(ctx, body, True, http)
 
     @app.post("/v1/load_lora_adapter", dependencies=authorized)
     async def load(body: protocol.LoadLoraRequest) -> PlainTextResponse:
@@ -83,14 +84,25 @@ def build_app(ctx: ServeContext, shutdown_grace_s: float = 30.0) -> FastAPI:
     return app
 
 
-async def _generate(ctx: ServeContext, body: protocol.SamplingFields, chat: bool):
+async def _generate(ctx: ServeContext, body: protocol.SamplingFields, chat: bool, http: Request):
     if not body.stream:
-        return await answer(ctx, body, chat)
+        return await _unless_gone(answer(ctx, body, chat), http)
     request, stop = ctx.request(body)
     generation = Generation(ctx, request, stop)
     await generation.start()  # refusals (Engine.check) answer 400 before any byte is sent
     events = _events(generation, body.model, chat)
     return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _unless_gone(work, http: Request, poll_s: float = 0.5):
+    """Await `work`; a client that disconnects first cancels it (its generation closes and
+    the row is freed at the next step). `poll_s`: how often the connection is looked at."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=poll_s))[0]:
+        if await http.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    return task.result()
 
 
 async def _events(generation: Generation, model: str, chat: bool):
