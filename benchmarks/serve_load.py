@@ -53,13 +53,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--requests", type=int, default=0,
-                   help="requests per level (default max(16, 4 x concurrency))")  # fmt: skip
+                   help="requests per level (default max(8, 4 x concurrency))")  # fmt: skip
     p.add_argument("--rate", type=float, default=32.0,
                    help="Poisson arrival rate, requests/s (default 32)")  # fmt: skip
     p.add_argument("--adapters", type=int, default=8, help="distinct adapter directories")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="the server's host cache of adapters (default: every loaded one)")  # fmt: skip
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--work", default=None, help="directory for the model and adapters")
     p.add_argument("--json", default=None)
@@ -83,16 +85,17 @@ def model_config(layers: int, tiny: bool = False) -> dict:
 
 
 def write_model_dir(root: Path, config: dict) -> None:
-    """config.json and a word-level tokenizer covering the vocabulary (no weights)."""
+    """config.json and a word-level tokenizer "w0 .. wV-1" (no weights)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     root.mkdir(parents=True, exist_ok=True)
     transformers.AutoConfig.for_model(**config).save_pretrained(root)
-    vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, config["vocab_size"])}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    # no special token: every generated token decodes to one word (the clients count words)
+    vocab = {f"w{i}": i for i in range(config["vocab_size"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core)
     tok.save_pretrained(root)
 
 
@@ -149,7 +152,9 @@ def start_server(args: argparse.Namespace, work: Path, names: list[str]) -> subp
     argv = [str(work / "model"), "--served-model-name", "base", "--port", str(args.port),
             "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.rank),
             "--max-num-seqs", str(args.max_num_seqs),
-            "--max-model-len", str(args.prompt + args.new + 16), "--lora-modules",
+            "--max-model-len", str(args.prompt + args.new + 16),
+            *(["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else []),
+            "--lora-modules",
             *[f"{n}={work / f'adapter{i % args.adapters}'}" for i, n in enumerate(names)]]  # fmt: skip
     cmd = [sys.executable, "-m", "benchmarks.serve_load", "--child", json.dumps(argv)]
     return subprocess.Popen(cmd)
@@ -243,6 +248,8 @@ def main() -> None:
     args = parse()
     if args.child is not None:
         sys.exit(serve_child(args))
+    # a SIGTERM to this process still stops the server child (the finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     work = Path(args.work or tempfile.mkdtemp(prefix="serve_load_"))
     config = model_config(args.layers, args.tiny)
     write_model_dir(work / "model", config)
@@ -260,7 +267,7 @@ def main() -> None:
         rng = random.Random(0)
         asyncio.run(level(url, [None, *names[:8]], 8, 16, args, rng))  # warm-up (graphs, slots)
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            count = args.requests or max(16, 4 * concurrency)
+            count = args.requests or max(8, 4 * concurrency)
             base = None
             for scenario in scenarios:
                 pool = [None] if scenario == "base" else names[: int(scenario)]
