@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, engine_class=None) -> int:
+def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..serve.batch_file import lines_of, run_lines
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace, engine_class=None) -> int:
     if not source.is_file():
         raise ConfigError("--input-file", str(source), "an existing JSONL file")
     lines = source.read_text().splitlines()
-    ctx = start(args, engine_class)
+    ctx = start(args)
     try:
         with tqdm(total=len(lines_of(lines)), desc="run-batch", unit="req") as bar:
             records = asyncio.run(run_lines(ctx, lines, lambda: bar.update(1)))

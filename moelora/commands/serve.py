@@ -52,6 +52,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max positions)")  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="size the KV cache to fill this fraction of the GPU's memory after "
+                   "weights and adapter banks (at most --max-num-seqs rows; GPU only)")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, "
                    "fp16 or fp32")  # fmt: skip
     p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
@@ -66,14 +69,13 @@ def settings_of(args: argparse.Namespace):
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, dtype=args.dtype, moe_backend=args.moe_backend,
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
     )  # fmt: skip
 
 
-def start(args: argparse.Namespace, engine_class=None, model=None):
+def start(args: argparse.Namespace, model=None):
     """The ServeContext: verdict printed, weights loaded, the scheduler thread running.
-    engine_class: moelora.hf.engine.Engine unless a caller brings another; model: weights
-    already on the device instead of MODEL_DIR's (model_dir.load)."""
+    model: weights already on the device instead of MODEL_DIR's (model_dir.load)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: Triton's interpreter
     from ..serve import model_dir
@@ -84,9 +86,10 @@ def start(args: argparse.Namespace, engine_class=None, model=None):
     settings = settings_of(args)
     print(f"moelora {args.command}: {model_dir.preflight(settings)}", flush=True)
     handle, tokenizer = model_dir.load(settings, model)
-    if engine_class is None:
-        from ..hf.engine import Engine as engine_class
-    engine = engine_class(handle, max_rows=settings.max_num_seqs, max_len=settings.max_model_len,
+    from ..hf.engine import Engine
+
+    rows = _engine_rows(args, settings, handle)
+    engine = Engine(handle, max_rows=rows, max_len=settings.max_model_len,
                           enforce_eager=settings.enforce_eager or None)  # fmt: skip
     report = engine.warmup()  # every decode graph captured before the first request (GPU)
     if report is not None:
@@ -101,12 +104,27 @@ def start(args: argparse.Namespace, engine_class=None, model=None):
     )  # fmt: skip
 
 
-def run(args: argparse.Namespace, engine_class=None, model=None) -> int:
+def _engine_rows(args, settings, handle) -> int:
+    """--max-num-seqs, or what --gpu-memory-utilization leaves room for (printed)."""
+    if settings.gpu_memory_utilization is None:
+        return settings.max_num_seqs
+    from ..serve import kv_budget
+
+    max_len = settings.max_model_len or handle.model.config.max_position_embeddings
+    rows = kv_budget.engine_rows(
+        handle, max_len, settings.max_num_seqs, settings.gpu_memory_utilization
+    )
+    print(f"moelora {args.command}: KV cache of {rows} rows x {max_len} positions under "
+          f"--gpu-memory-utilization {settings.gpu_memory_utilization}", flush=True)  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace, model=None) -> int:
     import uvicorn
 
     from ..serve.app import build_app
 
-    ctx = start(args, engine_class, model)
+    ctx = start(args, model)
     app = build_app(ctx, shutdown_grace_s=args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip

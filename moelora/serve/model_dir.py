@@ -35,6 +35,7 @@ class ServeSettings:
     enforce_eager: bool = False
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None  # None: --max-num-seqs rows of KV cache
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, Path]:
