@@ -46,7 +46,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank (default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="adapters kept ready in host memory (default: every loaded one)")  # fmt: skip
+                   help="adapters kept parsed in host memory; the others are re-read from "
+                   "their directory when a request needs them (default: --max-loras)")  # fmt: skip
     p.add_argument(
         "--max-num-seqs", type=int, default=64, help="rows decoding at once (default 64)"
     )
