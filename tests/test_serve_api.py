@@ -8,6 +8,7 @@ import json
 import random
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -113,7 +114,18 @@ def test_streamed_chunks_concatenate_to_the_whole_text(chat, client, seed):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_stop_string_ends_the_text_before_it(served, client, seed):
+def metric(server, name: str) -> float:
+    import httpx2 as httpx
+
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_stop_string_ends_the_text_before_it(served, server, client, seed):
+    stopped = 'moelora_requests_total{finish_reason="stop"}'
+    before = metric(server, stopped)
     prompt = words(4, random.Random(seed))
     full = client.completions.create(model="fused-r8", prompt=prompt, max_tokens=5, temperature=0)
     cut = full.choices[0].text.split(" ")[2]  # the third word: the text stops before it
@@ -121,6 +133,11 @@ def test_stop_string_ends_the_text_before_it(served, client, seed):
                                     stop=[" " + cut])  # fmt: skip
     assert out.choices[0].text == full.choices[0].text.split(" " + cut)[0]
     assert out.choices[0].finish_reason == "stop"
+    for _ in range(100):  # bounded: the engine ends the row at its next step
+        if metric(server, stopped) == before + 1:
+            break
+        time.sleep(0.05)
+    assert metric(server, stopped) == before + 1  # counted as a stop, not a cancellation
 
 
 def test_16_concurrent_clients_over_4_adapters_and_base(served, client, seed):

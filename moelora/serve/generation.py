@@ -51,7 +51,8 @@ class Generation:
                 self.completion_tokens += 1
                 delta = self.text.push(item.token_id)
             if self.text.stopped:  # a stop string: the engine need not go on
-                self.close()
+                if not item.finished:
+                    self.ctx.scheduler.cancel(self.request.request_id, "stop")
                 self.done = True
                 yield delta, "stop"
             elif item.finished:

@@ -48,6 +48,7 @@ class _Ticket:
     sink: Sink
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
+    finish_as: str | None = None  # the reason the metrics count when it was cancelled
 
 
 class Scheduler:
@@ -59,7 +60,7 @@ class Scheduler:
         self.idle_wait_s = idle_wait_s  # how long an idle thread sleeps between inbox checks
         self._cond = threading.Condition()
         self._inbox: list[_Ticket] = []  # submitted, not yet checked (under _cond)
-        self._cancels: set[str] = set()  # (under _cond)
+        self._cancels: dict[str, str] = {}  # request id -> reason counted (under _cond)
         self._waiting: collections.deque[_Ticket] = collections.deque()  # checked, FIFO
         self._running: dict[str, _Ticket] = {}
         self._accepting = True
@@ -81,10 +82,11 @@ class Scheduler:
             self._inbox.append(_Ticket(request, sink))
             self._cond.notify()
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a request (a client left): its row is freed at the next step."""
+    def cancel(self, request_id: str, finish_reason: str = "cancelled") -> None:
+        """Stop a request (a client left; "stop": a stop string ended its text): its row is
+        freed at the next step; the metrics count it under `finish_reason`."""
         with self._cond:
-            self._cancels.add(request_id)
+            self._cancels[request_id] = finish_reason
             self._cond.notify()
 
     @property
@@ -121,13 +123,13 @@ class Scheduler:
             elif stopping and not self._waiting:
                 return
 
-    def _take(self) -> tuple[list[_Ticket], set[str], bool]:
+    def _take(self) -> tuple[list[_Ticket], dict[str, str], bool]:
         with self._cond:
             if not self._inbox and not self._cancels and not self.engine.has_work:
                 if self._deadline is None:
                     self._cond.wait(self.idle_wait_s)
             inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, set()
+            cancels, self._cancels = self._cancels, {}
             return inbox, cancels, self._deadline is not None
 
     def _check(self, inbox: list[_Ticket]) -> None:
@@ -140,15 +142,16 @@ class Scheduler:
             self._send(ticket, Accepted(ticket.request.request_id))
             self._waiting.append(ticket)
 
-    def _cancel(self, cancels: set[str]) -> None:
-        for request_id in cancels:
+    def _cancel(self, cancels: dict[str, str]) -> None:
+        for request_id, reason in cancels.items():
             if request_id in self._running:
+                self._running[request_id].finish_as = reason
                 self.engine.cancel(request_id)  # its cancelled event comes from step()
                 continue
             for ticket in list(self._waiting):
                 if ticket.request.request_id == request_id:
                     self._waiting.remove(ticket)
-                    self.metrics.finished("cancelled")
+                    self.metrics.finished(reason)
                     self._send(ticket, Refused(request_id, RuntimeError("cancelled")))
 
     def _shutdown_step(self) -> None:
@@ -197,7 +200,7 @@ class Scheduler:
                 ticket.last_token = now
             if event.finished:
                 del self._running[event.request_id]
-                self.metrics.finished(event.finish_reason or "stop")
+                self.metrics.finished(ticket.finish_as or event.finish_reason or "stop")
             self._send(ticket, event)
 
     def _send(self, ticket: _Ticket, item: object) -> None:
