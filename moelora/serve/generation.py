@@ -31,7 +31,11 @@ class Generation:
 
     async def start(self) -> None:
         self.ctx.scheduler.submit(self.request, self._sink)
-        first = await self._queue.get()
+        try:
+            first = await self._queue.get()
+        except asyncio.CancelledError:  # the client left before the check answered
+            self.close()
+            raise
         if isinstance(first, Refused):
             self.done = True
             raise ServeError(400, str(first.error), "BadRequestError", "prompt")
@@ -82,8 +86,8 @@ async def answer(ctx: ServeContext, body: protocol.SamplingFields, chat: bool) -
     """The whole (non-streamed) response to a completions or chat body."""
     request, stop = ctx.request(body)
     generation = Generation(ctx, request, stop)
-    await generation.start()
     try:
+        await generation.start()
         text, reason = await generation.whole()
     finally:
         generation.close()
