@@ -12,8 +12,10 @@ as a child process: `moelora serve`'s own run() (engine, scheduler, FastAPI app,
 on 127.0.0.1), with random bf16 weights built on the GPU instead of read from disk (61 GB
 of random weights would not fit the machine's disk; the weights' values do not change the
 work). 32 adapter names are served from the written directories (name i from directory
-i % --adapters), each a separate adapter to the server. Clients stream (SSE) from this
-process with httpx; the server is stopped by SIGTERM at the end.
+i % --adapters), each a separate adapter to the server; the host cache holds them all
+(--max-cpu-loras), so a slot miss costs a host-to-device copy. Clients stream (SSE) from
+this process with httpx2; each row is printed and saved (--json) as it ends; the server is
+stopped by SIGTERM at the end (also when this process gets one, e.g. from `timeout`).
 
     python -m benchmarks.serve_load --json $OUT/serve_load.json
 The HF + PEFT baseline (adapters one at a time) is ../shared/peer/hf_peft_generate.py.
@@ -61,7 +63,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="the server's host cache of parsed adapters (default: its own, --max-loras)")  # fmt: skip
+                   help="the server's host cache of parsed adapters (default: every adapter "
+                   "name: a slot miss is then a host-to-device copy, not a file read)")  # fmt: skip
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--work", default=None, help="directory for the model and adapters")
     p.add_argument("--json", default=None)
@@ -156,7 +159,7 @@ def start_server(args: argparse.Namespace, work: Path, names: list[str]) -> subp
             "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.rank),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-model-len", str(args.prompt + args.new + 16),
-            *(["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras else []),
+            "--max-cpu-loras", str(args.max_cpu_loras),
             "--lora-modules",
             *[f"{n}={work / f'adapter{i % args.adapters}'}" for i, n in enumerate(names)]]  # fmt: skip
     cmd = [sys.executable, "-m", "benchmarks.serve_load", "--child", json.dumps(argv)]
@@ -247,42 +250,47 @@ def stamp() -> dict:
             "python": platform.python_version(), "commit": commit.strip()}  # fmt: skip
 
 
-def main() -> None:
-    args = parse()
-    if args.child is not None:
-        sys.exit(serve_child(args))
-    # a SIGTERM to this process still stops the server child (the finally below)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+def prepare(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The model directory and adapter directories written; the adapter names served."""
     work = Path(args.work or tempfile.mkdtemp(prefix="serve_load_"))
     config = model_config(args.layers, args.tiny)
     write_model_dir(work / "model", config)
     for i in range(args.adapters):
         write_expert_adapter(work / f"adapter{i}", config, args.rank, seed=i + 1)
     args.vocab = config["vocab_size"]
-    scenarios = args.scenarios.split(",")
-    most = max([int(s) for s in scenarios if s != "base"] or [0])
-    names = [f"lora{i}" for i in range(most)]
-    proc = start_server(args, work, names)
-    url = f"http://127.0.0.1:{args.port}"
-    rows = []
-    try:
-        wait_ready(url, proc)
-        rng = random.Random(0)
-        asyncio.run(level(url, [None, *names[:8]], 8, 16, args, rng))  # warm-up (graphs, slots)
-        for concurrency in (int(c) for c in args.concurrency.split(",")):
-            count = args.requests or max(8, 4 * concurrency)
-            base = None
-            for scenario in scenarios:
-                pool = [None] if scenario == "base" else names[: int(scenario)]
-                row = {"scenario": scenario, "concurrency": concurrency,
-                       **asyncio.run(level(url, pool, concurrency, count, args, rng))}  # fmt: skip
-                base = row["output_tok_s"] if scenario == "base" else base
-                row["vs_lora_free"] = row["output_tok_s"] / base if base else None
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(120)
+    most = max([int(s) for s in args.scenarios.split(",") if s != "base"] or [0])
+    args.max_cpu_loras = args.max_cpu_loras or max(most, args.max_loras)
+    return work, [f"lora{i}" for i in range(most)]
+
+
+def measure(args: argparse.Namespace, url: str, names: list[str], rows: list[dict]) -> None:
+    """Every (concurrency, scenario) level, appended to `rows` (and saved) as it ends."""
+    rng = random.Random(0)
+    asyncio.run(level(url, [None, *names[:8]], 8, 16, args, rng))  # warm-up: slots, allocator
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        count = args.requests or max(8, 4 * concurrency)
+        base = None
+        for scenario in args.scenarios.split(","):
+            pool = [None] if scenario == "base" else names[: int(scenario)]
+            row = {"scenario": scenario, "concurrency": concurrency,
+                   **asyncio.run(level(url, pool, concurrency, count, args, rng))}  # fmt: skip
+            base = row["output_tok_s"] if scenario == "base" else base
+            row["vs_lora_free"] = row["output_tok_s"] / base if base else None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            save(args, rows, None)
+
+
+def save(args: argparse.Namespace, rows: list[dict], server_exit_code: int | None) -> None:
+    if not args.json:
+        return
+    kept = {k: v for k, v in vars(args).items() if k not in ("child", "vocab")}
+    doc = {"stamp": stamp(), "args": kept, "rows": rows, "server_exit_code": server_exit_code}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(doc, indent=2))
+
+
+def table(rows: list[dict]) -> None:
     print(f"\n{'scenario':>9} {'conc':>5} {'tok/s':>9} {'vs base':>8} {'TTFT p50':>9} "
           f"{'p99':>8} {'ITL p50':>8} {'p99':>7}  (ms)")  # fmt: skip
     for r in rows:
@@ -290,12 +298,30 @@ def main() -> None:
         print(f"{r['scenario']:>9} {r['concurrency']:>5} {r['output_tok_s']:>9.0f} {ratio:>8} "
               f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} {r['itl_p50_ms']:>8.2f} "
               f"{r['itl_p99_ms']:>7.2f}")  # fmt: skip
-    print(f"server exit code after SIGTERM: {code}")
-    if args.json:
-        doc = {"stamp": stamp(), "args": {k: v for k, v in vars(args).items() if k not in ("child", "vocab")},
-               "rows": rows, "server_exit_code": code}  # fmt: skip
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=2))
+
+
+def main() -> None:
+    args = parse()
+    if args.child is not None:
+        sys.exit(serve_child(args))
+    # a SIGTERM to this process (e.g. `timeout`) still stops the server and saves the rows
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    start = time.perf_counter()
+    work, names = prepare(args)
+    print(f"serve_load: model and {args.adapters} adapters written to {work} in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+    proc = start_server(args, work, names)
+    url, rows, code = f"http://127.0.0.1:{args.port}", [], None
+    try:
+        wait_ready(url, proc)
+        print(f"serve_load: server ready after {time.perf_counter() - start:.0f} s", flush=True)
+        measure(args, url, names, rows)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+        table(rows)
+        print(f"server exit code after SIGTERM: {code}")
+        save(args, rows, code)
 
 
 if __name__ == "__main__":

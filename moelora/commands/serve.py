@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -77,6 +79,7 @@ def settings_of(args: argparse.Namespace):
 def start(args: argparse.Namespace, model=None):
     """The ServeContext: verdict printed, weights loaded, the scheduler thread running.
     model: weights already on the device instead of MODEL_DIR's (model_dir.load)."""
+    _need_serve_extra()
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: Triton's interpreter
     from ..serve import model_dir
@@ -103,6 +106,16 @@ def start(args: argparse.Namespace, model=None):
         api_key=getattr(args, "api_key", None),
         runtime_lora=getattr(args, "enable_runtime_lora", False), metrics=metrics,
     )  # fmt: skip
+
+
+def _need_serve_extra() -> None:
+    """A clear refusal, before any weight loads, when the serve extra is not installed."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "tqdm") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError("package", missing[0], "installed (the serve extra)",
+                          "pip install 'moelora[serve]'")  # fmt: skip
 
 
 def _engine_rows(args, settings, handle) -> int:
