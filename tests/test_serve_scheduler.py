@@ -25,6 +25,7 @@ class ScriptedEngine:
         self.cancelled: set[str] = set()
         self.added: list[str] = []
         self.most_adapters = 0
+        self.unloaded: set[str] = set()
         self.gate = threading.Event()
         self.gate.set()
 
@@ -36,6 +37,8 @@ class ScriptedEngine:
         return [*self.running_rows.values(), *self.pending]
 
     def admissible(self, r) -> str | None:
+        if r.adapter in self.unloaded:  # as the engine's slot_key does for a name gone
+            raise InputError("adapter", repr(r.adapter), "a loaded adapter")
         if len(self._live()) >= self.rows:
             return "no free row"
         held = {row[0].adapter for row in self._live()} | {r.adapter}
@@ -188,3 +191,26 @@ def test_stop_finishes_running_rows_within_grace_then_cancels():
     late.expected = 1
     scheduler.submit(request("late", None, 1), late.sink("late"))
     assert isinstance(late.items["late"][0], Refused)
+
+
+def test_a_queued_request_whose_adapter_was_unloaded_is_refused():
+    engine = ScriptedEngine(rows=1, slots=1)
+    engine.gate.clear()  # "first" holds the only row; "second" waits behind it
+    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    got = Collector()
+    got.expected = 3
+    for rid, adapter in (("first", "a"), ("second", "b"), ("third", None)):
+        scheduler.submit(request(rid, adapter, 2), got.sink(rid))
+    for _ in range(3000):  # bounded: until "first" is added and its step blocked on the gate
+        if engine.added:
+            break
+        threading.Event().wait(0.01)
+    engine.unloaded.add("b")  # unloaded while "second" waits
+    engine.gate.set()
+    assert got.done.wait(30)
+    scheduler.stop()
+    refused = got.items["second"][-1]
+    assert isinstance(refused, Refused) and "'b'" in str(refused.error)
+    assert got.items["first"][-1].finish_reason == "length"
+    assert got.items["third"][-1].finish_reason == "length"  # the queue went on behind it
+    assert engine.added == ["first", "third"]
