@@ -271,6 +271,9 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert float(values["moelora_time_to_first_token_seconds_count"]) > 0
     assert float(values["moelora_inter_token_latency_seconds_count"]) > 0
     assert float(values["moelora_adapter_loads_total"]) >= 1
+    # 4 adapters through 2 slots: copies into slots, and evictions to make room
+    assert float(values["moelora_adapter_slot_loads_total"]) > 2
+    assert float(values["moelora_adapter_evictions_total"]) >= 1
     assert "moelora_requests_queued" in values and "moelora_rows_running" in values
 
 

@@ -41,9 +41,9 @@ def build_app(ctx: ServeContext, shutdown_grace_s: float = 30.0) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
-        stats = getattr(ctx.handle, "_manager", None)  # the slot manager's eviction counter
-        evictions = stats.stats().evictions if stats is not None else 0
-        return ctx.metrics.render(evictions)
+        # the slot manager's counters (the handle exposes no public copy of them yet)
+        stats = ctx.handle._manager.stats()
+        return ctx.metrics.render(sum(stats.loads.values()), stats.evictions)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict:

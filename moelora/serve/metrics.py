@@ -1,7 +1,7 @@
 """Prometheus metrics of the server, written in the text exposition format (no dependency).
 
-Counters: requests by finish reason, prompt and generated tokens, adapter loads, unloads and
-slot evictions; gauges: requests queued, rows running; histograms: time to first token and
+Counters: requests by finish reason, prompt and generated tokens, runtime adapter loads and
+unloads, adapter copies into slots and slot evictions; gauges: requests queued, rows running; histograms: time to first token and
 inter-token latency. The scheduler thread writes, the /metrics handler reads (one lock).
 """
 
@@ -73,8 +73,9 @@ class Metrics:
             else:
                 self.adapter_unloads += 1
 
-    def render(self, evictions: int) -> str:
-        """The exposition text; `evictions` from the slot manager's counters."""
+    def render(self, slot_loads: int, evictions: int) -> str:
+        """The exposition text; adapter copies into slots and evictions from the slot
+        manager's counters."""
         with self._lock:
             lines = ["# TYPE moelora_requests_total counter"]
             lines += [f'moelora_requests_total{{finish_reason="{r}"}} {n}'
@@ -84,6 +85,7 @@ class Metrics:
                 ("generation_tokens_total", "counter", self.generation_tokens),
                 ("adapter_loads_total", "counter", self.adapter_loads),
                 ("adapter_unloads_total", "counter", self.adapter_unloads),
+                ("adapter_slot_loads_total", "counter", slot_loads),
                 ("adapter_evictions_total", "counter", evictions),
                 ("requests_queued", "gauge", self.queued),
                 ("rows_running", "gauge", self.running),
