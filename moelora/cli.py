@@ -32,7 +32,7 @@ EPILOG = (
 )
 
 # Fixed order; a module listed here that is not installed yet is skipped with a clear note.
-COMMANDS = ("generate", "demo", "plan", "validate", "bench", "presets")
+COMMANDS = ("generate", "serve", "run_batch", "demo", "plan", "validate", "bench", "presets")
 # Commands whose --json promises one JSON document on stdout, usage errors included.
 JSON_COMMANDS = ("plan",)
 
