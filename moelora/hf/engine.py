@@ -160,14 +160,10 @@ class Engine:
         """None when add(request) would run at the next step; else why it must wait."""
         if len(self._rows) >= self.max_rows:
             return f"no free row ({self.max_rows} requests running)"
-        key = self.handle.slot_key(request.adapter)
-        held = {r.hold.slot for r in self._rows.values() if r.hold.slot >= 0}
-        if key is not None and len(held) >= self.handle.max_loras:
-            mine = {
-                r.hold.slot for r in self._rows.values() if self.handle.slot_key(r.hold.name) == key
-            }
-            if not mine:
-                return f"every adapter slot ({self.handle.max_loras}) is held by running requests"
+        key = self.handle.slot_key(request.adapter)  # the version add() would hold
+        held = {r.hold.key for r in self._rows.values()} - {None}
+        if key is not None and key not in held and len(held) >= self.handle.max_loras:
+            return f"every adapter slot ({self.handle.max_loras}) is held by running requests"
         return None
 
     def add(self, request: Request) -> None:

@@ -66,6 +66,7 @@ class AdapterHold:
     name (batch.BASE: none) and the banks its slot indexes; release() exactly once."""
 
     name: str | None
+    key: str | None  # the version's slot-manager name (None: no expert factors)
     slot: int
     peft_name: str
     snapshot: BankSnapshot
@@ -486,7 +487,7 @@ class MoELoRAModel:
             reading.__exit__(None, None, None)
             self._release(held)
 
-        return AdapterHold(name, slot, peft, snapshot, release)
+        return AdapterHold(name, slot_name, slot, peft, snapshot, release)
 
     def slot_key(self, name: str | None) -> str | None:
         """The slot-manager name of `name`'s current version (None: it needs no slot)."""
