@@ -1,5 +1,12 @@
 """moelora: Mixture-of-Experts layers with many LoRA adapters at once."""
 
+from importlib import metadata as _metadata
+
+try:  # the installed distribution's version (pyproject.toml), one source of truth
+    __version__ = _metadata.version("moelora")
+except _metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"
+
 from .activations import Activation, apply_activation
 from .config import (
     AddInputs,
@@ -42,6 +49,7 @@ __all__ = [
     "Selection",
     "SlotManager",
     "UnsupportedDeploymentError",
+    "__version__",
     "apply_activation",
     "from_hf",
     "load_adapter",

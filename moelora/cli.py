@@ -12,24 +12,27 @@ import json
 import logging
 import sys
 
+from . import __version__
 from .errors import EXIT_USAGE, MoeloraError, exit_code
 
 DESCRIPTION = (
     "moelora runs the expert layers of Mixture-of-Experts models with many LoRA adapters in "
-    "one batch (each token its own adapter, or the base model). Before loading any weight, "
-    "`plan` says whether a deployment will run and on which backend; `demo` runs one end to "
-    "end on random weights (CPU when there is no GPU); `presets` lists the models it knows; "
-    "`validate` and `bench` check and time the fast backends on your GPU."
+    "one batch (each token its own adapter, or the base model). The main job is `generate`: "
+    "a transformers model generating one batch whose rows each use their own PEFT adapter, "
+    "checked row by row against HF + PEFT (a random model and adapters by default; CPU when "
+    "there is no GPU). Before loading any weight, `plan` says whether a deployment will run "
+    "and on which backend; `demo` runs one layer end to end; `presets` lists the models it "
+    "knows; `validate` and `bench` check and time the fast backends on your GPU."
 )
 EPILOG = (
     "exit codes (every command): 0 done or accepted; 1 a result differed from the reference; "
     "2 bad usage or configuration (nothing ran); 3 refused by the backend oracle (the message "
     "names each failing capability and the nearest deployment that runs). "
-    "Start with: moelora demo"
+    "Start with: moelora generate"
 )
 
 # Fixed order; a module listed here that is not installed yet is skipped with a clear note.
-COMMANDS = ("generate", "demo", "plan", "validate", "bench", "presets")
+COMMANDS = ("generate", "serve", "run_batch", "demo", "plan", "validate", "bench", "presets")
 # Commands whose --json promises one JSON document on stdout, usage errors included.
 JSON_COMMANDS = ("plan",)
 
@@ -54,6 +57,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moelora", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"moelora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # Each command prints the selection itself, once; -v adds the oracle's log line.
+    logging.getLogger("moelora.oracle").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         return int(args.run(args) or 0)
     except MoeloraError as err:  # a refusal (3) or bad input (2): the message says what to fix

@@ -191,23 +191,36 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.routing.method is RoutingMethod.LLAMA4 and self.shape.top_k != 1:
-            raise ConfigError("num_experts_per_tok", self.shape.top_k, "1 for llama4 routing")
-        groups = self.routing.n_group
-        if self.shape.num_experts % groups:
             raise ConfigError(
-                "n_group", groups, f"a divisor of the {self.shape.num_experts} experts"
-            )
-        per_group = self.shape.num_experts // groups
-        if self.routing.method is RoutingMethod.DEEPSEEK_V3 and per_group < 2:
-            # groups are scored by the sum of their top-2 experts
-            raise ConfigError("n_group", groups, "at least 2 experts per group")
+                "num_experts_per_tok", self.shape.top_k, "1 for llama4 routing",
+                "set num_experts_per_tok to 1 (Llama 4 sends each token to one routed expert)",
+            )  # fmt: skip
+        experts, groups = self.shape.num_experts, self.routing.n_group
+        # DeepSeek-V3 scores a group by the sum of its top-2 experts: at least 2 per group.
+        least = 2 if self.routing.method is RoutingMethod.DEEPSEEK_V3 else 1
+        fits = [d for d in range(1, experts + 1) if experts % d == 0 and experts // d >= least]
+        if experts % groups:
+            raise ConfigError(
+                "n_group", groups, f"a divisor of the {experts} experts",
+                f"set n_group to one of {fits} (num_experts / n_group experts per group)",
+            )  # fmt: skip
+        per_group = experts // groups
+        if per_group < least:
+            raise ConfigError(
+                "n_group", groups,
+                f"at most {experts // least} groups of the {experts} experts: at least 2 "
+                "experts per group (a group's score is the sum of its top-2 experts)",
+                f"set n_group to one of {fits}",
+            )  # fmt: skip
         if self.routing.method in (RoutingMethod.DEEPSEEK_V2, RoutingMethod.DEEPSEEK_V3):
             if self.routing.topk_group * per_group < self.shape.top_k:
+                need = -(-self.shape.top_k // per_group)
                 raise ConfigError(
-                    "topk_group",
-                    self.routing.topk_group,
-                    f"groups holding at least top_k = {self.shape.top_k} experts",
-                )
+                    "topk_group", self.routing.topk_group,
+                    f"groups holding at least top_k = {self.shape.top_k} experts "
+                    f"({per_group} experts per group)",
+                    f"set topk_group to at least {need}, or n_group lower",
+                )  # fmt: skip
 
 
 def from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelConfig:

@@ -87,9 +87,38 @@ class AdapterError(MoeloraError, ValueError):
     """
 
     def __init__(self, file: str, key: str, found: object, expected: str, fix: str = "") -> None:
-        self.file, self.key, self.found, self.expected = file, key, found, expected
+        self.file, self.key, self.found, self.expected, self.fix = file, key, found, expected, fix
         msg = f"adapter file '{file}', key '{key}': found {found}, expected {expected}"
         super().__init__(msg + (f". Fix: {fix}" if fix else ""))
+
+
+class AdapterProblems(AdapterError):
+    """Several independent refusals of one adapter, listed one per line, so that fixing the
+    first does not only reveal the next. `problems` holds each AdapterError; file, key,
+    found, expected and fix are the first one's (for callers that read a single problem).
+    """
+
+    SHOWN = 12  # lines listed in the message; `problems` keeps every one
+
+    def __init__(self, problems: Sequence[AdapterError]) -> None:
+        flat: list[AdapterError] = []
+        for p in problems:
+            flat += p.problems if isinstance(p, AdapterProblems) else [p]
+        self.problems = tuple(flat)
+        first = self.problems[0]
+        self.file, self.key, self.found = first.file, first.key, first.found
+        self.expected, self.fix = first.expected, first.fix
+        lines = [f"{len(flat)} problems, each of which refuses this adapter:"]
+        lines += [f"  {n}. {p}" for n, p in enumerate(flat[: self.SHOWN], 1)]
+        if len(flat) > self.SHOWN:
+            lines.append(f"  ... and {len(flat) - self.SHOWN} more (the error's .problems)")
+        MoeloraError.__init__(self, "\n".join(lines))
+
+
+def adapter_refusal(problems: Sequence[AdapterError]) -> AdapterError:
+    """The one error to raise for `problems` (non-empty): the problem itself when there is
+    one, else an AdapterProblems listing them all."""
+    return problems[0] if len(problems) == 1 else AdapterProblems(problems)
 
 
 def exit_code(err: MoeloraError) -> int:

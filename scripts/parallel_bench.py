@@ -62,6 +62,7 @@ from benchmarks.rank_clock import Clock, agree, slowest
 from moelora.bench.runner import dump, stamp
 from moelora.cli import build_parser
 from moelora.commands import plan as plan_command
+from moelora.commands.cpu_cost import parallel_bench_cost
 from moelora.compare import compare, poison_
 from moelora.config import AddInputs, parse_dtype
 from moelora.errors import MoeloraError
@@ -217,9 +218,9 @@ def output_buffer(prior: torch.Tensor, mode: AddInputs) -> torch.Tensor:
     return prior.clone() if mode is AddInputs.ADD else poison_(torch.empty_like(prior))
 
 
-def single_results(bench: ModelBench, needed: list[Layout], clock: Clock, args):
+def single_results(bench: ModelBench, needed: list[Layout], clock: Clock, args, say):
     """((rank, mode, T) -> the single-process output and times, or None where the
-    single-process deployment is refused), and their JSON rows."""
+    single-process deployment is refused), and their JSON rows. say: rank 0's progress."""
     results, rows = {}, []
     for layout in needed:
         argv = plan_argv(bench.name, layout, args)
@@ -235,6 +236,7 @@ def single_results(bench: ModelBench, needed: list[Layout], clock: Clock, args):
                 continue
             results[key] = single_point(layer, bench, layout, tokens, clock, args)
             times = {k: v for k, v in results[key].items() if k != "y"}
+            say(f"{bench.name} single process {layout.single.id} T={tokens}: {times['ms']:.3g} ms")
             rows.append(row | dict(T=tokens, backend=layer.backend_name, **times))
         if row["error"]:
             rows.append(row)
@@ -462,8 +464,14 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
     ]
     clock, payload = Clock(device, args.iters, args.warmup), header(args, device)
     start = time.perf_counter()
+    say = _say(start, rank0)
+    say(f"parallel_bench: {len(todo)} layouts of {world} ranks x T = {args.tokens} on "
+        f"{', '.join(args.models)} ({device.type}, {dist.get_backend()})")  # fmt: skip
+    if rank0 and device.type == "cpu":
+        _warn_cpu_cost(args, len(todo))
     for i, name in enumerate(args.models):
         deadline = start + args.budget_s * (i + 1) / len(args.models)
+        say(f"{name}: building the full weights, banks and batches on every rank")
         bench = ModelBench(name, args, device)
         for rank in dict.fromkeys(layout.rank for layout in todo):
             bench.bank(rank)  # collective: every rank builds the same, in the same order
@@ -472,11 +480,10 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
         needed = list(dict.fromkeys(layout.single for layout in todo))
         # every rank computes the single-process results on its own GPU at once (rank 0's are
         # the ones used): no rank waits in a collective the whole while, past --timeout-s
-        singles, single_rows = single_results(bench, needed, clock, args)
+        say(f"{name}: the single-process results ({len(needed)} deployments)")
+        singles, single_rows = single_results(bench, needed, clock, args, say)
         payload["singles"] += single_rows
-        if rank0:
-            print(f"[{time.perf_counter() - start:5.0f} s] {name}: {len(single_rows)} "
-                  "single-process rows", flush=True)  # fmt: skip
+        say(f"{name}: {len(single_rows)} single-process rows")
         dist.barrier()
         for layout in todo:
             if agree(time.perf_counter() > deadline, device):
@@ -498,6 +505,37 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
     print(verdict_line(payload["summary"]))
     s = payload["summary"]
     return 0 if s["passed"] == s["rows"] and not s["plan_disagreements"] else 1
+
+
+def _say(start: float, rank0: bool):
+    """Rank 0's progress printer: each line stamped with the seconds since the start."""
+
+    def say(text: str) -> None:
+        if rank0:
+            print(f"[{time.perf_counter() - start:5.0f} s] {text}", flush=True)
+
+    return say
+
+
+def _warn_cpu_cost(args: argparse.Namespace, layouts: int) -> None:
+    """On CPUs, before any weight is built: the estimate, when it is more than seconds."""
+    calls = 1 + 4 * (args.warmup + args.iters)  # check, layer with/without spin, compute
+    total = None
+    for name in args.models:
+        cost = parallel_bench_cost(resolve_model(name), args.tokens, 2 * layouts, calls)
+        total = cost if total is None else total + cost
+    if total is not None and total.large:
+        print(
+            f"parallel_bench: warning: --models {','.join(args.models)} --tokens "
+            f"{','.join(map(str, args.tokens))} on CPUs (gloo, Triton interpreted) takes "
+            f"{total.describe()} (estimate, moelora/commands/cpu_cost.py; --budget-s "
+            f"{args.budget_s:.0f} skips the layouts past it, not the single-process runs). "
+            "Fix: --models tiny --dtype float32 --tokens 5 --rank 4 --fs-ranks 8 --adapters 3 "
+            "--iters 2 --warmup 1 "
+            "runs in seconds; run on GPUs for the real sizes",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _write(payload: dict, args: argparse.Namespace, start: float) -> None:

@@ -46,6 +46,9 @@ def moelora(*argv: str, interpret: bool = True, timeout: int = 300):
     )
 
 
+moelora_run = moelora  # the helper's name, where a test imports the package as `moelora`
+
+
 def in_process(capsys, *argv: str) -> tuple[int, str, str]:
     code = cli.main(list(argv))
     captured = capsys.readouterr()
@@ -55,18 +58,24 @@ def in_process(capsys, *argv: str) -> tuple[int, str, str]:
 # --- 1. Checks that cannot fail -------------------------------------------------------
 # (id, argv, TRITON_INTERPRET, lines the summary must print, words it must not)
 DEMO_CHECKS = [
-    ("no-interpret-falls-back-unchecked", ("--no-interpret",), False,
-     ["backend reference (auto fallback, refused: triton (device.interpreted = False",
+    ("no-interpret-unchecked", ("--no-interpret",), False,
+     ["backend reference (auto fallback, refused: grouped_mm (device.kind = cpu",
       "checked against: nothing independent", "verdict: UNCHECKED",
       "Fix: drop --no-interpret (triton then checks it)"], ["PASS"]),
-    ("rank-300-falls-back-unchecked", ("--rank", "300"), True,
-     ["auto fallback, refused: triton (lora.max_rank = 300: needs at most 256)",
+    ("rank-300-unchecked", ("--rank", "300"), True,
+     ["backend reference (auto fallback, refused: grouped_mm (device.kind = cpu",
       "verdict: UNCHECKED", "Fix: --rank 256 (triton then checks it)"], ["PASS"]),
     ("explicit-reference-checked-by-triton", ("--moe-backend", "reference"), True,
      ["backend reference (explicit: --moe-backend reference)", "checked against: triton",
       "error vs triton", "verdict: PASS (reference vs triton)"], []),
-    ("triton-checked-by-the-reference", (), True,
-     ["backend triton (auto: the first backend in the ranking that accepts)",
+    # auto on a CPU: triton would run interpreted (slower), so the reference runs, and
+    # triton, interpreted, checks it
+    ("auto-reference-checked-by-triton", (), True,
+     ["backend reference (auto fallback, refused: grouped_mm (device.kind = cpu",
+      "triton would run interpreted on this cpu (slower)", "checked against: triton",
+      "verdict: PASS (reference vs triton)"], []),
+    ("triton-checked-by-the-reference", ("--moe-backend", "triton"), True,
+     ["device cpu (Triton interpreter): backend triton (explicit: --moe-backend triton)",
       "base-model rows (slot -1) vs the reference's LoRA-free run",
       "verdict: PASS (triton vs reference)"], ["backend's LoRA-free"]),
 ]  # fmt: skip
@@ -87,7 +96,7 @@ def test_demo_fails_when_the_check_disagrees(capsys, monkeypatch):
     # The check can fail: a reference that is 10% off must turn the verdict into FAIL, exit 1.
     real = demo_cmd.moe_lora_reference
     monkeypatch.setattr(demo_cmd, "moe_lora_reference", lambda *a, **k: real(*a, **k) * 1.1)
-    code, out, _ = in_process(capsys, "demo", "--tokens", "6")
+    code, out, _ = in_process(capsys, "demo", "--tokens", "6", "--moe-backend", "triton")
     assert code == 1 and "verdict: FAIL (triton vs reference)" in out
 
 
@@ -260,6 +269,18 @@ def test_top_level_help_says_what_moelora_does():
     text = " ".join(done.stdout.split())
     assert "LoRA adapters in one batch" in text and "exit codes (every command)" in text
     assert "dispatcher" not in text and "presets" in text
+    # the main job first: the help names generate as what to start with
+    assert "The main job is `generate`" in text and text.endswith("Start with: moelora generate")
+
+
+def test_version_from_the_package_metadata():
+    from importlib.metadata import version
+
+    import moelora
+
+    done = moelora_run("--version")
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout == f"moelora {version('moelora')}\n" == f"moelora {moelora.__version__}\n"
 
 
 # --- 6. Exit codes and streams -------------------------------------------------------
@@ -267,7 +288,7 @@ def test_top_level_help_says_what_moelora_does():
 STREAMS = [
     pytest.param("demo --moe-backend grouped_mm --tokens 4", 3,
                  ["grouped_mm: device.kind = cpu: needs one of cuda",
-                  "Fix: use --moe-backend triton"], id="demo-refused-is-3"),
+                  "Fix: use --moe-backend reference (or auto)"], id="demo-refused-is-3"),
     pytest.param("plan --model qwen3-30b-a3b -tp 5", 2,
                  ["'tensor_parallel_size' = 5", "Fix: pick a divisor of 768"],
                  id="plan-config-error-is-2"),
@@ -313,9 +334,9 @@ def test_demo_cost_estimate_matches_the_measured_runs(model, seconds, memory):
 def test_demo_warns_with_an_estimate_before_it_starts():
     # A real run, stopped as soon as the warning is out: nothing is built before it.
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.Popen([sys.executable, "-m", "moelora", "demo", "--model", "olmoe-1b-7b"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=env)  # fmt: skip
+    argv = ["demo", "--model", "olmoe-1b-7b", "--moe-backend", "triton"]  # interpreted
+    proc = subprocess.Popen([sys.executable, "-m", "moelora", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)  # fmt: skip
     try:
         line = proc.stderr.readline()
     finally:

@@ -195,3 +195,26 @@ def test_admissible_reasons(qwen):
     got = run_all(engine)
     assert sorted(got) == ["a", "b", "c"] and engine.admissible(req("d", "modules-r4")) is None
     engine.close()
+
+
+def test_same_length_prompts_prefill_in_one_forward(qwen, seed, monkeypatch):
+    """Five requests of two prompt lengths added at once (attention LoRA, experts, base):
+    two prefill forwards, and every row equals HF + PEFT alone."""
+    handle = _attached(qwen)
+    engine = Engine(handle, max_rows=8, max_len=32, enforce_eager=True)
+    forwards = []
+    real = engine._prefill_rows
+    monkeypatch.setattr(
+        engine, "_prefill_rows", lambda p, r, h: forwards.append(r) or real(p, r, h)
+    )
+    plan = [("fused-r4-attn", 7), (None, 7), ("fused-r8", 5), ("modules-r4", 7), (None, 5)]
+    requests = [
+        Request(f"r{i}", _prompt(seed + i, n), name, Sampling(max_new_tokens=NEW))
+        for i, (name, n) in enumerate(plan)
+    ]
+    got = run_all(engine, {0: requests})
+    assert sorted(len(rows) for rows in forwards) == [2, 3], forwards
+    for i, (name, _) in enumerate(plan):
+        prompt = torch.tensor(requests[i].prompt_ids)
+        assert got[f"r{i}"] == (greedy_alone(qwen.truth(name), prompt, NEW), "length"), i
+    engine.close()

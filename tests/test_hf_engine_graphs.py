@@ -94,8 +94,9 @@ def _prompt(seed: int, n: int) -> tuple[int, ...]:
 
 
 def test_graph_decode_buckets_padding_and_tokens(qwen, seed, monkeypatch):
-    """3 rows (bucket 4), a fourth joins (4), a fifth (8); a row with attention LoRA
-    (PEFT) makes its steps eager; every row equals HF + PEFT alone."""
+    """3 rows (bucket 4), a fourth joins (4), a fifth (8); rows with attention LoRA replay
+    the same graphs (captured with every module the loaded adapters have LoRA on); every
+    row equals HF + PEFT alone."""
     stand_in = StandIn(monkeypatch)
     engine = _engine(qwen, stand_in)
     plan = [("a", "fused-r8", 7), ("b", None, 9), ("c", "fused-r2", 6), ("d", "modules-r4", 5),
@@ -111,7 +112,7 @@ def test_graph_decode_buckets_padding_and_tokens(qwen, seed, monkeypatch):
             {0: [reqs["f"], Request("g", _prompt(seed, 4), None, Sampling(max_new_tokens=3))]},
         )
     )
-    assert len(stand_in.replays) == replays, "a step with a PEFT row must run eagerly"
+    assert len(stand_in.replays) > replays, "steps with attention LoRA rows replay graphs too"
     assert got["g"][0] == greedy_alone(qwen.base, torch.tensor(_prompt(seed, 4)), 3)
     for rid, name, n in plan:
         want = greedy_alone(qwen.truth(name), torch.tensor(reqs[rid].prompt_ids), n)

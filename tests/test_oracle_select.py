@@ -41,22 +41,50 @@ def test_one_info_line_names_selected_requested_how_and_every_other_reason(caplo
     [record] = caplog.records
     line = record.getMessage()
     assert record.levelno == logging.INFO
-    assert "selected triton (requested auto, auto)" in line
+    assert "selected triton, auto: the fastest backend that runs here" in line
     for text in (
         "mimic (device.compute_capability = 9.0",
         "activation = relu2_no_mul",
         "gating = non_gated",
     ):
         assert text in line
-    assert "reference (passes, ranked below triton)" in line
+    assert "reference (runs, ranked below triton)" in line
 
 
 def test_explicit_log_line_says_explicit_and_not_requested(caplog):
     with caplog.at_level(logging.INFO, logger="moelora.oracle"):
         select(deploy("qwen3-30b-a3b", "b200", backend="reference"), THREE)
     line = caplog.records[-1].getMessage()
-    assert "selected reference (requested reference, explicit)" in line
-    assert "mimic (passes, not requested)" in line
+    assert "selected reference, requested explicitly" in line
+    assert "mimic (runs, not requested)" in line
+
+
+# (id, --moe-backend, selected, words the selection line must hold) on a cpu with
+# TRITON_INTERPRET=1: triton accepts there but runs through Triton's interpreter.
+CPU_RANKING = [
+    ("auto-ranks-interpreted-last", "auto", "reference",
+     ["selected reference, auto", "triton would run interpreted on this cpu (slower)",
+      "triton (runs, but interpreted here: slower)"]),
+    ("explicit-triton-honoured", "triton", "triton",
+     ["selected triton (interpreted: Triton's CPU interpreter, slow), requested explicitly"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CPU_RANKING, ids=[c[0] for c in CPU_RANKING])
+def test_auto_on_a_cpu_ranks_interpreted_triton_below_native_backends(case, caplog):
+    _, backend, selected, words = case
+    with caplog.at_level(logging.INFO, logger="moelora.oracle"):
+        selection = select(deploy("tiny", "cpu", backend=backend), THREE)
+    line = caplog.records[-1].getMessage()
+    assert selection.name == selected, line
+    assert selection.interpreted == (selected == "triton")
+    assert all(w in line for w in words), line
+
+
+def test_a_gpu_keeps_the_registry_order():
+    # On a GPU nothing runs interpreted: triton (registry order before reference) wins.
+    selection = select(deploy("tiny", "h200"), {"triton": TRITON_LIKE, **THREE})
+    assert selection.name == "triton" and not selection.interpreted
 
 
 def test_auto_refusal_lists_every_backend_and_no_acceptor():

@@ -65,6 +65,25 @@ def reference_run(tmp_path_factory):
     return json.loads(path.read_text()), done.stdout
 
 
+# (id, argv, warned): the cost warning on CPUs comes before any weight is built
+CPU_COST = [
+    ("readme-defaults-warn", [], True),  # qwen3-30b-a3b and deepseek-v3, interpreted
+    ("the-fix-is-silent", [*TINY[2:], "--tokens", "5", "--iters", "2", "--warmup", "1"], False),
+]
+
+
+@pytest.mark.parametrize("argv, warned", [c[1:] for c in CPU_COST], ids=[c[0] for c in CPU_COST])
+def test_cpu_cost_warning(bench, argv, warned, capsys) -> None:
+    args = bench.parse_args(["--device", "cpu", *argv])
+    bench._warn_cpu_cost(args, 14)
+    err = capsys.readouterr().err
+    assert bool(err) == warned, err
+    if warned:
+        assert "parallel_bench: warning: --models qwen3-30b-a3b,deepseek-v3" in err
+        assert re.search(r"takes about [\d.]+ (h|min) and [\d.]+ GB of memory", err), err
+        assert "Fix: --models tiny --dtype float32" in err
+
+
 # (id, world, rank, fs ranks, ids that must be there, count); the ranks 16 and 64
 LAYOUTS = [
     ("world2", 2, 16, [64], {"tp2-r16-add", "fs-tp2-r64-overwrite", "fs-tp2-r2-add",
@@ -112,6 +131,11 @@ def test_reference_every_layout_equals_single_process(reference_run) -> None:
     assert all(r["plan_agrees"] and r["plan"]["accepted"] for r in records.values())
     assert data["summary"]["plan_disagreements"] == [] and data["summary"]["failed"] == []
     assert "parallel_bench: 28/28 rows equal the single process" in stdout
+    # progress from the first second on: what runs, each single-process point, each layout
+    lines = stdout.splitlines()
+    assert re.match(r"\[ +\d+ s\] parallel_bench: 14 layouts of 2 ranks x T = \[1, 11\]", lines[0])
+    # one line per single-process row: ranks 4, 8 and 2 x two modes x two T
+    assert sum("tiny single process" in line for line in lines) == len(data["singles"]) == 12
 
 
 ROW_FIELDS = {"model", "layout", "T", "tp", "ep", "fully_sharded", "rank", "add_inputs", "ok",

@@ -46,9 +46,15 @@ def test_accepted_prints_every_backend_by_every_check_and_a_verdict(capsys, capl
     assert header.split()[1:] == list(registry_mod.REGISTRY)
     for name, _ in CHECKS:
         assert any(line.split()[0] == name for line in lines if line.strip())
-    assert lines[-1].startswith("verdict: ACCEPTED: ")
+    assert lines[-1] == "verdict: ACCEPTED: triton, auto: the fastest that runs here"
+    # The selection is said once: the verdict; the oracle's log line only under -v.
+    assert not [r for r in caplog.records if r.name == "moelora.oracle"]
+    # grouped_mm and reference refuse (CUDA graphs): their validation is not "yes" there
+    [validated] = [line.split()[2:] for line in lines if line.startswith("validated here")]
+    assert validated == ["yes", "-", "-"], out
+    assert cli.main(["-v", "plan", *QWEN_TP4_LORA]) == 0
     [line] = [r.getMessage() for r in caplog.records if r.name == "moelora.oracle"]
-    assert line.startswith("moe backend for qwen3-30b-a3b: selected ")  # the one INFO line
+    assert line.startswith("moe backend for qwen3-30b-a3b: selected triton, auto")
 
 
 def test_json_is_complete_and_parseable(capsys):
@@ -224,3 +230,28 @@ def test_exit_code_says_what_happened(capsys, argv, code, says):
     if code == 0 and "no-op" in says:
         assert doc["deployment"]["fully_sharded_loras"] is False  # what runs: unsharded
         assert any("no-op" in note for note in doc["notes"])
+
+
+# DeepSeek-V3 routing (256 experts, top 8) with group settings a config can get wrong:
+# (id, config changes, the field, the value, the fix)
+GROUP_CASES = [
+    # 256 groups of 1 expert: a group's score is the sum of its top-2 experts
+    ("one-expert-per-group", {"n_group": 256, "topk_group": 4}, "n_group", "256",
+     "Fix: set n_group to one of [1, 2, 4, 8, 16, 32, 64, 128]"),
+    ("n-group-not-a-divisor", {"n_group": 3, "topk_group": 2}, "n_group", "3",
+     "Fix: set n_group to one of [1, 2, 4, 8, 16, 32, 64, 128]"),
+    # 128 groups of 2, 1 kept: 2 experts cannot hold top_k = 8
+    ("groups-too-few-for-top-k", {"n_group": 128, "topk_group": 1}, "topk_group", "1",
+     "Fix: set topk_group to at least 4"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GROUP_CASES, ids=[c[0] for c in GROUP_CASES])
+def test_group_routing_errors_name_a_fix(case, capsys, tmp_path):
+    _, changes, field, value, fix = case
+    path = tmp_path / "deepseek" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(preset_dict("deepseek-v3") | changes))
+    code, _, err = plan(capsys, "--model", str(path), "--device", "h200")
+    assert code == 2, err
+    assert f"config key '{field}' = {value}" in err and fix in err, err

@@ -149,7 +149,11 @@ def _check_json(argv: list[str], code: int, out: str, err: str) -> dict:
     if code == 0:
         assert runs and doc["accepted"] is True and doc["selected"] in REGISTRY, doc["verdict"]
         assert requested in ("auto", doc["selected"])  # honoured, never substituted
-        assert doc["selected"] == next(n for n, ok in accepts.items() if ok) or requested != "auto"
+        # auto: the registry order, an interpreted backend after the native ones on a cpu
+        cpu = doc["deployment"]["device_kind"] == "cpu"
+        slow = {n: cpu and REGISTRY[n].capabilities.cpu_needs_interpreter for n in accepts}
+        ranking = sorted(accepts, key=lambda n: slow[n])
+        assert doc["selected"] == next(n for n in ranking if accepts[n]) or requested != "auto"
     else:
         assert code == 3 and not runs and doc["accepted"] is False and doc["selected"] is None
         assert doc["fix"] and "Fix:" in err

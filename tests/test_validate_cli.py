@@ -18,7 +18,9 @@ def test_validate_runs_in_the_requested_dtype(dtype, tol, capsys) -> None:
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("triton")]
     assert code == 0 and "validate: 1/1 passed" in out
-    assert len(rows) == 1 and f" {tol}  pass" in rows[0]
+    header = next(line for line in out.splitlines() if line.startswith("backend"))
+    assert header.split()[3:6] == ["rel_err", "rel_tol", "max_abs"], header
+    assert len(rows) == 1 and rows[0].split()[-4] == tol and " pass " in rows[0], rows
 
 
 def test_validate_rank_sets_the_sweep_rank(capsys) -> None:

@@ -8,6 +8,7 @@ moelora: a .pth line adds a folder, the .pth files inside it are not run)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -63,3 +64,6 @@ def test_the_wheel_runs_the_cli_outside_the_checkout(installed: Path, tmp_path: 
     assert "--quick" in _run([moelora, "validate", "--help"], cwd=tmp_path).stdout
     plan = _run([moelora, "plan", "--model", "qwen3-30b-a3b", "--device", "h200"], cwd=tmp_path)
     assert "triton" in plan.stdout
+    # the version comes from the installed distribution's metadata (pyproject.toml)
+    version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    assert _run([moelora, "--version"], cwd=tmp_path).stdout == f"moelora {version}\n"

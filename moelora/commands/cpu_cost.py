@@ -110,3 +110,15 @@ def validate_cost(
         bank = max(bank, bank_bytes(shape, case.adapters, case.rank, element_bytes))
     factor = 2 if interpreted else 1
     return Cost(seconds, BASE_BYTES + factor * (weights + bank))
+
+
+def parallel_bench_cost(model: ModelConfig, tokens: list[int], layouts: int, calls: int) -> Cost:
+    """scripts/parallel_bench.py on CPUs (gloo, triton interpreted) for one model: `calls`
+    interpreted forwards per (layout, T), each counted at the full layer's size (the safe
+    side: a rank computes its shard, but the ranks share the same cores), and the weights
+    held once per rank (2 ranks counted). The interpreter's set-up is paid once."""
+    shape = model.shape
+    per_call = [interpreter_seconds(shape, t) - INTERPRETER_START_S for t in tokens]
+    seconds = INTERPRETER_START_S + layouts * calls * sum(per_call)
+    weights = 2 * 4 * shape.num_experts * expert_elements(shape)
+    return Cost(seconds, BASE_BYTES + 2 * weights)

@@ -32,6 +32,7 @@ from ..lora import LayerLoRA, SlotManager
 from ..lora.export import save_adapter
 from ..nearest import nearest
 from ..oracle import default_registry, evaluate
+from ..oracle import ranking as oracle_ranking
 from ..presets import PRESETS, resolve_model
 from ..reference import moe_lora_reference
 from ..routing import route
@@ -209,14 +210,11 @@ def _check_outputs(checker, layer, x, ids, weights, slots, bank, on_input):
 
 def _backend_line(deployment: Deployment, layer: MoELoRALayer, elapsed: float) -> str:
     selection = layer.selection
-    interpreted = (
-        deployment.device.interpreted and selection.backend.capabilities.cpu_needs_interpreter
-    )
-    where = " (Triton interpreter)" if interpreted else ""
+    where = " (Triton interpreter)" if selection.interpreted else ""
     how = f"explicit: --moe-backend {selection.name}"
     if selection.how == AUTO:
-        how = "auto: the first backend in the ranking that accepts"
-    ranking = list(default_registry())
+        how = "auto: the fastest backend that runs here"
+    ranking = list(oracle_ranking(deployment, default_registry()))
     faster = [  # ranked above the selected one, and refused: auto fell back past them
         f"{n} ({'; '.join(map(str, r))})"
         for n, r in selection.others
@@ -224,6 +222,9 @@ def _backend_line(deployment: Deployment, layer: MoELoRALayer, elapsed: float) -
     ]
     if selection.how == AUTO and faster:
         how = f"auto fallback, refused: {', '.join(faster)}"
+    slower = [n for n, r in selection.others if not r and n in selection.interpreted_here]
+    if selection.how == AUTO and slower:
+        how += f"; {slower[0]} would run interpreted on this cpu (slower)"
     return (
         f"  device {deployment.device.name}{where}: backend {layer.backend_name} ({how}); "
         f"forward {elapsed * 1e3:.1f} ms"

@@ -5,24 +5,38 @@ With no --model it builds a small random Qwen3-MoE model with transformers' own 
 (no download; larger and bf16 on a GPU), writes four random adapters with PEFT's own
 save_pretrained (two PEFT layouts, ranks 1 to 8, one with attention LoRA), loads them and
 generates a left-padded batch of five rows (four adapters and a base row). Each row is
-checked against HF + PEFT generating that row alone with its adapter.
+checked against HF + PEFT generating that row alone with its adapter (generate_check.py:
+equal tokens in fp32; in bf16 / fp16 logits within a tolerance calibrated in the run
+against the noise between two of HF's own experts implementations, hf_truth.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..compare import compare
 from ..config import parse_dtype
-from ..errors import ConfigError
+from ..deployment import dtype_name
+from ..errors import (
+    AdapterError,
+    AdapterProblems,
+    ConfigError,
+    UnsupportedDeploymentError,
+    adapter_refusal,
+)
+from . import generate_inputs as inputs
+from .generate_check import CheckResult, check_row, verdict
+from .generate_report import Run, as_json, exit_code, rank_note, text
+from .hf_truth import measure_noise, peft_truth, runnable_implementation, set_implementation
 
 DEFAULT_ROWS = ["fused-r8", "fused-r4-attn", None, "modules-r4", "fused-r2"]
 # The GPU default: bigger than the CPU toy, still seconds to build (random weights).
@@ -36,8 +50,9 @@ GPU_TOY = dict(
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
-        help="a transformers MoE model generating a mixed-adapter batch (default: a random "
-        "model and four PEFT adapters, each row checked against HF+PEFT alone)",
+        help="the main job: a transformers MoE model generating one batch whose rows each use "
+        "their own LoRA adapter (default: a random model and four PEFT adapters, each row "
+        "checked against HF + PEFT generating it alone)",
     )
     p.add_argument("--model", help="a local model directory (default: a random Qwen3-MoE)")
     p.add_argument(
@@ -55,8 +70,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
     p.add_argument("--dtype", default="auto", help="auto (fp32: exact check) or bf16 / fp16")
     p.add_argument(
+        "--fused-orientation", choices=("natural", "swapped"), default=None,
+        help="how fused gate_up_proj LoRA factors read when their shapes fit both ways "
+        "(H = 2 I): natural (PEFT >= 0.18) or swapped (PEFT 0.17); default: from the "
+        "adapter's peft_version, else refused as ambiguous",
+    )  # fmt: skip
+    p.add_argument(
         "--no-check", action="store_true", help="skip the HF+PEFT row-by-row check"
     )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.set_defaults(run=run)
 
@@ -65,16 +87,25 @@ def run(args: argparse.Namespace) -> int:
     # transformers' own deprecation notes, raised when PEFT calls it: nothing a user acts on
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\.")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    # PEFT's note on a rank_pattern key its own gate/up rewrite left unused (the adapter
+    # loads as saved; moelora checks every factor's shape itself)
+    warnings.filterwarnings("ignore", message=".*rank_pattern keys did not match.*")
+    if not args.verbose:  # the summary names each adapter with its rank and why; -v adds the log
+        logging.getLogger("moelora.hf").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available()
     if not cuda:
-        # No GPU: the Triton kernels run through Triton's interpreter (slow, exact).
+        # No GPU: Triton kernels (when asked for) run through Triton's interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from transformers.utils import logging as hf_logging
+
     from ..hf import attach, toy
+
+    hf_logging.disable_progress_bar()  # a loading bar per model: nothing a reader acts on
 
     device = "cuda" if cuda else "cpu"
     # fp32 by default, on a GPU too: both sides then compute exactly (IEEE fp32 dots), so the
     # check can demand equal tokens; in bf16 (--dtype bf16, what serving runs) rounding can
-    # flip a near-tie and only the logits are held to the dtype's tolerance.
+    # flip a near-tie and only the logits are held, to a tolerance calibrated in the run.
     dtype = torch.float32 if args.dtype == "auto" else parse_dtype(args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
@@ -94,195 +125,151 @@ def run(args: argparse.Namespace) -> int:
                 truths[name] = toy.write_peft_adapter(
                     base, adapters[name], seed=args.seed + i + 1, **kw
                 )
-            rows = DEFAULT_ROWS if args.rows is None else _parse_rows(args.rows)
+            rows = DEFAULT_ROWS if args.rows is None else inputs.parse_rows(args.rows)
         else:
-            adapters = dict(_parse_adapter(a) for a in args.adapter)  # refusals first
-            base, what = _load_model(args.model, dtype, device), args.model
+            adapters = inputs.parse_adapters(args.adapter)  # refusals first
+            base, what = inputs.load_model(args.model, dtype, device), args.model
             truths = None
-            rows = _parse_rows(args.rows) if args.rows else [*adapters, None]
+            rows = inputs.parse_rows(args.rows) if args.rows else [*adapters, None]
         return _run(args, base, what, adapters, truths, rows, attach, dtype)
 
 
+def _attach(attach, model, args, adapters):
+    """moelora on `model`; an oracle refusal restated in generate's own flags."""
+    try:
+        return attach(
+            model,
+            max_loras=args.max_loras or max(1, len(adapters)),
+            max_lora_rank=args.max_lora_rank,
+            moe_backend=args.moe_backend,
+        )
+    except UnsupportedDeploymentError as err:
+        raise inputs.for_generate(err) from None
+
+
+def _load(handle, path: Path, name: str, orientation: str | None) -> str:
+    """One adapter; returns its rank, in words. A refusal whose fix names the library's
+    keyword is restated with generate's flag only."""
+    try:
+        handle.load_adapter(path, name=name, fused_orientation=orientation)
+    except AdapterError as err:
+        problems = err.problems if isinstance(err, AdapterProblems) else (err,)
+        if not any("fused_orientation=" in p.fix for p in problems):
+            raise
+        raise adapter_refusal([_flag_fix(p) for p in problems]) from None
+    rank = handle.describe(name)["rank"]
+    note = rank_note(path, rank)
+    return f"rank {rank}" + (f" ({note})" if note else "")
+
+
+def _flag_fix(err: AdapterError) -> AdapterError:
+    if "fused_orientation=" not in err.fix:
+        return err
+    fix = "--fused-orientation natural (PEFT >= 0.19.1 saves it so) or swapped (PEFT <= 0.18.1)"
+    return AdapterError(err.file, err.key, err.found, err.expected, fix)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One generate call: the adapter per row, prompts [S] each, the left-padded ids and
+    attention mask [B, S_max], the pad id, and each row's new tokens."""
+
+    rows: list[str | None]
+    prompts: list[torch.Tensor]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pad: int
+    new: list[list[int]]
+
+
 def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
-    check = not args.no_check
-    model = copy.deepcopy(base) if check else base
-    handle = attach(
-        model,
-        max_loras=args.max_loras or max(1, len(adapters)),
-        max_lora_rank=args.max_lora_rank,
-        moe_backend=args.moe_backend,
-    )
-    for name, path in adapters.items():
-        handle.load_adapter(path, name=name)
     unknown = [r for r in rows if r is not None and r not in adapters]
     if unknown:
         raise ConfigError("--rows", unknown[0], f"'base' or a loaded adapter {sorted(adapters)}")
-    tok = _tokenizer(args)
-    pad = (
-        0
+    tok = inputs.tokenizer(args.model, args.prompt)
+    prompts = inputs.prompts(args.prompt, base.config.vocab_size, len(rows), tok, args.seed)
+    inputs.check_positions(prompts, args.max_new_tokens, base.config)  # before anything runs
+    check = not args.no_check
+    model = copy.deepcopy(base) if check else base
+    handle = _attach(attach, model, args, adapters)
+    orientation = args.fused_orientation
+    ranks = {name: _load(handle, path, name, orientation) for name, path in adapters.items()}
+    batch, seconds = _generate(handle, rows, prompts, _pad_id(tok), args.max_new_tokens)
+    checked = _check(base, adapters, truths, batch, handle, dtype) if check else None
+    mc, sel = handle.model_config, handle.selection
+    shape = mc.shape
+    result = Run(
+        what=what,
+        header=f"{mc.model_type}, {len(mc.moe_layers)} MoE layers (E={shape.num_experts} "
+        f"K={shape.top_k} H={shape.hidden_size} I={shape.intermediate_size}), "
+        f"{dtype_name(dtype)} on {model.device}",
+        dtype=dtype_name(dtype),
+        rows=rows,
+        prompts=[p.tolist() for p in batch.prompts],
+        new=batch.new,
+        texts=None
         if tok is None
-        else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
+        else [tuple(map(tok.decode, t)) for t in zip(batch.prompts, batch.new)],
+        adapters=ranks,
+        selection=sel.log_line(),
+        backend=sel.name,
+        interpreted=sel.interpreted,
+        seconds=seconds,
+        check=checked,
     )
-    prompts = [p.to(model.device) for p in _prompts(args, model, len(rows), tok)]
-    ids, mask = _left_padded(prompts, model.device, pad)
+    print(as_json(result) if args.json else text(result, args.max_new_tokens))
+    return exit_code(result)
+
+
+def _pad_id(tok) -> int:
+    if tok is None:
+        return 0
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0
+
+
+def _generate(handle, rows, prompts, pad: int, max_new_tokens: int) -> tuple[Batch, float]:
+    """The mixed batch through moelora, greedy; (the batch with its new tokens, seconds)."""
+    device = handle.model.device
+    prompts = [p.to(device) for p in prompts]
+    ids, mask = inputs.left_padded(prompts, device, pad)
     start = time.perf_counter()
     out = handle.generate(
-        ids, adapter_names=rows, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-        min_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad,
+        ids, adapter_names=rows, attention_mask=mask, max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
     )  # fmt: skip
-    if model.device.type == "cuda":
+    if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    mc = handle.model_config
-    print(f"\nmoelora generate: {what}, {mc.model_type}, {len(mc.moe_layers)} MoE layers "
-          f"(E={mc.shape.num_experts} K={mc.shape.top_k} H={mc.shape.hidden_size} "
-          f"I={mc.shape.intermediate_size}), {str(dtype).split('.')[-1]} on {model.device}")  # fmt: skip
-    print(f"  {len(rows)} rows, {args.max_new_tokens} new tokens each, left-padded prompts\n")
-    print(f"  {'row':<4}{'adapter':<16}{'prompt':>6}  {'new tokens':<36}HF+PEFT alone")
-    ok = True
-    truth_of = None
-    if check:
-        truth_of = (
-            (lambda n: base if n is None else truths[n]) if truths else _peft_truth(base, adapters)
-        )
-    logits = handle(ids, adapter_names=rows, attention_mask=mask).logits if check else None
-    for row, (name, prompt) in enumerate(zip(rows, prompts)):
-        new = out[row, ids.shape[1] :].tolist()
-        verdict = "not checked"
-        if check:
-            verdict, row_ok = _check_row(
-                truth_of(name), prompt, new, logits[row, ids.shape[1] - len(prompt) :], dtype, pad
-            )
-            ok = ok and row_ok
-        shown = str(new) if len(str(new)) <= 34 else str(new)[:31] + "..."
-        print(f"  {row:<4}{name or 'base':<16}{len(prompt):>6}  {shown:<36}{verdict}")
-        if tok is not None:
-            print(f"      {tok.decode(prompt)!r} -> {tok.decode(new)!r}")
-    print(f"\n  {handle.selection.log_line()}")
-    print(f"  generate: {elapsed:.2f} s for {len(rows)} rows")
-    if check:
-        print(
-            f"  verdict: {'PASS' if ok else 'FAIL'} (each row against HF + PEFT generating it alone)"
-        )
-    else:
-        print("  verdict: not checked (--no-check): no comparison ran")
-    return 0 if ok else 1
+    seconds = time.perf_counter() - start
+    new = [out[row, ids.shape[1] :].tolist() for row in range(len(rows))]
+    return Batch(rows, prompts, ids, mask, pad, new), seconds
 
 
-def _check_row(truth, prompt, new, logits, dtype, pad: int) -> tuple[str, bool]:
-    """(text, ok): the row's tokens against HF + PEFT alone; its prompt logits within the
-    dtype tolerance. In 16-bit dtypes rounding can flip a near-tie: reported, not failed."""
+def _check(base, adapters, truths, batch: Batch, handle, dtype) -> CheckResult:
+    """Each row against HF + PEFT alone (hf_truth), and the verdict (generate_check)."""
+    rows, prompts = batch.rows, batch.prompts
+    # HF in fp32, for the noise of 16-bit runs: copied before PEFT wraps `base` in place
+    base32 = copy.deepcopy(base).float() if dtype != torch.float32 else None
+    truth_of, models = _truth(base, adapters, truths)
+    implementation = runnable_implementation(models, truth_of(rows[0]), prompts[0])
+    noise = []
+    if base32 is not None:  # HF against itself: another implementation, and fp32
+        truths32 = truths and {n: copy.deepcopy(t).float() for n, t in truths.items()}
+        truth32_of, models32 = _truth(base32, adapters, truths32)
+        set_implementation(models32, "eager")
+        noise = measure_noise(models, truth_of, truth32_of, rows, prompts, implementation)
     with torch.no_grad():
-        want_logits = truth(input_ids=prompt[None]).logits[0]
-        ref = truth.generate(
-            input_ids=prompt[None], max_new_tokens=len(new), min_new_tokens=len(new),
-            do_sample=False, pad_token_id=pad,
-        )  # fmt: skip
-    want = ref[0, len(prompt) :].tolist()
-    err = compare(logits, want_logits, dtype)
-    same = want == new
-    if same:
-        text = f"equal (logits {err.rel_err:.1e})"
-    else:
-        step = next(i for i, (a, b) in enumerate(zip(new, want)) if a != b)
-        text = f"DIFFERS from step {step} (logits {err.rel_err:.1e})"
-    return text, err.ok and (same or dtype != torch.float32)
+        logits = handle(batch.ids, adapter_names=rows, attention_mask=batch.mask).logits
+    checks = []
+    width = batch.ids.shape[1]
+    for row, (name, prompt) in enumerate(zip(rows, prompts)):
+        mine = logits[row, width - len(prompt) :]
+        checks.append(check_row(truth_of(name), row, name, prompt, batch.new[row], mine, batch.pad))
+    return CheckResult(checks, implementation, noise, verdict(checks, dtype, noise))
 
 
-def _peft_truth(base, adapters):
-    """name -> HF + PEFT with that adapter alone: one PeftModel over `base` (the model
-    moelora did not attach to) holding every adapter, set per row; base rows run with the
-    adapters disabled. One copy of the weights besides moelora's."""
-    from peft import PeftModel
-
-    state: dict = {}
-
-    def truth(name):
-        if "peft" not in state:
-            first, *rest = adapters.items()
-            state["peft"] = PeftModel.from_pretrained(base, str(first[1]), adapter_name=first[0])
-            for adapter, path in rest:
-                state["peft"].load_adapter(str(path), adapter_name=adapter)
-            state["peft"].eval()
-        peft_model = state["peft"]
-        if name is None:
-            return _Disabled(peft_model)
-        peft_model.set_adapter(name)
-        return peft_model
-
-    return truth if adapters else (lambda name: base)
-
-
-class _Disabled:
-    """A PeftModel called and generating with its adapters off (the base model)."""
-
-    def __init__(self, peft_model) -> None:
-        self.peft_model = peft_model
-
-    def __call__(self, **kwargs):
-        with self.peft_model.disable_adapter():
-            return self.peft_model(**kwargs)
-
-    def generate(self, **kwargs):
-        with self.peft_model.disable_adapter():
-            return self.peft_model.generate(**kwargs)
-
-
-def _tokenizer(args):
-    """The model directory's tokenizer, or None (random models, directories without one)."""
-    root = Path(args.model) if args.model else None
-    if root is None or not any(
-        (root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        if args.prompt:
-            raise ConfigError(
-                "--prompt",
-                args.prompt[0],
-                "a --model directory with a tokenizer (tokenizer.json)",
-                "save the tokenizer beside the model, or leave --prompt out (random prompts)",
-            )
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
-
-
-def _prompts(args, model, count: int, tok) -> list[torch.Tensor]:
-    if args.prompt:
-        texts = (args.prompt * count)[:count]
-        return [torch.tensor(tok(t)["input_ids"]) for t in texts]
-    gen = torch.Generator().manual_seed(args.seed)
-    lengths = [5 + (3 * row) % 7 for row in range(count)]
-    return [torch.randint(1, model.config.vocab_size, (n,), generator=gen) for n in lengths]
-
-
-def _left_padded(prompts, device, pad: int = 0):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
-    return ids, mask
-
-
-def _parse_rows(text: str) -> list[str | None]:
-    return [None if r.strip() in ("base", "none", "") else r.strip() for r in text.split(",")]
-
-
-def _parse_adapter(text: str) -> tuple[str, Path]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ConfigError("--adapter", text, "NAME=DIR", "e.g. --adapter math=./adapters/math")
-    return name, Path(path)
-
-
-def _load_model(path: str, dtype, device):
-    from transformers import AutoModelForCausalLM
-
-    root = Path(path)
-    if not (root / "config.json").is_file():
-        raise ConfigError(
-            "--model", path, "a model directory with config.json", "save_pretrained one"
-        )
-    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
-    return model.to(device).eval()
+def _truth(base, adapters, truths):
+    """(name -> HF + PEFT with that adapter alone, the HF models under it)."""
+    if truths:
+        models = [base, *(t.get_base_model() for t in truths.values())]
+        return (lambda n: base if n is None else truths[n]), models
+    return peft_truth(base, adapters), [base]

@@ -19,7 +19,7 @@ from ..config import AddInputs, LoRAConfig, ParallelConfig
 from ..deployment import AUTO, Deployment
 from ..device import LOCAL, TARGETS, counterpart, differences, fact_sources, probe, resolve_device
 from ..errors import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, MoeloraError, UnsupportedDeploymentError
-from ..oracle import Selection, default_registry, select
+from ..oracle import EXPLICIT, Selection, default_registry, select
 from ..presets import PRESETS, resolve_model
 from .plan_text import render
 from .plan_validation import validation
@@ -202,7 +202,11 @@ def resolve(deployment: Deployment, device_arg: str = LOCAL, extra_notes=()) -> 
 
 
 def _acceptance(selection: Selection, plan: dict[str, Any]) -> dict[str, Any]:
-    verdict = f"ACCEPTED: {selection.name} (requested {selection.requested}, {selection.how})"
+    how = (
+        "requested explicitly" if selection.how == EXPLICIT else "auto: the fastest that runs here"
+    )
+    interpreted = " (interpreted: Triton's CPU interpreter, slow)" if selection.interpreted else ""
+    verdict = f"ACCEPTED: {selection.name}{interpreted}, {how}"
     [chosen] = [b for b in plan["backends"] if b["name"] == selection.name]
     warning = chosen["validation"]["warning"]
     return {

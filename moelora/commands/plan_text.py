@@ -36,9 +36,7 @@ def render(plan: dict[str, Any]) -> str:
             row.append(f"FAIL [{len(notes)}]")
         rows.append(row)
     rows.append(["verdict", *(_column_verdict(plan, b) for b in plan["backends"])])
-    rows.append(
-        ["validated here", *(VALIDATED_CELL[b["validation"]["level"]] for b in plan["backends"])]
-    )
+    rows.append(["validated here", *(_validated_cell(plan, b) for b in plan["backends"])])
     lines = [f"deployment: {_describe(plan['deployment'])}", "", *_device(plan), ""]
     lines += _table(rows)
     lines += ["", *notes] if notes else []
@@ -79,6 +77,14 @@ def _validated_line(plan: dict[str, Any]) -> str:
 
 def _reason_text(reason: dict[str, Any]) -> str:
     return f"{reason['field']} = {reason['value']}: needs {reason['needed']}"
+
+
+def _validated_cell(plan: dict[str, Any], backend: dict[str, Any]) -> str:
+    """Whether the backend's validation covers this target; "-" under a backend that
+    refuses the deployment (validated or not, it does not run here)."""
+    if _column_verdict(plan, backend) == "refuses":
+        return "-"
+    return VALIDATED_CELL[backend["validation"]["level"]]
 
 
 def _column_verdict(plan: dict[str, Any], backend: dict[str, Any]) -> str:

@@ -5,11 +5,12 @@
     out = handle.generate(input_ids, adapter_names=["a", None], max_new_tokens=32)
 
 `attach` registers the "moelora" experts implementation in transformers' ExpertsInterface
-and binds every MoE layer of the model to moelora; see handle.py.
+and binds every MoE layer of the model to moelora; see attach.py and handle.py.
 """
 
+from .attach import attach
 from .experts import NAME, register
-from .handle import MoELoRAModel, attach
+from .handle import MoELoRAModel
 from .weights import expert_weights_from_hf, router_from_hf, router_logits
 
 __all__ = [

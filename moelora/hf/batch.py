@@ -3,10 +3,11 @@
 The handle builds a `RowAdapters` once per generate / forward call (one host-to-device copy
 of the per-row slots into a buffer the thread keeps) and makes it current for the calling
 thread; the first MoE layer of each forward expands the rows to one slot per token into a
-second kept buffer on the device (no host sync), every MoE layer reads it, and PEFT's LoRA
-layers get their per-row adapter names from it. Both buffers stay the same tensors across
-calls, so a CUDA graph captured over a forward reads the slots of the call it is replayed
-in. Legend: B rows, S tokens per row, T = B * S.
+second kept buffer on the device (no host sync), every MoE layer reads it, and the served
+Linear modules and routers (module_lora.py) expand the same row slots over their own
+input's tokens. Both buffers stay the same tensors across calls, so a CUDA graph captured
+over a forward reads the slots of the call it is replayed in.
+Legend: B rows, S tokens per row, T = B * S.
 """
 
 from __future__ import annotations
@@ -28,23 +29,26 @@ _current = threading.local()
 
 @dataclass
 class RowAdapters:
-    """row_slots [B] int32 on the model's device (-1 = no expert adapter); snapshot: the slot
-    banks those slots index (held by a lease for the whole call); peft_names: per row, the
-    PEFT adapter of its non-expert modules or BASE."""
+    """row_slots [B] int32 on the model's device (-1 = no adapter); snapshot: the slot banks
+    those slots index, expert and module banks alike (held by a lease for the whole call)."""
 
     row_slots: Tensor
     snapshot: BankSnapshot
-    peft_names: tuple[str, ...]
-    expert_lora: bool  # some row has an expert adapter
+    # Python branches, fixed in a captured CUDA graph: a graph meant to serve any adapter
+    # mix is captured with both True (rows of slot -1 or without the module add exactly 0).
+    expert_lora: bool  # some row's adapter has expert factors
+    # paths of the served Linear modules / routers some row's adapter has factors on (the
+    # others skip their delta); a graph for any mix is captured with every served path
+    lora_modules: frozenset[str]
     token_buffer: Tensor  # [capacity >= T] int32, kept by the thread across calls
 
     @property
-    def rows(self) -> int:
-        return len(self.peft_names)
+    def module_lora(self) -> bool:
+        return bool(self.lora_modules)
 
     @property
-    def peft_lora(self) -> bool:
-        return any(name != BASE for name in self.peft_names)
+    def rows(self) -> int:
+        return self.row_slots.shape[0]
 
     def token_slots(self, tokens: int, refresh: bool) -> Tensor:
         """token_slots [T] int32: each row's slot repeated for its S = T / B tokens, in the
@@ -62,13 +66,14 @@ class RowAdapters:
             slots.copy_(self.row_slots.repeat_interleave(per_row, output_size=tokens))
         return slots
 
-    def peft_names_for(self, leading: int) -> list[str]:
-        """adapter_names for a PEFT LoRA layer whose input has `leading` rows: [B, S, ...]
-        inputs take one name per row, flattened [T, ...] inputs one per token."""
-        repeat = self._per_row(leading, "LoRA layer input")
-        if repeat == 1:
-            return list(self.peft_names)
-        return [name for name in self.peft_names for _ in range(repeat)]
+    def slots_for(self, tokens: int, what: str) -> Tensor:
+        """slots [T] int32 for a module input of T = B * S' tokens in row-major order (S' its
+        own tokens per row: the LM head may see only the last one): each row's slot repeated
+        S' times, computed on the device (no host sync)."""
+        per_row = self._per_row(tokens, what)
+        if per_row == 1:
+            return self.row_slots
+        return self.row_slots.repeat_interleave(per_row, output_size=tokens)
 
     def _per_row(self, leading: int, what: str) -> int:
         if leading % self.rows:

@@ -81,47 +81,52 @@ class DecodeGraphs:
     """The graphs of one engine. step(b) runs the decode step of bucket b from the static
     buffers the engine has filled; prepare(b) fills them with padding rows only."""
 
-    def __init__(self, max_rows: int, step: Callable[[int], Tensor]) -> None:
+    def __init__(self, max_rows: int, step: Callable[[int, frozenset[str]], Tensor]) -> None:
         self.buckets = buckets_for(max_rows)
         self._step = step
-        self._graphs: dict[int, Graph] = {}
+        self._graphs: dict[tuple[int, frozenset[str]], Graph] = {}
         self._pool = None
 
     @property
     def captured(self) -> tuple[int, ...]:
-        return tuple(sorted(self._graphs))
+        """The buckets captured (for any module set)."""
+        return tuple(sorted({bucket for bucket, _ in self._graphs}))
 
     def bucket(self, rows: int) -> int:
         """The smallest bucket holding `rows` rows (rows <= max_rows)."""
         return next(b for b in self.buckets if b >= rows)
 
-    def run(self, bucket: int) -> Tensor:
-        """Replay bucket's graph (captured now if new; the buffers hold this step's inputs,
-        so the capture's warm-up run is this very step, repeated by the replay)."""
-        graph = self._graphs.get(bucket)
+    def run(self, bucket: int, modules: frozenset[str] = frozenset()) -> Tensor:
+        """Replay the graph of (bucket, the served modules with LoRA in the step), captured
+        now if new; the buffers hold this step's inputs, so the capture's warm-up run is this
+        very step, repeated by the replay."""
+        graph = self._graphs.get((bucket, modules))
         if graph is None:
             start = time.perf_counter()
-            graph = self._capture(bucket)
+            graph = self._capture(bucket, modules)
             log.info(
                 "decode graph of %d rows captured in %.2f s", bucket, time.perf_counter() - start
             )
         graph.replay()
         return graph.out
 
-    def capture_all(self, prepare: Callable[[int], None]) -> CaptureReport:
-        """Capture every bucket not yet captured, largest first; prepare(b) fills the static
-        buffers with padding for b rows before each."""
+    def capture_all(
+        self, prepare: Callable[[int], None], modules: frozenset[str] = frozenset()
+    ) -> CaptureReport:
+        """Capture every bucket not yet captured for `modules` (the served modules with
+        LoRA), largest first; prepare(b) fills the static buffers with padding for b rows."""
         start = time.perf_counter()
-        for bucket in sorted(set(self.buckets) - set(self._graphs), reverse=True):
+        done = {bucket for bucket, mods in self._graphs if mods == modules}
+        for bucket in sorted(set(self.buckets) - done, reverse=True):
             prepare(bucket)
-            self._capture(bucket)
+            self._capture(bucket, modules)
         report = CaptureReport(self.captured, time.perf_counter() - start)
         log.info("%s", report)
         return report
 
-    def _capture(self, bucket: int) -> Graph:
+    def _capture(self, bucket: int, modules: frozenset[str]) -> Graph:
         if self._pool is None:
             self._pool = new_pool()
-        graph = capture(lambda: self._step(bucket), self._pool)
-        self._graphs[bucket] = graph
+        graph = capture(lambda: self._step(bucket, modules), self._pool)
+        self._graphs[bucket, modules] = graph
         return graph

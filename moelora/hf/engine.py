@@ -195,9 +195,8 @@ class Engine:
         self._cancelled.clear()
         waiting, self._waiting = self._waiting, []
         decode = [r for r in self._rows.values() if r not in waiting]
-        for state in waiting:
-            logits = self._prefill_tokens(list(state.request.prompt_ids), state.row, state.hold)
-            events += self._accept([state], logits)
+        for group in _same_length(waiting):
+            events += self._accept(group, self._prefill(group))
         if decode:
             events += self._accept(decode, self._decode(decode))
         return events
@@ -211,7 +210,7 @@ class Engine:
             raise InputError(
                 "warmup()", f"{len(self._rows)} requests running", "no request running"
             )
-        return self.graphs.capture_all(self._pad_only)
+        return self.graphs.capture_all(self._pad_only, self.handle.lora_modules)
 
     def clear(self) -> None:
         """End every request now, without events, releasing their adapters."""
@@ -236,33 +235,44 @@ class Engine:
             )  # fmt: skip
         return out.logits[:, -1]
 
+    def _prefill(self, group: list[_Row]) -> Tensor:
+        """Prompts of one length into their cache rows in one forward; logits [n, V] of
+        each prompt's last token."""
+        prompts = [list(r.request.prompt_ids) for r in group]
+        return self._prefill_rows(prompts, [r.row for r in group], [r.hold for r in group])
+
     def _prefill_tokens(self, prompt: list[int], row: int, hold: AdapterHold) -> Tensor:
         """One request's prompt into its cache row; logits [1, V] of its last token."""
-        plan = plan_prefill(row, len(prompt), self.device)
+        return self._prefill_rows([prompt], [row], [hold])
+
+    def _prefill_rows(self, prompts: list[list[int]], rows: list[int], holds) -> Tensor:
+        plan = plan_prefill(rows, len(prompts[0]), self.device)
         self.cache.plan = plan
-        slots = torch.tensor([hold.slot], dtype=torch.int32, device=self.device)
-        rows = batch.RowAdapters(
-            row_slots=slots, snapshot=hold.snapshot, peft_names=(hold.peft_name,),
-            expert_lora=hold.slot >= 0, token_buffer=torch.empty_like(slots.expand(len(prompt))),
+        slots = torch.tensor([h.slot for h in holds], dtype=torch.int32, device=self.device)
+        adapters = batch.RowAdapters(
+            row_slots=slots, snapshot=holds[0].snapshot, expert_lora=any(h.experts for h in holds),
+            lora_modules=frozenset().union(*(h.modules for h in holds)),
+            token_buffer=torch.empty(plan.positions.numel(), dtype=torch.int32, device=self.device),
         )  # fmt: skip
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         masks = build_masks(self._rule, plan.positions, plan.kv_len, self.dtype)
-        return self._forward(ids, plan.positions, masks, rows)
+        return self._forward(ids, plan.positions, masks, adapters)
 
     def _decode(self, running: list[_Row]) -> Tensor:
         """One token of every running row; logits [len(running), V] in their order."""
         width = max(r.row for r in running) + 1
-        peft = [batch.BASE] * width
-        for r in running:
-            peft[r.row] = r.hold.peft_name
-        graphed = self.graphs is not None and all(name == batch.BASE for name in peft)
+        # the served modules with LoRA: a Python branch in each module's hook, fixed in a
+        # graph, so one set for every step while the loaded adapters' set stays (rows without
+        # factors on a module add exactly 0); rows of a retired version add theirs
+        modules = self.handle.lora_modules.union(*(r.hold.modules for r in running))
+        graphed = self.graphs is not None
         width = self.graphs.bucket(width) if graphed else width
         self._fill(running, width)
         if graphed:
-            logits = self.graphs.run(width)
+            logits = self.graphs.run(width, modules)
         else:
             kv_len = max(r.position for r in running) + 1
-            logits = self._decode_step(width, kv_len, tuple(peft))
+            logits = self._decode_step(width, kv_len, modules)
         return logits[[r.row for r in running]]
 
     def _fill(self, running: list[_Row], width: int) -> None:
@@ -281,19 +291,19 @@ class Engine:
     def _pad_only(self, width: int) -> None:
         self._fill([], width)
 
-    def _decode_step(self, width: int, kv_len: int, peft: tuple[str, ...]) -> Tensor:
+    def _decode_step(self, width: int, kv_len: int, modules: frozenset[str]) -> Tensor:
         """The decode forward of rows 0 .. width-1 from the static buffers."""
         positions = self._positions[:width]
         self.cache.plan = plan_decode(self._write_rows[:width], positions, kv_len)
         rows = batch.RowAdapters(
-            row_slots=self._slots[:width], snapshot=self._base.snapshot, peft_names=peft,
-            expert_lora=True, token_buffer=self._token_slots[:width],
+            row_slots=self._slots[:width], snapshot=self._base.snapshot, expert_lora=True,
+            lora_modules=modules, token_buffer=self._token_slots[:width],
         )  # fmt: skip
         masks = build_masks(self._rule, positions, kv_len, self.dtype)
         return self._forward(self._ids[:width], positions, masks, rows)
 
-    def _graph_step(self, width: int) -> Tensor:
-        return self._decode_step(width, self.max_len, (batch.BASE,) * width)
+    def _graph_step(self, width: int, modules: frozenset[str]) -> Tensor:
+        return self._decode_step(width, self.max_len, modules)
 
     # ---- tokens -----------------------------------------------------------------------------
 
@@ -320,6 +330,25 @@ class Engine:
             self._waiting.remove(state)
         state.hold.release()
         return TokenEvent(request_id, token, True, reason)
+
+
+# Tokens of one prefill forward at most: the MoE layers' largest tuned T (and the activation
+# memory of a 16k-token forward stays a few hundred MB at Qwen3-30B-A3B's width).
+PREFILL_TOKENS = 16384
+
+
+def _same_length(rows: list[_Row]) -> list[list[_Row]]:
+    """The rows grouped by prompt length, in order of first appearance, each group cut to
+    PREFILL_TOKENS: one prefill forward per group (no padding, so every row's last token is
+    the forward's last)."""
+    groups: dict[int, list[list[_Row]]] = {}
+    for r in rows:
+        length = len(r.request.prompt_ids)
+        chunks = groups.setdefault(length, [[]])
+        if chunks[-1] and (len(chunks[-1]) + 1) * length > PREFILL_TOKENS:
+            chunks.append([])
+        chunks[-1].append(r)
+    return [chunk for chunks in groups.values() for chunk in chunks]
 
 
 def _eos_ids(model) -> frozenset[int]:

@@ -1,22 +1,18 @@
-"""`attach(model, ...)`: moelora serves the routed experts of a transformers model while every
-row of a batch uses its own adapter; the returned handle owns the slot banks.
+"""The handle `attach(model, ...)` returns (attach.py): a transformers model whose routed
+experts, Linear modules and routers serve every row of a batch with its own adapter.
 
-The model keeps its own routing, attention and everything else. Per MoE layer the handle
-binds a MoELoRALayer whose weights are views of the module's own expert tensors (no copy),
-all sharing one oracle verdict (asked once per layer type, logged once). Adapters are PEFT
-directories: the expert factors go into the slot banks (SlotManager), the other modules
-into PEFT's own LoRA layers (peft_modules.py). Each load gets an internal version name, so a
-call holds the versions it started with (one lease over the call) while loads, replaces and
-unloads go on. Legend: B rows, L slots (max_loras), R max rank (max_lora_rank).
+Adapters are PEFT directories: the expert factors and the Linear modules' factors go into
+the slot banks of one SlotManager, in the same slot. Each load gets an internal version
+name, so a call holds the versions it started with (one lease over the call) while loads,
+replaces and unloads go on. Legend: B rows, L slots (max_loras), R max rank (max_lora_rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-import re
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,35 +22,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import LoRAConfig, ModelConfig, from_hf
-from ..deployment import Deployment
-from ..device import probe_device
-from ..errors import AdapterError, ConfigError, InputError
-from ..layer import MoELoRALayer
+from ..config import ModelConfig
+from ..errors import AdapterError, InputError
 from ..lora import SlotManager, load_adapter
 from ..lora.leases import BankSnapshot
+from ..lora.refusals import Refusals
 from ..lora.safe_io import read_config, read_tensors
-from ..oracle import Selection, select
+from ..oracle import Selection
 from . import batch, experts
-from .graphs import MAX_GRAPH_TOKENS, LayerGraphs
-from .llama4 import swap_llama4_blocks
-from .peft_modules import NonExpertPart, PeftModules, read_non_expert
-from .weights import expert_weights_from_hf
+from .module_lora import ModuleHooks, read_module_factors
 
 log = logging.getLogger("moelora.hf")
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class _Version:
-    """One load of one adapter name: its slot-manager name (None: no expert factors) and its
-    PEFT adapter name (None: no non-expert modules)."""
+    """One load of one adapter name, registered with the slot manager under `internal`."""
 
     public: str
     internal: str
-    in_slots: bool  # has expert factors: registered with the slot manager under `internal`
-    peft: bool
+    experts: bool  # has expert factors
     rank: int
     modules: tuple[str, ...]
     pinned: bool
@@ -62,148 +49,17 @@ class _Version:
 
 @dataclass(frozen=True)
 class AdapterHold:
-    """One adapter version held for a row (MoELoRAModel.hold): its slot (-1: none), its PEFT
-    name (batch.BASE: none) and the banks its slot indexes; release() exactly once."""
+    """One adapter version held for a row (MoELoRAModel.hold): its slot (-1: none), whether
+    it has expert factors, the served modules it has factors on, and the banks its slot
+    indexes; release() exactly once."""
 
     name: str | None
     key: str | None  # the version's slot-manager name (None: no expert factors)
     slot: int
-    peft_name: str
+    experts: bool
+    modules: frozenset[str]
     snapshot: BankSnapshot
     release: Callable[[], None]
-
-
-def attach(
-    model: nn.Module,
-    *,
-    max_loras: int,
-    max_lora_rank: int,
-    moe_backend: str = "auto",
-    fully_sharded_loras: bool = False,
-    enforce_eager: bool | None = None,
-    max_cpu_loras: int | None = None,
-    max_graph_tokens: int = MAX_GRAPH_TOKENS,
-    load_timeout_s: float = 30.0,
-) -> MoELoRAModel:
-    """Serve `model`'s routed experts with moelora; returns the handle (MoELoRAModel).
-
-    max_loras (L) adapters fit in the slots at once, each of rank <= max_lora_rank (R).
-    moe_backend: "auto" or a backend name; an explicit one is honoured or refused here,
-    before anything is allocated. enforce_eager: True allows eager-only backends on a GPU;
-    default: CUDA-graph safe backends on a GPU (vLLM's default), anything on a CPU.
-    fully_sharded_loras: accepted for vLLM compatibility; a no-op in one process (tp = 1).
-    More adapters than max_loras may be loaded: the slots hold the most recently used, the
-    others wait in host memory (max_cpu_loras bounds the pinned copies kept ready, vLLM's
-    --max-cpu-loras) and are copied in when a call names them.
-    max_graph_tokens: on a GPU (unless enforce_eager), each MoE layer replays a CUDA graph of
-    itself for calls of at most this many tokens (decode), captured at a shape's second call: an eager
-    decode step is otherwise bound by Triton's Python launch cost. 0 turns it off.
-    The model is put in eval mode: moelora serves inference (no autograd through experts).
-    """
-    model_config = _model_config(model)
-    modules = _experts_modules(model, model_config)
-    first = next(iter(modules.values()))
-    param = first.down_proj
-    device, dtype = param.device, param.dtype
-    if fully_sharded_loras:
-        log.info("fully_sharded_loras: a no-op in one process (tp = 1), as in vLLM")
-    deployment = Deployment.for_model(
-        model_config,
-        dtype=dtype,
-        device=probe_device(device),
-        lora=LoRAConfig(
-            enabled=True, max_rank=max_lora_rank, max_loras=max_loras, targets=("experts",)
-        ),
-        cuda_graphs=device.type == "cuda" and not enforce_eager,
-        backend=moe_backend,
-    )
-    selection = select(deployment)  # one verdict for the model's one MoE layer type
-    layers = {
-        index: MoELoRALayer(
-            deployment,
-            expert_weights_from_hf(module, model_config, in_place=True),
-            selection=selection,
-            check_values=False,  # the model's router gives the ids: no host sync per layer
-        )
-        for index, module in modules.items()
-    }
-    manager = SlotManager(
-        model_config,
-        max_loras,
-        max_lora_rank,
-        device=device,
-        dtype=dtype,
-        load_timeout_s=load_timeout_s,
-        max_cpu_loras=max_cpu_loras,
-    )
-    experts.register()
-    for index, module in modules.items():
-        first = index == min(modules)
-        graphs = (
-            LayerGraphs(max_graph_tokens) if deployment.cuda_graphs and max_graph_tokens else None
-        )
-        experts.bind(module, experts.ExpertsBinding(layers[index], index, first, graphs))
-    previous = getattr(model.config, "_experts_implementation", None)
-    swapped = swap_llama4_blocks(model, model_config)
-    if not swapped:
-        model.set_experts_implementation(experts.NAME)
-    model.eval()
-    handle = MoELoRAModel(model, model_config, selection, manager, device)
-    handle._bound = (list(modules.values()), swapped, previous)
-    handle.enforce_eager = enforce_eager  # the decode engine's graphs follow it
-    return handle
-
-
-def _model_config(model: nn.Module) -> ModelConfig:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        raise ConfigError(
-            "model",
-            type(model).__name__,
-            "a transformers PreTrainedModel (with .config)",
-            "pass the model AutoModelForCausalLM returned",
-        )
-    return from_hf(config.to_dict(), name=getattr(config, "model_type", None))
-
-
-def _experts_modules(model: nn.Module, model_config: ModelConfig) -> dict[int, nn.Module]:
-    """MoE layer index -> the routed-experts module (fused 3-D weights), checked against the
-    config's MoE layers."""
-    found: dict[int, nn.Module] = {}
-    for name, module in model.named_modules():
-        down = getattr(module, "down_proj", None)
-        if not name.endswith("experts") or not isinstance(down, torch.Tensor) or down.dim() != 3:
-            continue
-        match = _LAYER_INDEX.search(name + ".")
-        if match is None:
-            continue
-        if getattr(module, "_is_expert_parallel", False) or getattr(
-            module, "has_post_expert_norm", False
-        ):
-            raise ConfigError(
-                f"{name}",
-                "expert parallel or a post-expert norm",
-                "plain routed experts in one process",
-                "load the model without transformers' expert parallel plan",
-            )
-        found[int(match.group(1))] = module
-    want = tuple(model_config.moe_layers)
-    if tuple(sorted(found)) != want:
-        raise ConfigError(
-            "model",
-            f"routed-experts modules in layers {sorted(found)}",
-            f"the MoE layers {list(want)} that its config describes",
-            "pass a model built from its own config (fused 3-D expert weights, transformers 5)",
-        )
-    params = {(m.down_proj.device, m.down_proj.dtype) for m in found.values()}
-    if len(params) != 1:
-        raise ConfigError(
-            "model",
-            f"experts on {sorted(map(str, params))}",
-            "every MoE layer on one device in one dtype",
-            "move the model with model.to(device, dtype) first",
-        )
-    return found
 
 
 class MoELoRAModel:
@@ -220,22 +76,20 @@ class MoELoRAModel:
         selection: Selection,
         manager: SlotManager,
         device: torch.device,
+        served: dict[str, nn.Module],
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.selection = selection
         self.device = device
         self._manager = manager
-        self._peft = PeftModules(model)
+        self._served = served  # path -> the served nn.Linear modules and routers
         self._versions: dict[str, _Version] = {}  # public name -> current version
-        self._refs: Counter[str] = Counter()  # internal name -> calls holding it
-        self._retired: dict[str, _Version] = {}  # replaced or unloaded, still held
         self._lock = threading.Lock()  # writers, and the start of a call
-        self._refs_lock = threading.Lock()
         self._seq = itertools.count()
-        self._bound: tuple[list, list, str | None] = ([], [], None)
+        self._bound: tuple[list, list, str | None, ModuleHooks | None] = ([], [], None, None)
         self._local = threading.local()
-        self.enforce_eager: bool | None = None
+        self.enforce_eager: bool | None = None  # set by attach: the engine's graphs follow it
         self.use_engine = True
 
     # ---- facts --------------------------------------------------------------------------
@@ -257,10 +111,21 @@ class MoELoRAModel:
     def max_lora_rank(self) -> int:
         return self._manager.max_rank
 
+    @property
+    def lora_modules(self) -> frozenset[str]:
+        """The served Linear modules / routers some loaded adapter has factors on."""
+        return frozenset(p for v in list(self._versions.values()) for p in v.modules)
+
     def describe(self, name: str) -> dict[str, Any]:
-        """What is loaded under `name`: rank, slot or not, non-expert modules."""
+        """What is loaded under `name`: rank, expert factors or not, pinned, Linear modules."""
         v = self._known(name)
-        return {"name": name, "rank": v.rank, "experts": v.in_slots, "modules": list(v.modules)}
+        return {
+            "name": name,
+            "rank": v.rank,
+            "experts": v.experts,
+            "pinned": v.pinned,
+            "modules": list(v.modules),
+        }
 
     # ---- adapters -------------------------------------------------------------------------
 
@@ -268,13 +133,16 @@ class MoELoRAModel:
         self,
         path: str | Path,
         name: str | None = None,
-        pin: bool = False,
+        pin: bool | None = None,
         *,
         fused_orientation: str | None = None,
     ) -> str:
         """Load a PEFT adapter directory under `name` (default: the directory's name); a name
         already loaded is replaced (calls running keep the old version). Every check runs
-        before anything is written: a refused adapter changes nothing. Returns the name.
+        before anything is written, and the old version is retired only once the new one is
+        in: a refused adapter (or a slot wait that times out) changes nothing. Returns the name.
+        pin: keep the adapter in its slot (never evicted); None: a replacement keeps the
+        replaced version's pin (logged), a new name is not pinned. unpin(name) drops it.
         fused_orientation: "natural" (PEFT 0.21) or "swapped" (PEFT 0.17), only for fused
         target_parameters files whose shapes read both ways (the error says when)."""
         root = Path(path)
@@ -284,18 +152,21 @@ class MoELoRAModel:
                 "name", repr(name), f"a non-empty adapter name other than {batch.BASE!r}"
             )
         internal = f"moelora{next(self._seq)}"
-        adapter = load_adapter(
-            root,
-            self.model_config,
-            self.max_lora_rank,
-            name=internal,
-            fused_orientation=fused_orientation,
-            serves_non_expert=True,
-        )
-        config = read_config(root)
-        file, tensors = read_tensors(root)
-        part = read_non_expert(str(file), config, tensors, self.model)
-        if not adapter.layers and part is None:
+        refusals = Refusals()  # the experts' and the modules' refusals named together
+        with refusals.check():
+            adapter = load_adapter(
+                root,
+                self.model_config,
+                self.max_lora_rank,
+                name=internal,
+                fused_orientation=fused_orientation,
+                serves_non_expert=True,
+            )
+        with refusals.check():
+            file, tensors = read_tensors(root)
+            factors = read_module_factors(str(file), read_config(root), tensors, self._served)
+        refusals.raise_any()
+        if not adapter.layers and not factors:
             raise AdapterError(
                 str(file),
                 "<modules>",
@@ -303,32 +174,22 @@ class MoELoRAModel:
                 "LoRA on the routed experts or on nn.Linear modules of the model",
                 "check target_modules / target_parameters against the model's module names",
             )
-        version = _Version(
-            name,
-            internal,
-            in_slots=bool(adapter.layers),
-            peft=part is not None,
-            rank=adapter.rank,
-            modules=tuple(part.modules) if part is not None else (),
-            pinned=pin or (name in self._versions and self._versions[name].pinned),
-        )
         with self._lock:
             old = self._versions.get(name)
-            if old is not None and old.in_slots and self._slots_full() and version.in_slots:
-                # Full slots: free the old version's own slot first (when no call holds it,
-                # the new version takes it; else the manager evicts the LRU adapter).
-                self._retire(old)
-                old = None
-                del self._versions[name]
-            self._write(version, adapter, part)
-            self._versions[name] = version
-            if old is not None:
-                self._retire(old)
+            version = _Version(
+                name,
+                internal,
+                experts=bool(adapter.layers),
+                rank=max([adapter.rank, *(f.rank for f in factors.values())]),
+                modules=tuple(sorted(factors)),
+                pinned=self._pin_for(name, old, pin),
+            )
+            self._replace(old, version, dataclasses.replace(adapter, modules=factors))
         log.info(
             "adapter %s loaded: rank %d, experts %s, %d other modules (%s)",
             name,
             version.rank,
-            "yes" if version.in_slots else "no",
+            "yes" if version.experts else "no",
             len(version.modules),
             root,
         )
@@ -341,19 +202,48 @@ class MoELoRAModel:
             del self._versions[name]
             self._retire(version)
 
-    def _write(self, version: _Version, adapter, part: NonExpertPart | None) -> None:
-        """Register the expert factors (a call naming them copies them into a slot if they
-        are in none) and load them now when a slot is free or they are pinned; inject the
-        other modules into PEFT. On failure, both are undone."""
+    def unpin(self, name: str) -> None:
+        """Let `name` be evicted from its slot again (a no-op when it is not pinned)."""
+        with self._lock:
+            version = self._known(name)
+            self._manager.unpin(version.internal)
+            self._versions[name] = dataclasses.replace(version, pinned=False)
+
+    def _pin_for(self, name: str, old: _Version | None, pin: bool | None) -> bool:
+        """Under self._lock: the new version's pin (see load_adapter's `pin`)."""
+        if pin is not None:
+            return pin
+        if old is not None and old.pinned:
+            log.info("adapter %s: the replacement keeps the pin (unpin(%r) drops it)", name, name)
+            return True
+        return False
+
+    def _replace(self, old: _Version | None, version: _Version, adapter) -> None:
+        """Under self._lock: write `version`, then publish it and retire `old`. A pinned old
+        version is unpinned during the write (with every slot full, its slot may be the one
+        the new version takes); if the write fails it is pinned again, still in its slot."""
+        repin = old is not None and old.pinned
+        if repin:
+            self._manager.unpin(old.internal)
         try:
-            if version.in_slots:
-                self._manager.register(version.internal, adapter)
-                if version.pinned or not self._slots_full():
-                    self._manager.load(adapter, name=version.internal, pin=version.pinned)
-            if part is not None:
-                self._peft.inject(version.internal, part)
-        except Exception:
-            if version.in_slots and version.internal in self._manager.registered:
+            self._write(version, adapter)
+        except BaseException:
+            if repin and old.internal in self._manager.loaded:
+                self._manager.pin(old.internal)
+            raise
+        self._versions[version.public] = version
+        if old is not None:
+            self._retire(old)
+
+    def _write(self, version: _Version, adapter) -> None:
+        """Register the version (a call naming it copies it into a slot if it is in none) and
+        load it now when a slot is free or it is pinned. On failure it is unregistered."""
+        try:
+            self._manager.register(version.internal, adapter)
+            if version.pinned or not self._slots_full():
+                self._manager.load(adapter, name=version.internal, pin=version.pinned)
+        except BaseException:
+            if version.internal in self._manager.registered:
                 self._manager.unregister(version.internal)
             raise
 
@@ -361,16 +251,9 @@ class MoELoRAModel:
         return len(self._manager.loaded) >= self._manager.num_slots
 
     def _retire(self, version: _Version) -> None:
-        """Under self._lock: the version leaves the slots now (a slot a call still holds is
-        kept by the manager until released) and PEFT once no call holds it."""
-        if version.in_slots:
-            self._manager.unregister(version.internal)  # a held slot stays until released
-        with self._refs_lock:
-            if self._refs[version.internal]:
-                self._retired[version.internal] = version
-                return
-        if version.peft:
-            self._peft.delete(version.internal)
+        """Under self._lock: the version leaves the slots (a slot a call still holds is kept
+        by the manager until released: expert and module banks alike)."""
+        self._manager.unregister(version.internal)
 
     def _known(self, name: str) -> _Version:
         if name not in self._versions:
@@ -440,16 +323,14 @@ class MoELoRAModel:
 
     @contextmanager
     def _call(self, names: list[str | None], tokens: int) -> Iterator[batch.RowAdapters]:
-        """Hold the current version of every named adapter for the block (one slot lease,
-        one PEFT reference each) and make the per-row adapters current for this thread."""
+        """Hold the current version of every named adapter for the block (one slot lease)
+        and make the per-row adapters current for this thread."""
         with self._lock:
             versions = [None if n is None else self._known(n) for n in names]
-            slot_names = [v.internal if v is not None and v.in_slots else None for v in versions]
-            reading = self._manager.reading(slot_names, device=self.device)
+            reading = self._manager.reading(
+                [None if v is None else v.internal for v in versions], device=self.device
+            )
             snapshot, fresh_slots = reading.__enter__()
-            held = {v.internal for v in versions if v is not None}
-            with self._refs_lock:
-                self._refs.update(held)
         try:
             row_slots, token_buffer = self._buffers(len(names), tokens)
             row_slots.copy_(fresh_slots)
@@ -457,67 +338,59 @@ class MoELoRAModel:
                 row_slots=row_slots,
                 token_buffer=token_buffer,
                 snapshot=snapshot,
-                peft_names=tuple(
-                    v.internal if v is not None and v.peft else batch.BASE for v in versions
-                ),
-                expert_lora=any(s is not None for s in slot_names),
+                expert_lora=any(v is not None and v.experts for v in versions),
+                lora_modules=frozenset(p for v in versions if v is not None for p in v.modules),
             )
             with batch.using(rows):
                 yield rows
         finally:
             reading.__exit__(None, None, None)
-            self._release(held)
 
     def hold(self, name: str | None) -> AdapterHold:
         """Hold the current version of `name` (None: the base model) until the returned
-        hold's release(): its slot lease (a registered adapter in no slot is loaded first) and
-        its PEFT modules. For callers whose rows outlive one call (the decode engine)."""
+        hold's release(): its slot lease (a registered adapter in no slot is loaded first).
+        For callers whose rows outlive one call (the decode engine)."""
         with self._lock:
             version = None if name is None else self._known(name)
-            slot_name = version.internal if version is not None and version.in_slots else None
-            reading = self._manager.reading([slot_name], device=self.device)
+            reading = self._manager.reading(
+                [None if version is None else version.internal], device=self.device
+            )
             snapshot, slots = reading.__enter__()
-            held = {version.internal} if version is not None else set()
-            with self._refs_lock:
-                self._refs.update(held)
-        peft = version.internal if version is not None and version.peft else batch.BASE
-        slot = int(slots[0])
+        released = threading.Event()
 
         def release() -> None:
-            reading.__exit__(None, None, None)
-            self._release(held)
+            if not released.is_set():
+                released.set()
+                reading.__exit__(None, None, None)
 
-        return AdapterHold(name, slot_name, slot, peft, snapshot, release)
+        return AdapterHold(
+            name,
+            None if version is None else version.internal,
+            int(slots[0]),
+            experts=version is not None and version.experts,
+            modules=frozenset(version.modules) if version is not None else frozenset(),
+            snapshot=snapshot,
+            release=release,
+        )
 
     def slot_key(self, name: str | None) -> str | None:
-        """The slot-manager name of `name`'s current version (None: it needs no slot)."""
+        """The slot-manager name of `name`'s current version (None: the base model)."""
         version = None if name is None else self._versions.get(name)
-        return version.internal if version is not None and version.in_slots else None
-
-    def _release(self, held: set[str]) -> None:
-        done = []
-        with self._refs_lock:
-            self._refs.subtract(held)
-            for internal in held:
-                if self._refs[internal] <= 0:
-                    del self._refs[internal]
-                    if internal in self._retired:
-                        done.append(self._retired.pop(internal))
-        for version in done:
-            if version.peft:
-                self._peft.delete(version.internal)
+        return None if version is None else version.internal
 
     def detach(self) -> None:
         """Give the model back: its experts run transformers' implementation again (the one
-        set before attach), Llama 4 blocks are restored. Loaded PEFT modules stay."""
-        modules, swapped, previous = self._bound
+        set before attach), Llama 4 blocks are restored, the Linear modules' hooks removed."""
+        modules, swapped, previous, hooks = self._bound
+        if hooks is not None:
+            hooks.remove()
         for module in modules:
             experts.unbind(module)
         for parent, attr, original in swapped:
             setattr(parent, attr, original)
         if not swapped and previous not in (None, experts.NAME):
             self.model.set_experts_implementation(previous)
-        self._bound = ([], [], previous)
+        self._bound = ([], [], previous, None)
 
 
 def _rows(input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[int, int]:

@@ -32,6 +32,7 @@ class CachePlan:
     positions: Tensor
     read_start: int
     kv_len: int
+    gather: bool = False  # read the plan's rows (a prefill of several rows), not a span
 
 
 class RowLayer(CacheLayerMixin):
@@ -63,6 +64,9 @@ class RowLayer(CacheLayerMixin):
         # are split by a slice, so their dimensions come first.
         self.keys[plan.rows, :, plan.positions] = key_states.transpose(1, 2)
         self.values[plan.rows, :, plan.positions] = value_states.transpose(1, 2)
+        if plan.gather:
+            rows = plan.rows[:, 0]
+            return self.keys[rows, :, : plan.kv_len], self.values[rows, :, : plan.kv_len]
         span = slice(plan.read_start, plan.read_start + key_states.shape[0])
         return self.keys[span, :, : plan.kv_len], self.values[span, :, : plan.kv_len]
 
@@ -96,11 +100,11 @@ class RowCache(Cache):
         )
 
 
-def plan_prefill(row: int, length: int, device: torch.device) -> CachePlan:
-    """One request's prompt of `length` tokens into cache row `row`, positions 0 .. S-1."""
-    rows = torch.tensor([[row]], device=device)
-    positions = torch.arange(length, device=device)[None]
-    return CachePlan(rows, positions, read_start=row, kv_len=length)
+def plan_prefill(rows: list[int], length: int, device: torch.device) -> CachePlan:
+    """Prompts of `length` tokens each into cache rows `rows`, positions 0 .. S-1."""
+    index = torch.tensor(rows, device=device)[:, None]
+    positions = torch.arange(length, device=device)[None].expand(len(rows), length)
+    return CachePlan(index, positions, read_start=rows[0], kv_len=length, gather=len(rows) > 1)
 
 
 def plan_decode(rows: Tensor, positions: Tensor, kv_len: int) -> CachePlan:

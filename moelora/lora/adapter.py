@@ -8,8 +8,10 @@ alpha_pattern) is folded into the B factors here, once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,9 +20,18 @@ from ..errors import AdapterError
 from . import formats
 from .formats import Context, Projection
 from .fused import parse_fused
+from .module_banks import ModuleLoRA
+from .refusals import Refusals
 from .safe_io import CONFIG_NAME, read_config, read_tensors
 from .targets import check_serves, experts_delta_is_zero, modules_delta_is_zero
-from .validate import check_lora_config, check_rank, check_tensor
+from .validate import (
+    check_lora_config,
+    check_module_rank,
+    check_rank,
+    check_tensor,
+    module_factors,
+    zero_alphas,
+)
 
 log = logging.getLogger("moelora.lora")
 
@@ -67,6 +78,9 @@ class Adapter:
     layers: dict[int, LayerLoRA]
     shape: MoEShape
     non_expert_modules: tuple[str, ...] = field(default=())  # e.g. attention: not served here
+    # module path -> factors of a dense Linear (scale in b), served from the module banks
+    # (module_banks.py); filled by a caller that serves them (moelora.hf), else empty
+    modules: Mapping[str, ModuleLoRA] = field(default_factory=dict)
 
 
 def load_adapter(
@@ -95,18 +109,16 @@ def load_adapter(
     ctx = Context(str(file), config, model_config, fused_orientation)
     kinds = _classify(ctx, tensors)
     others = tuple(sorted({k.split(".lora_")[0] for k in kinds["other"]}))
-    if kinds["fused"]:
-        projections, layout = parse_fused(ctx, kinds["fused"]), "fused"
-    elif kinds["per_expert"]:
-        projections = formats.parse_per_expert(ctx, kinds["per_expert"])
-        shared = any(formats.is_shared_key(k) for k in kinds["per_expert"])
-        layout = "shared_outer" if shared else "per_expert"
-    else:
-        check_serves(ctx.file, config, others, serves_non_expert)
-        projections, layout = [], "none"
-    for p in projections:
-        check_rank(ctx.file, p.key, p.rank, max_rank)
-    _report(root, projections, kinds["other"], others, serves_non_expert)
+    # Independent checks: the error lists every problem they find, not only the first.
+    refusals = Refusals()
+    _check_values(ctx, tensors, kinds["other"], refusals)
+    projections, layout = [], "none"
+    with refusals.check():
+        projections, layout = _parse(ctx, kinds, others, serves_non_expert)
+        for p in projections:
+            check_rank(ctx.file, p.key, p.rank, max_rank)
+    refusals.raise_any()
+    _report(root, config, projections, kinds["other"], others, serves_non_expert)
     rank = max((p.rank for p in projections), default=0)
     return Adapter(
         name=name or root.resolve().name,
@@ -120,8 +132,8 @@ def load_adapter(
 
 
 def _classify(ctx: Context, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """key -> tensor split into 'fused', 'per_expert' and 'other' (non-expert) entries; the
-    expert ones checked (dtype, finite). Refuses unsupported expert keys and mixed layouts."""
+    """key -> tensor split into 'fused', 'per_expert' and 'other' (non-expert) entries.
+    Refuses unsupported expert keys and mixed layouts."""
     kinds: dict[str, dict[str, torch.Tensor]] = {"fused": {}, "per_expert": {}, "other": {}}
     for key, t in tensors.items():
         kind = formats.classify(key)
@@ -143,20 +155,50 @@ def _classify(ctx: Context, tensors: dict[str, torch.Tensor]) -> dict[str, dict]
             "per-expert keys next to fused ones",
             "one layout per adapter",
         )
-    for key, t in {**kinds["fused"], **kinds["per_expert"]}.items():
-        check_tensor(ctx.file, key, t)
     return kinds
+
+
+def _check_values(
+    ctx: Context,
+    tensors: dict[str, torch.Tensor],
+    other: dict[str, torch.Tensor],
+    refusals: Refusals,
+) -> None:
+    """Every tensor, expert or not: a float dtype and finite values; every non-expert factor:
+    the rank the config gives its module (read before anything is applied)."""
+    for key, t in tensors.items():
+        with refusals.check():
+            check_tensor(ctx.file, key, t)
+    for module, factors in sorted(module_factors(other).items()):
+        with refusals.check():
+            check_module_rank(ctx.file, ctx.config, module, factors)
+
+
+def _parse(
+    ctx: Context, kinds: dict[str, dict], others: tuple[str, ...], serves_non_expert: bool
+) -> tuple[list[Projection], str]:
+    """(projections, layout) of the expert tensors; an adapter without any must serve
+    something (targets.check_serves)."""
+    if kinds["fused"]:
+        return parse_fused(ctx, kinds["fused"]), "fused"
+    if kinds["per_expert"]:
+        shared = any(formats.is_shared_key(k) for k in kinds["per_expert"])
+        layout = "shared_outer" if shared else "per_expert"
+        return formats.parse_per_expert(ctx, kinds["per_expert"]), layout
+    check_serves(ctx.file, ctx.config, others, serves_non_expert)
+    return [], "none"
 
 
 def _report(
     root: Path,
+    config: dict[str, Any],
     projections: list[Projection],
     other: dict[str, torch.Tensor],
     others: tuple[str, ...],
     serves_non_expert: bool,
 ) -> None:
-    """Warnings for what loads but deserves a look: modules the MoE layers do not run, and a
-    served delta that is zero everywhere (one warning per load)."""
+    """Warnings for what loads but deserves a look: modules the MoE layers do not run, an
+    alpha of 0, and a served delta that is zero everywhere (one warning each per load)."""
     if others and not serves_non_expert:
         log.warning(
             "adapter %s: %d non-expert modules (e.g. %s) are not served by moelora's expert "
@@ -165,10 +207,22 @@ def _report(
             len(others),
             others[0],
         )
+    zeros = zero_alphas(config)
+    patterns = (config.get("alpha_pattern") or {}).values()
+    all_zero_alpha = "lora_alpha" in zeros and all(v == 0 for v in patterns)
+    if zeros:
+        log.warning(
+            "adapter %s: %s = 0 scales %s by 0, so %s as the base model. Set the alpha the "
+            "adapter was trained with",
+            root,
+            ", ".join(zeros),
+            "every LoRA delta" if all_zero_alpha else "the LoRA delta of the modules it names",
+            "it serves" if all_zero_alpha else "those modules serve",
+        )
     served_zero = experts_delta_is_zero(projections) and (
         not serves_non_expert or modules_delta_is_zero(other)
     )
-    if served_zero:
+    if served_zero and not all_zero_alpha:  # an alpha of 0 has been named as the cause
         log.warning(
             "adapter %s: every LoRA delta it serves is zero (a factor, usually lora_B, is all "
             "zeros: PEFT's initialisation before training); it loads but changes nothing. "
@@ -190,35 +244,3 @@ def _to_layers(shape: MoEShape, projections: list[Projection], rank: int) -> dic
             layer.w2_a[:, : p.rank] = p.a
             layer.w2_b[:, :, : p.rank] = p.b
     return layers
-
-
-def check_fits(adapter: Adapter, model_config: ModelConfig, max_rank: int) -> None:
-    """Refuse an Adapter read for another model, of rank above R, or with non-MoE layers."""
-    s, a = model_config.shape, adapter.shape
-    dims = ("num_experts", "hidden_size", "intermediate_size")
-    if any(getattr(s, d) != getattr(a, d) for d in dims) or (
-        s.activation.width_factor != a.activation.width_factor
-    ):
-        raise AdapterError(
-            adapter.path,
-            "<model>",
-            f"an adapter loaded for {a}",
-            f"one for {s}",
-            "load the adapter with this manager's model config",
-        )
-    if adapter.rank > max_rank:
-        raise AdapterError(
-            adapter.path,
-            "<rank>",
-            f"rank {adapter.rank}",
-            f"at most R = {max_rank}",
-            "raise max_lora_rank",
-        )
-    extra = set(adapter.layers) - set(model_config.moe_layers)
-    if extra:
-        raise AdapterError(
-            adapter.path,
-            "<layers>",
-            f"layers {sorted(extra)}",
-            f"MoE layers {list(model_config.moe_layers)}",
-        )

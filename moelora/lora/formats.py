@@ -6,13 +6,14 @@
    A for all experts, vLLM's shared-outer LoRA); the other factor stays per expert.
 3. PEFT `target_parameters` on fused 3-D expert tensors (`gate_up_proj`, `down_proj`): two
    wrapped parameters on one module, nested as `experts.lora_*` and
-   `experts.base_layer.lora_*`. "natural" orientation (PEFT 0.21, and gpt-oss with any
-   PEFT): A [E*r, in] expert-major, B [out, r*E] expert-minor. "swapped" (PEFT 0.17 on
-   Qwen3-MoE / Mixtral-style [E, out, in] tensors): A [E*r, out], B [in, r*E]. The file
-   does not say which parameter each nested pair adapts, nor the orientation: both are
-   decided from shapes, with one orientation for the whole layer, and refused when more
-   than one reading fits (gate_up alone with H == 2I; non-gated models, where w1 natural
-   looks like down swapped) unless the caller names the orientation.
+   `experts.base_layer.lora_*`. "natural" orientation (PEFT >= 0.19.1, and gpt-oss with
+   any PEFT): A [E*r, in] expert-major, B [out, r*E] expert-minor. "swapped" (PEFT <= 0.18
+   on Qwen3-MoE / Mixtral-style [E, out, in] tensors): A [E*r, out], B [in, r*E]. The file
+   does not say which parameter each nested pair adapts; the orientation comes from the
+   caller or adapter_config.json's peft_version where that decides it (fused.py), else
+   both are decided from shapes, with one orientation for the whole layer, and refused
+   when more than one reading fits (gate_up alone with H == 2I; non-gated models, where
+   w1 natural looks like down swapped).
 
 Every parser returns Projection records: a [E, r, in], b [E, out, r] in fp32, scale in b.
 This module holds the shared records, key classification and layouts 1-2; fused.py layout 3.
@@ -28,7 +29,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import AdapterError
-from .validate import check_shape, lora_scale
+from .validate import check_shape, lora_scale, peft_name
 
 FUSED_KEY = re.compile(
     r"^(?P<path>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?experts)\."
@@ -86,11 +87,6 @@ class Context:
                 f"({self.model.num_layers} layers)",
                 "load the adapter for the model it was trained on",
             )
-
-
-def peft_name(path: str) -> str:
-    """The module name PEFT matches rank_pattern / alpha_pattern against."""
-    return path.removeprefix("base_model.model.")
 
 
 def classify(key: str) -> str:

@@ -6,6 +6,7 @@ Legend: L slots, R max rank, E experts, S = 2 gated / 1 non-gated.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from types import MappingProxyType
 
@@ -14,10 +15,12 @@ import torch
 from ..config import ModelConfig
 from ..weights import LoRABank
 from .adapter import Adapter
+from .module_banks import ModuleBanks, ModuleShape
 
 
 class SlotBanks:
-    """banks[layer]: LoRABank w13_a [L, E, S, R, H], ... on `device` in `dtype`."""
+    """banks[layer]: LoRABank w13_a [L, E, S, R, H], ... on `device` in `dtype`; modules:
+    the dense Linear modules' banks (module_banks.py), written with the same slot."""
 
     def __init__(
         self,
@@ -26,7 +29,9 @@ class SlotBanks:
         max_rank: int,
         device: torch.device | str | None,
         dtype: torch.dtype,
+        modules: Mapping[str, ModuleShape] | None = None,
     ) -> None:
+        self.modules = ModuleBanks(modules or {}, num_slots, max_rank)
         banks = {
             layer: LoRABank.empty(
                 model_config.shape, num_slots, max_rank, device=device, dtype=dtype
@@ -75,5 +80,6 @@ class SlotBanks:
                     bank.w13_b[slot, :, :, :, :r].copy_(lora.w13_b, non_blocking=True)
                     bank.w2_a[slot, :, :r].copy_(lora.w2_a, non_blocking=True)
                     bank.w2_b[slot, :, :, :r].copy_(lora.w2_b, non_blocking=True)
+            self.modules.write(slot, {} if adapter is None else adapter.modules)
         if self.stream is not None:
             self.stream.synchronize()

@@ -22,7 +22,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
@@ -31,10 +31,12 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError, InputError, MoeloraError
-from .adapter import Adapter, check_fits, load_adapter
+from .adapter import Adapter, load_adapter
 from .catalog import AdapterCatalog, Source
+from .fits import check_fits
 from .host_cache import HostCache, adapter_bytes
 from .leases import BankSnapshot, SlotLeases
+from .module_banks import ModuleBanks, ModuleShape
 from .placement import choose_slot
 from .reports import LoadOrigin, LoadTally, Placement, ServingStats, SlotWrite
 from .slot_banks import SlotBanks
@@ -52,6 +54,8 @@ class SlotManager:
 
     load_timeout_s: how long a load waits for a slot no forward holds before raising.
     max_cpu_loras: how many registered adapters the host cache keeps parsed (default L).
+    module_shapes: dense Linear modules (path -> ModuleShape) whose LoRA factors an adapter's
+    `modules` may carry; their banks share the slots (and leases) of the expert banks.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class SlotManager:
         dtype: torch.dtype | None = None,
         load_timeout_s: float = 30.0,
         max_cpu_loras: int | None = None,
+        module_shapes: Mapping[str, ModuleShape] | None = None,
     ) -> None:
         if num_slots < 1:
             raise ConfigError("max_loras", num_slots, "a positive integer")
@@ -87,7 +92,7 @@ class SlotManager:
         self._leases = SlotLeases(num_slots)
         self._tally = LoadTally()
         dtype = dtype or model_config.shape.dtype
-        self._slots = SlotBanks(model_config, num_slots, max_rank, device, dtype)
+        self._slots = SlotBanks(model_config, num_slots, max_rank, device, dtype, module_shapes)
         self._banks = self._slots.banks
         cache = HostCache(max_cpu_loras, dtype, pin=self._slots.device.type == "cuda")
         self._catalog = AdapterCatalog(self._read_registered, cache)
@@ -156,7 +161,7 @@ class SlotManager:
         """Know `name` without loading it: reading() loads it when a batch names it. A
         directory is read and validated at its first use (load_adapter's options apply)."""
         if isinstance(source, Adapter):
-            check_fits(source, self.model_config, self.max_rank)
+            self._check_fits(source)
             entry = Source(adapter=source)
         else:
             entry = Source(Path(source), None, fused_orientation, serves_non_expert)
@@ -203,7 +208,7 @@ class SlotManager:
                 serves_non_expert=serves_non_expert,
             )
         name = name or adapter.name
-        check_fits(adapter, self.model_config, self.max_rank)
+        self._check_fits(adapter)
         with self._write_lock:
             loaded = name in self._snapshot.slot_of  # only writers change it, and we are one
             if must_exist and not loaded and name not in self._catalog:
@@ -248,6 +253,16 @@ class SlotManager:
     def unpin(self, name: str) -> None:
         with self._cond:
             self._pinned.discard(name)
+
+    @property
+    def module_banks(self) -> ModuleBanks:
+        """The dense Linear modules' banks (the same tensors for the manager's life)."""
+        return self._slots.modules
+
+    def _check_fits(self, adapter: Adapter) -> None:
+        """Every check of an adapter's expert layers and dense modules, before any write."""
+        check_fits(adapter, self.model_config, self.max_rank)
+        self._slots.modules.check(adapter.path, adapter.modules)
 
     # ---- internals: on-demand loads -----------------------------------------------------------
 

@@ -54,6 +54,11 @@ def _check_pattern(file: str, key: str, pattern: Any, number: Any) -> None:
         raise AdapterError(file, where, repr(number), "a finite number")
 
 
+def peft_name(path: str) -> str:
+    """The module name PEFT matches rank_pattern / alpha_pattern against."""
+    return path.removeprefix("base_model.model.")
+
+
 def pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern lookup: the first key k with
     re.match(rf"(.*\\.)?({k})$", name) wins (peft.utils.other.get_pattern_key)."""
@@ -63,22 +68,62 @@ def pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
     return default
 
 
-def lora_scale(file: str, config: dict[str, Any], peft_name: str, rank: int, key: str) -> float:
-    """alpha / r (or alpha / sqrt(r) for rsLoRA) for the PEFT target `peft_name`.
+def lora_scale(file: str, config: dict[str, Any], target: str, rank: int, key: str) -> float:
+    """alpha / r (or alpha / sqrt(r) for rsLoRA) for the PEFT target `target`.
 
     The rank the config gives that target must equal the rank found in the tensor.
     """
-    r = pattern_value(config.get("rank_pattern") or {}, peft_name, config["r"])
-    alpha = pattern_value(config.get("alpha_pattern") or {}, peft_name, config.get("lora_alpha", r))
+    r = pattern_value(config.get("rank_pattern") or {}, target, config["r"])
+    alpha = pattern_value(config.get("alpha_pattern") or {}, target, config.get("lora_alpha", r))
     if r != rank:
         raise AdapterError(
             file,
             key,
             f"rank {rank} in the tensor",
-            f"rank {r} from adapter_config.json (r / rank_pattern for '{peft_name}')",
+            f"rank {r} from adapter_config.json (r / rank_pattern for '{target}')",
             "the config and the weights come from different adapters: save them together",
         )
     return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def module_factors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Non-expert tensors grouped by module: path -> {'A': [r, in], 'B': [out, r]}; entries
+    that are not LoRA factors (biases, embeddings, modules_to_save) are left out."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, sep, factor = key.rpartition(".lora_")
+        if sep and factor in ("A.weight", "B.weight") and t.dim() == 2:
+            out.setdefault(module, {})[factor[0]] = t
+    return out
+
+
+def check_module_rank(
+    file: str, config: dict[str, Any], module: str, factors: dict[str, torch.Tensor]
+) -> None:
+    """A non-expert module's factors (A [r, in], B [out, r], e.g. attention) must have the
+    rank adapter_config.json gives that module (r / rank_pattern): PEFT builds its layer
+    from the config and would fail on the copy, after the adapter was half applied. The
+    key field names the module."""
+    name = peft_name(module)
+    r = pattern_value(config.get("rank_pattern") or {}, name, config["r"])
+    ranks = {k: t.shape[0] if k == "A" else t.shape[1] for k, t in sorted(factors.items())}
+    if any(rank != r for rank in ranks.values()):
+        shapes = ", ".join(f"lora_{k} {list(factors[k].shape)}" for k in ranks)
+        raise AdapterError(
+            file,
+            module,
+            f"rank {'/'.join(str(v) for v in dict.fromkeys(ranks.values()))} in {shapes}",
+            f"rank {r} from adapter_config.json (r / rank_pattern for '{name}')",
+            "the config and the weights come from different adapters: save them together",
+        )
+
+
+def zero_alphas(config: dict[str, Any]) -> list[str]:
+    """The config fields whose alpha is 0 ('lora_alpha', "alpha_pattern['q_proj']"): the
+    modules they scale serve as the base model."""
+    out = ["lora_alpha"] if config.get("lora_alpha", config["r"]) == 0 else []
+    patterns = config.get("alpha_pattern") or {}
+    return out + [f"alpha_pattern[{k!r}]" for k, v in patterns.items() if v == 0]
 
 
 def check_tensor(file: str, key: str, t: torch.Tensor) -> None:
@@ -91,7 +136,9 @@ def check_tensor(file: str, key: str, t: torch.Tensor) -> None:
             "float32, float16 or bfloat16",
             "save LoRA factors as floats",
         )
-    if not torch.isfinite(t).all():
+    # The sum is finite when every value is (a NaN or Inf makes it NaN or Inf): a scalar
+    # instead of temporaries the size of t; only an overflowing sum needs the full look.
+    if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
         bad = int((~torch.isfinite(t)).sum())
         raise AdapterError(
             file, key, f"{bad} NaN/Inf values", "finite values", "the adapter diverged in training"

@@ -1,0 +1,210 @@
+"""The scheduler: one background thread drives Engine.step(); requests from any thread.
+
+A request is submitted with a sink (a callable the scheduler thread calls with each item for
+it: Accepted or Refused first, then the engine's TokenEvents). The thread checks it
+(Engine.check: a request that can never run is refused at once), queues it FIFO and adds the
+head of the queue whenever Engine.admissible() says it runs at the next step; a request that
+must wait (no free row, every adapter slot held by other adapters' rows) waits, it is never
+refused for it. Rows join at the next step and leave when they finish (continuous batching).
+The engine is touched by this thread only (it is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import MoeloraError
+from .metrics import Metrics
+
+log = logging.getLogger("moelora.serve")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The request passed Engine.check and is queued (it runs when a row and slot free)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The request never ran, or stopped without its tokens: `error` says why."""
+
+    request_id: str
+    error: Exception
+
+
+Sink = Callable[[object], None]
+
+
+@dataclass
+class _Ticket:
+    request: object  # moelora.hf.engine.Request
+    sink: Sink
+    submitted: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    finish_as: str | None = None  # the reason the metrics count when it was cancelled
+
+
+class Scheduler:
+    """Drives `engine` (moelora.hf.engine.Engine's API) from its own thread; see module doc."""
+
+    def __init__(self, engine, metrics: Metrics | None = None, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.idle_wait_s = idle_wait_s  # how long an idle thread sleeps between inbox checks
+        self._cond = threading.Condition()
+        self._inbox: list[_Ticket] = []  # submitted, not yet checked (under _cond)
+        self._cancels: dict[str, str] = {}  # request id -> reason counted (under _cond)
+        self._waiting: collections.deque[_Ticket] = collections.deque()  # checked, FIFO
+        self._running: dict[str, _Ticket] = {}
+        self._accepting = True
+        self._deadline: float | None = None  # set by stop(): cancel what still runs then
+        self._thread = threading.Thread(target=self._loop, name="moelora-scheduler", daemon=True)
+
+    # ---- any thread -------------------------------------------------------------------------
+
+    def start(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    def submit(self, request, sink: Sink) -> None:
+        """Queue `request`; `sink` gets Accepted or Refused, then its TokenEvents."""
+        with self._cond:
+            if not self._accepting:
+                sink(Refused(request.request_id, RuntimeError("the server is shutting down")))
+                return
+            self._inbox.append(_Ticket(request, sink))
+            self._cond.notify()
+
+    def cancel(self, request_id: str, finish_reason: str = "cancelled") -> None:
+        """Stop a request (a client left; "stop": a stop string ended its text): its row is
+        freed at the next step; the metrics count it under `finish_reason`."""
+        with self._cond:
+            self._cancels[request_id] = finish_reason
+            self._cond.notify()
+
+    @property
+    def queued(self) -> int:
+        """Requests accepted or submitted that wait for a row or a slot."""
+        return len(self._waiting) + len(self._inbox)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Stop accepting; running rows finish for up to `grace_s`, then are cancelled;
+        requests still queued are refused. Returns when the thread has ended."""
+        with self._cond:
+            self._accepting = False
+            self._deadline = time.monotonic() + grace_s
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ---- the scheduler thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            inbox, cancels, stopping = self._take()
+            self._check(inbox)
+            self._cancel(cancels)
+            if stopping:
+                self._shutdown_step()
+            self._admit()
+            if self.engine.has_work:
+                self._step()
+            elif stopping and not self._waiting:
+                return
+
+    def _take(self) -> tuple[list[_Ticket], dict[str, str], bool]:
+        with self._cond:
+            if not self._inbox and not self._cancels and not self.engine.has_work:
+                if self._deadline is None:
+                    self._cond.wait(self.idle_wait_s)
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, {}
+            return inbox, cancels, self._deadline is not None
+
+    def _check(self, inbox: list[_Ticket]) -> None:
+        for ticket in inbox:
+            try:
+                self.engine.check(ticket.request)
+            except MoeloraError as err:
+                self._send(ticket, Refused(ticket.request.request_id, err))
+                continue
+            self._send(ticket, Accepted(ticket.request.request_id))
+            self._waiting.append(ticket)
+
+    def _cancel(self, cancels: dict[str, str]) -> None:
+        for request_id, reason in cancels.items():
+            if request_id in self._running:
+                self._running[request_id].finish_as = reason
+                self.engine.cancel(request_id)  # its cancelled event comes from step()
+                continue
+            for ticket in list(self._waiting):
+                if ticket.request.request_id == request_id:
+                    self._waiting.remove(ticket)
+                    self.metrics.finished(reason)
+                    self._send(ticket, Refused(request_id, RuntimeError("cancelled")))
+
+    def _shutdown_step(self) -> None:
+        """While stopping: queued requests are refused; past the deadline, rows cancelled."""
+        while self._waiting:
+            ticket = self._waiting.popleft()
+            self._send(ticket, Refused(ticket.request.request_id, RuntimeError("shutting down")))
+        if time.monotonic() > self._deadline:
+            for request_id in self._running:
+                self.engine.cancel(request_id)
+
+    def _admit(self) -> None:
+        """FIFO: add the head while the engine says it runs at the next step. A request
+        whose adapter was unloaded while it waited is refused (admissible / add raise)."""
+        while self._waiting:
+            ticket = self._waiting[0]
+            try:
+                if self.engine.admissible(ticket.request) is not None:
+                    break
+                self.engine.add(ticket.request)
+            except MoeloraError as err:
+                self._waiting.popleft()
+                self._send(ticket, Refused(ticket.request.request_id, err))
+                continue
+            self._waiting.popleft()
+            self._running[ticket.request.request_id] = ticket
+        self.metrics.set_load(queued=self.queued, running=len(self._running))
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as err:  # a fault of the engine: every running request hears it
+            log.exception("engine step failed; its running requests are ended")
+            for request_id, ticket in self._running.items():
+                self.engine.cancel(request_id)
+                self._send(ticket, Refused(request_id, err))
+            self._running.clear()
+            return
+        now = time.perf_counter()
+        for event in events:
+            ticket = self._running.get(event.request_id)
+            if ticket is None:
+                continue
+            if event.token_id >= 0:
+                self.metrics.token(now - (ticket.last_token or ticket.submitted), ticket.last_token)
+                ticket.last_token = now
+            if event.finished:
+                del self._running[event.request_id]
+                self.metrics.finished(ticket.finish_as or event.finish_reason or "stop")
+            self._send(ticket, event)
+
+    def _send(self, ticket: _Ticket, item: object) -> None:
+        try:
+            ticket.sink(item)
+        except Exception:  # a sink whose client has gone (its event loop closed): drop it
+            log.debug("dropped an item for %s", ticket.request.request_id, exc_info=True)

@@ -1,0 +1,67 @@
+"""The model-level benchmark (moelora.bench.model_level): its directly written adapter files
+have PEFT's own keys and shapes and load to the factors PEFT's save_pretrained files give,
+and a tiny CPU run reports every configuration with sane numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moelora.bench import model_level as ml
+from moelora.hf.toy import write_peft_adapter
+
+SMALL = ml.Shape(2, vocab=256, hidden=64, inter=32, experts=8, top_k=2, heads=4, kv_heads=2,
+                 head_dim=16)  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", [False, True], ids=["experts-only", "with-qkvo"])
+def test_written_adapter_has_peft_layout(tmp_path, attention):
+    """Same keys and shapes as PEFT 0.21's save_pretrained for the same targets."""
+    model = ml.build_model(SMALL, "cpu", torch.float32)
+    mine = load_file(str(ml.write_adapter(tmp_path / "mine", SMALL, 4, attention, seed=3)
+                         / "adapter_model.safetensors"))  # fmt: skip
+    targets = list(ml.ATTENTION) if attention else []
+    write_peft_adapter(model, tmp_path / "peft", seed=1, r=4, lora_alpha=8,
+                       target_modules=targets,
+                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    theirs = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert {k: list(v.shape) for k, v in mine.items()} == {
+        k: list(v.shape) for k, v in theirs.items()
+    }
+    assert all(v.abs().sum() > 0 for v in mine.values())  # random, never a no-op adapter
+
+
+def test_written_adapter_loads(tmp_path):
+    from moelora.config import from_hf
+    from moelora.lora import load_adapter
+
+    path = ml.write_adapter(tmp_path / "a", SMALL, 4, False, seed=5)
+    adapter = load_adapter(path, from_hf(SMALL.hf_config().to_dict()), 8)
+    assert sorted(adapter.layers) == [0, 1] and adapter.rank == 4
+
+
+def test_step_bytes_counts_touched_experts():
+    model = ml.build_model(SMALL, "cpu", torch.float32)
+    one, many = ml.step_bytes(model, SMALL, 1, 16), ml.step_bytes(model, SMALL, 512, 16)
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".mlp.experts." in n)
+    # batch 1 reads K of E experts; a huge batch reads all of them (plus its KV cache)
+    assert one < many and experts * SMALL.top_k / SMALL.experts < one
+
+
+def test_tiny_cpu_run_reports_every_config(tmp_path):
+    out = tmp_path / "rows.json"
+    rows = ml.main(["--small", "--layers", "2", "--batches", "1,3", "--prompt", "6", "--new",
+                    "4", "--repeats", "1", "--adapters", "2", "--attention-adapters", "1",
+                    "--rank", "4", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert {(r["config"], r["batch"]) for r in decode} == {
+        (c, b) for c in ("hf_eager", "moelora_experts", "moelora_attention") for b in (1, 3)
+    }
+    for r in decode:
+        assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["prefill_tok_s"] > 0
+    start = next(r for r in rows if r["kind"] == "startup")
+    assert start["adapters"] == ["e0", "e1", "q0"]
+    assert json.loads(out.read_text()) == rows

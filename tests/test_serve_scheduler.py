@@ -1,0 +1,216 @@
+"""The scheduler against a scripted engine double (the engine contract, no model): FIFO
+admission held while admissible() says wait and never refused for it, check() refusals,
+cancellation of queued and running requests, stop() finishing then cancelling rows."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from moelora.errors import InputError
+from moelora.hf.engine import Request, Sampling, TokenEvent
+from moelora.serve.scheduler import Accepted, Refused, Scheduler
+
+
+class ScriptedEngine:
+    """Token i of a request is hash(request_id, i) % 1000; `slots` distinct adapters at once;
+    `gate` (an Event) blocks step() so a test can hold rows running."""
+
+    def __init__(self, rows: int, slots: int, max_len: int = 64) -> None:
+        self.rows, self.slots, self.max_len = rows, slots, max_len
+        self.running_rows: dict[str, list] = {}
+        self.pending: list = []
+        self.cancelled: set[str] = set()
+        self.added: list[str] = []
+        self.most_adapters = 0
+        self.unloaded: set[str] = set()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def check(self, r) -> None:
+        if len(r.prompt_ids) + r.sampling.max_new_tokens > self.max_len:
+            raise InputError("prompt + max_new_tokens", len(r.prompt_ids), f"<= {self.max_len}")
+
+    def _live(self):
+        return [*self.running_rows.values(), *self.pending]
+
+    def admissible(self, r) -> str | None:
+        if r.adapter in self.unloaded:  # as the engine's slot_key does for a name gone
+            raise InputError("adapter", repr(r.adapter), "a loaded adapter")
+        if len(self._live()) >= self.rows:
+            return "no free row"
+        held = {row[0].adapter for row in self._live()} | {r.adapter}
+        return "no slot" if len(held - {None}) > self.slots else None
+
+    def add(self, r) -> None:
+        self.added.append(r.request_id)
+        self.pending.append([r, 0])
+
+    def cancel(self, rid: str) -> None:
+        self.cancelled.add(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._live() or self.cancelled)
+
+    @property
+    def running(self) -> int:
+        return len(self.running_rows)
+
+    def step(self) -> list:
+        self.gate.wait(30)
+        for row in self.pending:
+            self.running_rows[row[0].request_id] = row
+        self.pending = []
+        adapters = {row[0].adapter for row in self.running_rows.values()} - {None}
+        self.most_adapters = max(self.most_adapters, len(adapters))
+        events = []
+        for rid in self.cancelled & set(self.running_rows):
+            del self.running_rows[rid]
+            events.append(TokenEvent(rid, -1, True, "cancelled"))
+        self.cancelled.clear()
+        for rid, row in list(self.running_rows.items()):
+            row[1] += 1
+            done = row[1] >= row[0].sampling.max_new_tokens
+            if done:
+                del self.running_rows[rid]
+            events.append(TokenEvent(rid, token(rid, row[1]), done, "length" if done else None))
+        return events
+
+
+def token(rid: str, i: int) -> int:
+    return hash((rid, i)) % 1000
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.items: dict[str, list] = {}
+        self.done = threading.Event()
+        self.expected = 0
+        self._lock = threading.Lock()
+
+    def sink(self, rid: str):
+        def put(item):
+            with self._lock:
+                self.items.setdefault(rid, []).append(item)
+                if isinstance(item, Refused) or getattr(item, "finished", False):
+                    self.expected -= 1
+                    if self.expected == 0:
+                        self.done.set()
+
+        return put
+
+
+def request(rid: str, adapter: str | None, new: int) -> Request:
+    return Request(rid, (1, 2, 3), adapter, Sampling(max_new_tokens=new))
+
+
+CASES = [
+    # (id, rows, slots, requests, adapters): the edge each covers
+    ("more-adapters-than-slots", 8, 2, 24, 6),  # requests wait for a slot, never refused
+    ("more-requests-than-rows", 3, 8, 20, 4),  # requests wait for a row
+    ("one-row-one-slot", 1, 1, 6, 3),  # strictly one at a time
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_request_runs_in_fifo_order_and_none_is_refused(case, seed):
+    _, rows, slots, count, adapters = case
+    rng = random.Random(seed)
+    engine = ScriptedEngine(rows, slots)
+    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    got = Collector()
+    got.expected = count
+    reqs = [request(f"r{i}", rng.choice([None, *range(adapters)]), rng.randrange(1, 6))
+            for i in range(count)]  # fmt: skip
+    for r in reqs:
+        scheduler.submit(r, got.sink(r.request_id))
+    assert got.done.wait(30)
+    scheduler.stop()
+    assert engine.added == [r.request_id for r in reqs]  # FIFO admission
+    assert engine.most_adapters <= slots
+    for r in reqs:
+        items = got.items[r.request_id]
+        assert isinstance(items[0], Accepted)
+        want = [token(r.request_id, i) for i in range(1, r.sampling.max_new_tokens + 1)]
+        assert [e.token_id for e in items[1:]] == want
+        assert items[-1].finished and items[-1].finish_reason == "length"
+
+
+def test_a_request_that_can_never_run_is_refused_at_once():
+    engine = ScriptedEngine(rows=2, slots=2, max_len=8)
+    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    got = Collector()
+    got.expected = 2
+    scheduler.submit(request("long", None, 6), got.sink("long"))  # 3 + 6 > 8
+    scheduler.submit(request("ok", None, 2), got.sink("ok"))
+    assert got.done.wait(30)
+    scheduler.stop()
+    refused = got.items["long"]
+    assert len(refused) == 1 and isinstance(refused[0], Refused) and "8" in str(refused[0].error)
+    assert got.items["ok"][-1].finish_reason == "length"
+
+
+def test_cancel_frees_a_running_row_and_drops_a_queued_request():
+    engine = ScriptedEngine(rows=1, slots=1)
+    engine.gate.clear()  # hold the first step: "run" stays running, "queued" waits
+    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    got = Collector()
+    got.expected = 2
+    scheduler.submit(request("run", "a", 50), got.sink("run"))
+    scheduler.submit(request("queued", "b", 50), got.sink("queued"))
+    for _ in range(3000):  # bounded: until "run" is added and its step blocked on the gate
+        if engine.added:
+            break
+        threading.Event().wait(0.01)
+    assert engine.added == ["run"]
+    scheduler.cancel("run")
+    scheduler.cancel("queued")
+    engine.gate.set()
+    assert got.done.wait(30)
+    scheduler.stop()
+    assert got.items["run"][-1].finish_reason == "cancelled"
+    assert len(got.items["run"]) < 50  # freed, not run to its length
+    assert isinstance(got.items["queued"][-1], Refused) and "queued" not in engine.added
+
+
+def test_stop_finishes_running_rows_within_grace_then_cancels():
+    engine = ScriptedEngine(rows=4, slots=4, max_len=2 * 10**9)
+    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    got = Collector()
+    got.expected = 2
+    scheduler.submit(request("short", None, 3), got.sink("short"))
+    scheduler.submit(request("endless", None, 10**9), got.sink("endless"))
+    threading.Timer(0.2, scheduler.stop, kwargs={"grace_s": 0.3}).start()
+    assert got.done.wait(30)
+    assert got.items["short"][-1].finish_reason == "length"
+    assert got.items["endless"][-1].finish_reason == "cancelled"
+    late = Collector()
+    late.expected = 1
+    scheduler.submit(request("late", None, 1), late.sink("late"))
+    assert isinstance(late.items["late"][0], Refused)
+
+
+def test_a_queued_request_whose_adapter_was_unloaded_is_refused():
+    engine = ScriptedEngine(rows=1, slots=1)
+    engine.gate.clear()  # "first" holds the only row; "second" waits behind it
+    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    got = Collector()
+    got.expected = 3
+    for rid, adapter in (("first", "a"), ("second", "b"), ("third", None)):
+        scheduler.submit(request(rid, adapter, 2), got.sink(rid))
+    for _ in range(3000):  # bounded: until "first" is added and its step blocked on the gate
+        if engine.added:
+            break
+        threading.Event().wait(0.01)
+    engine.unloaded.add("b")  # unloaded while "second" waits
+    engine.gate.set()
+    assert got.done.wait(30)
+    scheduler.stop()
+    refused = got.items["second"][-1]
+    assert isinstance(refused, Refused) and "'b'" in str(refused.error)
+    assert got.items["first"][-1].finish_reason == "length"
+    assert got.items["third"][-1].finish_reason == "length"  # the queue went on behind it
+    assert engine.added == ["first", "third"]
