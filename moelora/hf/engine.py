@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, InputError
 from . import batch, decode_graphs
+from . import graphs as layer_graphs
 from .engine_support import engine_support
 from .handle import AdapterHold, MoELoRAModel
 from .kv_cache import RowCache, plan_decode, plan_prefill
@@ -303,7 +304,8 @@ class Engine:
         return self._forward(self._ids[:width], positions, masks, rows)
 
     def _graph_step(self, width: int, modules: frozenset[str]) -> Tensor:
-        return self._decode_step(width, self.max_len, modules)
+        with layer_graphs.inline():  # the whole step is graphed: no per-layer graphs in it
+            return self._decode_step(width, self.max_len, modules)
 
     # ---- tokens -----------------------------------------------------------------------------
 
