@@ -108,7 +108,20 @@ class Engine:
         self.graphs = (
             decode_graphs.DecodeGraphs(self.max_rows, self._graph_step) if use_graphs else None
         )
-        self._prefill_tokens([0], row=0, hold=self._base)  # allocates every layer's cache
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """A one-token prefill into row 0 allocates every layer's cache (shapes as the model
+        gives them); a cache larger than the device's memory is refused, named."""
+        try:
+            self._prefill_tokens([0], row=0, hold=self._base)
+        except torch.OutOfMemoryError:
+            self._base.release()
+            raise ConfigError(
+                "max_rows x max_len", f"{self.max_rows} x {self.max_len}",
+                "a KV cache that fits in the device's free memory",
+                "pass a smaller max_len (default: the model's max positions) or max_rows",
+            ) from None  # fmt: skip
 
     def _static_buffers(self) -> None:
         """What a decode step reads, kept as the same tensors for CUDA graphs: token ids [N, 1],
