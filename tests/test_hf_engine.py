@@ -13,7 +13,7 @@ from engine_helpers import LogitsLog, greedy_alone, run_all, truth_logits
 from hf_models import build_family, prompts
 
 from moelora.compare import assert_close
-from moelora.errors import InputError
+from moelora.errors import ConfigError, InputError
 from moelora.hf import attach, toy
 from moelora.hf.engine import Engine, Request, Sampling
 
@@ -218,3 +218,18 @@ def test_same_length_prompts_prefill_in_one_forward(qwen, seed, monkeypatch):
         prompt = torch.tensor(requests[i].prompt_ids)
         assert got[f"r{i}"] == (greedy_alone(qwen.truth(name), prompt, NEW), "length"), i
     engine.close()
+
+
+def test_a_cache_too_large_is_refused_named(qwen, monkeypatch):
+    """Out of device memory at the cache's allocation: ConfigError naming max_rows x max_len
+    and the fix; the engine's hold on the banks is released."""
+    from moelora.hf import kv_cache
+
+    def no_memory(self, key_states, value_states):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    handle = _attached(qwen)
+    monkeypatch.setattr(kv_cache.RowLayer, "lazy_initialization", no_memory)
+    with pytest.raises(ConfigError, match=r"max_rows x max_len.*'8 x 4096'.*smaller max_len"):
+        Engine(handle, max_rows=8, max_len=4096, enforce_eager=True)
+    assert not handle._manager._leases.busy()

@@ -13,6 +13,7 @@ from hf_models import build_family
 
 from moelora.errors import InputError
 from moelora.hf import attach, decode_graphs
+from moelora.hf import graphs as layer_graphs
 from moelora.hf.engine import Engine, Request, Sampling
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -126,6 +127,14 @@ def test_graph_decode_buckets_padding_and_tokens(qwen, seed, monkeypatch):
 def test_warmup_captures_every_bucket_largest_first(qwen, seed, monkeypatch):
     stand_in = StandIn(monkeypatch)
     engine = _engine(qwen, stand_in, max_rows=6)
+    inline = []  # per forward: (decode?, were the layers' own graphs off?)
+    forward = Engine._forward
+
+    def spy(self, ids, positions, masks, rows):
+        inline.append((ids.shape[1] == 1, getattr(layer_graphs._inline, "on", False)))
+        return forward(self, ids, positions, masks, rows)
+
+    monkeypatch.setattr(Engine, "_forward", spy)
     engine.add(Request("x", _prompt(seed, 4), None, Sampling(max_new_tokens=2)))
     with pytest.raises(InputError, match="running"):
         engine.warmup()
@@ -138,4 +147,7 @@ def test_warmup_captures_every_bucket_largest_first(qwen, seed, monkeypatch):
     )
     want = greedy_alone(qwen.truth("fused-r8"), torch.tensor(_prompt(seed + 1, 5)), 4)
     assert got["y"] == (want, "length") and stand_in.captured == [1, 6, 4, 2]
+    # graphed decode steps run the layers inline (no per-layer graphs inside a step graph)
+    assert {on for decode, on in inline if decode} == {True}
+    assert {on for decode, on in inline if not decode} == {False}
     engine.close()

@@ -88,3 +88,30 @@ def test_bounded_and_per_thread(cache):
 def test_not_used_on_cpu():
     layer = graphs.LayerGraphs(max_tokens=8)
     assert not layer.usable(torch.randn(4, 4))  # a CPU tensor
+
+
+class _CudaLike:
+    """Stands for a CUDA tensor of T rows: usable() reads is_cuda and shape only."""
+
+    is_cuda = True
+
+    def __init__(self, tokens: int) -> None:
+        self.shape = (tokens, 4)
+
+
+def test_inline_turns_layer_graphs_off_in_this_thread_only(monkeypatch):
+    """The decode engine graphs whole steps: inside inline() no layer graph is used (its
+    warm-up run would capture graphs no one replays); other threads and after: as before."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
+    layer = graphs.LayerGraphs(max_tokens=8)
+    assert layer.usable(_CudaLike(4)) and not layer.usable(_CudaLike(9))
+    seen = []
+    with graphs.inline():
+        assert not layer.usable(_CudaLike(4))
+        with graphs.inline():  # nested: still off, and restored only by the outer block
+            pass
+        assert not layer.usable(_CudaLike(4))
+        worker = threading.Thread(target=lambda: seen.append(layer.usable(_CudaLike(4))))
+        worker.start()
+        worker.join()
+    assert seen == [True] and layer.usable(_CudaLike(4))

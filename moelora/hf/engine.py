@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, InputError
 from . import batch, decode_graphs
+from . import graphs as layer_graphs
 from .engine_support import engine_support
 from .handle import AdapterHold, MoELoRAModel
 from .kv_cache import RowCache, plan_decode, plan_prefill
@@ -107,7 +108,20 @@ class Engine:
         self.graphs = (
             decode_graphs.DecodeGraphs(self.max_rows, self._graph_step) if use_graphs else None
         )
-        self._prefill_tokens([0], row=0, hold=self._base)  # allocates every layer's cache
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """A one-token prefill into row 0 allocates every layer's cache (shapes as the model
+        gives them); a cache larger than the device's memory is refused, named."""
+        try:
+            self._prefill_tokens([0], row=0, hold=self._base)
+        except torch.OutOfMemoryError:
+            self._base.release()
+            raise ConfigError(
+                "max_rows x max_len", f"{self.max_rows} x {self.max_len}",
+                "a KV cache that fits in the device's free memory",
+                "pass a smaller max_len (default: the model's max positions) or max_rows",
+            ) from None  # fmt: skip
 
     def _static_buffers(self) -> None:
         """What a decode step reads, kept as the same tensors for CUDA graphs: token ids [N, 1],
@@ -160,14 +174,10 @@ class Engine:
         """None when add(request) would run at the next step; else why it must wait."""
         if len(self._rows) >= self.max_rows:
             return f"no free row ({self.max_rows} requests running)"
-        key = self.handle.slot_key(request.adapter)
-        held = {r.hold.slot for r in self._rows.values() if r.hold.slot >= 0}
-        if key is not None and len(held) >= self.handle.max_loras:
-            mine = {
-                r.hold.slot for r in self._rows.values() if self.handle.slot_key(r.hold.name) == key
-            }
-            if not mine:
-                return f"every adapter slot ({self.handle.max_loras}) is held by running requests"
+        key = self.handle.slot_key(request.adapter)  # the version add() would hold
+        held = {r.hold.key for r in self._rows.values()} - {None}
+        if key is not None and key not in held and len(held) >= self.handle.max_loras:
+            return f"every adapter slot ({self.handle.max_loras}) is held by running requests"
         return None
 
     def add(self, request: Request) -> None:
@@ -307,7 +317,8 @@ class Engine:
         return self._forward(self._ids[:width], positions, masks, rows)
 
     def _graph_step(self, width: int, modules: frozenset[str]) -> Tensor:
-        return self._decode_step(width, self.max_len, modules)
+        with layer_graphs.inline():  # the whole step is graphed: no per-layer graphs in it
+            return self._decode_step(width, self.max_len, modules)
 
     # ---- tokens -----------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,22 @@ CAPTURE_AT_CALL = 2
 # Graphs kept per layer (least recently used dropped, freeing its memory pool): a generate
 # call uses one decode T; a few batch sizes in turn stay captured.
 MAX_GRAPHS = 16
+
+
+_inline = threading.local()
+
+
+@contextmanager
+def inline() -> Iterator[None]:
+    """Every layer runs inline in this thread for the block: the caller graphs the whole
+    step (the decode engine). Its warm-up run before a capture is not capturing, and would
+    otherwise capture per-layer graphs that no one replays."""
+    previous = getattr(_inline, "on", False)
+    _inline.on = True
+    try:
+        yield
+    finally:
+        _inline.on = previous
 
 
 @dataclass
@@ -53,6 +70,7 @@ class LayerGraphs:
             x.is_cuda
             and 0 < x.shape[0] <= self.max_tokens
             and not torch.cuda.is_current_stream_capturing()
+            and not getattr(_inline, "on", False)
         )
 
     def run(self, forward: Callable[..., Tensor], *inputs: Tensor, bank_key: int) -> Tensor:

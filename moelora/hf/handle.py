@@ -54,6 +54,7 @@ class AdapterHold:
     indexes; release() exactly once."""
 
     name: str | None
+    key: str | None  # the version's slot-manager name (None: no expert factors)
     slot: int
     experts: bool
     modules: frozenset[str]
@@ -364,6 +365,7 @@ class MoELoRAModel:
 
         return AdapterHold(
             name,
+            None if version is None else version.internal,
             int(slots[0]),
             experts=version is not None and version.experts,
             modules=frozenset(version.modules) if version is not None else frozenset(),
