@@ -137,7 +137,7 @@ def serve_child(args: argparse.Namespace) -> int:
     import transformers
 
     from moelora.cli import build_parser
-    from moelora.commands import serve
+    from moelora.serve.launch import run
 
     argv = json.loads(args.child)
     serve_args = build_parser().parse_args(["serve", *argv])
@@ -151,7 +151,7 @@ def serve_child(args: argparse.Namespace) -> int:
         for name, p in model.named_parameters():
             if "experts" in name:
                 p.normal_(0, p.shape[-1] ** -0.5)
-    return serve.run(serve_args, model=model.eval())
+    return run(serve_args, model=model.eval())
 
 
 def start_server(args: argparse.Namespace, work: Path, names: list[str]) -> subprocess.Popen:
@@ -227,6 +227,18 @@ async def level(url: str, names: list[str | None], concurrency: int, count: int,
     return summary(results, elapsed)
 
 
+async def warm(url: str, names: list[str | None], args) -> None:
+    """One short request per adapter of `names`, so a pool that fits the slots is loaded
+    before its level is timed (the previous level may have left other adapters there)."""
+    import httpx2 as httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        for name in names:
+            body = {"model": name or "base", "prompt": [1, 2, 3], "max_tokens": 2,
+                    "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            await one(client, url, body)
+
+
 def summary(results: list[dict], elapsed: float) -> dict:
     def pct(values, q):
         values = sorted(values)
@@ -272,6 +284,8 @@ def measure(args: argparse.Namespace, url: str, names: list[str], rows: list[dic
         base = None
         for scenario in args.scenarios.split(","):
             pool = [None] if scenario == "base" else names[: int(scenario)]
+            if len(pool) <= args.max_loras:  # steady state: a pool that fits is in the slots
+                asyncio.run(warm(url, pool, args))
             row = {"scenario": scenario, "concurrency": concurrency,
                    **asyncio.run(level(url, pool, concurrency, count, args, rng))}  # fmt: skip
             base = row["output_tok_s"] if scenario == "base" else base

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
-from .serve import add_model_flags, start
+from ..serve.launch import start
+from .serve import add_model_flags
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
