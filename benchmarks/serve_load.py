@@ -279,6 +279,9 @@ def measure(args: argparse.Namespace, url: str, names: list[str], rows: list[dic
     """Every (concurrency, scenario) level, appended to `rows` (and saved) as it ends."""
     rng = random.Random(0)
     asyncio.run(level(url, [None, *names[:8]], 8, 16, args, rng))  # warm-up: slots, allocator
+    # every name read from its directory once (a running server's host cache): a level's
+    # slot misses are then host-to-device copies, not file reads
+    asyncio.run(warm(url, names, args))
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         count = args.requests or max(8, 4 * concurrency)
         base = None
