@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .backends.base import Backend
+from .comm import LoRAComm
 from .config import AddInputs
 from .deployment import Deployment, LoRASharding
 from .errors import InputError
@@ -26,9 +26,6 @@ from .layer_checks import (
 )
 from .oracle import Selection, select
 from .weights import ExpertWeights, LoRABank
-
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from .parallel import LoRAComm
 
 
 class MoELoRALayer:

@@ -16,7 +16,6 @@ routing; each computes its share and one all-reduce over the world finishes the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -112,25 +111,8 @@ def local_topk_ids(topk_ids: Tensor, num_experts: int, layout: RankLayout) -> Te
     return torch.where((local >= 0) & (local < per_rank), local, -1).to(topk_ids.dtype)
 
 
-class LoRAComm(Protocol):
-    """Fully sharded LoRA's collectives over the tensor-parallel group (SPEC.md): gate/up A is
-    split on the rank, down A on I and down B on H. `DistComm` below implements it; the
-    backends and the reference take one (they name it in annotations only, so nothing
-    below this module imports it at run time)."""
-
-    hidden_offset: int  # first column of this rank's H slice of the down-B output
-
-    def gather_rank(self, u: Tensor) -> Tensor:
-        """[N, R/tp] per rank -> [N, R], ranks in order (all-gather on the last dim)."""
-        ...
-
-    def reduce_rank(self, v: Tensor) -> Tensor:
-        """[N, R] partial sums over the I shards -> their sum on every rank (all-reduce)."""
-        ...
-
-
 class DistComm:
-    """LoRAComm over a torch.distributed TP group (fully sharded LoRA)."""
+    """LoRAComm (comm.py) over a torch.distributed TP group (fully sharded LoRA)."""
 
     def __init__(self, layout: RankLayout, hidden_size: int, group) -> None:
         self.tp, self.group = layout.tp, group

@@ -5,16 +5,12 @@ Every test, benchmark, the CLI and the `reference` backend import `moe_lora_refe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .activations import apply_activation, split_gate_up
+from .comm import LoRAComm
 from .config import MoEShape
 from .weights import ExpertWeights, LoRABank
-
-if TYPE_CHECKING:  # annotations only: the protocol lives beside its collectives
-    from .parallel import LoRAComm
 
 
 def _join_gate_up(shape: MoEShape, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

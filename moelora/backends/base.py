@@ -7,18 +7,16 @@ listed once in registry.py. Backends never choose a backend: only moelora.oracle
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from ..comm import LoRAComm
 from ..config import AddInputs, MoEShape
 from ..weights import ExpertWeights, LoRABank
 from .capabilities import Capabilities, Gating, Reason
 from .checks import CHECKS, check, check_table
-
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from ..parallel import LoRAComm
 
 __all__ = [
     "CHECKS",

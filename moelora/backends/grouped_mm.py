@@ -7,12 +7,11 @@ contribute zero. Legend: T tokens, K top-k, N = T*K pairs, H hidden, I_p interme
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from ..activations import apply_activation, split_gate_up
+from ..comm import LoRAComm
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..errors import InputError
@@ -29,8 +28,6 @@ VALIDATED_ON = (
                "benchmarks/results/h200_7fff9c4_validate_grouped_mm_quick.log"),
 )  # fmt: skip
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from ..parallel import LoRAComm
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),

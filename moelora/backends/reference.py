@@ -5,10 +5,9 @@ Slow (a Python loop over experts, fp32) and exact: the ground truth, on any devi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 
+from ..comm import LoRAComm
 from ..config import AddInputs, MoEShape
 from ..reference import moe_lora_reference
 from ..weights import ExpertWeights, LoRABank
@@ -24,9 +23,6 @@ from .capabilities import (
     Capabilities,
     Validation,
 )
-
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from ..parallel import LoRAComm
 
 # The ground truth is checked against an independent float64 loop and transformers' MoE
 # blocks (CPU, every commit), and it is the comparison side of every GPU validate run.

@@ -10,11 +10,10 @@ reason about it) on hosts without the triton package.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
+from ..comm import LoRAComm
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..device import gpu_limits, triton_interpreted
@@ -57,8 +56,6 @@ VALIDATED_ON = (
                "tests/test_kernels.py, tests/test_parallel.py"),
 )  # fmt: skip
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above the backends
-    from ..parallel import LoRAComm
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda", "cpu"}),

@@ -20,10 +20,10 @@ the down expand then writes its H/tp slice of columns. Both stay fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..comm import LoRAComm
 from ..config import MoEShape
 from ..tiling.geometry import expand_rank_block
 from ..tiling.plan import ForwardPlan, LoRAPath, TopKSum
@@ -39,9 +39,6 @@ from .lora_delta import lora_delta
 from .lora_shrink import lora_shrink
 from .side_stream import side_stream
 from .topk_reduce import topk_reduce
-
-if TYPE_CHECKING:  # annotations only: parallel.py sits above the kernels
-    from ..parallel import LoRAComm
 
 
 @dataclass(frozen=True)
