@@ -36,6 +36,7 @@ import torch
 
 from moelora.backends.triton import fused_moe_lora
 from moelora.bench.runner import commit, time_graph
+from moelora.call import MoECall
 from moelora.compare import compare
 from moelora.device import gpu_limits
 from moelora.inputs import build_experts, build_inputs, build_lora
@@ -166,7 +167,7 @@ class Layer:
         shape = self.model.shape
 
         def fwd(x, ids, w, slots):
-            return fused_moe_lora(x, ids, w, slots, self.experts, bank, shape, config=cfg)
+            return fused_moe_lora(MoECall(x, ids, w, slots, bank), self.experts, shape, config=cfg)
 
         static = tuple(t.clone() for t in self.sets[0])
         n = self.n

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .activations import Activation
+from .call import MoECall
 from .config import AddInputs, MoEShape, ParallelConfig
 from .deployment import Deployment
 from .errors import ConfigError
@@ -197,7 +198,9 @@ class ParallelMoELoRALayer:
         """Like MoELoRALayer.forward, with global topk_ids and this rank's bank shard."""
         ids = local_topk_ids(topk_ids, self.num_experts, self.layout)
         comm = self.comm if lora is not None else None
-        y = self.layer.forward(x, ids, topk_weights, token_slots, lora, lora_comm=comm)
+        weights_on_input = self.layer.deployment.routing.method.weights_on_input
+        call = MoECall(x, ids, topk_weights, token_slots, lora, weights_on_input, comm)
+        y = self.layer.run(call)
         self.reduce_output(y)
         if out is None:
             return y

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..activations import apply_activation, split_gate_up
-from ..comm import LoRAComm
+from ..call import MoECall
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..errors import InputError
@@ -115,37 +115,33 @@ class GroupedMMBackend:
 
     def forward(
         self,
-        x: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        token_slots: Tensor | None,
+        call: MoECall,
         experts: ExpertWeights,
-        lora: LoRABank | None,
         shape: MoEShape,
         *,
-        weights_on_input: bool = False,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
-        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
-        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs. lora_comm must
-        be None: fully sharded LoRA is refused by this backend's record."""
-        if lora_comm is not None:
+        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs. call.lora_comm
+        must be None: fully sharded LoRA is refused by this backend's record."""
+        if call.lora_comm is not None:
             raise InputError(
                 "lora_comm",
                 "a LoRAComm",
                 "None: grouped_mm does not run fully sharded LoRA "
                 "(use --moe-backend triton or reference, or drop --fully-sharded-loras)",
             )
+        x, topk_ids, topk_weights = call.x, call.topk_ids, call.topk_weights
+        lora = call.lora if call.has_lora else None
         num_experts, top_k = experts.w13.shape[0], topk_ids.shape[1]
         order, expert, offs, local = _sort_pairs(topk_ids, num_experts)
         token = order // top_k
         g = topk_weights.reshape(-1)[order].float().unsqueeze(1)
         rows = x[token]
-        if weights_on_input:
+        if call.weights_on_input:
             rows = (rows.float() * g).to(x.dtype)
         h = torch._grouped_mm(rows, experts.w13.transpose(1, 2), offs=offs).float()
-        key = self._lora_key(token_slots, token, expert, local, num_experts, lora)
+        key = self._lora_key(call.token_slots, token, expert, local, num_experts, lora)
         if experts.b13 is not None:
             h += experts.b13[expert.clamp(max=num_experts - 1)].float()
         if lora is not None:
@@ -159,7 +155,7 @@ class GroupedMMBackend:
             o += experts.b2[expert.clamp(max=num_experts - 1)].float()
         if lora is not None:
             o += _lora_delta(z, lora.w2_a, lora.w2_b, key, ranks)
-        o = o if weights_on_input else o * g
+        o = o if call.weights_on_input else o * g
         o = torch.where(local.unsqueeze(1), o, 0.0)  # rows past offs[-1] are not computed
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         return write_output(y.index_add_(0, token, o).to(x.dtype), out, add_inputs)

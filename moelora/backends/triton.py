@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..call import MoECall
 from ..comm import LoRAComm
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
@@ -102,50 +103,19 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _check_inputs(
-    x: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    token_slots: Tensor | None,
-    experts: ExpertWeights,
-    lora: LoRABank | None,
-    shape: MoEShape,
-    out: Tensor | None,
-) -> None:
-    tokens = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != experts.w13.shape[2]:
+def _check_inputs(call: MoECall, experts: ExpertWeights, out: Tensor | None) -> None:
+    """What the kernels need beyond the record's own checks: x's H that of the weights
+    (the bench, validate and the tune call backends without a layer), `out` like x, and on
+    the CPU the Triton interpreter. Metadata only."""
+    x = call.x
+    if x.shape[1] != experts.w13.shape[2]:
         raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {experts.w13.shape[2]}]")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != tokens:
-        raise InputError(
-            "topk_ids / topk_weights",
-            f"shapes {list(topk_ids.shape)} / {list(topk_weights.shape)}",
-            f"both [T = {tokens}, K]",
-        )
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise InputError("topk_ids", f"dtype {topk_ids.dtype}", "int32 (or int64)")
-    if token_slots is not None and token_slots.shape != (tokens,):
-        raise InputError("token_slots", f"shape {list(token_slots.shape)}", f"[T = {tokens}]")
-    if experts.w13.shape[1] != shape.w13_rows:
-        raise InputError(
-            "w13",
-            f"shape {list(experts.w13.shape)}",
-            f"[E, S*I = {shape.w13_rows}, H] for {shape.activation.value}",
-        )
-    if lora is not None and lora.w13_a.shape[2] != shape.activation.width_factor:
-        raise InputError(
-            "lora.w13_a",
-            f"shape {list(lora.w13_a.shape)}",
-            f"[L, E, S = {shape.activation.width_factor}, R, H]",
-        )
     if out is not None and out.shape != x.shape:
         raise InputError("out", f"shape {list(out.shape)}", f"{list(x.shape)} (like x)")
-    if x.device.type == "cpu":
-        if not triton_interpreted():
-            raise InputError(
-                "x",
-                "on cpu",
-                "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu",
-            )
+    if x.device.type == "cpu" and not triton_interpreted():
+        raise InputError(
+            "x", "on cpu", "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu"
+        )
 
 
 def _check_sharded_bank(lora: LoRABank | None, shape: MoEShape, comm: LoRAComm) -> None:
@@ -167,36 +137,19 @@ class TritonBackend:
 
     def forward(
         self,
-        x: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        token_slots: Tensor | None,
+        call: MoECall,
         experts: ExpertWeights,
-        lora: LoRABank | None,
         shape: MoEShape,
         *,
-        weights_on_input: bool = False,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
-        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
         """y [T, H] in x's dtype; see Backend.forward for out / add_inputs / lora_comm."""
-        _check_inputs(x, topk_ids, topk_weights, token_slots, experts, lora, shape, out)
-        if lora_comm is not None:
-            _check_sharded_bank(lora, shape, lora_comm)
-        return fused_moe_lora(
-            x,
-            topk_ids,
-            topk_weights,
-            token_slots,
-            experts,
-            lora,
-            shape,
-            weights_on_input=weights_on_input,
-            out=out,
-            add=out is not None and add_inputs is AddInputs.ADD,
-            lora_comm=lora_comm if lora is not None else None,
-        )
+        _check_inputs(call, experts, out)
+        if call.lora_comm is not None and call.lora is not None:
+            _check_sharded_bank(call.lora, shape, call.lora_comm)
+        add = out is not None and add_inputs is AddInputs.ADD
+        return fused_moe_lora(call, experts, shape, out=out, add=add)
 
 
 def forward_plan(
@@ -247,43 +200,23 @@ def forward_plan(
 
 
 def fused_moe_lora(
-    x: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    token_slots: Tensor | None,
+    call: MoECall,
     experts: ExpertWeights,
-    lora: LoRABank | None,
     shape: MoEShape,
     *,
-    weights_on_input: bool = False,
     out: Tensor | None = None,
     add: bool = False,
     config: TileConfig | None = None,
-    lora_comm: LoRAComm | None = None,
 ) -> Tensor:
     """y [T, H] in x's dtype (into `out` if given; add=True adds to it): the plan of this
     call (forward_plan), run by the kernels (kernels/moe_lora.py; shapes and layouts
     there). LoRA runs with a bank and token slots; config: launched as given."""
     from ..kernels import moe_lora
 
-    bank = lora if token_slots is not None else None
-    plan = forward_plan(
-        x, topk_ids, experts, bank, shape, config=config, sharded=lora_comm is not None
-    )
-    return moe_lora.forward(
-        plan,
-        x,
-        topk_ids,
-        topk_weights,
-        token_slots,
-        experts,
-        lora,
-        shape,
-        weights_on_input=weights_on_input,
-        out=out,
-        add=add,
-        lora_comm=lora_comm,
-    )
+    bank = call.lora if call.has_lora else None
+    sharded = call.lora is not None and call.lora_comm is not None
+    plan = forward_plan(call.x, call.topk_ids, experts, bank, shape, config=config, sharded=sharded)
+    return moe_lora.forward(plan, call, experts, shape, out=out, add=add)
 
 
 BACKEND = TritonBackend()
