@@ -89,8 +89,8 @@ def current_block(path: Path = RESULTS / CURRENT, table: Table = H200) -> str:
         "",
         f"Raw: benchmarks/results/{path.name}. The Qwen3 rows of the tile table in effect "
         f"come from the runs {', '.join(runs)}. How the layer runs: docs/kernels.md; how "
-        "each choice was measured: KERNEL_LOG.md; other models and every earlier run: the "
-        "history below.",
+        "each choice was measured: docs/history/kernel_log.md; other models and every "
+        "earlier run: docs/history/benchmarks.md.",
     ]
     return _block("current", f"benchmarks/results/{path.name}", "\n".join(lines))
 

@@ -111,7 +111,7 @@ DECODE_DOWN = [
 ]
 DECODE_SHRINK = [(2, 1024), (1, 2048), (2, 2048), (4, 512), (4, 1024), (8, 256)]
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
-# LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows
+# LoRA knobs, searched after the tiles (docs/history/kernel_log.md v7): K lanes per expand dot, rows
 # per shrink tile, shrink K chunks, and where the expand runs.
 LORA_KNOBS = {
     "expand_lanes": (16, 32, 64),

@@ -44,7 +44,7 @@ def test_committed_table_knobs_are_valid() -> None:
     for row in pick.H200.rows:
         key, knobs = row.key, row.knobs
         assert knobs.get("half_tail", 0) in (1, 2, 3) or "half_tail" not in knobs, key
-        # aligned-path PDL measured no gain (KERNEL_LOG.md v13b): decode rows only
+        # aligned-path PDL measured no gain (docs/history/kernel_log.md v13b): decode rows only
         assert knobs.get("decode", False) or not knobs.get("pdl"), f"{key}: pdl needs decode"
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key

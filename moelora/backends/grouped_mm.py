@@ -19,12 +19,12 @@ from ..weights import ExpertWeights, LoRABank
 from .base import write_output
 from .capabilities import ALL_ACTIVATIONS, ALL_GATING, ALL_ROUTING, Capabilities, Validation
 
-# Where this record has run (BENCHMARKS.md, 2026-11-30, commit 7fff9c4): one GPU, bf16 only.
+# Where this record has run (docs/history/benchmarks.md, 2026-11-30, commit 7fff9c4): one GPU, bf16 only.
 VALIDATED_ON = (
     Validation("NVIDIA H200", "cuda", (9, 0), frozenset({torch.bfloat16}), "2026-11-30",
                "moelora validate --backends grouped_mm --quick at 7fff9c4: 45/45 pass (the "
                "five models, T 1..16384, 8 adapters rank 16, eager)",
-               "BENCHMARKS.md, 2026-11-30 (the commit 28cc3e4 section); "
+               "docs/history/benchmarks.md, 2026-11-30 (the commit 28cc3e4 section); "
                "benchmarks/results/h200_7fff9c4_validate_grouped_mm_quick.log"),
 )  # fmt: skip
 

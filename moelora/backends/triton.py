@@ -33,8 +33,8 @@ from .capabilities import (
     Validation,
 )
 
-# Where this record has run (BENCHMARKS.md): one GPU so far; `moelora plan` warns elsewhere.
-_H200, _SM90, _BENCH = "NVIDIA H200", (9, 0), "BENCHMARKS.md, 2026-11-30"
+# Where this record has run (docs/history/benchmarks.md): one GPU so far; `moelora plan` warns elsewhere.
+_H200, _SM90, _BENCH = "NVIDIA H200", (9, 0), "docs/history/benchmarks.md, 2026-11-30"
 VALIDATED_ON = (
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-11-30",
                "moelora validate --ref-tokens 1024 at 4acd27b: 110/110 pass (qwen3-30b-a3b, "
@@ -44,7 +44,7 @@ VALIDATED_ON = (
                "scripts/gpu_ranks_check.py at 310c49a: 50/50 pass (qwen3-30b-a3b; mixed ranks "
                "8-128, rank 256, 64 and 128 slots, garbage past each slot's rank; T 1..4096, "
                "eager and graphs); validate --lora-sweep at f01537b: 16/16",
-               "BENCHMARKS.md, 2026-12-01 (LoRA configurations)"),
+               "docs/history/benchmarks.md, 2026-12-01 (LoRA configurations)"),
     Validation(_H200, "cuda", _SM90, frozenset({torch.float16}), "2026-11-30",
                "moelora validate --quick --tokens 1,7,64,1024 --dtype fp16 at 4aa3e56: 20/20 "
                "pass (the five models)", f"{_BENCH} (sixth session)"),

@@ -80,7 +80,7 @@ def plan_forward(
     - PDL only where the config asks, the GPU has it, and no collective sits between two
       kernels (docs/kernels.md, "Decode path").
     - The decode path's early weight loads pay only with PDL (alone they measured +12% at
-      T = 8, KERNEL_LOG.md v13); the interpreter runs them so that the CPU tests cover them.
+      T = 8, docs/history/kernel_log.md v13); the interpreter runs them so that the CPU tests cover them.
     - lora_delta needs whole intermediates and whole-H B2 between shrink and expand: not
       under fully sharded LoRA, whose collectives sit there; its delta_in_reduce and
       shrink_expand act only with it.
