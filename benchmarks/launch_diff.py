@@ -27,7 +27,7 @@ import sys
 
 QWEN3 = (128, 8, 2048, 768)
 BENCH_T = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
-KNOBS = [
+KNOB_CASES = [
     {},
     {"decode": True},
     {"decode": True, "pdl": True},
@@ -204,7 +204,7 @@ def dump() -> list:
             run(f"picked T={t} lora={lora}", QWEN3, t, lora)
     small = (8, 4, 256, 128)
     base = TileConfig(32, GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 2))
-    for knobs in KNOBS:
+    for knobs in KNOB_CASES:
         cfg = dataclasses.replace(base, **knobs)
         for t in (3, 70):
             for lora in (False, True):

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from moelora.presets import PRESETS, resolve_model
+from moelora.tiling.config import PATH_KNOBS
 from moelora.tiling.lora_class import REFERENCE, LoRAClass
 from moelora.tiling.pick import H200
 from moelora.tiling.table import INF, Table
@@ -32,11 +33,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 CURRENT = "h200_7bbb67d_bench.json"
 PLOT = "docs/bench_qwen3_h200.png"
 QWEN3 = (128, 8, 2048, 768)
-# the knobs that switch a code path (docs/kernels.md), in the order the docs explain them
-PATH_KNOBS = (
-    "decode", "pdl", "lora_delta", "delta_in_reduce", "shrink_expand", "expand_first",
-    "half_tail", "z_sorted", "down_tma", "up_tma", "atomic_reduce", "lora_stream",
-)  # fmt: skip
 
 
 def _block(name: str, source: str, body: str) -> str:

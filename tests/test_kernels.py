@@ -20,6 +20,7 @@ from moelora.compare import assert_close, poison_
 from moelora.config import AddInputs, MoEShape
 from moelora.kernels.align import align_pairs
 from moelora.reference import moe_lora_reference
+from moelora.tiling.align_launch import align_launch
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.heuristic import DECODE_TILES
 from moelora.weights import random_expert_weights, random_lora_bank
@@ -684,7 +685,8 @@ def test_align_invariants(tokens, top_k, experts, slots_n, block_m, case_id, see
     if tokens > 1:  # expert parallel drops, and a slot beyond the bank (= no adapter)
         ids[0, 0], ids[-1, -1], slots[-1] = -1, experts + 3, slots_n + 2
     for tile_m in (1, 8, 64):
-        al = align_pairs(ids, slots, experts, slots_n, block_m, lora_tile_m=tile_m)
+        launch = align_launch(ids.numel(), experts)
+        al = align_pairs(ids, slots, experts, slots_n, block_m, lora_tile_m=tile_m, launch=launch)
         _check_blocks(al, ids, slots, slots_n, experts, block_m)
         _check_lora_tiles(al, ids, slots, slots_n, experts)
 

@@ -108,6 +108,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         plan.tiles.block_m,
         plan.tiles.shrink_block_m if lora is not None else 0,
         pdl=plan.pdl,
+        launch=plan.align(c.num_pairs, num_experts),
     )
     inter13 = delta13 = None
     if lora is not None:

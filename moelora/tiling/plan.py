@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 
+from .align_launch import AlignLaunch, align_launch
 from .config import GemmTiles, TileConfig
 
 
@@ -62,6 +63,11 @@ class ForwardPlan:
     @property
     def z_sorted(self) -> bool:
         return self.up.z_sorted
+
+    def align(self, num_pairs: int, num_experts: int) -> AlignLaunch:
+        """How the aligned path's routing alignment launches for this call's P pairs over
+        E experts (tiling/align_launch.py: one pair per block, one program or three)."""
+        return align_launch(num_pairs, num_experts)
 
     @property
     def down_gemm_lora(self) -> bool:
