@@ -239,7 +239,7 @@ def main() -> int:
         worker(args.suite, args.model, args.device, args.adapters, args.rank)
         return 0
     if not args.base or not os.path.isdir(os.path.join(args.base, "moelora")):
-        p.error(f"--base {args.base}: no moelora/ there (see scripts/gpu_ab_refactor.sh)")
+        p.error(f"--base {args.base}: no moelora/ there (a checkout of the base commit)")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, here)
     from moelora.bench.cases import CASES
