@@ -1,7 +1,7 @@
 """Tensor parallel, expert parallel and fully sharded LoRA over torch.distributed (NCCL on
 GPUs, gloo on CPUs). The only module that calls torch.distributed.
 
-Ranks: world = tp * ep, rank = ep_rank * tp + tp_rank. Every rank holds the same x and
+Processes: world = tp * ep, world_rank = ep_rank * tp + tp_rank. Every rank holds the same x and
 routing; each computes its share and one all-reduce over the world finishes the layer.
 - TP: w13 split on its I rows (gate and up halves, or interleaved pairs, stay aligned),
   w2 on its I columns, b2 added by tp_rank 0 only. LoRA: gate/up A replicated, gate/up B
@@ -42,15 +42,16 @@ class RankLayout:
     fully_sharded: bool = False
 
     @staticmethod
-    def of(parallel: ParallelConfig, rank: int) -> RankLayout:
+    def of(parallel: ParallelConfig, world_rank: int) -> RankLayout:
+        """The layout of process `world_rank` (its torch.distributed rank) in tp * ep."""
         world = parallel.tp * parallel.ep
-        if not 0 <= rank < world:
-            raise ConfigError("rank", rank, f"0 <= rank < tp * ep = {world}")
+        if not 0 <= world_rank < world:
+            raise ConfigError("world_rank", world_rank, f"0 <= world_rank < tp * ep = {world}")
         return RankLayout(
             parallel.tp,
             parallel.ep,
-            rank % parallel.tp,
-            rank // parallel.tp,
+            world_rank % parallel.tp,
+            world_rank // parallel.tp,
             parallel.fully_sharded_loras,
         )
 
