@@ -3,7 +3,8 @@
   JSON named in CURRENT, the peer's figures in its rows) and its plot (PNG, matplotlib:
   the `bench` extra);
 - in docs/kernels.md: which rows of the H200 table use each knob (from
-  moelora/tiling/h200_table.json).
+  moelora/tiling/h200_table.json);
+- in benchmarks/README.md: the index of the tools (from benchmarks/registry.py).
 
 CURRENT is the last full Qwen3 bench beside the vLLM peer whose kernels and Qwen3 table
 rows are still the committed ones; a new such run replaces it (and then this script is
@@ -172,9 +173,20 @@ def knob_block(table: Table = H200) -> str:
     return _block("knobs", "moelora/tiling/h200_table.json", "\n".join(lines))
 
 
+def index_block() -> str:
+    """benchmarks/README.md's index: the registered tools (benchmarks/registry.py)."""
+    from benchmarks.registry import TOOLS
+
+    lines = ["| tool | kind | needs | what |", "|---|---|---|---|"]
+    for tool in TOOLS.values():
+        lines.append(f"| `{tool.name}` | {tool.kind.value} | {tool.needs.value} | {tool.summary} |")
+    return _block("index", "benchmarks/registry.py", "\n".join(lines))
+
+
 DOCS = {  # file -> (block name, generator)
     "BENCHMARKS.md": ("current", current_block),
     "docs/kernels.md": ("knobs", knob_block),
+    "benchmarks/README.md": ("index", index_block),
 }
 
 
