@@ -3,7 +3,8 @@
   JSON named in CURRENT, the peer's figures in its rows) and its plot (PNG, matplotlib:
   the `bench` extra);
 - in docs/kernels.md: which rows of the H200 table use each knob (from
-  moelora/tiling/h200_table.json).
+  moelora/tiling/h200_table.json);
+- in benchmarks/README.md: the index of the tools (from benchmarks/registry.py).
 
 CURRENT is the last full Qwen3 bench beside the vLLM peer whose kernels and Qwen3 table
 rows are still the committed ones; a new such run replaces it (and then this script is
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 from moelora.presets import PRESETS, resolve_model
+from moelora.tiling.config import PATH_KNOBS
 from moelora.tiling.lora_class import REFERENCE, LoRAClass
 from moelora.tiling.pick import H200
 from moelora.tiling.table import INF, Table
@@ -32,11 +34,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 CURRENT = "h200_7bbb67d_bench.json"
 PLOT = "docs/bench_qwen3_h200.png"
 QWEN3 = (128, 8, 2048, 768)
-# the knobs that switch a code path (docs/kernels.md), in the order the docs explain them
-PATH_KNOBS = (
-    "decode", "pdl", "lora_delta", "delta_in_reduce", "shrink_expand", "expand_first",
-    "half_tail", "z_sorted", "down_tma", "up_tma", "atomic_reduce", "lora_stream",
-)  # fmt: skip
 
 
 def _block(name: str, source: str, body: str) -> str:
@@ -89,8 +86,8 @@ def current_block(path: Path = RESULTS / CURRENT, table: Table = H200) -> str:
         "",
         f"Raw: benchmarks/results/{path.name}. The Qwen3 rows of the tile table in effect "
         f"come from the runs {', '.join(runs)}. How the layer runs: docs/kernels.md; how "
-        "each choice was measured: KERNEL_LOG.md; other models and every earlier run: the "
-        "history below.",
+        "each choice was measured: docs/history/kernel_log.md; other models and every "
+        "earlier run: docs/history/benchmarks.md.",
     ]
     return _block("current", f"benchmarks/results/{path.name}", "\n".join(lines))
 
@@ -176,9 +173,20 @@ def knob_block(table: Table = H200) -> str:
     return _block("knobs", "moelora/tiling/h200_table.json", "\n".join(lines))
 
 
+def index_block() -> str:
+    """benchmarks/README.md's index: the registered tools (benchmarks/registry.py)."""
+    from benchmarks.registry import TOOLS
+
+    lines = ["| tool | kind | needs | what |", "|---|---|---|---|"]
+    for tool in TOOLS.values():
+        lines.append(f"| `{tool.name}` | {tool.kind.value} | {tool.needs.value} | {tool.summary} |")
+    return _block("index", "benchmarks/registry.py", "\n".join(lines))
+
+
 DOCS = {  # file -> (block name, generator)
     "BENCHMARKS.md": ("current", current_block),
     "docs/kernels.md": ("knobs", knob_block),
+    "benchmarks/README.md": ("index", index_block),
 }
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .backends.base import Backend
+from .call import MoECall
+from .comm import LoRAComm
 from .config import AddInputs
 from .deployment import Deployment, LoRASharding
 from .errors import InputError
@@ -26,9 +27,6 @@ from .layer_checks import (
 )
 from .oracle import Selection, select
 from .weights import ExpertWeights, LoRABank
-
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from .parallel import LoRAComm
 
 
 class MoELoRALayer:
@@ -45,7 +43,10 @@ class MoELoRALayer:
     ) -> None:
         """experts: this rank's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
         layer when tp = ep = 1). check_values: also check expert ids and slots (a GPU sync;
-        always skipped inside CUDA-graph capture). selection: the oracle's verdict for this
+        always skipped inside CUDA-graph capture). The transformers path turns it off: its
+        ids come from the model's own router and its slots from the RowAdapters, which hand
+        out only slots the SlotManager holds, and a sync per layer per step would stall
+        decoding; the kernels still treat a slot >= L as no adapter. selection: the oracle's verdict for this
         very deployment, when many layers of one type share it (asked once, logged once)."""
         self.deployment = deployment
         if selection is None:
@@ -87,36 +88,36 @@ class MoELoRALayer:
         add_inputs: how y goes into `out`; default and only accepted value when LoRA is on:
         the deployment's (the mode the oracle checked). lora_comm: fully sharded LoRA's
         collectives (moelora.parallel passes it)."""
-        mode = self._check(x, topk_ids, topk_weights, token_slots, lora, add_inputs, lora_comm)
-        if x.shape[0] == 0:  # nothing to compute; kernels need at least one token
+        weights_on_input = self.deployment.routing.method.weights_on_input
+        call = MoECall(x, topk_ids, topk_weights, token_slots, lora, weights_on_input, lora_comm)
+        return self.run(call, out=out, add_inputs=add_inputs)
+
+    def run(
+        self, call: MoECall, *, out: Tensor | None = None, add_inputs: AddInputs | None = None
+    ) -> Tensor:
+        """forward on a built record (the parallel layer builds its own): checked against
+        the deployment here, once, then handed to the backend unchanged."""
+        mode = self._check(call, add_inputs)
+        x = call.x
+        if call.num_tokens == 0:  # nothing to compute; kernels need at least one token
             y = x.new_zeros(0, x.shape[1])
             return y if out is None else out
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if lora is not None and x.is_cuda and not capturing:  # banks from a loader's stream
-            for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b):
+        if call.lora is not None and x.is_cuda and not capturing:  # banks from a loader's stream
+            for t in (call.lora.w13_a, call.lora.w13_b, call.lora.w2_a, call.lora.w2_b):
                 t.record_stream(torch.cuda.current_stream())
         return self.selection.backend.forward(
-            x,
-            topk_ids,
-            topk_weights,
-            token_slots,
-            self.experts,
-            lora,
-            self.shape,
-            weights_on_input=self.deployment.routing.method.weights_on_input,
-            out=out,
-            add_inputs=mode,
-            lora_comm=lora_comm,
+            call, self.experts, self.shape, out=out, add_inputs=mode
         )
 
-    def _check(self, x, topk_ids, topk_weights, token_slots, lora, add_inputs, lora_comm):
+    def _check(self, call: MoECall, add_inputs: AddInputs | None) -> AddInputs:
         """Everything the oracle judged must be what runs; returns the add_inputs mode."""
-        dep = self.deployment
+        dep, lora = self.deployment, call.lora
         fully_sharded = dep.lora_sharding is LoRASharding.FULLY_SHARDED
-        if (lora_comm is not None) != (fully_sharded and lora is not None):
+        if (call.lora_comm is not None) != (fully_sharded and lora is not None):
             raise InputError(
                 "lora_comm",
-                "given" if lora_comm is not None else None,
+                "given" if call.lora_comm is not None else None,
                 "a LoRAComm exactly when the deployment is fully sharded and lora is given "
                 "(use moelora.parallel.ParallelMoELoRALayer)",
             )
@@ -127,22 +128,21 @@ class MoELoRALayer:
                 "None: this deployment declared no LoRA on the experts "
                 "(enable LoRA with an expert target module to serve adapters here)",
             )
-        if lora is not None and token_slots is None:
+        if lora is not None and call.token_slots is None:
             raise InputError("token_slots", None, "a [T] int32 slot per token when lora is given")
+        if call.weights_on_input != dep.routing.method.weights_on_input:
+            raise InputError(
+                "weights_on_input",
+                call.weights_on_input,
+                f"{dep.routing.method.weights_on_input}, as the deployment's routing says",
+            )
         mode = resolve_add_inputs(dep, add_inputs)
-        check_batch(x, topk_ids, topk_weights, token_slots, self.shape, self.experts.w13.device)
+        check_batch(call, self.shape, self.experts.w13.device)
         if lora is not None:
             check_bank(lora, dep)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = call.x.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_values and not capturing:
-            slots = lora.w13_b.shape[0] if lora is not None else 0
-            check_values(
-                topk_ids,
-                token_slots if lora is not None else None,
-                dep.local_experts,
-                slots,
-                foreign_ids=dep.parallel.ep > 1,
-            )
+            check_values(call, dep.local_experts, foreign_ids=dep.parallel.ep > 1)
         return mode
 
     __call__ = forward

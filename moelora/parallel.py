@@ -1,7 +1,7 @@
 """Tensor parallel, expert parallel and fully sharded LoRA over torch.distributed (NCCL on
 GPUs, gloo on CPUs). The only module that calls torch.distributed.
 
-Ranks: world = tp * ep, rank = ep_rank * tp + tp_rank. Every rank holds the same x and
+Processes: world = tp * ep, world_rank = ep_rank * tp + tp_rank. Every rank holds the same x and
 routing; each computes its share and one all-reduce over the world finishes the layer.
 - TP: w13 split on its I rows (gate and up halves, or interleaved pairs, stay aligned),
   w2 on its I columns, b2 added by tp_rank 0 only. LoRA: gate/up A replicated, gate/up B
@@ -16,13 +16,13 @@ routing; each computes its share and one all-reduce over the world finishes the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .activations import Activation
+from .call import MoECall
 from .config import AddInputs, MoEShape, ParallelConfig
 from .deployment import Deployment
 from .errors import ConfigError
@@ -42,15 +42,16 @@ class RankLayout:
     fully_sharded: bool = False
 
     @staticmethod
-    def of(parallel: ParallelConfig, rank: int) -> RankLayout:
+    def of(parallel: ParallelConfig, world_rank: int) -> RankLayout:
+        """The layout of process `world_rank` (its torch.distributed rank) in tp * ep."""
         world = parallel.tp * parallel.ep
-        if not 0 <= rank < world:
-            raise ConfigError("rank", rank, f"0 <= rank < tp * ep = {world}")
+        if not 0 <= world_rank < world:
+            raise ConfigError("world_rank", world_rank, f"0 <= world_rank < tp * ep = {world}")
         return RankLayout(
             parallel.tp,
             parallel.ep,
-            rank % parallel.tp,
-            rank // parallel.tp,
+            world_rank % parallel.tp,
+            world_rank // parallel.tp,
             parallel.fully_sharded_loras,
         )
 
@@ -112,25 +113,8 @@ def local_topk_ids(topk_ids: Tensor, num_experts: int, layout: RankLayout) -> Te
     return torch.where((local >= 0) & (local < per_rank), local, -1).to(topk_ids.dtype)
 
 
-class LoRAComm(Protocol):
-    """Fully sharded LoRA's collectives over the tensor-parallel group (SPEC.md): gate/up A is
-    split on the rank, down A on I and down B on H. `DistComm` below implements it; the
-    backends and the reference take one (they name it in annotations only, so nothing
-    below this module imports it at run time)."""
-
-    hidden_offset: int  # first column of this rank's H slice of the down-B output
-
-    def gather_rank(self, u: Tensor) -> Tensor:
-        """[N, R/tp] per rank -> [N, R], ranks in order (all-gather on the last dim)."""
-        ...
-
-    def reduce_rank(self, v: Tensor) -> Tensor:
-        """[N, R] partial sums over the I shards -> their sum on every rank (all-reduce)."""
-        ...
-
-
 class DistComm:
-    """LoRAComm over a torch.distributed TP group (fully sharded LoRA)."""
+    """LoRAComm (comm.py) over a torch.distributed TP group (fully sharded LoRA)."""
 
     def __init__(self, layout: RankLayout, hidden_size: int, group) -> None:
         self.tp, self.group = layout.tp, group
@@ -215,7 +199,9 @@ class ParallelMoELoRALayer:
         """Like MoELoRALayer.forward, with global topk_ids and this rank's bank shard."""
         ids = local_topk_ids(topk_ids, self.num_experts, self.layout)
         comm = self.comm if lora is not None else None
-        y = self.layer.forward(x, ids, topk_weights, token_slots, lora, lora_comm=comm)
+        weights_on_input = self.layer.deployment.routing.method.weights_on_input
+        call = MoECall(x, ids, topk_weights, token_slots, lora, weights_on_input, comm)
+        y = self.layer.run(call)
         self.reduce_output(y)
         if out is None:
             return y

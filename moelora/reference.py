@@ -1,20 +1,18 @@
 """The one reference computation of SPEC.md: slow, obvious, fp32.
 
-Every test, benchmark, the CLI and the `reference` backend import `moe_lora_reference`.
+Every test, benchmark, the CLI and the `reference` backend call it: `reference_forward` on a
+per-call record (call.py), or `moe_lora_reference` with the record's fields spelled out.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .activations import apply_activation, split_gate_up
+from .call import MoECall
+from .comm import LoRAComm
 from .config import MoEShape
 from .weights import ExpertWeights, LoRABank
-
-if TYPE_CHECKING:  # annotations only: the protocol lives beside its collectives
-    from .parallel import LoRAComm
 
 
 def _join_gate_up(shape: MoEShape, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -68,33 +66,24 @@ def _w2_delta(
 
 
 @torch.no_grad()
-def moe_lora_reference(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    token_slots: torch.Tensor | None,
-    experts: ExpertWeights,
-    lora: LoRABank | None,
-    shape: MoEShape,
-    *,
-    weights_on_input: bool = False,
-    lora_comm: LoRAComm | None = None,
-) -> torch.Tensor:
-    """y [T, H] in x's dtype.
+def reference_forward(call: MoECall, experts: ExpertWeights, shape: MoEShape) -> torch.Tensor:
+    """y [T, H] in x's dtype for one per-call record (call.py).
 
-    x [T, H]; topk_ids [T, K] (ids outside [0, E) contribute nothing: expert parallel);
-    topk_weights [T, K] fp32; token_slots [T] (-1 = base model) or None (all -1).
-    weights_on_input: Llama-4 routing, the weight scales the expert input, not its output.
-    lora_comm: fully sharded LoRA only (banks hold this rank's shards; see LoRAComm). The
-    (expert, slot) groups are visited in the same order on every rank of the TP group, so
-    the collectives match up.
+    Expert ids outside [0, E) contribute nothing (expert parallel); tokens with slot -1 (or
+    no slots at all) run the base model. call.weights_on_input: Llama-4 routing, the weight
+    scales the expert input, not its output. call.lora_comm: fully sharded LoRA only (the
+    bank holds this rank's shards; see LoRAComm); the (expert, slot) groups are visited in
+    the same order on every rank of the TP group, so the collectives match up.
     """
+    x, topk_ids, topk_weights = call.x, call.topk_ids, call.topk_weights
+    lora = call.lora if call.has_lora else None
+    lora_comm, weights_on_input = call.lora_comm, call.weights_on_input
     tokens = x.shape[0]
     xf = x.float()
     y = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
     slots = (
-        token_slots
-        if token_slots is not None
+        call.token_slots
+        if lora is not None
         else torch.full((tokens,), -1, dtype=torch.int32, device=x.device)
     )
     ranks = [] if lora is None else lora.ranks.tolist()  # each slot's real rank
@@ -123,3 +112,22 @@ def moe_lora_reference(
             o[rows] = _w2_delta(z[rows], lora, slot, ranks[slot], expert, o[rows], lora_comm)
         y.index_add_(0, tok, o if weights_on_input else o * g)
     return y.to(x.dtype)
+
+
+def moe_lora_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    token_slots: torch.Tensor | None,
+    experts: ExpertWeights,
+    lora: LoRABank | None,
+    shape: MoEShape,
+    *,
+    weights_on_input: bool = False,
+    lora_comm: LoRAComm | None = None,
+) -> torch.Tensor:
+    """reference_forward with the record's fields spelled out (the public form tests,
+    benchmarks and the CLI call): x [T, H]; topk_ids [T, K]; topk_weights [T, K] fp32;
+    token_slots [T] int32 (-1 = base model) or None."""
+    call = MoECall(x, topk_ids, topk_weights, token_slots, lora, weights_on_input, lora_comm)
+    return reference_forward(call, experts, shape)

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from moelora.call import MoECall
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moelora.backends.triton import TritonBackend
@@ -75,7 +77,7 @@ def main() -> int:
             ref = moe_lora_reference(x[:n], ids[:n], w[:n], slots[:n], experts, clean, shape)
 
             def fwd(bank=bank, x=x, ids=ids, w=w, slots=slots):
-                return backend.forward(x, ids, w, slots, experts, bank, shape)
+                return backend.forward(MoECall(x, ids, w, slots, bank), experts, shape)
 
             for mode in ("eager", "graph"):
                 start = time.perf_counter()

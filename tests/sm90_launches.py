@@ -25,6 +25,8 @@ import pkgutil
 
 import torch
 
+from moelora.call import MoECall
+
 SM90 = ("cuda", 90, 32)
 NOT_COMPILED = ("_align_kernel", "_topk_reduce_kernel")  # no LoRA tiles, no pipeline
 
@@ -89,7 +91,7 @@ def forward_launches(
     ids = torch.zeros(tokens, top_k, dtype=torch.int32)
     x, w = empty(tokens, hidden), torch.empty(tokens, top_k)
     with _recorded() as calls:
-        fused_moe_lora(x, ids, w, slots, weights, bank, shape, config=cfg)
+        fused_moe_lora(MoECall(x, ids, w, slots, bank), weights, shape, config=cfg)
     return [(fn, kw) for fn, kw in calls if fn.__name__ not in NOT_COMPILED]
 
 

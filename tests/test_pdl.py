@@ -24,6 +24,7 @@ from sm90_child import run_compile_child
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moelora.call import MoECall
 from moelora.kernels.decode_down import _decode_down_kernel
 from moelora.kernels.decode_shrink import _decode_shrink_kernel
 from moelora.kernels.decode_up import _decode_up_kernel
@@ -243,7 +244,7 @@ def test_decode_chain_launch_modes(monkeypatch, seed) -> None:
         plan = plan_forward(
             cfg, lora=bank is not None, sharded=False, pdl_supported=True, interpreted=False
         )
-        y = moe_lora.forward(plan, x, ids, w, slots, experts, bank, shape)
+        y = moe_lora.forward(plan, MoECall(x, ids, w, slots, bank), experts, shape)
         ref = moe_lora_reference(x, ids, w, slots, experts, bank, shape)
         assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
         if bank is not None:

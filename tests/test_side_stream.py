@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moelora.activations import Activation
+from moelora.call import MoECall
 from moelora.compare import assert_close
 from moelora.config import MoEShape
 from moelora.kernels import moe_lora
@@ -43,7 +44,7 @@ def test_the_pipeline_with_the_branch_forked_matches_the_reference(z_sorted, see
     cfg = dataclasses.replace(TILES, lora_stream=True, z_sorted=z_sorted)
     plan = plan_forward(cfg, lora=True, sharded=False, pdl_supported=False, interpreted=False)
     assert plan.lora_stream and plan.down_lora is LoRAPath.DELTA and not plan.down_gemm_lora
-    got = moe_lora.forward(plan, x, ids, weights, slots, experts, lora, shape)
+    got = moe_lora.forward(plan, MoECall(x, ids, weights, slots, lora), experts, shape)
     ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
     assert_close(got, ref, what="lora_stream branch inline")
     # the branch really is the down LoRA: without it the rows with an adapter differ

@@ -72,7 +72,7 @@ class Validation:
     dtypes: frozenset[torch.dtype]
     date: str  # ISO date of the run, or "every commit" for the test suite
     result: str  # the command and its pass count, e.g. "moelora validate ...: 110/110 pass"
-    source: str  # where the log is kept (BENCHMARKS.md section, or the test files)
+    source: str  # where the log is kept (a docs/history/benchmarks.md entry, or the test files)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,16 @@
-"""The `reference` backend: moelora.reference.moe_lora_reference behind the Backend interface.
+"""The `reference` backend: moelora.reference behind the Backend interface.
 
 Slow (a Python loop over experts, fp32) and exact: the ground truth, on any device.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 
+from ..call import MoECall
 from ..config import AddInputs, MoEShape
-from ..reference import moe_lora_reference
-from ..weights import ExpertWeights, LoRABank
+from ..reference import reference_forward
+from ..weights import ExpertWeights
 from .base import write_output
 from .capabilities import (
     ALL_ACTIVATIONS,
@@ -25,9 +24,6 @@ from .capabilities import (
     Validation,
 )
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from ..parallel import LoRAComm
-
 # The ground truth is checked against an independent float64 loop and transformers' MoE
 # blocks (CPU, every commit), and it is the comparison side of every GPU validate run.
 VALIDATED_ON = (
@@ -37,7 +33,7 @@ VALIDATED_ON = (
     Validation("NVIDIA H200", "cuda", (9, 0), ALL_DTYPES, "2026-11-30",
                "the comparison side of every moelora validate run there (bf16, fp16 and fp32 "
                "inputs), and its own fp32 layouts in scripts/parallel_gpu_check.py over NCCL",
-               "BENCHMARKS.md, 2026-11-30"),
+               "docs/history/benchmarks.md, 2026-11-30"),
 )  # fmt: skip
 
 CAPABILITIES = Capabilities(
@@ -74,33 +70,15 @@ class ReferenceBackend:
 
     def forward(
         self,
-        x: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        token_slots: Tensor | None,
+        call: MoECall,
         experts: ExpertWeights,
-        lora: LoRABank | None,
         shape: MoEShape,
         *,
-        weights_on_input: bool = False,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
-        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
-        """y [T, H] = moe_lora_reference(...); see Backend.forward for out / add_inputs.
-        lora_comm: fully sharded LoRA's collectives (given by moelora.parallel)."""
-        y = moe_lora_reference(
-            x,
-            topk_ids,
-            topk_weights,
-            token_slots,
-            experts,
-            lora,
-            shape,
-            weights_on_input=weights_on_input,
-            lora_comm=lora_comm,
-        )
-        return write_output(y, out, add_inputs)
+        """y [T, H] = the reference's; see Backend.forward for out / add_inputs."""
+        return write_output(reference_forward(call, experts, shape), out, add_inputs)
 
 
 BACKEND = ReferenceBackend()

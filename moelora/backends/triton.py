@@ -10,11 +10,11 @@ reason about it) on hosts without the triton package.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
+from ..call import MoECall
+from ..comm import LoRAComm
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..device import gpu_limits, triton_interpreted
@@ -33,8 +33,8 @@ from .capabilities import (
     Validation,
 )
 
-# Where this record has run (BENCHMARKS.md): one GPU so far; `moelora plan` warns elsewhere.
-_H200, _SM90, _BENCH = "NVIDIA H200", (9, 0), "BENCHMARKS.md, 2026-11-30"
+# Where this record has run (docs/history/benchmarks.md): one GPU so far; `moelora plan` warns elsewhere.
+_H200, _SM90, _BENCH = "NVIDIA H200", (9, 0), "docs/history/benchmarks.md, 2026-11-30"
 VALIDATED_ON = (
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-11-30",
                "moelora validate --ref-tokens 1024 at 4acd27b: 110/110 pass (qwen3-30b-a3b, "
@@ -44,7 +44,7 @@ VALIDATED_ON = (
                "scripts/gpu_ranks_check.py at 310c49a: 50/50 pass (qwen3-30b-a3b; mixed ranks "
                "8-128, rank 256, 64 and 128 slots, garbage past each slot's rank; T 1..4096, "
                "eager and graphs); validate --lora-sweep at f01537b: 16/16",
-               "BENCHMARKS.md, 2026-12-01 (LoRA configurations)"),
+               "docs/history/benchmarks.md, 2026-12-01 (LoRA configurations)"),
     Validation(_H200, "cuda", _SM90, frozenset({torch.float16}), "2026-11-30",
                "moelora validate --quick --tokens 1,7,64,1024 --dtype fp16 at 4aa3e56: 20/20 "
                "pass (the five models)", f"{_BENCH} (sixth session)"),
@@ -57,8 +57,6 @@ VALIDATED_ON = (
                "tests/test_kernels.py, tests/test_parallel.py"),
 )  # fmt: skip
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above the backends
-    from ..parallel import LoRAComm
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda", "cpu"}),
@@ -105,50 +103,19 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _check_inputs(
-    x: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    token_slots: Tensor | None,
-    experts: ExpertWeights,
-    lora: LoRABank | None,
-    shape: MoEShape,
-    out: Tensor | None,
-) -> None:
-    tokens = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != experts.w13.shape[2]:
+def _check_inputs(call: MoECall, experts: ExpertWeights, out: Tensor | None) -> None:
+    """What the kernels need beyond the record's own checks: x's H that of the weights
+    (the bench, validate and the tune call backends without a layer), `out` like x, and on
+    the CPU the Triton interpreter. Metadata only."""
+    x = call.x
+    if x.shape[1] != experts.w13.shape[2]:
         raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {experts.w13.shape[2]}]")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != tokens:
-        raise InputError(
-            "topk_ids / topk_weights",
-            f"shapes {list(topk_ids.shape)} / {list(topk_weights.shape)}",
-            f"both [T = {tokens}, K]",
-        )
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise InputError("topk_ids", f"dtype {topk_ids.dtype}", "int32 (or int64)")
-    if token_slots is not None and token_slots.shape != (tokens,):
-        raise InputError("token_slots", f"shape {list(token_slots.shape)}", f"[T = {tokens}]")
-    if experts.w13.shape[1] != shape.w13_rows:
-        raise InputError(
-            "w13",
-            f"shape {list(experts.w13.shape)}",
-            f"[E, S*I = {shape.w13_rows}, H] for {shape.activation.value}",
-        )
-    if lora is not None and lora.w13_a.shape[2] != shape.activation.width_factor:
-        raise InputError(
-            "lora.w13_a",
-            f"shape {list(lora.w13_a.shape)}",
-            f"[L, E, S = {shape.activation.width_factor}, R, H]",
-        )
     if out is not None and out.shape != x.shape:
         raise InputError("out", f"shape {list(out.shape)}", f"{list(x.shape)} (like x)")
-    if x.device.type == "cpu":
-        if not triton_interpreted():
-            raise InputError(
-                "x",
-                "on cpu",
-                "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu",
-            )
+    if x.device.type == "cpu" and not triton_interpreted():
+        raise InputError(
+            "x", "on cpu", "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu"
+        )
 
 
 def _check_sharded_bank(lora: LoRABank | None, shape: MoEShape, comm: LoRAComm) -> None:
@@ -170,36 +137,19 @@ class TritonBackend:
 
     def forward(
         self,
-        x: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        token_slots: Tensor | None,
+        call: MoECall,
         experts: ExpertWeights,
-        lora: LoRABank | None,
         shape: MoEShape,
         *,
-        weights_on_input: bool = False,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
-        lora_comm: LoRAComm | None = None,
     ) -> Tensor:
         """y [T, H] in x's dtype; see Backend.forward for out / add_inputs / lora_comm."""
-        _check_inputs(x, topk_ids, topk_weights, token_slots, experts, lora, shape, out)
-        if lora_comm is not None:
-            _check_sharded_bank(lora, shape, lora_comm)
-        return fused_moe_lora(
-            x,
-            topk_ids,
-            topk_weights,
-            token_slots,
-            experts,
-            lora,
-            shape,
-            weights_on_input=weights_on_input,
-            out=out,
-            add=out is not None and add_inputs is AddInputs.ADD,
-            lora_comm=lora_comm if lora is not None else None,
-        )
+        _check_inputs(call, experts, out)
+        if call.lora_comm is not None and call.lora is not None:
+            _check_sharded_bank(call.lora, shape, call.lora_comm)
+        add = out is not None and add_inputs is AddInputs.ADD
+        return fused_moe_lora(call, experts, shape, out=out, add=add)
 
 
 def forward_plan(
@@ -250,43 +200,23 @@ def forward_plan(
 
 
 def fused_moe_lora(
-    x: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    token_slots: Tensor | None,
+    call: MoECall,
     experts: ExpertWeights,
-    lora: LoRABank | None,
     shape: MoEShape,
     *,
-    weights_on_input: bool = False,
     out: Tensor | None = None,
     add: bool = False,
     config: TileConfig | None = None,
-    lora_comm: LoRAComm | None = None,
 ) -> Tensor:
     """y [T, H] in x's dtype (into `out` if given; add=True adds to it): the plan of this
     call (forward_plan), run by the kernels (kernels/moe_lora.py; shapes and layouts
     there). LoRA runs with a bank and token slots; config: launched as given."""
     from ..kernels import moe_lora
 
-    bank = lora if token_slots is not None else None
-    plan = forward_plan(
-        x, topk_ids, experts, bank, shape, config=config, sharded=lora_comm is not None
-    )
-    return moe_lora.forward(
-        plan,
-        x,
-        topk_ids,
-        topk_weights,
-        token_slots,
-        experts,
-        lora,
-        shape,
-        weights_on_input=weights_on_input,
-        out=out,
-        add=add,
-        lora_comm=lora_comm,
-    )
+    bank = call.lora if call.has_lora else None
+    sharded = call.lora is not None and call.lora_comm is not None
+    plan = forward_plan(call.x, call.topk_ids, experts, bank, shape, config=config, sharded=sharded)
+    return moe_lora.forward(plan, call, experts, shape, out=out, add=add)
 
 
 BACKEND = TritonBackend()

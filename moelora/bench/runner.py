@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..call import MoECall
 from ..compare import compare
 from ..device import probe
 from ..inputs import build_bank, build_experts, build_inputs
@@ -109,7 +110,7 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
     for label, bank in (("base", None), ("lora", lora)):
 
         def fwd(x, ids, w, slots, bank=bank):
-            return backend.forward(x, ids, w, slots, experts, bank, shape, weights_on_input=woi)
+            return backend.forward(MoECall(x, ids, w, slots, bank, woi), experts, shape)
 
         static = tuple(t.clone() for t in sets[0])
         out = fwd(*static)

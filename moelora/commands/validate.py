@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..call import MoECall
 from ..compare import compare
 from ..config import AddInputs, DeviceFacts, LoRAConfig, ModelConfig
 from ..deployment import Deployment
@@ -163,7 +164,7 @@ def run_case(
     x, ids, w, slots = build_inputs(model, case.tokens, case.adapters, device, seed)
 
     def fwd(x, ids, w, slots):
-        return backend.forward(x, ids, w, slots, experts, lora, model.shape, weights_on_input=woi)
+        return backend.forward(MoECall(x, ids, w, slots, lora, woi), experts, model.shape)
 
     if case.graphs:
         out = _graph_run(

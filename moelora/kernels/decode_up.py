@@ -5,7 +5,7 @@ At a handful of tokens the layer is the weight read: every pair streams its expe
 rows once. The aligned GEMM pads each pair to a 16-row dot and its program count per
 expert is fixed by BLOCK_N; here a program holds BLOCK_N units (gate and up rows) and
 sums products in fp32 registers, so the grid is P * I / BLOCK_N small programs, many
-resident per SM, and the weight read has no wave tail (v9 in KERNEL_LOG.md).
+resident per SM, and the weight read has no wave tail (v9 in docs/history/kernel_log.md).
 
 LoRA: the expand is an fp32 dot of the shrink intermediate with B rows (exact, no 16-bit
 split needed off the tensor cores), added before the activation. The z shrink follows in

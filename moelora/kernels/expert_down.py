@@ -112,7 +112,7 @@ def _expert_down_kernel(
     # last block) runs the half-height variant, rows [row0, row0 + BLOCK_M // 2), so the
     # padding costs no MMA there; every other block runs the full one. 1: full blocks only.
     # Inline in both GEMM kernels on purpose: the same choice as a tiles.py helper compiled
-    # differently and measured 3% slower at T = 4096 on the H200 (a66485b, KERNEL_LOG v16c).
+    # differently and measured 3% slower at T = 4096 on the H200 (a66485b, kernel_log v16c).
     if TAIL_VARIANTS == 2:
         half = tl.load(sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
     for v in tl.static_range(TAIL_VARIANTS):

@@ -20,10 +20,11 @@ the down expand then writes its H/tp slice of columns. Both stay fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..call import MoECall
+from ..comm import LoRAComm
 from ..config import MoEShape
 from ..tiling.geometry import expand_rank_block
 from ..tiling.plan import ForwardPlan, LoRAPath, TopKSum
@@ -40,69 +41,57 @@ from .lora_shrink import lora_shrink
 from .side_stream import side_stream
 from .topk_reduce import topk_reduce
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above the kernels
-    from ..parallel import LoRAComm
-
 
 @dataclass(frozen=True)
 class _Layer:
-    """One call's tensors (contiguous; slots int32, or None without LoRA)."""
+    """One call's record with what the pipeline adds: the slots and bank only when the
+    plan runs LoRA (None otherwise), the weights, and where y goes."""
 
-    x: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
+    call: MoECall
     slots: torch.Tensor | None
+    lora: LoRABank | None
     experts: ExpertWeights
-    lora: LoRABank | None  # None without LoRA (no bank or no slots)
     shape: MoEShape
-    weights_on_input: bool
     out: torch.Tensor | None
     add: bool
-    comm: LoRAComm | None
 
     @property
     def num_pairs(self) -> int:
-        return self.topk_ids.numel()
+        return self.call.topk_ids.numel()
+
+    @property
+    def comm(self) -> LoRAComm | None:
+        return self.call.lora_comm
 
 
 def forward(
     plan: ForwardPlan,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    token_slots: torch.Tensor | None,
+    call: MoECall,
     experts: ExpertWeights,
-    lora: LoRABank | None,
     shape: MoEShape,
     *,
-    weights_on_input: bool = False,
     out: torch.Tensor | None = None,
     add: bool = False,
-    lora_comm: LoRAComm | None = None,
 ) -> torch.Tensor:
     """y [T, H] in x's dtype (written into `out` if given; add=True adds to it).
 
-    x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32 or None;
-    experts w13 [E, S*I, H], w2 [E, H, I]; lora: LoRABank or None (used only when the
-    plan's LoRA path is not NONE); lora_comm: fully sharded LoRA's collectives (lora then
-    holds w13_a [L, E, S, R/tp, H] and w2_b [L, E, H/tp, R]).
+    call: the checked per-call record (call.py: x [T, H], topk_ids [T, K], topk_weights
+    [T, K] fp32, token_slots [T] int32, the bank; contiguous); experts w13 [E, S*I, H], w2
+    [E, H, I]. The bank is used only when the plan's LoRA path is not NONE; call.lora_comm:
+    fully sharded LoRA's collectives (the bank then holds w13_a [L, E, S, R/tp, H] and
+    w2_b [L, E, H/tp, R]).
     """
-    num_tokens, hidden = x.shape
-    if num_tokens == 0:  # nothing routed: the op form's output is empty (or left as is)
-        return out if out is not None else x.new_empty(0, hidden)
+    if call.num_tokens == 0:  # nothing routed: the op form's output is empty (or left as is)
+        return out if out is not None else call.x.new_empty(0, call.x.shape[1])
     use_lora = plan.lora is not LoRAPath.NONE
     layer = _Layer(
-        x=x.contiguous(),
-        topk_ids=topk_ids.contiguous(),
-        topk_weights=topk_weights.contiguous(),
-        slots=token_slots.to(torch.int32).contiguous() if use_lora else None,
+        call=call,
+        slots=call.token_slots if use_lora else None,
+        lora=call.lora if use_lora else None,
         experts=experts,
-        lora=lora if use_lora else None,
         shape=shape,
-        weights_on_input=weights_on_input,
         out=out,
         add=add,
-        comm=lora_comm,
     )
     return _decode(plan, layer) if plan.decode else _aligned(plan, layer)
 
@@ -110,15 +99,16 @@ def forward(
 def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     """align -> (shrink x) -> up GEMM -> (shrink z) -> down GEMM -> top-k sum."""
     lora, experts, shape = c.lora, c.experts, c.shape
-    num_experts, top_k = experts.w13.shape[0], c.topk_ids.shape[1]
+    num_experts, top_k = experts.w13.shape[0], c.call.topk_ids.shape[1]
     aligned = align_pairs(
-        c.topk_ids,
+        c.call.topk_ids,
         c.slots,
         num_experts,
         lora.num_slots if lora is not None else 0,
         plan.tiles.block_m,
         plan.tiles.shrink_block_m if lora is not None else 0,
         pdl=plan.pdl,
+        launch=plan.align(c.num_pairs, num_experts),
     )
     inter13 = delta13 = None
     if lora is not None:
@@ -126,7 +116,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         inter13, delta13 = _lora_side(
             plan,
             c,
-            c.x,
+            c.call.x,
             lora.w13_a,
             lora.w13_b,
             aligned,
@@ -136,7 +126,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
             plan.lora,
         )
     z = expert_up(
-        c.x,
+        c.call.x,
         experts.w13,
         experts.b13,
         aligned,
@@ -145,7 +135,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         top_k=top_k,
         alpha=shape.swiglu_alpha,
         limit=shape.swiglu_limit,
-        topk_weights=c.topk_weights if c.weights_on_input else None,
+        topk_weights=c.call.topk_weights if c.call.weights_on_input else None,
         token_slots=c.slots,
         inter=inter13,
         lora_b=lora.w13_b if lora is not None else None,
@@ -184,12 +174,12 @@ def _down_and_sum(
     the GEMM's own atomic sum, or the reduce over o (adding the down delta with
     delta_in_reduce). before_sum: called between the two (lora_stream: the join, after
     which delta2 is ready)."""
-    num_tokens, hidden = c.x.shape
+    num_tokens, hidden = c.call.x.shape
     lora = c.lora if plan.down_gemm_lora else None
     acc = direct = None
     if plan.top_k_sum is TopKSum.ATOMIC:
         acc, direct = sum_buffer(
-            num_tokens, hidden, c.x.dtype, out=c.out, add=c.add, device=c.x.device
+            num_tokens, hidden, c.call.x.dtype, out=c.out, add=c.add, device=c.call.x.device
         )
     o = expert_down(
         z,
@@ -197,8 +187,8 @@ def _down_and_sum(
         c.experts.b2,
         aligned,
         plan.down,
-        top_k=c.topk_ids.shape[1],
-        topk_weights=None if c.weights_on_input else c.topk_weights,
+        top_k=c.call.topk_ids.shape[1],
+        topk_weights=None if c.call.weights_on_input else c.call.topk_weights,
         token_slots=c.slots if lora is not None else None,
         inter=inter2 if lora is not None else None,
         lora_b=lora.w2_b if lora is not None else None,
@@ -214,19 +204,21 @@ def _down_and_sum(
     if before_sum is not None:
         before_sum()
     if plan.top_k_sum is TopKSum.ATOMIC:
-        return acc if direct else finish_sum(acc, c.x.dtype, out=c.out, add=c.add, pdl=plan.pdl)
+        return (
+            acc if direct else finish_sum(acc, c.call.x.dtype, out=c.out, add=c.add, pdl=plan.pdl)
+        )
     if not plan.delta_in_reduce:
-        return topk_reduce(o, c.topk_ids, num_experts, out=c.out, add=c.add, pdl=plan.pdl)
+        return topk_reduce(o, c.call.topk_ids, num_experts, out=c.out, add=c.add, pdl=plan.pdl)
     return topk_reduce(
         o,
-        c.topk_ids,
+        c.call.topk_ids,
         num_experts,
         out=c.out,
         add=c.add,
         delta=delta2.view(c.num_pairs, -1),
         token_slots=c.slots,
         num_slots=c.lora.num_slots,
-        topk_weights=None if c.weights_on_input else c.topk_weights,
+        topk_weights=None if c.call.weights_on_input else c.call.topk_weights,
         pdl=plan.pdl,
     )
 
@@ -251,7 +243,7 @@ def _lora_side(
     kw = dict(
         num_pairs=c.num_pairs,
         rows=rows,
-        top_k=c.topk_ids.shape[1],
+        top_k=c.call.topk_ids.shape[1],
         block_k=plan.tiles.shrink_block_k,
         split_k=plan.tiles.shrink_split_k,
         tile_rank=c.lora.tile_rank,
@@ -282,9 +274,9 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     if lora is not None:
         rows_per_prog, block_k = plan.tiles.decode_shrink
         inter13, z_inter = decode_shrink(
-            c.x,
+            c.call.x,
             lora.w13_a,
-            c.topk_ids,
+            c.call.topk_ids,
             c.slots,
             experts.w13.shape[0],
             lora.w2_a.shape[2],
@@ -297,14 +289,14 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         if c.comm is not None:
             inter13 = _gather_parts(inter13, c.comm)
     z = decode_up(
-        c.x,
+        c.call.x,
         experts.w13,
         experts.b13,
-        c.topk_ids,
+        c.call.topk_ids,
         activation=shape.activation,
         alpha=shape.swiglu_alpha,
         limit=shape.swiglu_limit,
-        topk_weights=c.topk_weights if c.weights_on_input else None,
+        topk_weights=c.call.topk_weights if c.call.weights_on_input else None,
         token_slots=c.slots,
         inter=inter13,
         lora_b=lora.w13_b if lora is not None else None,
@@ -322,8 +314,8 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         z,
         experts.w2,
         experts.b2,
-        c.topk_ids,
-        topk_weights=None if c.weights_on_input else c.topk_weights,
+        c.call.topk_ids,
+        topk_weights=None if c.call.weights_on_input else c.call.topk_weights,
         token_slots=c.slots,
         z_inter=z_inter,
         lora_b=lora.w2_b if lora is not None else None,
