@@ -12,6 +12,7 @@ from .activations import apply_activation, split_gate_up
 from .call import MoECall
 from .comm import LoRAComm
 from .config import MoEShape
+from .quant.activation_quant import base_gemm_input
 from .weights import ExpertWeights, LoRABank
 
 
@@ -72,7 +73,9 @@ def reference_forward(call: MoECall, experts: ExpertWeights, shape: MoEShape) ->
     Expert ids outside [0, E) contribute nothing (expert parallel); tokens with slot -1 (or
     no slots at all) run the base model. call.weights_on_input: Llama-4 routing, the weight
     scales the expert input, not its output. call.lora_comm: fully sharded LoRA only (the
-    bank holds this rank's shards; see LoRAComm); the (expert, slot) groups are visited in
+    bank holds this rank's shards; see LoRAComm). experts.quantization: a W8A8 format's
+    base GEMMs multiply per-token quantized inputs (quant/activation_quant.py) while the
+    LoRA branch reads them unquantized. The (expert, slot) groups are visited in
     the same order on every rank of the TP group, so the collectives match up.
     """
     x, topk_ids, topk_weights = call.x, call.topk_ids, call.topk_weights
@@ -93,7 +96,8 @@ def reference_forward(call: MoECall, experts: ExpertWeights, shape: MoEShape) ->
             continue
         g = topk_weights[tok, j].float().unsqueeze(1)
         xe = xf[tok] * g if weights_on_input else xf[tok]
-        h = xe @ experts.w13[expert].float().t()
+        # the base GEMMs see the format's quantized input; the LoRA deltas see xe and z as is
+        h = base_gemm_input(experts.quantization, xe) @ experts.w13[expert].float().t()
         if experts.b13 is not None:
             h = h + experts.b13[expert].float()
         tok_slots = slots[tok]
@@ -104,7 +108,7 @@ def reference_forward(call: MoECall, experts: ExpertWeights, shape: MoEShape) ->
         z = apply_activation(
             shape.activation, h, alpha=shape.swiglu_alpha, limit=shape.swiglu_limit
         )
-        o = z @ experts.w2[expert].float().t()
+        o = base_gemm_input(experts.quantization, z) @ experts.w2[expert].float().t()
         if experts.b2 is not None:
             o = o + experts.b2[expert].float()
         for slot in active:
