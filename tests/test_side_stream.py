@@ -1,6 +1,6 @@
 """The lora_stream fork / join (kernels/side_stream.py) as the pipeline uses it.
 
-On the GPU the branch runs on a second stream (checked there by scripts/gpu_ranks_check.py,
+On the GPU the branch runs on a second stream (checked there by `moelora validate --suite ranks`,
 eager and graph replay). Here, on the CPU, the same pipeline code runs with a plan that has
 lora_stream on (as a GPU forward's plan has it): the branch runs inline and must give the
 reference's output, and a Branch must owe its join from the fork on."""

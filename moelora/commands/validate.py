@@ -4,8 +4,9 @@ Prints pass/fail per case.
 
 Cases per model: T sweep (8 adapters, rank 16, eager), CUDA-graph replay with fresh inputs
 copied into the captured buffers, ranks 8/16/64/128, 1 adapter, and the LoRA-free path;
---lora-sweep adds the banks of `moelora bench --suite lora-sweep` (mixed real ranks, padded
-ranks, 64 and 128 slots, rank 256). Adapters alternate rank R and R/2 (zero-padded) unless a
+--lora-sweep (or --suite lora-sweep) adds the banks of `moelora bench --suite lora-sweep`
+(mixed real ranks, padded ranks, 64 and 128 slots, rank 256); --suite ranks adds banks with
+garbage past each slot's real rank, eager and graphs. Adapters alternate rank R and R/2 (zero-padded) unless a
 case names each slot's rank, and every (L+1)-th token has slot -1.
 """
 
@@ -27,7 +28,7 @@ from ..config import AddInputs, DeviceFacts, LoRAConfig, ModelConfig
 from ..deployment import Deployment
 from ..device import probe
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
-from ..inputs import build_bank, build_experts, build_inputs, build_lora
+from ..inputs import build_bank, build_experts, build_inputs, build_lora, with_padding_garbage
 from ..oracle import default_registry, select
 from ..presets import PRESETS, resolve_model
 from ..reference import moe_lora_reference
@@ -53,12 +54,14 @@ class Case:
     graphs: bool
     # each slot's real rank (zero-padded to R); None: alternating R and R/2 (build_lora)
     ranks: tuple[int, ...] | None = None
+    garbage: bool = False  # the backend's bank holds garbage past each rank (inputs.py)
 
     def label(self) -> str:
         lora = f"L={self.adapters} R={self.rank}" if self.adapters else "no LoRA"
         if self.ranks is not None:
             lora += f" ranks={_ranks_text(self.ranks)}"
-        return f"T={self.tokens} {lora} {'graph' if self.graphs else 'eager'}"
+        padding = " garbage" if self.garbage else ""
+        return f"T={self.tokens} {lora}{padding} {'graph' if self.graphs else 'eager'}"
 
 
 def _ranks_text(ranks: tuple[int, ...]) -> str:
@@ -91,6 +94,33 @@ def lora_sweep_cases() -> list[Case]:
         for adapters, rank, ranks in banks
         for t in LORA_SWEEP_TOKENS
     ]
+
+
+RANKS_TOKENS = (1, 7, 64, 1024, 4096)
+
+
+def ranks_cases() -> list[Case]:
+    """--suite ranks: banks whose columns past each slot's real rank hold garbage, eager
+    and graph replay, against the reference on the clean bank: mixed ranks 8-128 in R =
+    128, rank 8 in R = 128, rank 256 / 32, 64 slots of rank 16, and 128 slots of ranks 8 /
+    16 with every other slot empty (rank 0)."""
+    banks = [
+        (128, (8, 16, 64, 128) * 2),
+        (128, (8,) * 8),
+        (256, (256, 32) * 4),
+        (16, (16,) * 64),
+        (16, tuple(0 if s % 2 else 8 if s % 4 else 16 for s in range(128))),
+    ]
+    return [
+        Case(t, len(ranks), rank, graphs, ranks, garbage=True)
+        for rank, ranks in banks
+        for t in RANKS_TOKENS
+        for graphs in (False, True)
+    ]
+
+
+# Case sets a GPU check adds to the run (--suite, repeatable)
+SUITES = {"lora-sweep": lora_sweep_cases, "ranks": ranks_cases}
 
 
 def default_cases(tokens: tuple[int, ...] = TOKENS, rank: int = 16) -> list[Case]:
@@ -155,11 +185,12 @@ def run_case(
 ) -> tuple[object, float]:
     """-> (Comparison on the first ref_tokens rows, seconds)."""
     start = time.perf_counter()
-    lora = (
+    clean = (
         build_lora(model, case.adapters, case.rank, device)
         if case.ranks is None
         else build_bank(model, case.ranks, case.rank, device)
     )
+    lora = with_padding_garbage(clean) if case.garbage else clean
     woi = model.routing.method.weights_on_input
     x, ids, w, slots = build_inputs(model, case.tokens, case.adapters, device, seed)
 
@@ -177,7 +208,7 @@ def run_case(
     n = min(case.tokens, ref_tokens)
     s = None if slots is None else slots[:n]
     ref = moe_lora_reference(
-        x[:n], ids[:n], w[:n], s, experts, lora, model.shape, weights_on_input=woi
+        x[:n], ids[:n], w[:n], s, experts, clean, model.shape, weights_on_input=woi
     )
     result = compare(out[:n], ref, model.shape.dtype)
     return result, time.perf_counter() - start
@@ -244,6 +275,15 @@ def add_parser(subparsers) -> None:
         f"{','.join(map(str, LORA_SWEEP_TOKENS))}: real ranks 8/16/64/128 mixed in an "
         "R=128 bank, rank 8 padded to R=128, 64 and 128 slots of rank 16, rank 256 (long on "
         "a CPU: rank 256 and 128 slots)",
+    )
+    p.add_argument(
+        "--suite",
+        action="append",
+        choices=sorted(SUITES),
+        default=[],
+        help="add a suite's cases (repeatable): lora-sweep (as --lora-sweep); ranks (banks "
+        f"with garbage past each slot's real rank, R up to 256 and 128 slots, at T "
+        f"{','.join(map(str, RANKS_TOKENS))}, eager and graphs)",
     )
     p.add_argument(
         "--rank",
@@ -320,8 +360,8 @@ def run(args: argparse.Namespace) -> int:
     backends = _backends(args.backends)
     models = (args.models or ",".join(MODELS if args.device == "cuda" else CPU_MODELS)).split(",")
     cases = sweep_cases(tokens, args.rank) if args.quick else default_cases(tokens, args.rank)
-    if args.lora_sweep:
-        cases += lora_sweep_cases()
+    for suite in dict.fromkeys(args.suite + ["lora-sweep"] * args.lora_sweep):
+        cases += SUITES[suite]()
     if args.device != "cuda":  # no graphs, and no case larger than the largest T asked for
         capped = (dataclasses.replace(c, tokens=min(c.tokens, max(tokens))) for c in cases)
         cases = list(dict.fromkeys(c for c in capped if not c.graphs))
