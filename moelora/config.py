@@ -18,6 +18,7 @@ import torch
 
 from .activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
 from .errors import ConfigError
+from .quant.formats import QuantConfig
 from .routing import RoutingConfig, RoutingMethod
 
 DTYPES: dict[str, torch.dtype] = {
@@ -188,6 +189,7 @@ class ModelConfig:
     routing: RoutingConfig
     num_layers: int
     moe_layers: tuple[int, ...] = field(default=())
+    quantization: QuantConfig = field(default_factory=QuantConfig)  # the experts' storage
 
     def __post_init__(self) -> None:
         if self.routing.method is RoutingMethod.LLAMA4 and self.shape.top_k != 1:

@@ -15,6 +15,7 @@ import torch
 
 from .config import DeviceFacts, LoRAConfig, ModelConfig, MoEShape, ParallelConfig, parse_dtype
 from .errors import ConfigError
+from .quant.formats import QuantConfig, resolve_quantization
 from .routing import RoutingConfig
 
 AUTO = "auto"
@@ -39,8 +40,10 @@ class LoRASharding(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Deployment:
-    """One MoE layer type as it will be served. `shape.dtype` is the serving dtype.
+    """One MoE layer type as it will be served. `shape.dtype` is the serving dtype (the
+    activations', the LoRA factors' and, unquantized, the experts').
 
+    quantization: how the base experts are stored (--quantization; LoRA stays in dtype).
     backend: "auto" or the name of a registered backend (--moe-backend).
     """
 
@@ -52,6 +55,7 @@ class Deployment:
     cuda_graphs: bool = False
     backend: str = AUTO
     name: str = "moe"
+    quantization: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
         self._check_split("tensor_parallel_size", self.parallel.tp, "intermediate_size", "I")
@@ -82,13 +86,22 @@ class Deployment:
 
     @classmethod
     def for_model(
-        cls, model: ModelConfig, *, dtype: str | torch.dtype = AUTO, **kwargs: Any
+        cls,
+        model: ModelConfig,
+        *,
+        dtype: str | torch.dtype = AUTO,
+        quantization: str | None = None,
+        **kwargs: Any,
     ) -> Deployment:
-        """A deployment of `model`'s MoE layers; dtype "auto" keeps the model's dtype."""
+        """A deployment of `model`'s MoE layers; dtype "auto" keeps the model's dtype;
+        quantization None keeps the model's format (resolve_quantization reads the flag)."""
         shape = model.shape
         if dtype != AUTO:
             shape = dataclasses.replace(shape, dtype=parse_dtype(dtype))
-        return cls(shape=shape, routing=model.routing, name=model.name, **kwargs)
+        quant = resolve_quantization(quantization, model.quantization)
+        return cls(
+            shape=shape, routing=model.routing, name=model.name, quantization=quant, **kwargs
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,6 +158,7 @@ class Deployment:
             f"{self.name}: E={s.num_experts} K={s.top_k} H={s.hidden_size} "
             f"I={s.intermediate_size} I_p={self.intermediate_per_partition} "
             f"{s.activation.value} {self.routing.method.value} {dtype_name(self.dtype)} "
+            f"{quant_name(self.quantization)} "
             f"tp={self.parallel.tp} ep={self.parallel.ep} {lora} on {self.device.name} "
             f"cuda_graphs={self.cuda_graphs}"
         )
@@ -165,6 +179,8 @@ class Deployment:
             "has_bias": s.has_bias,
             "routing": self.routing.method.value,
             "dtype": dtype_name(self.dtype),
+            "quantization": self.quantization.method.value,
+            "quantization_block": list(self.quantization.block),
             "tp": self.parallel.tp,
             "ep": self.parallel.ep,
             "fully_sharded_loras": self.parallel.fully_sharded_loras,
@@ -185,6 +201,12 @@ class Deployment:
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> 'bfloat16'."""
     return str(dtype).removeprefix("torch.")
+
+
+def quant_name(quant: QuantConfig) -> str:
+    """'experts none', 'experts fp8_block 128x128', 'experts fp8_channel'."""
+    block = f" {quant.block[0]}x{quant.block[1]}" if quant.method.value == "fp8_block" else ""
+    return f"experts {quant.method.value}{block}"
 
 
 def _cc(capability: tuple[int, int] | None) -> str | None:

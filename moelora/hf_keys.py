@@ -11,6 +11,7 @@ from typing import Any
 from .activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
 from .config import ModelConfig, MoEShape, parse_dtype
 from .errors import ConfigError
+from .quant.formats import from_hf_quantization
 from .routing import RoutingConfig, RoutingMethod
 
 _MISSING = object()
@@ -275,4 +276,7 @@ def parse_hf_dict(raw: dict[str, Any], name: str | None) -> ModelConfig:
         routing=_routing(cfg, fam),
         num_layers=num_layers,
         moe_layers=_moe_layers(cfg, fam, num_layers),
+        quantization=from_hf_quantization(
+            raw.get("quantization_config") or cfg.get("quantization_config")
+        ),
     )

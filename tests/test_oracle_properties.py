@@ -23,6 +23,7 @@ from moelora.deployment import AUTO, Deployment, LoRASharding, ParallelMode
 from moelora.device import TARGETS, target
 from moelora.errors import UnsupportedDeploymentError
 from moelora.oracle import select
+from moelora.quant.formats import QuantConfig, Quantization
 from moelora.routing import RoutingConfig, RoutingMethod
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,6 +75,7 @@ def deployments(draw) -> Deployment:
         parallel=ParallelConfig(tp, ep, can_shard and draw(st.booleans())),
         lora=lora,
         cuda_graphs=device.kind == "cuda" and draw(st.booleans()),
+        quantization=QuantConfig(draw(st.sampled_from(list(Quantization)))),
     )
 
 
@@ -95,6 +97,9 @@ def capabilities(draw) -> Capabilities:
         gating=draw(subset(Gating)),
         routing_methods=draw(subset(RoutingMethod)),
         expert_bias=draw(st.booleans()),
+        quantizations=draw(
+            st.dictionaries(st.sampled_from(list(Quantization)), st.sampled_from(CCS))
+        ),
         parallel_modes=draw(subset(ParallelMode)),
         lora=draw(st.booleans()),
         runs_without_lora=draw(st.booleans()),
@@ -130,7 +135,14 @@ def registries(draw) -> dict[str, StubBackend]:
 
 def with_backend(dep: Deployment, name: str) -> Deployment:
     return Deployment(
-        dep.shape, dep.routing, dep.device, dep.parallel, dep.lora, dep.cuda_graphs, name
+        dep.shape,
+        dep.routing,
+        dep.device,
+        dep.parallel,
+        dep.lora,
+        dep.cuda_graphs,
+        name,
+        quantization=dep.quantization,
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from ..activations import Activation
 from ..config import AddInputs
 from ..deployment import LoRASharding, ParallelMode
+from ..quant.formats import Quantization
 from ..routing import RoutingMethod
 
 
@@ -40,6 +41,10 @@ ALL_GATING = frozenset(Gating)
 ALL_ROUTING = frozenset(RoutingMethod)
 ALL_PARALLEL = frozenset(ParallelMode)
 ALL_ADD_INPUTS = frozenset(AddInputs)
+# Base experts stored in the serving dtype only (no quantized format).
+FULL_PRECISION_ONLY: Mapping[Quantization, tuple[int, int] | None] = MappingProxyType(
+    {Quantization.NONE: None}
+)
 EVERY_LORA_SHARDING: Mapping[LoRASharding, frozenset[AddInputs]] = MappingProxyType(
     dict.fromkeys(LoRASharding, ALL_ADD_INPUTS)
 )
@@ -91,6 +96,9 @@ class Capabilities:
     gating: frozenset[Gating]
     routing_methods: frozenset[RoutingMethod]
     expert_bias: bool  # b13 / b2 (gpt-oss)
+    # Storage format of the base experts -> the minimum compute capability it needs on cuda
+    # (None: the record's own minimum); a format absent = unsupported.
+    quantizations: Mapping[Quantization, tuple[int, int] | None]
     # Parallel layout.
     parallel_modes: frozenset[ParallelMode]
     # LoRA on the experts.
@@ -119,4 +127,5 @@ class Capabilities:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Capabilities.{key} must be None or a positive int")
         object.__setattr__(self, "lora_add_inputs", MappingProxyType(dict(self.lora_add_inputs)))
+        object.__setattr__(self, "quantizations", MappingProxyType(dict(self.quantizations)))
         object.__setattr__(self, "validated_on", tuple(self.validated_on))

@@ -83,6 +83,17 @@ def check_expert_bias(cap: Capabilities, dep: Deployment) -> list[Reason]:
     return []
 
 
+def check_quantization(cap: Capabilities, dep: Deployment) -> list[Reason]:
+    method = dep.quantization.method
+    if method not in cap.quantizations:
+        return [Reason("quantization", method.value, _one_of(cap.quantizations))]
+    low, have = cap.quantizations[method], dep.device.compute_capability
+    if dep.device.kind == "cuda" and low is not None and (have is None or have < low):
+        needed = f">= {_cc(low)} for {method.value} experts"
+        return [Reason("device.compute_capability", _cc(have), needed)]
+    return []
+
+
 def check_parallel(cap: Capabilities, dep: Deployment) -> list[Reason]:
     mode = dep.parallel_mode
     if mode in cap.parallel_modes:
@@ -153,6 +164,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("activation", check_activation),
     ("routing", check_routing),
     ("expert_bias", check_expert_bias),
+    ("quantization", check_quantization),
     ("parallel", check_parallel),
     ("shape", check_shape),
     ("lora", check_lora),

@@ -17,7 +17,14 @@ from ..deployment import LoRASharding, ParallelMode
 from ..errors import InputError
 from ..weights import ExpertWeights, LoRABank
 from .base import write_output
-from .capabilities import ALL_ACTIVATIONS, ALL_GATING, ALL_ROUTING, Capabilities, Validation
+from .capabilities import (
+    ALL_ACTIVATIONS,
+    ALL_GATING,
+    ALL_ROUTING,
+    FULL_PRECISION_ONLY,
+    Capabilities,
+    Validation,
+)
 
 # Where this record has run (docs/history/benchmarks.md, 2026-11-30, commit 7fff9c4): one GPU, bf16 only.
 VALIDATED_ON = (
@@ -41,6 +48,7 @@ CAPABILITIES = Capabilities(
     gating=ALL_GATING,
     routing_methods=ALL_ROUTING,  # routing happens before; weights_on_input scales x rows
     expert_bias=True,  # gathered per pair and added in fp32
+    quantizations=FULL_PRECISION_ONLY,  # torch._grouped_mm multiplies serving-dtype experts
     parallel_modes=frozenset(ParallelMode),  # TP shards / EP local ids: plain shard inputs
     lora=True,
     runs_without_lora=True,

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..call import MoECall
 from ..config import AddInputs, MoEShape
+from ..quant.formats import Quantization
 from ..reference import reference_forward
 from ..weights import ExpertWeights
 from .base import write_output
@@ -47,6 +48,9 @@ CAPABILITIES = Capabilities(
     gating=ALL_GATING,
     routing_methods=ALL_ROUTING,
     expert_bias=True,
+    # FP8 experts are dequantized (FP8ExpertWeights.dequantize); W8A8 input quantization
+    # is modelled per token in the base GEMMs, the LoRA branch reads unquantized inputs.
+    quantizations=dict.fromkeys(Quantization),
     parallel_modes=ALL_PARALLEL,
     lora=True,
     runs_without_lora=True,

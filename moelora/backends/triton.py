@@ -29,6 +29,7 @@ from .capabilities import (
     ALL_DTYPES,
     ALL_GATING,
     ALL_ROUTING,
+    FULL_PRECISION_ONLY,
     Capabilities,
     Validation,
 )
@@ -71,6 +72,7 @@ CAPABILITIES = Capabilities(
     # Routing happens before the backend; weights_on_input (Llama-4) is fused in the up GEMM.
     routing_methods=ALL_ROUTING,
     expert_bias=True,
+    quantizations=FULL_PRECISION_ONLY,  # the kernels' tiles load serving-dtype experts
     # The kernels run whatever shard they are given: TP = I_p-sized w13/w2 shards and a
     # partial y (the caller all-reduces); EP = local experts, ids outside [0, E_l) dropped.
     parallel_modes=frozenset(ParallelMode),

@@ -112,17 +112,17 @@ def from_hf_quantization(qc: dict[str, Any] | None) -> QuantConfig:
     return QuantConfig(Quantization.FP8_BLOCK, tuple(block))
 
 
-def parse_quantization(flag: str | None, qc: dict[str, Any] | None) -> QuantConfig:
-    """`--quantization` (vLLM's flag: none / fp8, or a Quantization value) against the
-    model config's `quantization_config`: `fp8` takes the config's format and block (FP8_BLOCK
-    at 128x128 when the config has none)."""
-    if flag is None or flag == "none":
-        return QuantConfig()
+def resolve_quantization(flag: str | None, found: QuantConfig) -> QuantConfig:
+    """`--quantization` (vLLM's flag) against the model's own format `found` (its config's
+    quantization_config). None: the model's. `none`: full precision. `fp8`: the model's FP8
+    format and block, FP8_BLOCK 128x128 when the config names none. A Quantization value
+    (fp8_block, fp8_channel): that format, with the model's block."""
+    if flag is None:
+        return found
     if flag == "fp8":
-        found = from_hf_quantization(qc)
         return found if found.method.is_fp8 else QuantConfig(Quantization.FP8_BLOCK)
     try:
-        return QuantConfig(Quantization(flag), from_hf_quantization(qc).block)
+        return QuantConfig(Quantization(flag), found.block)
     except ValueError:
         names = ", ".join(["fp8"] + [q.value for q in Quantization])
-        raise ConfigError("quantization", flag, f"one of {names}") from None
+        raise ConfigError("quantization", flag, f"one of {names}", "pick one of them") from None
