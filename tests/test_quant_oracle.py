@@ -58,18 +58,37 @@ def test_quantization_check(name, cap, quant, device, want) -> None:
     assert reasons == want
 
 
-def test_explicit_backend_lacking_fp8_is_refused_naming_the_field() -> None:
+CHANNEL = QuantConfig(Quantization.FP8_CHANNEL)
+# (id, format, device, explicit backend lacking it, the field it is refused on)
+REFUSALS = [
+    ("grouped_mm_block", BLOCK, "h200", "grouped_mm", "quantization"),
+    ("triton_channel", CHANNEL, "h200", "triton", "quantization"),  # W8A8: reference only
+    ("triton_block_sm80", BLOCK, "a100", "triton", "device.compute_capability"),
+]
+
+
+@pytest.mark.parametrize("name,quant,device,backend,field", REFUSALS, ids=[c[0] for c in REFUSALS])
+def test_explicit_backend_lacking_fp8_is_refused_naming_the_field(
+    name, quant, device, backend, field
+) -> None:
     with pytest.raises(UnsupportedDeploymentError) as err:
-        select(_dep(BLOCK, "h200", backend="triton"))
-    assert [r.field for r in err.value.reasons["triton"]] == ["quantization"]
-    assert "reference" in err.value.accepting or "reference" in str(err.value)
+        select(_dep(quant, device, backend=backend))
+    assert [r.field for r in err.value.reasons[backend]] == [field]
 
 
-def test_auto_picks_a_backend_that_has_fp8(tmp_path) -> None:
-    dep = dataclasses.replace(_dep(BLOCK, "cpu"), cuda_graphs=False)
-    selection = select(dep)
-    assert Quantization.FP8_BLOCK in selection.backend.capabilities.quantizations
-    assert selection.name == "reference"  # the only registered backend that runs FP8 today
+# (id, format, device, cuda graphs, the backend auto picks)
+AUTO = [
+    ("block_h200_graphs", BLOCK, "h200", True, "triton"),
+    ("channel_eager", CHANNEL, "h200", False, "reference"),
+    ("block_a100_eager", BLOCK, "a100", False, "reference"),  # no e4m3 conversion on sm80
+]
+
+
+@pytest.mark.parametrize("name,quant,device,graphs,want", AUTO, ids=[c[0] for c in AUTO])
+def test_auto_picks_a_backend_that_has_the_format(name, quant, device, graphs, want) -> None:
+    selection = select(dataclasses.replace(_dep(quant, device), cuda_graphs=graphs))
+    assert selection.name == want
+    assert quant.method in selection.backend.capabilities.quantizations
 
 
 def _model_dir(tmp_path, qc: dict | None) -> str:
@@ -97,14 +116,14 @@ def test_plan_reads_the_format(name, qc, flag, method, block, tmp_path, capsys) 
     plan = json.loads(capsys.readouterr().out)
     assert plan["deployment"]["quantization"] == method
     assert plan["deployment"]["quantization_block"] == block
-    assert code == 0 and (plan["selected"] == "reference") == (method != "none")
+    assert code == 0 and plan["selected"] == ("reference" if method == "fp8_channel" else "triton")
 
 
 def test_plan_refuses_an_explicit_backend_and_a_bad_format(tmp_path, capsys) -> None:
-    model = _model_dir(tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    model = _model_dir(tmp_path, {"quant_method": "fp8"})
     code = cli.main(["plan", "--model", model, "--device", "h200", "--moe-backend", "triton"])
     out = capsys.readouterr().out
-    assert code == 3 and "quantization = fp8_block: needs one of none" in out
+    assert code == 3 and "quantization = fp8_channel: needs one of fp8_block, none" in out
     e5m2 = _model_dir(tmp_path, {"quant_method": "fp8", "fmt": "e5m2"})
     assert cli.main(["plan", "--model", e5m2]) == 2
     assert "quantization_config.fmt" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from torch import Tensor
 from ..call import MoECall
 from ..config import AddInputs, MoEShape
 from ..quant.formats import Quantization
+from ..quant.fp8_experts import FP8ExpertWeights
 from ..reference import reference_forward
 from ..weights import ExpertWeights
 from .base import write_output
@@ -75,13 +76,16 @@ class ReferenceBackend:
     def forward(
         self,
         call: MoECall,
-        experts: ExpertWeights,
+        experts: ExpertWeights | FP8ExpertWeights,
         shape: MoEShape,
         *,
         out: Tensor | None = None,
         add_inputs: AddInputs = AddInputs.OVERWRITE,
     ) -> Tensor:
-        """y [T, H] = the reference's; see Backend.forward for out / add_inputs."""
+        """y [T, H] = the reference's; see Backend.forward for out / add_inputs. FP8
+        experts are dequantized to fp32 first (the one reference takes dequantized weights)."""
+        if isinstance(experts, FP8ExpertWeights):
+            experts = experts.dequantize()
         return write_output(reference_forward(call, experts, shape), out, add_inputs)
 
 

@@ -19,17 +19,19 @@ from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..device import gpu_limits, triton_interpreted
 from ..errors import InputError
+from ..quant.formats import Quantization
+from ..quant.fp8_experts import FP8ExpertWeights
 from ..tiling.config import TileConfig
 from ..tiling.fit import fit_to_device
 from ..tiling.pick import pick_config
 from ..tiling.plan import ForwardPlan, plan_forward
+from ..tiling.quantized import fit_to_fp8_blocks
 from ..weights import ExpertWeights, LoRABank
 from .capabilities import (
     ALL_ACTIVATIONS,
     ALL_DTYPES,
     ALL_GATING,
     ALL_ROUTING,
-    FULL_PRECISION_ONLY,
     Capabilities,
     Validation,
 )
@@ -72,7 +74,11 @@ CAPABILITIES = Capabilities(
     # Routing happens before the backend; weights_on_input (Llama-4) is fused in the up GEMM.
     routing_methods=ALL_ROUTING,
     expert_bias=True,
-    quantizations=FULL_PRECISION_ONLY,  # the kernels' tiles load serving-dtype experts
+    # Block-scaled e4m3 experts (weight-only): the aligned GEMMs load e4m3 tiles, convert
+    # them exactly to the serving dtype and scale each K step's dot by its block scales
+    # (e4m3 conversions need sm89+); the LoRA seams are the bf16 ones. Per-channel W8A8
+    # (run-time activation quantization) is not implemented here: the reference has it.
+    quantizations={Quantization.NONE: None, Quantization.FP8_BLOCK: (8, 9)},
     # The kernels run whatever shard they are given: TP = I_p-sized w13/w2 shards and a
     # partial y (the caller all-reduces); EP = local experts, ids outside [0, E_l) dropped.
     parallel_modes=frozenset(ParallelMode),
@@ -105,13 +111,23 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _check_inputs(call: MoECall, experts: ExpertWeights, out: Tensor | None) -> None:
+Experts = ExpertWeights | FP8ExpertWeights
+
+
+def _check_inputs(call: MoECall, experts: Experts, out: Tensor | None) -> None:
     """What the kernels need beyond the record's own checks: x's H that of the weights
     (the bench, validate and the tune call backends without a layer), `out` like x, and on
     the CPU the Triton interpreter. Metadata only."""
     x = call.x
     if x.shape[1] != experts.w13.shape[2]:
         raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {experts.w13.shape[2]}]")
+    if (
+        isinstance(experts, FP8ExpertWeights)
+        and experts.quant.method not in CAPABILITIES.quantizations
+    ):
+        raise InputError(
+            "experts", f"{experts.quant.method.value} FP8 experts", "block-scaled FP8 (fp8_block)"
+        )
     if out is not None and out.shape != x.shape:
         raise InputError("out", f"shape {list(out.shape)}", f"{list(x.shape)} (like x)")
     if x.device.type == "cpu" and not triton_interpreted():
@@ -140,7 +156,7 @@ class TritonBackend:
     def forward(
         self,
         call: MoECall,
-        experts: ExpertWeights,
+        experts: Experts,
         shape: MoEShape,
         *,
         out: Tensor | None = None,
@@ -157,7 +173,7 @@ class TritonBackend:
 def forward_plan(
     x: Tensor,
     topk_ids: Tensor,
-    experts: ExpertWeights,
+    experts: Experts,
     lora: LoRABank | None,
     shape: MoEShape,
     *,
@@ -192,6 +208,8 @@ def forward_plan(
         cfg = fit_to_device(
             picked, shape.activation.width_factor, x.dtype, limits, rank=rank, num_slots=slots
         )
+    if isinstance(experts, FP8ExpertWeights):  # a correctness fit: explicit configs too
+        cfg = fit_to_fp8_blocks(cfg, experts.quant.block)
     return plan_forward(
         cfg,
         lora=use_lora,
@@ -203,7 +221,7 @@ def forward_plan(
 
 def fused_moe_lora(
     call: MoECall,
-    experts: ExpertWeights,
+    experts: Experts,
     shape: MoEShape,
     *,
     out: Tensor | None = None,

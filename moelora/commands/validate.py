@@ -31,6 +31,8 @@ from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
 from ..inputs import build_bank, build_experts, build_inputs, build_lora, with_padding_garbage
 from ..oracle import default_registry, select
 from ..presets import PRESETS, resolve_model
+from ..quant.formats import resolve_quantization
+from ..quant.fp8_experts import FP8ExpertWeights, quantize_experts
 from ..reference import moe_lora_reference
 from ..weights import ExpertWeights, LoRABank
 from .cpu_cost import Cost, validate_cost
@@ -44,6 +46,7 @@ TOKENS = (1, 2, 7, 16, 64, 255, 1024, 4096, 16384)
 CPU_MODELS = ("tiny", "tiny-relu2")
 CPU_TOKENS = (1, 7, 16)
 REFERENCE = "reference"
+FP8 = torch.float8_e4m3fn  # the tolerance row of FP8 experts (moelora/compare.py)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,24 @@ def with_dtype(model: ModelConfig, dtype: str | None) -> ModelConfig:
     return dataclasses.replace(model, shape=dataclasses.replace(model.shape, dtype=DTYPES[dtype]))
 
 
+def with_quantization(model: ModelConfig, flag: str | None) -> ModelConfig:
+    """model with its experts stored as `--quantization` says (None: the model's own)."""
+    return dataclasses.replace(model, quantization=resolve_quantization(flag, model.quantization))
+
+
+def build_validated_experts(
+    model: ModelConfig, device: str, seed: int
+) -> tuple[ExpertWeights | FP8ExpertWeights, ExpertWeights]:
+    """(what the backend runs, what the reference multiplies): random experts in the
+    serving dtype twice, or, FP8, their quantization and its fp32 dequantization."""
+    experts = build_experts(model, device, seed)
+    if not model.quantization.method.is_fp8:
+        return experts, experts
+    fp8 = quantize_experts(experts, model.quantization)
+    del experts  # DeepSeek-V3: the bf16 layer (22 GB) goes before the fp32 one is made
+    return fp8, fp8.dequantize()
+
+
 def select_backend(name: str, model: ModelConfig, case: Case, device: DeviceFacts):
     """The backend `name` through the oracle, for exactly what this case runs: a backend the
     oracle would refuse for this deployment is never run (the refusal is the case's error)."""
@@ -177,13 +198,16 @@ def select_backend(name: str, model: ModelConfig, case: Case, device: DeviceFact
 def run_case(
     backend,
     model: ModelConfig,
-    experts: ExpertWeights,
+    experts: ExpertWeights | FP8ExpertWeights,
     case: Case,
     device: str,
     ref_tokens: int,
     seed: int,
+    ref_experts: ExpertWeights | None = None,
 ) -> tuple[object, float]:
-    """-> (Comparison on the first ref_tokens rows, seconds)."""
+    """-> (Comparison on the first ref_tokens rows, seconds). ref_experts: what the
+    reference multiplies (FP8 experts: their dequantization, fp32); None: `experts`."""
+    ref_experts = experts if ref_experts is None else ref_experts
     start = time.perf_counter()
     clean = (
         build_lora(model, case.adapters, case.rank, device)
@@ -208,9 +232,9 @@ def run_case(
     n = min(case.tokens, ref_tokens)
     s = None if slots is None else slots[:n]
     ref = moe_lora_reference(
-        x[:n], ids[:n], w[:n], s, experts, clean, model.shape, weights_on_input=woi
+        x[:n], ids[:n], w[:n], s, ref_experts, clean, model.shape, weights_on_input=woi
     )
-    result = compare(out[:n], ref, model.shape.dtype)
+    result = compare(out[:n], ref, FP8 if model.quantization.method.is_fp8 else model.shape.dtype)
     return result, time.perf_counter() - start
 
 
@@ -302,6 +326,15 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of weights and inputs")
     p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="as in vLLM: the experts' storage (default: each model's quantization_config): "
+        "fp8 (block-scaled e4m3, the config's block or 128x128), fp8_block, fp8_channel, none; "
+        "FP8 experts are the random weights quantized, compared with the reference on their "
+        "dequantization (fp32) with the FP8 row of the tolerance table",
+    )
+    p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default=None,
@@ -365,7 +398,10 @@ def run(args: argparse.Namespace) -> int:
     if args.device != "cuda":  # no graphs, and no case larger than the largest T asked for
         capped = (dataclasses.replace(c, tokens=min(c.tokens, max(tokens))) for c in cases)
         cases = list(dict.fromkeys(c for c in capped if not c.graphs))
-    loaded = [(name, with_dtype(resolve_model(name), args.dtype)) for name in models]
+    loaded = [
+        (name, with_quantization(with_dtype(resolve_model(name), args.dtype), args.quantization))
+        for name in models
+    ]
     device = probe() if args.device == "cuda" else probe("cpu")
     if args.device == "cpu":
         _warn_cpu_cost(loaded, cases, args, len(backends), device.interpreted)
@@ -376,23 +412,29 @@ def run(args: argparse.Namespace) -> int:
     )
     for name in backends:
         for model_name, model in loaded:
-            experts = build_experts(model, args.device, args.seed)
+            experts, ref_experts = build_validated_experts(model, args.device, args.seed)
             for case in cases:
                 total += 1
-                failures += not _run_one(name, model_name, model, experts, case, device, args)
-            del experts
+                failures += not _run_one(
+                    name, model_name, model, (experts, ref_experts), case, device, args
+                )
+            del experts, ref_experts
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     print(f"validate: {total - failures}/{total} passed" + ("" if not failures else " — FAILURES"))
     return EXIT_FAILED if failures else EXIT_OK
 
 
-def _run_one(name, model_name, model, experts, case, device, args) -> bool:
-    """One table row; True when the case passed."""
+def _run_one(name, model_name, model, weights, case, device, args) -> bool:
+    """One table row (weights: the backend's experts and the reference's); True when the
+    case passed."""
     ok = False
+    experts, ref_experts = weights
     try:
         backend = select_backend(name, model, case, device)
-        res, secs = run_case(backend, model, experts, case, args.device, args.ref_tokens, args.seed)
+        res, secs = run_case(
+            backend, model, experts, case, args.device, args.ref_tokens, args.seed, ref_experts
+        )
         line = (
             f"{res.rel_err:9.2e} {res.max_abs:9.2e} {res.tol:6.0e}  "
             f"{'pass' if res.ok else 'FAIL':<6} {secs:5.1f}"

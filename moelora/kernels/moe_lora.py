@@ -26,6 +26,7 @@ import torch
 from ..call import MoECall
 from ..comm import LoRAComm
 from ..config import MoEShape
+from ..quant.fp8_experts import FP8ExpertWeights
 from ..tiling.geometry import expand_rank_block
 from ..tiling.plan import ForwardPlan, LoRAPath, TopKSum
 from ..weights import ExpertWeights, LoRABank
@@ -50,7 +51,7 @@ class _Layer:
     call: MoECall
     slots: torch.Tensor | None
     lora: LoRABank | None
-    experts: ExpertWeights
+    experts: ExpertWeights | FP8ExpertWeights
     shape: MoEShape
     out: torch.Tensor | None
     add: bool
@@ -63,11 +64,21 @@ class _Layer:
     def comm(self) -> LoRAComm | None:
         return self.call.lora_comm
 
+    def scales(self, name: str) -> dict:
+        """The GEMM launcher's FP8 arguments for weight `name` ("w13" / "w2"): its block
+        scales and the block, or nothing for serving-dtype experts."""
+        if not isinstance(self.experts, FP8ExpertWeights):
+            return {}
+        return {
+            "w_scale": getattr(self.experts, f"{name}_scale"),
+            "scale_block": self.experts.quant.block,
+        }
+
 
 def forward(
     plan: ForwardPlan,
     call: MoECall,
-    experts: ExpertWeights,
+    experts: ExpertWeights | FP8ExpertWeights,
     shape: MoEShape,
     *,
     out: torch.Tensor | None = None,
@@ -77,7 +88,8 @@ def forward(
 
     call: the checked per-call record (call.py: x [T, H], topk_ids [T, K], topk_weights
     [T, K] fp32, token_slots [T] int32, the bank; contiguous); experts w13 [E, S*I, H], w2
-    [E, H, I]. The bank is used only when the plan's LoRA path is not NONE; call.lora_comm:
+    [E, H, I], in x's dtype or (FP8ExpertWeights, aligned path only) e4m3 with block
+    scales, the LoRA branch unchanged. The bank is used only when the plan's LoRA path is not NONE; call.lora_comm:
     fully sharded LoRA's collectives (the bank then holds w13_a [L, E, S, R/tp, H] and
     w2_b [L, E, H/tp, R]).
     """
@@ -143,6 +155,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         lora_ranks=lora.ranks if lora is not None else None,
         tile_rank=lora.tile_rank if lora is not None else None,
         pdl=plan.pdl,
+        **c.scales("w13"),
     )
     if lora is None:
         return _down_and_sum(plan, c, z, aligned, None, None)
@@ -199,6 +212,7 @@ def _down_and_sum(
         tile_rank=lora.tile_rank if lora is not None else None,
         sum_into=acc,
         pdl=plan.pdl,
+        **c.scales("w2"),
     )
     num_experts = c.experts.w13.shape[0]
     if before_sum is not None:
@@ -270,6 +284,7 @@ def _lora_side(
 def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     """(shrink x and zero the z shrink) -> up GEMV (+ z shrink) -> down GEMV with the sum."""
     lora, experts, shape = c.lora, c.experts, c.shape
+    assert not c.scales("w13"), "FP8 experts take the aligned path (tiling/quantized.py)"
     inter13 = z_inter = None
     if lora is not None:
         rows_per_prog, block_k = plan.tiles.decode_shrink

@@ -126,26 +126,38 @@ def _expand(quant: QuantConfig, scale: Tensor, rows: int, cols: int) -> Tensor:
 
 
 def dequantize(quant: QuantConfig, weight: Tensor, scale: Tensor) -> Tensor:
-    """weight [E, N, K] e4m3 * its scale -> fp32 [E, N, K] (one fp32 rounding per element)."""
-    return weight.float() * _expand(quant, scale, weight.shape[1], weight.shape[2])
+    """weight [E, N, K] e4m3 * its scale -> fp32 [E, N, K] (one fp32 rounding per element).
+    One expert at a time: the temporaries stay one expert's size (DeepSeek-V3's layer is
+    45 GB in fp32)."""
+    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    for e in range(weight.shape[0]):
+        full = _expand(quant, scale[e : e + 1], weight.shape[1], weight.shape[2])
+        torch.mul(weight[e : e + 1].float(), full, out=out[e : e + 1])
+    return out
 
 
-def _quantize(quant: QuantConfig, w: Tensor) -> tuple[Tensor, Tensor]:
-    """w [E, N, K] -> (e4m3 [E, N, K], canonical fp32 scale): amax of each block (or row)
-    maps to 448."""
-    e, rows, cols = w.shape
+def _quantize_one(quant: QuantConfig, w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [1, N, K] -> (e4m3 [1, N, K], canonical fp32 scale): the amax of each block (or
+    row) maps to 448."""
+    _, rows, cols = w.shape
     w = w.float()
     if quant.method is Quantization.FP8_BLOCK:
         bn, bk = quant.block
         nb, kb = -(-rows // bn), -(-cols // bk)
-        padded = torch.zeros(e, nb * bn, kb * bk, device=w.device)
+        padded = torch.zeros(1, nb * bn, kb * bk, device=w.device)
         padded[:, :rows, :cols] = w
-        amax = padded.reshape(e, nb, bn, kb, bk).abs().amax(dim=(2, 4))
+        amax = padded.reshape(1, nb, bn, kb, bk).abs().amax(dim=(2, 4))
     else:
         amax = w.abs().amax(dim=2)
     scale = amax.clamp(min=1e-12) / FP8_E4M3_MAX
     q = (w / _expand(quant, scale, rows, cols)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scale
+
+
+def _quantize(quant: QuantConfig, w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [E, N, K] -> (e4m3 [E, N, K], canonical fp32 scale), one expert at a time."""
+    parts = [_quantize_one(quant, w[e : e + 1]) for e in range(w.shape[0])]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
 
 
 def quantize_experts(experts: ExpertWeights, quant: QuantConfig) -> FP8ExpertWeights:
