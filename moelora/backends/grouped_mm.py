@@ -25,7 +25,7 @@ VALIDATED_ON = (
                "moelora validate --backends grouped_mm --quick at 7fff9c4: 45/45 pass (the "
                "five models, T 1..16384, 8 adapters rank 16, eager)",
                "docs/history/benchmarks.md, 2026-11-30 (the commit 28cc3e4 section); "
-               "benchmarks/results/h200_7fff9c4_validate_grouped_mm_quick.log"),
+               "h200_7fff9c4_validate_grouped_mm_quick.log in benchmarks/results/h200_validate.txt"),
 )  # fmt: skip
 
 

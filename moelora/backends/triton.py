@@ -39,7 +39,7 @@ VALIDATED_ON = (
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-11-30",
                "moelora validate --ref-tokens 1024 at 4acd27b: 110/110 pass (qwen3-30b-a3b, "
                "mixtral-8x7b, deepseek-v3, nemotron-h, gpt-oss-20b; T 1..16384, CUDA graphs, "
-               "ranks 8-128)", f"{_BENCH} (seventh session); benchmarks/results/h200_4acd27b_validate.log"),
+               "ranks 8-128)", f"{_BENCH} (seventh session); h200_4acd27b_validate.log in benchmarks/results/h200_validate.txt"),
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-12-01",
                "scripts/gpu_ranks_check.py at 310c49a: 50/50 pass (qwen3-30b-a3b; mixed ranks "
                "8-128, rank 256, 64 and 128 slots, garbage past each slot's rank; T 1..4096, "
