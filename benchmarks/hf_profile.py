@@ -2,11 +2,12 @@
 a 2-layer Qwen3-MoE with Qwen3-30B-A3B layer shapes, 8 adapters (one PEFT file under 8
 names), batch 1; per-step time with transformers' grouped_mm and with moelora, then the
 profiler's top CPU ops of a moelora generate.
-    PYTHONPATH=. python scripts/gpu_hf_profile.py
+    python -m benchmarks hf_profile
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split(":")[0]).parse_args()
     from moelora.hf import attach, toy
 
     model = toy.build_model(
