@@ -18,6 +18,7 @@ import torch
 
 from .activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
 from .errors import ConfigError
+from .hf_keys import hf_fields
 from .routing import RoutingConfig, RoutingMethod
 
 DTYPES: dict[str, torch.dtype] = {
@@ -212,8 +213,6 @@ class ModelConfig:
 
 def from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelConfig:
     """Parse a Hugging Face config.json (dict or path) into a ModelConfig."""
-    from .hf_keys import parse_hf_dict
-
     if isinstance(config, (str, Path)):
         path = Path(config)
         if not path.is_file():
@@ -232,4 +231,6 @@ def from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> Mod
         name = name or path.parent.name or path.stem
     if not isinstance(config, dict):
         raise ConfigError("config", type(config).__name__, "a dict parsed from config.json")
-    return parse_hf_dict(config, name)
+    shape, model = hf_fields(config, name)
+    shape["dtype"] = parse_dtype(shape["dtype"], "dtype")
+    return ModelConfig(shape=MoEShape(**shape), **model)
