@@ -60,11 +60,12 @@ def bank_shapes(deployment: Deployment, num_slots: int, rank: int) -> dict[str, 
 
 
 def check_bank(lora: LoRABank, deployment: Deployment) -> None:
-    """L <= max_loras, R <= max_lora_rank (what the oracle checked), shapes of this rank."""
+    """L <= num_slots, R <= max_rank (what the oracle checked; the messages name them as
+    vLLM's --max-loras / --max-lora-rank), shapes of this rank."""
     num_slots, rank = lora.w13_b.shape[0], lora.w13_b.shape[-1]
     cfg = deployment.lora
-    if num_slots > cfg.max_loras:
-        raise InputError("lora", f"{num_slots} slots", f"at most max_loras = {cfg.max_loras}")
+    if num_slots > cfg.num_slots:
+        raise InputError("lora", f"{num_slots} slots", f"at most max_loras = {cfg.num_slots}")
     if rank > cfg.max_rank:
         raise InputError("lora", f"rank {rank}", f"at most max_lora_rank = {cfg.max_rank}")
     for name, want in bank_shapes(deployment, num_slots, rank).items():
