@@ -41,7 +41,7 @@ class MoELoRALayer:
         check_values: bool = True,
         selection: Selection | None = None,
     ) -> None:
-        """experts: this rank's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
+        """experts: this process's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
         layer when tp = ep = 1). check_values: also check expert ids and slots (a GPU sync;
         always skipped inside CUDA-graph capture). The transformers path turns it off: its
         ids come from the model's own router and its slots from the RowAdapters, which hand

@@ -51,9 +51,9 @@ class Backend(Protocol):
 
         out [T, H] given: OVERWRITE writes y into it, ADD does out += y; returns out. out
         None: returns y. call.lora_comm: given exactly when the deployment is fully sharded
-        and a bank is given (moelora.parallel): the bank then holds this rank's shards and
+        and a bank is given (moelora.parallel): the bank then holds this process's shards and
         the backend runs the collectives of LoRAComm, the same calls in the same order on
-        every rank. A backend whose record refuses fully sharded LoRA raises InputError
+        every process. A backend whose record refuses fully sharded LoRA raises InputError
         when given one.
         """
         ...

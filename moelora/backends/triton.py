@@ -84,7 +84,7 @@ CAPABILITIES = Capabilities(
     # Fully sharded LoRA: the pipeline runs shrink and expand as separate launches with the
     # fp32 rank intermediates in memory between them, so the caller's LoRAComm all-gathers
     # the gate/up one and all-reduces the down one there (once each per forward), and the
-    # down expand writes only this rank's H/tp columns. Checked against the single-process
+    # down expand writes only this process's H/tp columns. Checked against the single-process
     # reference over gloo, interpreted (tests/test_parallel.py); the collectives are the
     # caller's (NCCL on GPUs), outside the kernels. add_inputs acts on the final y.
     lora_add_inputs={

@@ -10,10 +10,10 @@ No host synchronisation and static shapes per T, so the whole call is CUDA-graph
 (its workspaces come from the graph's private pool). Composition only: every choice is the
 plan's.
 
-Fully sharded LoRA (a `lora_comm` given): the banks are this rank's shards (gate/up A on the
-rank, down A on I, down B on H). Two collectives per forward, on every rank in the same
+Fully sharded LoRA (a `lora_comm` given): the banks are this process's shards (gate/up A on the
+rank, down A on I, down B on H). Two collectives per forward, on every process in the same
 order whatever the routing: the gate/up shrink result [P, S, R/tp] is all-gathered to
-[P, S, R], and the down shrink's partial sum over this rank's I shard [P, R] is all-reduced;
+[P, S, R], and the down shrink's partial sum over this process's I shard [P, R] is all-reduced;
 the down expand then writes its H/tp slice of columns. Both stay fp32.
 """
 
