@@ -31,10 +31,12 @@ def check_experts(experts: ExpertWeights, shape: MoEShape, local_experts: int) -
 
 def check_batch(call: MoECall, shape: MoEShape, device: torch.device) -> None:
     """What the deployment fixes of a call (the record checked the rest): x [T, H] in the
-    serving dtype on the weights' device, K = the model's top-k."""
+    serving dtype on the weights' device (and out [T, H]), K = the model's top-k."""
     x = call.x
     if x.shape[1] != shape.hidden_size:
         raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {shape.hidden_size}]")
+    if call.out is not None and call.out.shape != x.shape:
+        raise InputError("out", f"shape {list(call.out.shape)}", f"{list(x.shape)} (like x)")
     if x.dtype != shape.dtype:
         raise InputError("x", f"dtype {x.dtype}", f"{shape.dtype} (the deployment's dtype)")
     if call.top_k != shape.top_k:

@@ -113,15 +113,7 @@ class GroupedMMBackend:
     name = "grouped_mm"
     capabilities = CAPABILITIES
 
-    def forward(
-        self,
-        call: MoECall,
-        experts: ExpertWeights,
-        shape: MoEShape,
-        *,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-    ) -> Tensor:
+    def forward(self, call: MoECall, experts: ExpertWeights, shape: MoEShape) -> Tensor:
         """y [T, H] in x's dtype; see Backend.forward for out / add_inputs. call.lora_comm
         must be None: fully sharded LoRA is refused by this backend's record."""
         if call.lora_comm is not None:
@@ -158,7 +150,7 @@ class GroupedMMBackend:
         o = o if call.weights_on_input else o * g
         o = torch.where(local.unsqueeze(1), o, 0.0)  # rows past offs[-1] are not computed
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        return write_output(y.index_add_(0, token, o).to(x.dtype), out, add_inputs)
+        return write_output(y.index_add_(0, token, o).to(x.dtype), call.out, call.add_inputs)
 
     @staticmethod
     def _lora_key(

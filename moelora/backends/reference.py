@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..call import MoECall
-from ..config import AddInputs, MoEShape
+from ..config import MoEShape
 from ..reference import reference_forward
 from ..weights import ExpertWeights
 from .base import write_output
@@ -68,17 +68,9 @@ class ReferenceBackend:
     name = "reference"
     capabilities = CAPABILITIES
 
-    def forward(
-        self,
-        call: MoECall,
-        experts: ExpertWeights,
-        shape: MoEShape,
-        *,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-    ) -> Tensor:
+    def forward(self, call: MoECall, experts: ExpertWeights, shape: MoEShape) -> Tensor:
         """y [T, H] = the reference's; see Backend.forward for out / add_inputs."""
-        return write_output(reference_forward(call, experts, shape), out, add_inputs)
+        return write_output(reference_forward(call, experts, shape), call.out, call.add_inputs)
 
 
 BACKEND = ReferenceBackend()

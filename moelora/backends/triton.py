@@ -103,15 +103,15 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _check_inputs(call: MoECall, experts: ExpertWeights, out: Tensor | None) -> None:
-    """What the kernels need beyond the record's own checks: x's H that of the weights
-    (the bench, validate and the tune call backends without a layer), `out` like x, and on
-    the CPU the Triton interpreter. Metadata only."""
+def _check_inputs(call: MoECall, experts: ExpertWeights) -> None:
+    """What the kernels need beyond the record's own checks: x's and out's H that of the
+    weights (the bench, validate and the tune call backends without a layer), and on the
+    CPU the Triton interpreter. Metadata only."""
+    hidden = experts.w13.shape[2]
+    for name, t in (("x", call.x), ("out", call.out)):
+        if t is not None and t.shape[1] != hidden:
+            raise InputError(name, f"shape {list(t.shape)}", f"[T, H = {hidden}]")
     x = call.x
-    if x.shape[1] != experts.w13.shape[2]:
-        raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {experts.w13.shape[2]}]")
-    if out is not None and out.shape != x.shape:
-        raise InputError("out", f"shape {list(out.shape)}", f"{list(x.shape)} (like x)")
     if x.device.type == "cpu" and not triton_interpreted():
         raise InputError(
             "x", "on cpu", "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu"
@@ -135,21 +135,12 @@ class TritonBackend:
     name = "triton"
     capabilities = CAPABILITIES
 
-    def forward(
-        self,
-        call: MoECall,
-        experts: ExpertWeights,
-        shape: MoEShape,
-        *,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-    ) -> Tensor:
+    def forward(self, call: MoECall, experts: ExpertWeights, shape: MoEShape) -> Tensor:
         """y [T, H] in x's dtype; see Backend.forward for out / add_inputs / lora_comm."""
-        _check_inputs(call, experts, out)
+        _check_inputs(call, experts)
         if call.lora_comm is not None and call.lora is not None:
             _check_sharded_bank(call.lora, shape, call.lora_comm)
-        add = out is not None and add_inputs is AddInputs.ADD
-        return fused_moe_lora(call, experts, shape, out=out, add=add)
+        return fused_moe_lora(call, experts, shape)
 
 
 def forward_plan(
@@ -200,15 +191,9 @@ def forward_plan(
 
 
 def fused_moe_lora(
-    call: MoECall,
-    experts: ExpertWeights,
-    shape: MoEShape,
-    *,
-    out: Tensor | None = None,
-    add: bool = False,
-    config: TileConfig | None = None,
+    call: MoECall, experts: ExpertWeights, shape: MoEShape, *, config: TileConfig | None = None
 ) -> Tensor:
-    """y [T, H] in x's dtype (into `out` if given; add=True adds to it): the plan of this
+    """y [T, H] in x's dtype (into call.out if given, by call.add_inputs): the plan of this
     call (forward_plan), run by the kernels (kernels/moe_lora.py; shapes and layouts
     there). LoRA runs with a bank and token slots; config: launched as given."""
     from ..kernels import moe_lora
@@ -216,7 +201,7 @@ def fused_moe_lora(
     bank = call.lora if call.has_lora else None
     sharded = call.lora is not None and call.lora_comm is not None
     plan = forward_plan(call.x, call.topk_ids, experts, bank, shape, config=config, sharded=sharded)
-    return moe_lora.forward(plan, call, experts, shape, out=out, add=add)
+    return moe_lora.forward(plan, call, experts, shape)
 
 
 BACKEND = TritonBackend()
