@@ -22,6 +22,7 @@ class Kind(Enum):
     TIMING = "timing"  # where the time goes, ceilings and floors
     CHECK = "check"  # a yes / no answer, no timing
     REPORT = "report"  # tables and docs from committed results
+    RESULTS = "results"  # keeps the committed results
 
 
 class Needs(Enum):
@@ -57,9 +58,11 @@ TOOLS: dict[str, Tool] = {
         Tool("gemm_ceiling", Kind.TIMING, Needs.GPU),
         Tool("read_floor", Kind.TIMING, Needs.GPU),
         Tool("hf_generate", Kind.TIMING, Needs.GPU),
+        Tool("hf_profile", Kind.TIMING, Needs.GPU),
         Tool("class_neighbours", Kind.CHECK, Needs.GPU),
         Tool("launch_diff", Kind.CHECK, Needs.CPU),
         Tool("report", Kind.REPORT, Needs.CPU),
         Tool("lora_sweep_report", Kind.REPORT, Needs.CPU),
+        Tool("archive", Kind.RESULTS, Needs.CPU),
     )
 }

@@ -1,4 +1,5 @@
-"""`MoECall`: one forward's per-call data, built and checked once.
+"""`MoECall`: one forward's per-call data (its inputs and where y goes), built and checked
+once.
 
 The layer's forward (the boundary every path goes through: direct calls, the parallel
 layer, transformers' experts op) builds one record, checks it against its deployment
@@ -15,12 +16,14 @@ Legend: T tokens, K top-k, H hidden, L slots.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .comm import LoRAComm
+from .config import AddInputs
 from .errors import InputError
 from .weights import LoRABank
 
@@ -34,7 +37,8 @@ class MoECall:
     when both it and token_slots are given (`has_lora`). weights_on_input: Llama-4 routing,
     the weight scales the expert input, not its output. lora_comm: fully sharded LoRA's
     collectives; the bank then holds this process's shards (w13_a [L, E, S, R/tp, H],
-    w2_b [L, E, H/tp, R]).
+    w2_b [L, E, H/tp, R]). out [T, H]: where y goes (None: a new tensor is returned), by
+    add_inputs (OVERWRITE writes y into it, ADD adds y to it; out is returned).
     """
 
     x: Tensor
@@ -44,6 +48,8 @@ class MoECall:
     lora: LoRABank | None = None
     weights_on_input: bool = False
     lora_comm: LoRAComm | None = None
+    out: Tensor | None = None
+    add_inputs: AddInputs = AddInputs.OVERWRITE
 
     def __post_init__(self) -> None:
         x, ids = self.x, self.topk_ids
@@ -56,11 +62,14 @@ class MoECall:
         check_tensor("topk_weights", self.topk_weights, tuple(ids.shape), torch.float32)
         if self.token_slots is not None:
             check_tensor("token_slots", self.token_slots, (x.shape[0],), torch.int32)
+        if self.out is not None and (self.out.dim() != 2 or self.out.shape[0] != x.shape[0]):
+            raise InputError("out", f"shape {list(self.out.shape)}", f"[T = {x.shape[0]}, H]")
         for name in ("topk_ids", "topk_weights", "token_slots"):
             t = getattr(self, name)
             if t is not None and t.device != x.device:
                 raise InputError(name, f"on {t.device}", f"on {x.device}, where x is")
-        # one contiguous layout for every backend and kernel (a no-op when already so)
+        # one contiguous layout for every backend and kernel (a no-op when already so); out
+        # is written in place, as the caller laid it out
         for name in ("x", "topk_ids", "topk_weights", "token_slots"):
             t = getattr(self, name)
             if t is not None and not t.is_contiguous():
@@ -75,22 +84,20 @@ class MoECall:
         return self.topk_ids.shape[1]
 
     @property
+    def adds(self) -> bool:
+        """Whether y is added into `out` (ADD with an out given)."""
+        return self.out is not None and self.add_inputs is AddInputs.ADD
+
+    @property
     def has_lora(self) -> bool:
         """Whether adapters run: a bank and the tokens' slots are both given."""
         return self.lora is not None and self.token_slots is not None
 
     def head(self, tokens: int) -> MoECall:
         """The same call on its first `tokens` tokens (the bank and settings unchanged)."""
-        slots = None if self.token_slots is None else self.token_slots[:tokens]
-        return MoECall(
-            self.x[:tokens],
-            self.topk_ids[:tokens],
-            self.topk_weights[:tokens],
-            slots,
-            self.lora,
-            self.weights_on_input,
-            self.lora_comm,
-        )
+        rows = ("x", "topk_ids", "topk_weights", "token_slots", "out")
+        cut = {n: getattr(self, n)[:tokens] for n in rows if getattr(self, n) is not None}
+        return dataclasses.replace(self, **cut)
 
 
 def check_tensor(

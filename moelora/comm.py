@@ -15,14 +15,14 @@ from torch import Tensor
 
 class LoRAComm(Protocol):
     """Fully sharded LoRA's collectives: gate/up A is split on the rank, down A on I and
-    down B on H; every rank of the TP group makes the same calls in the same order."""
+    down B on H; every process of the TP group makes the same calls in the same order."""
 
-    hidden_offset: int  # first column of this rank's H slice of the down-B output
+    hidden_offset: int  # first column of this process's H slice of the down-B output
 
     def gather_rank(self, u: Tensor) -> Tensor:
-        """[N, R/tp] per rank -> [N, R], ranks in order (all-gather on the last dim)."""
+        """[N, R/tp] per process -> [N, R], processes in tp_rank order (all-gather, last dim)."""
         ...
 
     def reduce_rank(self, v: Tensor) -> Tensor:
-        """[N, R] partial sums over the I shards -> their sum on every rank (all-reduce)."""
+        """[N, R] partial sums over the I shards -> their sum on every process (all-reduce)."""
         ...

@@ -149,7 +149,7 @@ class Deployment:
         """One line: name, legend sizes, dtype, layout, LoRA, device."""
         s = self.shape
         lora = (
-            f"lora R={self.lora.max_rank} L={self.lora.max_loras} {self.lora_sharding.value} "
+            f"lora R={self.lora.max_rank} L={self.lora.num_slots} {self.lora_sharding.value} "
             f"add_inputs={self.lora.add_inputs.value}"
             if self.lora_on_experts
             else "no expert lora"
@@ -188,7 +188,7 @@ class Deployment:
             "lora_on_experts": self.lora_on_experts,
             "lora_targets": list(lora.targets),
             "max_lora_rank": lora.max_rank,
-            "max_loras": lora.max_loras,
+            "max_loras": lora.num_slots,
             "lora_add_inputs": lora.add_inputs.value,
             "device": self.device.name,
             "device_kind": self.device.kind,

@@ -41,7 +41,7 @@ class MoELoRALayer:
         check_values: bool = True,
         selection: Selection | None = None,
     ) -> None:
-        """experts: this rank's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
+        """experts: this process's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
         layer when tp = ep = 1). check_values: also check expert ids and slots (a GPU sync;
         always skipped inside CUDA-graph capture). The transformers path turns it off: its
         ids come from the model's own router and its slots from the RowAdapters, which hand
@@ -88,30 +88,28 @@ class MoELoRALayer:
         add_inputs: how y goes into `out`; default and only accepted value when LoRA is on:
         the deployment's (the mode the oracle checked). lora_comm: fully sharded LoRA's
         collectives (moelora.parallel passes it)."""
+        mode = resolve_add_inputs(self.deployment, add_inputs)
         weights_on_input = self.deployment.routing.method.weights_on_input
-        call = MoECall(x, topk_ids, topk_weights, token_slots, lora, weights_on_input, lora_comm)
-        return self.run(call, out=out, add_inputs=add_inputs)
+        call = MoECall(
+            x, topk_ids, topk_weights, token_slots, lora, weights_on_input, lora_comm, out, mode
+        )
+        return self.run(call)
 
-    def run(
-        self, call: MoECall, *, out: Tensor | None = None, add_inputs: AddInputs | None = None
-    ) -> Tensor:
+    def run(self, call: MoECall) -> Tensor:
         """forward on a built record (the parallel layer builds its own): checked against
         the deployment here, once, then handed to the backend unchanged."""
-        mode = self._check(call, add_inputs)
+        self._check(call)
         x = call.x
         if call.num_tokens == 0:  # nothing to compute; kernels need at least one token
-            y = x.new_zeros(0, x.shape[1])
-            return y if out is None else out
+            return x.new_zeros(0, x.shape[1]) if call.out is None else call.out
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if call.lora is not None and x.is_cuda and not capturing:  # banks from a loader's stream
             for t in (call.lora.w13_a, call.lora.w13_b, call.lora.w2_a, call.lora.w2_b):
                 t.record_stream(torch.cuda.current_stream())
-        return self.selection.backend.forward(
-            call, self.experts, self.shape, out=out, add_inputs=mode
-        )
+        return self.selection.backend.forward(call, self.experts, self.shape)
 
-    def _check(self, call: MoECall, add_inputs: AddInputs | None) -> AddInputs:
-        """Everything the oracle judged must be what runs; returns the add_inputs mode."""
+    def _check(self, call: MoECall) -> None:
+        """Everything the oracle judged must be what runs."""
         dep, lora = self.deployment, call.lora
         fully_sharded = dep.lora_sharding is LoRASharding.FULLY_SHARDED
         if (call.lora_comm is not None) != (fully_sharded and lora is not None):
@@ -136,14 +134,14 @@ class MoELoRALayer:
                 call.weights_on_input,
                 f"{dep.routing.method.weights_on_input}, as the deployment's routing says",
             )
-        mode = resolve_add_inputs(dep, add_inputs)
+        if call.out is not None:  # the mode the oracle checked (forward resolved it so)
+            resolve_add_inputs(dep, call.add_inputs)
         check_batch(call, self.shape, self.experts.w13.device)
         if lora is not None:
             check_bank(lora, dep)
         capturing = call.x.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_values and not capturing:
             check_values(call, dep.local_experts, foreign_ids=dep.parallel.ep > 1)
-        return mode
 
     __call__ = forward
 

@@ -3,7 +3,7 @@ runs. Shape, dtype and device checks read tensor metadata only; value checks (ex
 slots) read the tensors and so synchronise with the GPU: the layer skips them while a CUDA
 graph is being captured, or when built with check_values=False.
 
-Legend: T tokens, K top-k, E_l local experts, H hidden, I_p = I / tp, R rank, L slots.
+Legend: T tokens, K top-k, E_l local experts, H hidden, I_p = I / tp, R max rank, L slots.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ def check_experts(experts: ExpertWeights, shape: MoEShape, local_experts: int) -
 
 def check_batch(call: MoECall, shape: MoEShape, device: torch.device) -> None:
     """What the deployment fixes of a call (the record checked the rest): x [T, H] in the
-    serving dtype on the weights' device, K = the model's top-k."""
+    serving dtype on the weights' device (and out [T, H]), K = the model's top-k."""
     x = call.x
     if x.shape[1] != shape.hidden_size:
         raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {shape.hidden_size}]")
+    if call.out is not None and call.out.shape != x.shape:
+        raise InputError("out", f"shape {list(call.out.shape)}", f"{list(x.shape)} (like x)")
     if x.dtype != shape.dtype:
         raise InputError("x", f"dtype {x.dtype}", f"{shape.dtype} (the deployment's dtype)")
     if call.top_k != shape.top_k:
@@ -44,30 +46,33 @@ def check_batch(call: MoECall, shape: MoEShape, device: torch.device) -> None:
         raise InputError("x", f"on {x.device}", f"on {device}, where the weights are")
 
 
-def bank_shapes(deployment: Deployment, num_slots: int, rank: int) -> dict[str, tuple[int, ...]]:
-    """The shapes of this rank's slot bank under the deployment's LoRA sharding."""
+def bank_shapes(
+    deployment: Deployment, num_slots: int, max_rank: int
+) -> dict[str, tuple[int, ...]]:
+    """The shapes of this process's slot bank under the deployment's LoRA sharding."""
     s = deployment.shape
     tp = deployment.parallel.tp
     fully = deployment.lora_sharding is LoRASharding.FULLY_SHARDED
     e, i = deployment.local_experts, deployment.intermediate_per_partition
     h, width = s.hidden_size, s.activation.width_factor
     return {
-        "w13_a": (num_slots, e, width, rank // tp if fully else rank, h),
-        "w13_b": (num_slots, e, width, i, rank),
-        "w2_a": (num_slots, e, rank, i),
-        "w2_b": (num_slots, e, h // tp if fully else h, rank),
+        "w13_a": (num_slots, e, width, max_rank // tp if fully else max_rank, h),
+        "w13_b": (num_slots, e, width, i, max_rank),
+        "w2_a": (num_slots, e, max_rank, i),
+        "w2_b": (num_slots, e, h // tp if fully else h, max_rank),
     }
 
 
 def check_bank(lora: LoRABank, deployment: Deployment) -> None:
-    """L <= max_loras, R <= max_lora_rank (what the oracle checked), shapes of this rank."""
-    num_slots, rank = lora.w13_b.shape[0], lora.w13_b.shape[-1]
+    """L <= num_slots, R <= max_rank (what the oracle checked; the messages name them as
+    vLLM's --max-loras / --max-lora-rank), shapes of this process's shard."""
+    num_slots, max_rank = lora.num_slots, lora.max_rank
     cfg = deployment.lora
-    if num_slots > cfg.max_loras:
-        raise InputError("lora", f"{num_slots} slots", f"at most max_loras = {cfg.max_loras}")
-    if rank > cfg.max_rank:
-        raise InputError("lora", f"rank {rank}", f"at most max_lora_rank = {cfg.max_rank}")
-    for name, want in bank_shapes(deployment, num_slots, rank).items():
+    if num_slots > cfg.num_slots:
+        raise InputError("lora", f"{num_slots} slots", f"at most max_loras = {cfg.num_slots}")
+    if max_rank > cfg.max_rank:
+        raise InputError("lora", f"rank {max_rank}", f"at most max_lora_rank = {cfg.max_rank}")
+    for name, want in bank_shapes(deployment, num_slots, max_rank).items():
         check_tensor(f"lora.{name}", getattr(lora, name), want)
 
 

@@ -142,7 +142,7 @@ def _remedy(cap: Capabilities, dep: Deployment, reason: Reason) -> Remedy | None
             d, max_rank=cap.max_lora_rank
         )
     if field == "lora.max_loras" and cap.max_loras:
-        return f"--max-loras {cap.max_loras}", lambda d: _lora(d, max_loras=cap.max_loras)
+        return f"--max-loras {cap.max_loras}", lambda d: _lora(d, num_slots=cap.max_loras)
     if field == "lora.sharding":
         return _sharding_remedy(cap, dep)
     if field == "lora.add_inputs":

@@ -54,7 +54,7 @@ def _w2_delta(
     o: torch.Tensor,
     comm: LoRAComm | None,
 ) -> torch.Tensor:
-    """o [N, H] plus the down delta over the real rank; fully sharded: B2 holds this rank's
+    """o [N, H] plus the down delta over the real rank; fully sharded: B2 holds this process's
     H slice only."""
     v = z @ lora.w2_a[slot, expert, :rank].float().t()  # [N, r]; partial over I under TP
     b = lora.w2_b[slot, expert, :, :rank].float()
@@ -73,10 +73,10 @@ def reference_forward(call: MoECall, experts: ExpertWeights, shape: MoEShape) ->
     Expert ids outside [0, E) contribute nothing (expert parallel); tokens with slot -1 (or
     no slots at all) run the base model. call.weights_on_input: Llama-4 routing, the weight
     scales the expert input, not its output. call.lora_comm: fully sharded LoRA only (the
-    bank holds this rank's shards; see LoRAComm). experts.quantization: a W8A8 format's
+    bank holds this process's shards; see LoRAComm). experts.quantization: a W8A8 format's
     base GEMMs multiply per-token quantized inputs (quant/activation_quant.py) while the
-    LoRA branch reads them unquantized. The (expert, slot) groups are visited in
-    the same order on every rank of the TP group, so the collectives match up.
+    LoRA branch reads them unquantized. The (expert, slot) groups are visited in the same
+    order on every process of the TP group, so the collectives match up.
     """
     x, topk_ids, topk_weights = call.x, call.topk_ids, call.topk_weights
     lora = call.lora if call.has_lora else None

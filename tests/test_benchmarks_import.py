@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 import sys
 
 import pytest
@@ -57,3 +58,12 @@ def test_the_runner_lists_runs_and_refuses(monkeypatch, capsys) -> None:
     assert done.value.code == 0 and "usage:" in capsys.readouterr().out
     assert run(["no_such_tool"]) == 2
     assert "no tool 'no_such_tool'" in capsys.readouterr().err
+
+
+def test_every_script_is_in_the_scripts_index() -> None:
+    """scripts/README.md lists each file of scripts/ (and nothing that is gone)."""
+    from pathlib import Path
+
+    folder = Path(benchmarks.__path__[0]).parent / "scripts"
+    listed = set(re.findall(r"^\| `([\w.]+)` \|", (folder / "README.md").read_text(), re.M))
+    assert listed == {p.name for p in folder.iterdir() if p.name != "README.md"}

@@ -35,6 +35,7 @@ BAD = [
     ("weights-bf16", lambda f: f.update(topk_weights=f["topk_weights"].bfloat16()), "weights"),
     ("slots-int64", lambda f: f.update(token_slots=f["token_slots"].long()), "token_slots"),
     ("slots-rows-differ", lambda f: f.update(token_slots=f["token_slots"][:2]), "token_slots"),
+    ("out-rows-differ", lambda f: f.update(out=torch.randn(T - 1, H)), "'out'"),
 ]
 
 
@@ -51,12 +52,14 @@ def test_a_record_is_contiguous_and_head_keeps_the_rest(seed) -> None:
     fields = _fields(seed)
     ids = torch.randint(0, 4, (K, T), dtype=torch.int32).t()  # a transposed view
     bank = random_lora_bank(MoEShape(4, K, H, 8, Activation.SILU, dtype=torch.float32), 2, 4)
-    call = MoECall(**{**fields, "topk_ids": ids}, lora=bank, weights_on_input=True)
+    out = torch.randn(T, 2 * H)[:, :H]  # a strided view: written in place, not copied
+    call = MoECall(**{**fields, "topk_ids": ids}, lora=bank, weights_on_input=True, out=out)
+    assert call.out is out and not call.adds
     assert not ids.is_contiguous() and call.topk_ids.is_contiguous()
     assert torch.equal(call.topk_ids, ids)
     head = call.head(4)
     assert head.num_tokens == 4 and head.top_k == K and head.has_lora
     assert head.lora is bank and head.weights_on_input
-    for name in ("x", "topk_ids", "topk_weights", "token_slots"):
+    for name in ("x", "topk_ids", "topk_weights", "token_slots", "out"):
         assert torch.equal(getattr(head, name), getattr(call, name)[:4]), name
     assert not MoECall(**{**fields, "token_slots": None}, lora=bank).has_lora

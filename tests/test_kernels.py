@@ -478,10 +478,9 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
     )
     out = poison_(torch.empty_like(x))
     fused_moe_lora(
-        MoECall(x, ids, weights, slots, lora, weights_on_input=case.weights_on_input),
+        MoECall(x, ids, weights, slots, lora, weights_on_input=case.weights_on_input, out=out),
         experts,
         shape,
-        out=out,
         config=dataclasses.replace(
             DECODE_TILES if case.extra.get("cfg") == "DECODE" else TILES,
             shrink_split_k=case.split_k,
@@ -536,7 +535,7 @@ def test_backend_add_inputs(mode: AddInputs, seed: int) -> None:
     prior = torch.randn_like(x)
     out = prior.clone() if mode is AddInputs.ADD else poison_(torch.empty_like(x))
     got = REGISTRY["triton"].forward(
-        MoECall(x, ids, weights, slots, lora), experts, shape, out=out, add_inputs=mode
+        MoECall(x, ids, weights, slots, lora, out=out, add_inputs=mode), experts, shape
     )
     assert got is out
     want = ref + prior if mode is AddInputs.ADD else ref
@@ -569,7 +568,10 @@ def test_add_into_out(knobs: dict, seed: int) -> None:
     out = prior.clone()
     cfg = dataclasses.replace(TILES, **knobs)
     fused_moe_lora(
-        MoECall(x, ids, weights, slots, lora), experts, shape, out=out, add=True, config=cfg
+        MoECall(x, ids, weights, slots, lora, out=out, add_inputs=AddInputs.ADD),
+        experts,
+        shape,
+        config=cfg,
     )
     assert_close(out, ref + prior, what=f"add {knobs}")
 
@@ -605,7 +607,7 @@ def test_half_tail_matches_reference(name: str, seed: int) -> None:
     ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
     out = poison_(torch.empty_like(x))
     cfg = dataclasses.replace(TILES, block_m=32, half_tail=3, **knobs)  # both GEMMs
-    fused_moe_lora(MoECall(x, ids, weights, slots, lora), experts, shape, out=out, config=cfg)
+    fused_moe_lora(MoECall(x, ids, weights, slots, lora, out=out), experts, shape, config=cfg)
     assert_close(out, ref, what=f"half_tail {name}")
 
 
@@ -658,7 +660,7 @@ def test_unused_slots_do_not_leak(knobs: dict, seed: int) -> None:
             t[1:3] = value
         out = poison_(torch.empty_like(x))
         cfg = dataclasses.replace(TILES, **knobs)
-        fused_moe_lora(MoECall(x, ids, weights, slots, lora), experts, shape, out=out, config=cfg)
+        fused_moe_lora(MoECall(x, ids, weights, slots, lora, out=out), experts, shape, config=cfg)
         assert_close(out, ref, what=f"unused slots = {value} {knobs}")
 
 
@@ -755,7 +757,9 @@ def test_zero_tokens(seed: int) -> None:
     assert got.shape == (0, shape.hidden_size)
     out = torch.randn(0, shape.hidden_size)
     fused_moe_lora(
-        MoECall(x[:0], ids[:0], weights[:0], slots[:0], lora), experts, shape, out=out, add=True
+        MoECall(x[:0], ids[:0], weights[:0], slots[:0], lora, out=out, add_inputs=AddInputs.ADD),
+        experts,
+        shape,
     )
 
 

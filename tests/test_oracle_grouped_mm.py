@@ -68,8 +68,8 @@ def test_grouped_mm_out_contract(add_inputs, seed):
     prior = torch.randn_like(ref)
     buffer = prior.clone() if add_inputs is AddInputs.ADD else poison_(torch.empty_like(ref))
     x, ids, w, slots, experts, bank, shape = case
-    call = MoECall(x, ids, w, slots, bank)
-    out = BACKEND.forward(call, experts, shape, out=buffer, add_inputs=add_inputs)
+    call = MoECall(x, ids, w, slots, bank, out=buffer, add_inputs=add_inputs)
+    out = BACKEND.forward(call, experts, shape)
     assert out is buffer
     expected = ref + prior if add_inputs is AddInputs.ADD else ref
     assert compare(out, expected, torch.float32).ok

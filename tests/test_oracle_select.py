@@ -203,8 +203,8 @@ def test_reference_backend_out_contract(case, add_inputs):
     start = torch.randn_like(ref) if add_inputs is AddInputs.ADD else poison_(torch.empty_like(ref))
     buffer = start.clone()
     x, ids, w, slots, experts, bank, shape = case
-    call = MoECall(x, ids, w, slots, bank)
-    out = REGISTRY["reference"].forward(call, experts, shape, out=buffer, add_inputs=add_inputs)
+    call = MoECall(x, ids, w, slots, bank, out=buffer, add_inputs=add_inputs)
+    out = REGISTRY["reference"].forward(call, experts, shape)
     assert out is buffer
     expected = start + ref if add_inputs is AddInputs.ADD else ref
     assert_close(out, expected, torch.float32, what=add_inputs.value)

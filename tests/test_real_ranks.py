@@ -73,7 +73,7 @@ def _with_garbage(lora: LoRABank) -> LoRABank:
 def _run(shape, experts, lora, x, ids, weights, slots, knobs):
     out = poison_(torch.empty_like(x))
     cfg = dataclasses.replace(TILES, **knobs)
-    fused_moe_lora(MoECall(x, ids, weights, slots, lora), experts, shape, out=out, config=cfg)
+    fused_moe_lora(MoECall(x, ids, weights, slots, lora, out=out), experts, shape, config=cfg)
     return out
 
 

@@ -37,23 +37,16 @@ class Backend(Protocol):
     name: str
     capabilities: Capabilities
 
-    def forward(
-        self,
-        call: MoECall,
-        experts: ExpertWeights,
-        shape: MoEShape,
-        *,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-    ) -> Tensor:
+    def forward(self, call: MoECall, experts: ExpertWeights, shape: MoEShape) -> Tensor:
         """y [T, H] in x's dtype, for one checked per-call record (call.py: x, top-k ids
-        and weights, token slots, the bank, lora_comm), the local experts and their shape.
+        and weights, token slots, the bank, lora_comm, out), the local experts and their
+        shape.
 
-        out [T, H] given: OVERWRITE writes y into it, ADD does out += y; returns out. out
+        call.out given: OVERWRITE writes y into it, ADD does out += y; returns out. out
         None: returns y. call.lora_comm: given exactly when the deployment is fully sharded
-        and a bank is given (moelora.parallel): the bank then holds this rank's shards and
+        and a bank is given (moelora.parallel): the bank then holds this process's shards and
         the backend runs the collectives of LoRAComm, the same calls in the same order on
-        every rank. A backend whose record refuses fully sharded LoRA raises InputError
+        every process. A backend whose record refuses fully sharded LoRA raises InputError
         when given one.
         """
         ...

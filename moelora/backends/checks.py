@@ -126,7 +126,7 @@ def check_lora(cap: Capabilities, dep: Deployment) -> list[Reason]:
     if not cap.lora:
         return [Reason("lora.on_experts", True, "no LoRA on the experts (no LoRA support)")]
     reasons = []
-    rank, slots = dep.lora.max_rank, dep.lora.max_loras
+    rank, slots = dep.lora.max_rank, dep.lora.num_slots
     if cap.max_lora_rank is not None and rank > cap.max_lora_rank:
         reasons.append(Reason("lora.max_rank", rank, f"at most {cap.max_lora_rank}"))
     if cap.max_loras is not None and slots > cap.max_loras:

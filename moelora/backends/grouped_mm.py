@@ -32,7 +32,7 @@ VALIDATED_ON = (
                "moelora validate --backends grouped_mm --quick at 7fff9c4: 45/45 pass (the "
                "five models, T 1..16384, 8 adapters rank 16, eager)",
                "docs/history/benchmarks.md, 2026-11-30 (the commit 28cc3e4 section); "
-               "benchmarks/results/h200_7fff9c4_validate_grouped_mm_quick.log"),
+               "h200_7fff9c4_validate_grouped_mm_quick.log in benchmarks/results/h200_validate.txt"),
 )  # fmt: skip
 
 
@@ -121,15 +121,7 @@ class GroupedMMBackend:
     name = "grouped_mm"
     capabilities = CAPABILITIES
 
-    def forward(
-        self,
-        call: MoECall,
-        experts: ExpertWeights,
-        shape: MoEShape,
-        *,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-    ) -> Tensor:
+    def forward(self, call: MoECall, experts: ExpertWeights, shape: MoEShape) -> Tensor:
         """y [T, H] in x's dtype; see Backend.forward for out / add_inputs. call.lora_comm
         must be None: fully sharded LoRA is refused by this backend's record."""
         if call.lora_comm is not None:
@@ -166,7 +158,7 @@ class GroupedMMBackend:
         o = o if call.weights_on_input else o * g
         o = torch.where(local.unsqueeze(1), o, 0.0)  # rows past offs[-1] are not computed
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        return write_output(y.index_add_(0, token, o).to(x.dtype), out, add_inputs)
+        return write_output(y.index_add_(0, token, o).to(x.dtype), call.out, call.add_inputs)
 
     @staticmethod
     def _lora_key(

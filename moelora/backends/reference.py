@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..call import MoECall
-from ..config import AddInputs, MoEShape
+from ..config import MoEShape
 from ..quant.formats import Quantization
 from ..quant.fp8_experts import FP8ExpertWeights
 from ..reference import reference_forward
@@ -74,19 +74,13 @@ class ReferenceBackend:
     capabilities = CAPABILITIES
 
     def forward(
-        self,
-        call: MoECall,
-        experts: ExpertWeights | FP8ExpertWeights,
-        shape: MoEShape,
-        *,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
+        self, call: MoECall, experts: ExpertWeights | FP8ExpertWeights, shape: MoEShape
     ) -> Tensor:
         """y [T, H] = the reference's; see Backend.forward for out / add_inputs. FP8
         experts are dequantized to fp32 first (the one reference takes dequantized weights)."""
         if isinstance(experts, FP8ExpertWeights):
             experts = experts.dequantize()
-        return write_output(reference_forward(call, experts, shape), out, add_inputs)
+        return write_output(reference_forward(call, experts, shape), call.out, call.add_inputs)
 
 
 BACKEND = ReferenceBackend()

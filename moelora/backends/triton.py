@@ -42,7 +42,7 @@ VALIDATED_ON = (
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-11-30",
                "moelora validate --ref-tokens 1024 at 4acd27b: 110/110 pass (qwen3-30b-a3b, "
                "mixtral-8x7b, deepseek-v3, nemotron-h, gpt-oss-20b; T 1..16384, CUDA graphs, "
-               "ranks 8-128)", f"{_BENCH} (seventh session); benchmarks/results/h200_4acd27b_validate.log"),
+               "ranks 8-128)", f"{_BENCH} (seventh session); h200_4acd27b_validate.log in benchmarks/results/h200_validate.txt"),
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-12-01",
                "scripts/gpu_ranks_check.py at 310c49a: 50/50 pass (qwen3-30b-a3b; mixed ranks "
                "8-128, rank 256, 64 and 128 slots, garbage past each slot's rank; T 1..4096, "
@@ -92,7 +92,7 @@ CAPABILITIES = Capabilities(
     # Fully sharded LoRA: the pipeline runs shrink and expand as separate launches with the
     # fp32 rank intermediates in memory between them, so the caller's LoRAComm all-gathers
     # the gate/up one and all-reduces the down one there (once each per forward), and the
-    # down expand writes only this rank's H/tp columns. Checked against the single-process
+    # down expand writes only this process's H/tp columns. Checked against the single-process
     # reference over gloo, interpreted (tests/test_parallel.py); the collectives are the
     # caller's (NCCL on GPUs), outside the kernels. add_inputs acts on the final y.
     lora_add_inputs={
@@ -114,13 +114,14 @@ CAPABILITIES = Capabilities(
 Experts = ExpertWeights | FP8ExpertWeights
 
 
-def _check_inputs(call: MoECall, experts: Experts, out: Tensor | None) -> None:
-    """What the kernels need beyond the record's own checks: x's H that of the weights
-    (the bench, validate and the tune call backends without a layer), `out` like x, and on
-    the CPU the Triton interpreter. Metadata only."""
-    x = call.x
-    if x.shape[1] != experts.w13.shape[2]:
-        raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {experts.w13.shape[2]}]")
+def _check_inputs(call: MoECall, experts: Experts) -> None:
+    """What the kernels need beyond the record's own checks: x's and out's H that of the
+    weights (the bench, validate and the tune call backends without a layer), FP8 experts
+    in the format the kernels run, and on the CPU the Triton interpreter. Metadata only."""
+    hidden = experts.w13.shape[2]
+    for name, t in (("x", call.x), ("out", call.out)):
+        if t is not None and t.shape[1] != hidden:
+            raise InputError(name, f"shape {list(t.shape)}", f"[T, H = {hidden}]")
     if (
         isinstance(experts, FP8ExpertWeights)
         and experts.quant.method not in CAPABILITIES.quantizations
@@ -128,8 +129,7 @@ def _check_inputs(call: MoECall, experts: Experts, out: Tensor | None) -> None:
         raise InputError(
             "experts", f"{experts.quant.method.value} FP8 experts", "block-scaled FP8 (fp8_block)"
         )
-    if out is not None and out.shape != x.shape:
-        raise InputError("out", f"shape {list(out.shape)}", f"{list(x.shape)} (like x)")
+    x = call.x
     if x.device.type == "cpu" and not triton_interpreted():
         raise InputError(
             "x", "on cpu", "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu"
@@ -153,21 +153,12 @@ class TritonBackend:
     name = "triton"
     capabilities = CAPABILITIES
 
-    def forward(
-        self,
-        call: MoECall,
-        experts: Experts,
-        shape: MoEShape,
-        *,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-    ) -> Tensor:
+    def forward(self, call: MoECall, experts: Experts, shape: MoEShape) -> Tensor:
         """y [T, H] in x's dtype; see Backend.forward for out / add_inputs / lora_comm."""
-        _check_inputs(call, experts, out)
+        _check_inputs(call, experts)
         if call.lora_comm is not None and call.lora is not None:
             _check_sharded_bank(call.lora, shape, call.lora_comm)
-        add = out is not None and add_inputs is AddInputs.ADD
-        return fused_moe_lora(call, experts, shape, out=out, add=add)
+        return fused_moe_lora(call, experts, shape)
 
 
 def forward_plan(
@@ -220,15 +211,9 @@ def forward_plan(
 
 
 def fused_moe_lora(
-    call: MoECall,
-    experts: Experts,
-    shape: MoEShape,
-    *,
-    out: Tensor | None = None,
-    add: bool = False,
-    config: TileConfig | None = None,
+    call: MoECall, experts: Experts, shape: MoEShape, *, config: TileConfig | None = None
 ) -> Tensor:
-    """y [T, H] in x's dtype (into `out` if given; add=True adds to it): the plan of this
+    """y [T, H] in x's dtype (into call.out if given, by call.add_inputs): the plan of this
     call (forward_plan), run by the kernels (kernels/moe_lora.py; shapes and layouts
     there). LoRA runs with a bank and token slots; config: launched as given."""
     from ..kernels import moe_lora
@@ -236,7 +221,7 @@ def fused_moe_lora(
     bank = call.lora if call.has_lora else None
     sharded = call.lora is not None and call.lora_comm is not None
     plan = forward_plan(call.x, call.topk_ids, experts, bank, shape, config=config, sharded=sharded)
-    return moe_lora.forward(plan, call, experts, shape, out=out, add=add)
+    return moe_lora.forward(plan, call, experts, shape)
 
 
 BACKEND = TritonBackend()

@@ -10,10 +10,10 @@ No host synchronisation and static shapes per T, so the whole call is CUDA-graph
 (its workspaces come from the graph's private pool). Composition only: every choice is the
 plan's.
 
-Fully sharded LoRA (a `lora_comm` given): the banks are this rank's shards (gate/up A on the
-rank, down A on I, down B on H). Two collectives per forward, on every rank in the same
+Fully sharded LoRA (a `lora_comm` given): the banks are this process's shards (gate/up A on the
+rank, down A on I, down B on H). Two collectives per forward, on every process in the same
 order whatever the routing: the gate/up shrink result [P, S, R/tp] is all-gathered to
-[P, S, R], and the down shrink's partial sum over this rank's I shard [P, R] is all-reduced;
+[P, S, R], and the down shrink's partial sum over this process's I shard [P, R] is all-reduced;
 the down expand then writes its H/tp slice of columns. Both stay fp32.
 """
 
@@ -46,15 +46,21 @@ from .topk_reduce import topk_reduce
 @dataclass(frozen=True)
 class _Layer:
     """One call's record with what the pipeline adds: the slots and bank only when the
-    plan runs LoRA (None otherwise), the weights, and where y goes."""
+    plan runs LoRA (None otherwise), and the weights."""
 
     call: MoECall
     slots: torch.Tensor | None
     lora: LoRABank | None
     experts: ExpertWeights | FP8ExpertWeights
     shape: MoEShape
-    out: torch.Tensor | None
-    add: bool
+
+    @property
+    def out(self) -> torch.Tensor | None:
+        return self.call.out
+
+    @property
+    def add(self) -> bool:
+        return self.call.adds
 
     @property
     def num_pairs(self) -> int:
@@ -76,15 +82,9 @@ class _Layer:
 
 
 def forward(
-    plan: ForwardPlan,
-    call: MoECall,
-    experts: ExpertWeights | FP8ExpertWeights,
-    shape: MoEShape,
-    *,
-    out: torch.Tensor | None = None,
-    add: bool = False,
+    plan: ForwardPlan, call: MoECall, experts: ExpertWeights | FP8ExpertWeights, shape: MoEShape
 ) -> torch.Tensor:
-    """y [T, H] in x's dtype (written into `out` if given; add=True adds to it).
+    """y [T, H] in x's dtype (written into call.out if given, added with ADD).
 
     call: the checked per-call record (call.py: x [T, H], topk_ids [T, K], topk_weights
     [T, K] fp32, token_slots [T] int32, the bank; contiguous); experts w13 [E, S*I, H], w2
@@ -94,7 +94,7 @@ def forward(
     w2_b [L, E, H/tp, R]).
     """
     if call.num_tokens == 0:  # nothing routed: the op form's output is empty (or left as is)
-        return out if out is not None else call.x.new_empty(0, call.x.shape[1])
+        return call.out if call.out is not None else call.x.new_empty(0, call.x.shape[1])
     use_lora = plan.lora is not LoRAPath.NONE
     layer = _Layer(
         call=call,
@@ -102,8 +102,6 @@ def forward(
         lora=call.lora if use_lora else None,
         experts=experts,
         shape=shape,
-        out=out,
-        add=add,
     )
     return _decode(plan, layer) if plan.decode else _aligned(plan, layer)
 
