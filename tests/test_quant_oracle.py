@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from oracle_doubles import TRITON_LIKE
 
 from moelora import cli
@@ -127,3 +128,16 @@ def test_plan_refuses_an_explicit_backend_and_a_bad_format(tmp_path, capsys) -> 
     e5m2 = _model_dir(tmp_path, {"quant_method": "fp8", "fmt": "e5m2"})
     assert cli.main(["plan", "--model", e5m2]) == 2
     assert "quantization_config.fmt" in capsys.readouterr().err
+
+
+def test_fp8_is_not_reported_validated_where_no_fp8_run_was(tmp_path) -> None:
+    from moelora.backends.checks import validation_status
+    from moelora.backends.registry import REGISTRY
+
+    triton = REGISTRY["triton"].capabilities
+    dep = _dep(BLOCK, "h200")
+    assert validation_status(triton, dep).level == "not_validated"  # no H200 FP8 run yet
+    assert validation_status(triton, _dep(QuantConfig(), "h200")).validated
+    cpu = _dep(BLOCK, "cpu")
+    cpu = dataclasses.replace(cpu, shape=dataclasses.replace(cpu.shape, dtype=torch.float32))
+    assert validation_status(triton, cpu).validated  # tests/test_quant_triton.py, fp32

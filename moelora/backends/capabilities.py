@@ -78,6 +78,8 @@ class Validation:
     date: str  # ISO date of the run, or "every commit" for the test suite
     result: str  # the command and its pass count, e.g. "moelora validate ...: 110/110 pass"
     source: str  # where the log is kept (a docs/history/benchmarks.md entry, or the test files)
+    # the experts' storage formats the run covered (the safe default: full precision only)
+    quantizations: frozenset[Quantization] = frozenset({Quantization.NONE})
 
 
 @dataclass(frozen=True)

@@ -200,9 +200,10 @@ class ValidationStatus:
 
 
 def validation_status(cap: Capabilities, dep: Deployment) -> ValidationStatus:
-    """How far `cap.validated_on` covers `dep` (a report, never a reason: it refuses nothing)."""
-    device = dep.device
-    kind = [v for v in cap.validated_on if v.kind == device.kind]
+    """How far `cap.validated_on` covers `dep` (a report, never a reason: it refuses nothing).
+    Only runs that covered the deployment's experts format count."""
+    device, method = dep.device, dep.quantization.method
+    kind = [v for v in cap.validated_on if v.kind == device.kind and method in v.quantizations]
     if device.kind == "cuda":
         same = [v for v in kind if v.device.lower() in device.name.lower()]
         arch = [v for v in kind if v.compute_capability == device.compute_capability]

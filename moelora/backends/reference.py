@@ -30,8 +30,10 @@ from .capabilities import (
 # blocks (CPU, every commit), and it is the comparison side of every GPU validate run.
 VALIDATED_ON = (
     Validation("cpu", "cpu", None, ALL_DTYPES, "every commit",
-               "the test suite: against a float64 loop and transformers' MoE blocks",
-               "tests/test_foundation_reference.py, tests/test_foundation_hf.py"),
+               "the test suite: against a float64 loop and transformers' MoE blocks (FP8: "
+               "against a float64 loop on the dequantized experts)",
+               "tests/test_foundation_reference.py, tests/test_foundation_hf.py, "
+               "tests/test_quant_reference.py", frozenset(Quantization)),
     Validation("NVIDIA H200", "cuda", (9, 0), ALL_DTYPES, "2026-11-30",
                "the comparison side of every moelora validate run there (bf16, fp16 and fp32 "
                "inputs), and its own fp32 layouts in scripts/parallel_gpu_check.py over NCCL",

@@ -56,8 +56,10 @@ VALIDATED_ON = (
                "T 1..4096); --rank 128 --tokens 4096 at c2185c0: 2/2 (qwen3-30b-a3b, "
                "gpt-oss-20b)", f"{_BENCH} (sixth session)"),
     Validation("cpu", "cpu", None, frozenset({torch.float16, torch.float32}), "every commit",
-               "the test suite under TRITON_INTERPRET=1 against the reference",
-               "tests/test_kernels.py, tests/test_parallel.py"),
+               "the test suite under TRITON_INTERPRET=1 against the reference (FP8 block "
+               "experts: against the reference on their dequantization)",
+               "tests/test_kernels.py, tests/test_parallel.py, tests/test_quant_triton.py",
+               frozenset({Quantization.NONE, Quantization.FP8_BLOCK})),
 )  # fmt: skip
 
 
