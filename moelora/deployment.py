@@ -70,6 +70,14 @@ class Deployment:
                     "(fully sharded LoRA splits A on the rank)",
                     "raise --max-lora-rank or drop --fully-sharded-loras",
                 )
+        if self.quantization.method.is_fp8 and self.parallel.tp * self.parallel.ep > 1:
+            raise ConfigError(
+                "quantization",
+                self.quantization.method.value,
+                "FP8 experts on one process per layer (tp = ep = 1): the parallel layer "
+                "shards serving-dtype experts only",
+                "drop -tp / -ep, or serve the bf16 checkpoint (--quantization none)",
+            )
         if self.cuda_graphs and self.device.kind != "cuda":
             raise ConfigError(
                 "cuda_graphs", True, "a cuda device", f"use --enforce-eager on {self.device.kind}"

@@ -26,6 +26,7 @@ from .layer_checks import (
     resolve_add_inputs,
 )
 from .oracle import Selection, select
+from .quant.fp8_experts import FP8ExpertWeights
 from .weights import ExpertWeights, LoRABank
 
 
@@ -35,7 +36,7 @@ class MoELoRALayer:
     def __init__(
         self,
         deployment: Deployment,
-        experts: ExpertWeights,
+        experts: ExpertWeights | FP8ExpertWeights,
         *,
         registry: Mapping[str, Backend] | None = None,
         check_values: bool = True,
@@ -63,7 +64,7 @@ class MoELoRALayer:
         self.shape = dataclasses.replace(
             deployment.shape, intermediate_size=deployment.intermediate_per_partition
         )
-        check_experts(experts, self.shape, deployment.local_experts)
+        check_experts(experts, self.shape, deployment.local_experts, deployment.quantization)
         self.experts = experts
         self.check_values = check_values
 

@@ -14,14 +14,30 @@ from .call import MoECall, check_tensor
 from .config import AddInputs, MoEShape
 from .deployment import Deployment, LoRASharding
 from .errors import InputError
+from .quant.formats import QuantConfig
+from .quant.fp8_experts import FP8ExpertWeights
 from .weights import ExpertWeights, LoRABank
 
+NO_QUANT = QuantConfig()
 
-def check_experts(experts: ExpertWeights, shape: MoEShape, local_experts: int) -> None:
-    """w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] in the serving dtype; biases iff has_bias."""
+
+def check_experts(
+    experts: ExpertWeights | FP8ExpertWeights,
+    shape: MoEShape,
+    local_experts: int,
+    quant: QuantConfig = NO_QUANT,
+) -> None:
+    """w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] in the serving dtype, or FP8ExpertWeights in
+    the deployment's FP8 format (their scales checked on construction); biases iff has_bias."""
+    fp8 = isinstance(experts, FP8ExpertWeights)
+    if fp8 != quant.method.is_fp8 or (fp8 and experts.quant != quant):
+        found = experts.quant if fp8 else "serving-dtype ExpertWeights"
+        want = f"FP8ExpertWeights in {quant}" if quant.method.is_fp8 else "ExpertWeights"
+        raise InputError("experts", found, f"{want} (the deployment's quantization)")
     e, h, i = local_experts, shape.hidden_size, shape.intermediate_size
-    check_tensor("experts.w13", experts.w13, (e, shape.w13_rows, h), shape.dtype)
-    check_tensor("experts.w2", experts.w2, (e, h, i), shape.dtype)
+    weight_dtype = torch.float8_e4m3fn if fp8 else shape.dtype
+    check_tensor("experts.w13", experts.w13, (e, shape.w13_rows, h), weight_dtype)
+    check_tensor("experts.w2", experts.w2, (e, h, i), weight_dtype)
     for name, bias, rows in (("b13", experts.b13, shape.w13_rows), ("b2", experts.b2, h)):
         if shape.has_bias:
             check_tensor(f"experts.{name}", bias, (e, rows), shape.dtype)

@@ -141,3 +141,15 @@ def test_fp8_is_not_reported_validated_where_no_fp8_run_was(tmp_path) -> None:
     cpu = _dep(BLOCK, "cpu")
     cpu = dataclasses.replace(cpu, shape=dataclasses.replace(cpu.shape, dtype=torch.float32))
     assert validation_status(triton, cpu).validated  # tests/test_quant_triton.py, fp32
+
+
+def test_fp8_experts_run_unsharded() -> None:
+    from moelora.config import ParallelConfig
+    from moelora.errors import ConfigError
+
+    model = load_preset("qwen3-30b-a3b")
+    with pytest.raises(ConfigError) as err:
+        Deployment.for_model(
+            model, device=target("h200"), parallel=ParallelConfig(tp=2), quantization="fp8"
+        )
+    assert err.value.key == "quantization" and "--quantization none" in err.value.fix

@@ -104,3 +104,58 @@ def test_triton_refuses_per_channel_fp8(seed) -> None:
     with pytest.raises(InputError) as err:
         BACKEND.forward(call, channel, shape)
     assert "fp8_channel" in str(err.value)
+
+
+def _layer(shape: MoEShape, quant: QuantConfig):
+    from moelora.config import LoRAConfig
+    from moelora.deployment import Deployment
+    from moelora.device import probe
+    from moelora.layer import MoELoRALayer
+    from moelora.routing import RoutingConfig, RoutingMethod
+
+    dep = Deployment(
+        shape,
+        RoutingConfig(RoutingMethod.SOFTMAX_TOPK),
+        probe("cpu"),
+        lora=LoRAConfig(enabled=True, max_rank=16, max_loras=2),
+        backend="triton",
+        quantization=quant,
+    )
+    return lambda experts: MoELoRALayer(dep, experts)
+
+
+def test_layer_runs_fp8_experts_and_base_rows_ignore_loaded_adapters(seed) -> None:
+    """vLLM #42008: base rows must not move when adapters are loaded. The same bank shape
+    and tile rank, empty (rank 0) or loaded: slot -1 rows bit-identical."""
+    shape = _shape("silu", torch.float32)
+    call, fp8 = _problem(shape, B32, 6, [0, -1, 1, -1, 0, -1], seed)
+    layer = _layer(shape, B32)(fp8)
+    loaded = layer.forward(call.x, call.topk_ids, call.topk_weights, call.token_slots, call.lora)
+    empty = dataclasses.replace(
+        call.lora, ranks=torch.zeros(2, dtype=torch.int32), tile_rank=call.lora.tile_rank
+    )
+    unloaded = layer.forward(call.x, call.topk_ids, call.topk_weights, call.token_slots, empty)
+    base = call.token_slots < 0
+    assert torch.equal(loaded[base], unloaded[base])
+    ref = moe_lora_reference(
+        call.x,
+        call.topk_ids,
+        call.topk_weights,
+        call.token_slots,
+        fp8.dequantize(),
+        call.lora,
+        shape,
+    )
+    assert_close(loaded, ref, FP8, tol=1e-5, what="layer")
+    assert not torch.equal(loaded[~base], unloaded[~base])  # the adapters did act
+
+
+def test_layer_refuses_experts_not_in_its_format(seed) -> None:
+    shape = _shape("silu", torch.float32)
+    _, fp8 = _problem(shape, B32, 2, [0, 1], seed)
+    with pytest.raises(InputError) as err:
+        _layer(shape, QuantConfig())(fp8)  # a full-precision deployment given FP8 experts
+    assert err.value.name == "experts"
+    other_block = QuantConfig(Quantization.FP8_BLOCK, (64, 64))
+    with pytest.raises(InputError):
+        _layer(shape, other_block)(fp8)  # scales of another block size
