@@ -18,7 +18,7 @@ from ..compare import compare
 from ..device import probe
 from ..inputs import build_bank, build_experts, build_inputs
 from ..presets import resolve_model
-from ..reference import moe_lora_reference
+from ..reference import reference_forward
 from .cases import BenchCase
 from .floors import Ceilings, layer_work
 
@@ -115,16 +115,7 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
         static = tuple(t.clone() for t in sets[0])
         out = fwd(*static)
         n = min(case.tokens, 1024)
-        ref = moe_lora_reference(
-            static[0][:n],
-            static[1][:n],
-            static[2][:n],
-            static[3][:n],
-            experts,
-            bank,
-            shape,
-            weights_on_input=woi,
-        )
+        ref = reference_forward(MoECall(*static, bank, woi).head(n), experts, shape)
         cmp = compare(out[:n], ref, shape.dtype)
         ms = time_graph(fwd, static, sets, iters)
         work = layer_work(
