@@ -63,7 +63,7 @@ def deployments(draw) -> Deployment:
     lora = LoRAConfig(
         enabled=draw(st.booleans()),
         max_rank=rank,
-        max_loras=draw(st.sampled_from([1, 4, 8, 64])),
+        num_slots=draw(st.sampled_from([1, 4, 8, 64])),
         targets=draw(st.sampled_from([("gate_proj", "up_proj", "down_proj"), ("q_proj",)])),
         add_inputs=draw(st.sampled_from(list(AddInputs))),
     )
@@ -106,8 +106,8 @@ def capabilities(draw) -> Capabilities:
         parallel_modes=draw(subset(ParallelMode)),
         lora=draw(st.booleans()),
         runs_without_lora=draw(st.booleans()),
-        max_lora_rank=draw(limit),
-        max_loras=draw(limit),
+        max_rank=draw(limit),
+        max_slots=draw(limit),
         lora_add_inputs=draw(add_inputs),
         intermediate_align=draw(st.sampled_from([1, 8, 16, 128])),
         hidden_align=draw(st.sampled_from([1, 8, 16, 128])),

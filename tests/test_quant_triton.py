@@ -117,7 +117,7 @@ def _layer(shape: MoEShape, quant: QuantConfig):
         shape,
         RoutingConfig(RoutingMethod.SOFTMAX_TOPK),
         probe("cpu"),
-        lora=LoRAConfig(enabled=True, max_rank=16, max_loras=2),
+        lora=LoRAConfig(enabled=True, max_rank=16, num_slots=2),
         backend="triton",
         quantization=quant,
     )

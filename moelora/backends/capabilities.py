@@ -106,8 +106,8 @@ class Capabilities:
     # LoRA on the experts.
     lora: bool
     runs_without_lora: bool  # False for a LoRA-only kernel
-    max_lora_rank: int | None  # R
-    max_loras: int | None  # L
+    max_rank: int | None  # R, the largest max_rank accepted
+    max_slots: int | None  # L, the largest num_slots accepted
     lora_add_inputs: Mapping[LoRASharding, frozenset[AddInputs]]  # sharding absent = unsupported
     # Shape rules.
     intermediate_align: int  # I_p % n == 0
@@ -124,7 +124,7 @@ class Capabilities:
         for key in ("intermediate_align", "hidden_align"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"Capabilities.{key} must be a positive int")
-        for key in ("max_lora_rank", "max_loras", "max_experts", "max_groups"):
+        for key in ("max_rank", "max_slots", "max_experts", "max_groups"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Capabilities.{key} must be None or a positive int")

@@ -127,10 +127,10 @@ def check_lora(cap: Capabilities, dep: Deployment) -> list[Reason]:
         return [Reason("lora.on_experts", True, "no LoRA on the experts (no LoRA support)")]
     reasons = []
     rank, slots = dep.lora.max_rank, dep.lora.num_slots
-    if cap.max_lora_rank is not None and rank > cap.max_lora_rank:
-        reasons.append(Reason("lora.max_rank", rank, f"at most {cap.max_lora_rank}"))
-    if cap.max_loras is not None and slots > cap.max_loras:
-        reasons.append(Reason("lora.max_loras", slots, f"at most {cap.max_loras}"))
+    if cap.max_rank is not None and rank > cap.max_rank:
+        reasons.append(Reason("lora.max_rank", rank, f"at most {cap.max_rank}"))
+    if cap.max_slots is not None and slots > cap.max_slots:
+        reasons.append(Reason("lora.max_loras", slots, f"at most {cap.max_slots}"))
     reasons += _check_add_inputs(cap, dep)
     return reasons
 

@@ -52,8 +52,8 @@ CAPABILITIES = Capabilities(
     parallel_modes=frozenset(ParallelMode),  # TP shards / EP local ids: plain shard inputs
     lora=True,
     runs_without_lora=True,
-    max_lora_rank=None,  # fp32 torch matmuls: no rank limit
-    max_loras=None,
+    max_rank=None,  # fp32 torch matmuls: no rank limit
+    max_slots=None,
     # Fully sharded LoRA needs the collectives between each shrink and expand; this
     # backend's per-(slot, expert) torch loop does not run them (forward raises if given a
     # LoRAComm), so it is refused.

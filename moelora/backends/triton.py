@@ -89,8 +89,8 @@ CAPABILITIES = Capabilities(
     # Each slot's real rank is data (LoRABank.ranks): the shrink splits the rank into chunks
     # over its grid, the in-GEMM expand packs the slots' rank lanes into its dots, and the
     # decode kernels hold one slot's rank lanes in registers (at most 256 of them).
-    max_lora_rank=256,
-    max_loras=None,  # slots only enter the sort key and a per-block loop: no limit
+    max_rank=256,
+    max_slots=None,  # slots only enter the sort key and a per-block loop: no limit
     # Fully sharded LoRA: the pipeline runs shrink and expand as separate launches with the
     # fp32 rank intermediates in memory between them, so the caller's LoRAComm all-gathers
     # the gate/up one and all-reduces the down one there (once each per forward), and the

@@ -21,7 +21,7 @@ from ..inputs import build_bank, build_experts, build_inputs
 from ..presets import resolve_model
 from ..quant.formats import resolve_quantization
 from ..quant.fp8_experts import quantize_experts
-from ..reference import moe_lora_reference
+from ..reference import reference_forward
 from .cases import BenchCase
 from .floors import Ceilings, layer_work
 
@@ -123,16 +123,7 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
         static = tuple(t.clone() for t in sets[0])
         out = fwd(*static)
         n = min(case.tokens, 1024)
-        ref = moe_lora_reference(
-            static[0][:n],
-            static[1][:n],
-            static[2][:n],
-            static[3][:n],
-            ref_experts,
-            bank,
-            shape,
-            weights_on_input=woi,
-        )
+        ref = reference_forward(MoECall(*static, bank, woi).head(n), ref_experts, shape)
         cmp = compare(out[:n], ref, FP8 if model.quantization.method.is_fp8 else shape.dtype)
         ms = time_graph(fwd, static, sets, iters)
         work = layer_work(

@@ -65,7 +65,7 @@ def _expert_down_kernel(
     top_k,
     num_slots,
     ranks_ptr,
-    rank_size,
+    max_rank,
     inter_size,
     hidden,
     lora_n_offset,
@@ -198,7 +198,7 @@ def _expert_down_kernel(
                     acc = _down_lora(
                         acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
                         stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
-                        num_slots, offs_n, n_mask, ranks_ptr, rank_size, lora_n_offset,
+                        num_slots, offs_n, n_mask, ranks_ptr, max_rank, lora_n_offset,
                         lora_n_size, HAS_LORA, DELTA, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE,
                         EXPAND_FIRST,
                     )  # fmt: skip
@@ -240,7 +240,7 @@ def _down_lora(
     offs_n,
     n_mask,
     ranks_ptr,
-    rank_size,
+    max_rank,
     lora_n_offset,
     lora_n_size,
     HAS_LORA: tl.constexpr,
@@ -267,7 +267,7 @@ def _down_lora(
             acc, _ = lora_expand(
                 acc, acc, inter_ptr, stride_im, 0, stride_ir, pair, slot, num_slots, b_ptr,
                 stride_ll, 0, stride_ln, stride_lr, tl.where(b_mask, offs_b, 0), b_mask,
-                ranks_ptr, rank_size, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, False, UPCAST, IEEE, PIPELINED,
+                ranks_ptr, max_rank, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, False, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc
 
@@ -379,7 +379,7 @@ def expert_down(
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,
         ranks_ptr=ranks if ranks is not None else dummy,
-        rank_size=lora_b.shape[3] if has_lora else 16,
+        max_rank=lora_b.shape[3] if has_lora else 16,
         inter_size=inter_size,
         hidden=hidden,
         lora_n_offset=lora_n_offset,

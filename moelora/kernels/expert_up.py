@@ -66,7 +66,7 @@ def _expert_up_kernel(
     top_k,
     num_slots,
     ranks_ptr,
-    rank_size,
+    max_rank,
     hidden,
     inter_size,
     up_offset,
@@ -211,7 +211,7 @@ def _expert_up_kernel(
                         acc_g, acc_u, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr,
                         stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
                         stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask,
-                        ranks_ptr, rank_size, HAS_LORA, DELTA, GATED, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST,
+                        ranks_ptr, max_rank, HAS_LORA, DELTA, GATED, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST,
                         IEEE, EXPAND_FIRST,
                     )  # fmt: skip
             if WEIGHT_INPUT:
@@ -258,7 +258,7 @@ def _up_lora(
     offs_n,
     n_mask,
     ranks_ptr,
-    rank_size,
+    max_rank,
     HAS_LORA: tl.constexpr,
     DELTA: tl.constexpr,
     GATED: tl.constexpr,
@@ -281,7 +281,7 @@ def _up_lora(
             acc_g, acc_u = lora_expand(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                 num_slots, b_ptr, stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask,
-                ranks_ptr, rank_size, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE, PIPELINED,
+                ranks_ptr, max_rank, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc_g, acc_u
 
@@ -374,7 +374,7 @@ def expert_up(
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,
         ranks_ptr=ranks if ranks is not None else dummy,
-        rank_size=lora_b.shape[4] if has_lora else 16,
+        max_rank=lora_b.shape[4] if has_lora else 16,
         hidden=hidden,
         inter_size=inter_size,
         up_offset=1 if swiglu else inter_size,

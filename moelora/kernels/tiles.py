@@ -138,7 +138,7 @@ def lora_expand(
     offs_n,
     n_mask,
     ranks_ptr,
-    rank_size,
+    max_rank,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_DOT: tl.constexpr,
@@ -159,7 +159,7 @@ def lora_expand(
     rank loaded), so an R = 128 bank of rank-8 adapters runs the lanes of an R = 16 bank;
     each group runs `passes` dots of BLOCK_R columns, enough for the widest slot of the
     bank (one when the tile rank is current; none when every slot is empty), columns past
-    R = rank_size cut. The columns are the same for every lane of a slot, so the loads stay
+    R = max_rank cut. The columns are the same for every lane of a slot, so the loads stay
     vectorised: a slot's columns past its rank meet an intermediate the shrink wrote as
     zeros (lora_shrink's fill_block), and B there is multiplied by them (the bank must be
     finite everywhere, weights.LoRABank). PIPELINED (expand_first): one flat loop over
@@ -186,7 +186,7 @@ def lora_expand(
             acc_g, acc_u = _expand_group(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, num_slots,
                 b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, q_slot, cols,
-                cols < rank_size, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE,
+                cols < max_rank, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE,
             )  # fmt: skip
     else:
         # one flat loop too (a nested pass loop would be software-pipelined on its own,
@@ -199,7 +199,7 @@ def lora_expand(
                 acc_g, acc_u = _expand_group(
                     acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                     num_slots, b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n,
-                    n_mask, q_slot, cols, cols < rank_size, s0, TWO_PARTS, UPCAST, IEEE,
+                    n_mask, q_slot, cols, cols < max_rank, s0, TWO_PARTS, UPCAST, IEEE,
                 )  # fmt: skip
     return acc_g, acc_u
 
