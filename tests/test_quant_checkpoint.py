@@ -166,3 +166,28 @@ def quantize_experts_one(w: torch.Tensor, model) -> tuple[torch.Tensor, torch.Te
 
     fp8 = quantize_experts(ExpertWeights(w[None], w[None]), model.quantization)
     return fp8.w13[0].contiguous(), fp8.w13_scale[0].contiguous()
+
+
+def test_module_in_fp8_is_viewed_and_a_dequantized_one_is_not(seed) -> None:
+    """transformers' FP8Experts attribute layout (e4m3 gate_up_proj / down_proj with
+    *_scale_inv); a module holding bf16 experts gives None (read the checkpoint)."""
+    from torch import nn
+
+    from moelora.errors import WeightsError
+    from moelora.quant.module_fp8 import fp8_experts_from_module
+
+    model, fp8 = _fp8(BLOCK_QC, seed)
+    module = nn.Module()
+    module.gate_up_proj = nn.Parameter(fp8.w13, requires_grad=False)
+    module.down_proj = nn.Parameter(fp8.w2, requires_grad=False)
+    module.gate_up_proj_scale_inv = nn.Parameter(fp8.w13_scale, requires_grad=False)
+    module.down_proj_scale_inv = nn.Parameter(fp8.w2_scale, requires_grad=False)
+    got = fp8_experts_from_module(module, model.quantization)
+    assert got.w13.data_ptr() == fp8.w13.data_ptr()  # a view, not a copy
+    assert torch.equal(got.w2_scale, fp8.w2_scale)
+    del module.down_proj_scale_inv
+    with pytest.raises(WeightsError) as err:
+        fp8_experts_from_module(module, model.quantization)
+    assert err.value.key == "w2_scale"
+    module.gate_up_proj = nn.Parameter(fp8.w13.to(torch.bfloat16), requires_grad=False)
+    assert fp8_experts_from_module(module, model.quantization) is None

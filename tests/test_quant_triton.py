@@ -83,14 +83,43 @@ def test_triton_fp8_block_matches_dequantized_reference(name, shape, quant, slot
     assert_close(out, ref, FP8, tol=tol, what=name)
 
 
-def test_fp8_plan_is_aligned_without_tma_and_steps_inside_a_block(seed) -> None:
+def test_fp8_plan_has_no_tma_and_steps_inside_a_block(seed) -> None:
     shape = _shape("silu", torch.bfloat16)
     call, fp8 = _problem(shape, B32, 1, [0], seed)
     tiles = GemmTiles(block_n=64, block_k=128)
     cfg = TileConfig(16, tiles, tiles, decode=True, up_tma=True, down_tma=True)
     plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=cfg)
-    assert not plan.decode and not plan.up.tma and not plan.down.tma
+    assert plan.decode and not plan.up.tma and not plan.down.tma
     assert plan.up.tiles.block_k == 32 and plan.down.tiles.block_k == 32
+
+
+DECODE = TileConfig(16, GemmTiles(16, 32), GemmTiles(16, 32), decode=True)
+# (id, shape, slots, early loads) - the decode GEMVs on FP8 rows
+DECODE_CASES = [
+    ("silu_lora", _shape("silu", torch.float32), [0, -1, 1], False),
+    ("silu_early", _shape("silu", torch.float32), [1, 0], True),  # the first step loaded early
+    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), [0, -1], False),
+    ("relu2_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), [-1, 1, 0], True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,shape,slots,early", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_path_on_fp8_rows(name, shape, slots, early, seed) -> None:
+    from moelora.backends.triton import fused_moe_lora
+
+    call, fp8 = _problem(shape, B32, len(slots), slots, seed)
+    cfg = dataclasses.replace(DECODE, pdl=early)
+    out = fused_moe_lora(call, fp8, shape, config=cfg)
+    ref = moe_lora_reference(
+        call.x,
+        call.topk_ids,
+        call.topk_weights,
+        call.token_slots,
+        fp8.dequantize(),
+        call.lora,
+        shape,
+    )
+    assert_close(out, ref, FP8, tol=1e-5, what=name)
 
 
 def test_triton_refuses_per_channel_fp8(seed) -> None:

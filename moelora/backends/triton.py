@@ -76,9 +76,9 @@ CAPABILITIES = Capabilities(
     # Routing happens before the backend; weights_on_input (Llama-4) is fused in the up GEMM.
     routing_methods=ALL_ROUTING,
     expert_bias=True,
-    # Block-scaled e4m3 experts (weight-only): the aligned GEMMs load e4m3 tiles, convert
-    # them exactly to the serving dtype and scale each K step's dot by its block scales
-    # (e4m3 conversions need sm89+); the LoRA seams are the bf16 ones. Per-channel W8A8
+    # Block-scaled e4m3 experts (weight-only): the GEMMs and the decode GEMVs load e4m3
+    # tiles, convert them exactly and scale each K step's sum by its block scales (e4m3
+    # conversions need sm89+); the LoRA seams are the bf16 ones. Per-channel W8A8
     # (run-time activation quantization) is not implemented here: the reference has it.
     quantizations={Quantization.NONE: None, Quantization.FP8_BLOCK: (8, 9)},
     # The kernels run whatever shard they are given: TP = I_p-sized w13/w2 shards and a

@@ -282,7 +282,6 @@ def _lora_side(
 def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     """(shrink x and zero the z shrink) -> up GEMV (+ z shrink) -> down GEMV with the sum."""
     lora, experts, shape = c.lora, c.experts, c.shape
-    assert not c.scales("w13"), "FP8 experts take the aligned path (tiling/quantized.py)"
     inter13 = z_inter = None
     if lora is not None:
         rows_per_prog, block_k = plan.tiles.decode_shrink
@@ -320,6 +319,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         pdl=plan.pdl,
         chained=lora is not None,  # after decode_shrink; else the layer's first kernel
         early=plan.early_loads,
+        **c.scales("w13"),
     )
     if c.comm is not None and z_inter is not None:
         z_inter = c.comm.reduce_rank(z_inter)
@@ -340,6 +340,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         pdl=plan.pdl,
         chained=True,
         early=plan.early_loads,
+        **c.scales("w2"),
     )
 
 

@@ -81,6 +81,15 @@ def mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def block_scale(s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
+    """The decode GEMVs' factor for the K step at k0: its rows' block scales at s_ptrs
+    (W_FP8: e4m3 weights, the step inside one scale block), else 1."""
+    if W_FP8:
+        return tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0)
+    return 1.0
+
+
+@triton.jit
 def fp8_mma(a, w, acc, s_ptrs, n_mask, IEEE: tl.constexpr):
     """acc += (a @ w) * s: w [BLOCK_K, BLOCK_N] an e4m3 tile inside one scale block along
     K, s [BLOCK_N] its columns' block scales (s_ptrs). e4m3 converts exactly to a's dtype

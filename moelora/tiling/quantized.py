@@ -1,7 +1,6 @@
-"""What block-scaled FP8 experts ask of a tile config: the aligned path (the decode GEMVs
-read serving-dtype weights only), no TMA weight tiles (their boxes are sized for 2-byte
-elements), and BLOCK_K steps that never straddle a scale block along K (the K loop reads
-one scale per step)."""
+"""What block-scaled FP8 experts ask of a tile config: no TMA weight tiles (their boxes
+are sized for 2-byte elements) and BLOCK_K steps that never straddle a scale block along K
+(the K loops, GEMM and decode GEMV alike, read one scale per step)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ def fit_to_fp8_blocks(cfg: TileConfig, scale_block: tuple[int, int]) -> TileConf
     bk = scale_block[1]
     return dataclasses.replace(
         cfg,
-        decode=False,
         up_tma=False,
         down_tma=False,
         up=_step_in_block(cfg.up, bk),
