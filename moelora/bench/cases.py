@@ -109,12 +109,13 @@ CASES: dict[str, list[BenchCase]] = {
     # Issue 19: many adapters, high rank, padded and mixed banks, beside the peer at each
     # (adapters, rank) (scripts/gpu_lora_sweep.sh; its table: benchmarks/lora_sweep_report.py)
     "lora-sweep": _lora_sweep(),
-    # Issue 26: block-scaled FP8 experts beside bf16 on the same layer, T by T (the floor
-    # counts one byte per FP8 weight plus its scales)
-    "fp8-qwen3": [BenchCase(QWEN3, t, quantization=q) for t in TOKENS for q in ("none", "fp8")],
+    # Issue 26: block-scaled FP8 experts beside bf16 on the same layer (the floor counts one
+    # byte per FP8 weight plus its scales); bf16 first, so that each layer's experts are
+    # built once per format (the runner keeps one set)
+    "fp8-qwen3": [BenchCase(QWEN3, t, quantization=q) for q in ("none", "fp8") for t in TOKENS],
     "fp8-deepseek-v3": [
         BenchCase("deepseek-v3", t, quantization=q)
-        for t in LARGE_MODEL_TOKENS
         for q in ("none", "fp8")
+        for t in LARGE_MODEL_TOKENS
     ],
 }

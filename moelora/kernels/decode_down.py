@@ -33,7 +33,7 @@ from .checks import (
 )
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scale
+from .tiles import block_scaled
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -146,18 +146,16 @@ def _decode_down_kernel(
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     if EARLY:  # the first step, from the tile loaded early (the loop starts at the second)
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2) * block_scale(
-            s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K
-        )
+        d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+        acc += block_scaled(d, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2) * block_scale(
-            s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K
-        )
+        d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+        acc += block_scaled(d, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:  # zeros when the token has no adapter

@@ -37,7 +37,7 @@ from .checks import (
 )
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scale
+from .tiles import block_scaled
 
 
 @triton.jit
@@ -176,22 +176,22 @@ def _decode_up_kernel(
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if EARLY:  # the first step, from the tiles loaded early (the loop starts at the second)
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        s_g = block_scale(sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
-        acc_g += tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1) * s_g
+        d_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
+        acc_g += block_scaled(d_g, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
-            s_u = block_scale(su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
-            acc_u += tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1) * s_u
+            d_u = tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
+            acc_u += block_scaled(d_u, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        s_g = block_scale(sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
-        acc_g += _rows_dot(wg_ptrs, xv, k_ok[None, :]) * s_g
+        d_g = _rows_dot(wg_ptrs, xv, k_ok[None, :])
+        acc_g += block_scaled(d_g, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
-            s_u = block_scale(su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
-            acc_u += _rows_dot(wu_ptrs, xv, k_ok[None, :]) * s_u
+            d_u = _rows_dot(wu_ptrs, xv, k_ok[None, :])
+            acc_u += block_scaled(d_u, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk

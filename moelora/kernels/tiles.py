@@ -81,12 +81,13 @@ def mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def block_scale(s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
-    """The decode GEMVs' factor for the K step at k0: its rows' block scales at s_ptrs
-    (W_FP8: e4m3 weights, the step inside one scale block), else 1."""
+def block_scaled(d, s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
+    """A decode GEMV's K step sums d (fp32, the shape of mask) times its rows' block scales
+    at s_ptrs (W_FP8: e4m3 weights, the step inside one scale block); d as is otherwise.
+    Both branches return d's type: a compiled kernel needs one return type."""
     if W_FP8:
-        return tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0)
-    return 1.0
+        d = d * tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0)
+    return d
 
 
 @triton.jit
