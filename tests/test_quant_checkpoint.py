@@ -191,3 +191,19 @@ def test_module_in_fp8_is_viewed_and_a_dequantized_one_is_not(seed) -> None:
     assert err.value.key == "w2_scale"
     module.gate_up_proj = nn.Parameter(fp8.w13.to(torch.bfloat16), requires_grad=False)
     assert fp8_experts_from_module(module, model.quantization) is None
+
+
+def test_layer_experts_come_from_the_module_or_else_the_files(tmp_path, seed) -> None:
+    from torch import nn
+
+    from moelora.quant.module_fp8 import fp8_experts_for_layer
+
+    model, fp8 = _fp8(BLOCK_QC, seed)
+    root = _write(tmp_path, BLOCK_QC, _fused(fp8))
+    dequantized = nn.Module()  # what transformers holds on a CPU: bf16 experts
+    dequantized.gate_up_proj = nn.Parameter(fp8.w13.to(torch.bfloat16), requires_grad=False)
+    got = fp8_experts_for_layer(dequantized, model, LAYER, root)
+    assert torch.equal(got.w13.float(), fp8.w13.float()) and str(tmp_path) in got.source
+    with pytest.raises(WeightsError) as err:
+        fp8_experts_for_layer(dequantized, model, LAYER, None)
+    assert err.value.key == "model directory"

@@ -9,9 +9,14 @@ The result views the module's own tensors: nothing is copied.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from ..config import ModelConfig
+from ..errors import WeightsError
+from .checkpoint import read_fp8_experts
 from .formats import QuantConfig
 from .fp8_experts import FP8ExpertWeights
 
@@ -36,3 +41,22 @@ def fp8_experts_from_module(experts: nn.Module, quant: QuantConfig) -> FP8Expert
 def _scale(experts: nn.Module, name: str) -> torch.Tensor | None:
     t = getattr(experts, name, None)
     return None if t is None else t.detach()
+
+
+def fp8_experts_for_layer(
+    experts: nn.Module, model: ModelConfig, layer: int, model_dir: str | Path | None
+) -> FP8ExpertWeights:
+    """What `moelora.hf.attach` serves for MoE layer `layer` of a model whose config is FP8
+    (model.quantization): the module's own e4m3 tensors where transformers kept them,
+    else the experts read from `model_dir`'s safetensors (transformers dequantized them:
+    a CPU, or a GPU below sm89). Raises WeightsError naming what is missing."""
+    found = fp8_experts_from_module(experts, model.quantization)
+    if found is not None:
+        return found
+    if model_dir is None or not Path(model_dir).is_dir():
+        raise WeightsError(
+            str(model_dir), "model directory", "none on disk",
+            "the FP8 checkpoint's directory (transformers holds these experts dequantized)",
+            "load the model from a local directory, or pass its path",
+        )  # fmt: skip
+    return read_fp8_experts(model_dir, model, layer)
