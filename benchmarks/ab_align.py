@@ -3,7 +3,7 @@ under variants of its launch constants, plus each launch's GPU time from torch.p
 
 Usage (GPU): python -m benchmarks.ab_align [--tokens 256,1024,4096,16384] [--iters 50]
              [--variants "BLOCK_P=1024;BLOCK_P=256,ALIGN_WARPS=8"]
-Each variant sets module constants of moelora.kernels.align for its run only: three-launch
+Each variant sets module constants of moelora.tiling.align_launch for its run only: three-launch
 mode BLOCK_P, ALIGN_WARPS, OFFSETS_WARPS; one-program mode (P <= SINGLE_PROGRAM_PAIRS)
 SINGLE_BLOCK_P, SINGLE_WARPS, or WIDE_BLOCK_P, WIDE_WARPS above WIDE_SINGLE_PAIRS pairs.
 (A constant of the other mode changes nothing at that T.) The layout (each expert's pairs,
@@ -21,6 +21,7 @@ from moelora.bench.runner import time_graph
 from moelora.inputs import build_inputs
 from moelora.kernels import align
 from moelora.presets import resolve_model
+from moelora.tiling import align_launch as policy
 from moelora.tiling.pick import pick_config
 
 
@@ -30,8 +31,10 @@ def _parse(text: str) -> list[dict[str, int]]:
         fields = {}
         for kv in filter(None, item.split(",")):
             name, sep, value = kv.partition("=")
-            if not sep or not hasattr(align, name):
-                raise SystemExit(f"--variants: {kv!r} is not NAME=int with NAME in align.py")
+            if not sep or not hasattr(policy, name):
+                raise SystemExit(
+                    f"--variants: {kv!r} is not NAME=int with NAME in tiling/align_launch.py"
+                )
             fields[name] = int(value)
         variants.append(fields)
     return variants
@@ -79,7 +82,7 @@ def main() -> None:
     model = resolve_model(args.model)
     shape = model.shape
     variants = _parse(args.variants)
-    defaults = {name: getattr(align, name) for v in variants for name in v}
+    defaults = {name: getattr(policy, name) for v in variants for name in v}
     for t in (int(v) for v in args.tokens.split(",")):
         _, ids, _, slots = build_inputs(model, t, args.adapters, "cuda", seed=t)
         for lora in (False, True):
@@ -88,13 +91,16 @@ def main() -> None:
             tile_m = cfg.shrink_block_m if lora else 0
 
             def fwd(ids=ids, slots=slots if lora else None, bm=cfg.block_m, tile_m=tile_m):
-                return align.align_pairs(ids, slots, shape.num_experts, args.adapters, bm, tile_m)
+                launch = policy.align_launch(ids.numel(), shape.num_experts)
+                return align.align_pairs(
+                    ids, slots, shape.num_experts, args.adapters, bm, tile_m, launch=launch
+                )
 
             want = _layout(fwd())
             cells = []
             for v in variants:
                 for name, value in {**defaults, **v}.items():
-                    setattr(align, name, value)
+                    setattr(policy, name, value)
                 if _layout(fwd()) != want:
                     raise SystemExit(f"T={t} lora={lora} {v}: layout differs from the default")
                 ms = time_graph(lambda: fwd(), [], [[]], args.iters)
@@ -102,7 +108,7 @@ def main() -> None:
                 launches = _launch_times(fwd, 10)
                 cells.append("[" + " ".join(f"{x * 1000:.1f}" for x in launches) + "]")
             for name, value in defaults.items():
-                setattr(align, name, value)
+                setattr(policy, name, value)
             print(f"T={t:>6} lora={lora!s:5} bm={cfg.block_m:>3} us: " + "  ".join(cells),
                   flush=True)  # fmt: skip
 

@@ -64,6 +64,16 @@ def _tree_api():
     return CASES, build_experts, build_inputs, build_lora, time_graph
 
 
+def _backend_forward(backend, x, ids, w, slots, experts, bank, shape, woi):
+    """backend.forward in the tree's form: a per-call record since moelora/call.py, the
+    record's fields spelled out before it."""
+    try:
+        from moelora.call import MoECall
+    except ImportError:
+        return backend.forward(x, ids, w, slots, experts, bank, shape, weights_on_input=woi)
+    return backend.forward(MoECall(x, ids, w, slots, bank, woi), experts, shape)
+
+
 def _bank(model, case, device, build_lora):
     """The case's bank with every slot at the case's rank (as the vLLM peer's), where the
     tree builds banks of given ranks (build_bank, since real ranks); before that, the
@@ -118,7 +128,7 @@ def worker(
             s[3].copy_(torch.arange(case.tokens, device=device) % case.adapters)
 
         def fwd(x, ids, w, slots, bank=bank, backend=backend):
-            return backend.forward(x, ids, w, slots, experts, bank, model.shape, weights_on_input=woi)  # fmt: skip
+            return _backend_forward(backend, x, ids, w, slots, experts, bank, model.shape, woi)
 
         static = tuple(t.clone() for t in sets[0])
         key = (req["T"], req["lora"])
@@ -229,7 +239,7 @@ def main() -> int:
         worker(args.suite, args.model, args.device, args.adapters, args.rank)
         return 0
     if not args.base or not os.path.isdir(os.path.join(args.base, "moelora")):
-        p.error(f"--base {args.base}: no moelora/ there (see scripts/gpu_ab_refactor.sh)")
+        p.error(f"--base {args.base}: no moelora/ there (a checkout of the base commit)")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, here)
     from moelora.bench.cases import CASES

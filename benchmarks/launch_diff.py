@@ -27,7 +27,7 @@ import sys
 
 QWEN3 = (128, 8, 2048, 768)
 BENCH_T = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
-KNOBS = [
+KNOB_CASES = [
     {},
     {"decode": True},
     {"decode": True, "pdl": True},
@@ -103,7 +103,7 @@ def _entry():
         def pdl_on():  # an sm_90 GPU's limits, for explicit configs (no fit)
             return _patched(backend, "gpu_limits", lambda device: GpuLimits(232448, 9))
 
-        return backend.fused_moe_lora, TileConfig, GemmTiles, pdl_on
+        return _spelled_out(backend.fused_moe_lora), TileConfig, GemmTiles, pdl_on
     except ImportError:
         from moelora.kernels.configs import GemmTiles, TileConfig
 
@@ -113,6 +113,22 @@ def _entry():
             return _patched(moe_lora, "pdl_active", lambda requested, device: requested)
 
         return moe_lora.fused_moe_lora, TileConfig, GemmTiles, pdl_on
+
+
+def _spelled_out(fused):
+    """The fused entry with the per-call record's fields as arguments (the trees' common
+    form): a tree with moelora/call.py takes a record, one before it the fields."""
+    try:
+        from moelora.call import MoECall
+    except ImportError:
+        return fused
+
+    def spelled(x, ids, w, slots, experts, bank, shape, *, lora_comm=None,
+                weights_on_input=False, **kw):  # fmt: skip
+        call = MoECall(x, ids, w, slots, bank, weights_on_input, lora_comm)
+        return fused(call, experts, shape, **kw)
+
+    return spelled
 
 
 @contextlib.contextmanager
@@ -188,7 +204,7 @@ def dump() -> list:
             run(f"picked T={t} lora={lora}", QWEN3, t, lora)
     small = (8, 4, 256, 128)
     base = TileConfig(32, GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 2))
-    for knobs in KNOBS:
+    for knobs in KNOB_CASES:
         cfg = dataclasses.replace(base, **knobs)
         for t in (3, 70):
             for lora in (False, True):

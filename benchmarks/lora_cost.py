@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from moelora.backends.triton import fused_moe_lora
+from moelora.call import MoECall
 from moelora.inputs import build_inputs
 from moelora.kernels import expert_down, expert_up
 from moelora.tiling.pick import pick_config
@@ -65,7 +66,7 @@ def main() -> None:
             slots = _slots(spread, tokens)
 
             def fwd(x, ids, w, slots, bank=bank, cfg=cfg):
-                return fused_moe_lora(x, ids, w, slots, experts, bank, shape, config=cfg)
+                return fused_moe_lora(MoECall(x, ids, w, slots, bank), experts, shape, config=cfg)
 
             times = kernel_times(fwd, (x, ids, w, slots), args.iters)
             cells = "  ".join(f"{name[:28]} {ms:.4f}" for name, ms in times.items() if ms > 0.002)

@@ -17,6 +17,7 @@ import torch
 
 from moelora.backends.triton import fused_moe_lora
 from moelora.bench.runner import FLUSH_BYTES, time_graph
+from moelora.call import MoECall
 from moelora.inputs import build_experts, build_inputs, build_lora
 from moelora.presets import resolve_model
 from moelora.tiling.pick import pick_config
@@ -79,7 +80,7 @@ def main() -> None:
         for label, lora, cfg in runs:
 
             def fwd(x, ids, w, slots, lora=lora, cfg=cfg):
-                return fused_moe_lora(x, ids, w, slots, experts, lora, shape, config=cfg)
+                return fused_moe_lora(MoECall(x, ids, w, slots, lora), experts, shape, config=cfg)
 
             static = tuple(v.clone() for v in sets[0])
             graph_ms = time_graph(fwd, static, sets, 30)

@@ -1,11 +1,12 @@
 """The generated parts of the docs, from committed data, so they cannot drift:
 - the top of BENCHMARKS.md: the current Qwen3-30B-A3B table on the H200 (from the bench
-  JSON named in CURRENT, the peer's figures in its rows) and its plot (PNG, matplotlib:
+  JSON named CURRENT_RUN in its archive, the peer's figures in its rows) and its plot (PNG, matplotlib:
   the `bench` extra);
 - in docs/kernels.md: which rows of the H200 table use each knob (from
-  moelora/tiling/h200_table.json).
+  moelora/tiling/h200_table.json);
+- in benchmarks/README.md: the index of the tools (from benchmarks/registry.py).
 
-CURRENT is the last full Qwen3 bench beside the vLLM peer whose kernels and Qwen3 table
+CURRENT_RUN is the last full Qwen3 bench beside the vLLM peer whose kernels and Qwen3 table
 rows are still the committed ones; a new such run replaces it (and then this script is
 re-run). tests/test_docs_generated.py fails when a block differs from what this writes.
 
@@ -16,27 +17,23 @@ Usage: python -m benchmarks.report          # rewrite the blocks (and the plot)
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
+from benchmarks.archive import archive_of, load
 from moelora.presets import PRESETS, resolve_model
+from moelora.tiling.config import PATH_KNOBS
 from moelora.tiling.lora_class import REFERENCE, LoRAClass
 from moelora.tiling.pick import H200
 from moelora.tiling.table import INF, Table
 from moelora.tiling.table_file import lows
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-CURRENT = "h200_7bbb67d_bench.json"
+CURRENT_RUN = "h200_7bbb67d_bench.json"  # the bench JSON the present table is made from
+CURRENT = archive_of(CURRENT_RUN).name  # the archive holding it (benchmarks/archive.py)
 PLOT = "docs/bench_qwen3_h200.png"
 QWEN3 = (128, 8, 2048, 768)
-# the knobs that switch a code path (docs/kernels.md), in the order the docs explain them
-PATH_KNOBS = (
-    "decode", "pdl", "lora_delta", "delta_in_reduce", "shrink_expand", "expand_first",
-    "half_tail", "z_sorted", "down_tma", "up_tma", "atomic_reduce", "lora_stream",
-)  # fmt: skip
 
 
 def _block(name: str, source: str, body: str) -> str:
@@ -52,9 +49,9 @@ def replace_block(text: str, name: str, block: str) -> str:
     return pattern.sub(lambda _: block, text, count=1)
 
 
-def current_block(path: Path = RESULTS / CURRENT, table: Table = H200) -> str:
-    """The top of BENCHMARKS.md from the bench JSON at `path`."""
-    data = json.loads(path.read_text())
+def current_block(run: str = CURRENT_RUN, table: Table = H200) -> str:
+    """The top of BENCHMARKS.md from the archived bench JSON named `run`."""
+    data = load(run)
     c = data["ceilings"]
     runs = sorted({r.run for r in table.rows if r.shape == QWEN3})
     lines = [
@@ -87,22 +84,24 @@ def current_block(path: Path = RESULTS / CURRENT, table: Table = H200) -> str:
         "",
         f"![time against T: moelora, the vLLM peer and the floor]({PLOT})",
         "",
-        f"Raw: benchmarks/results/{path.name}. The Qwen3 rows of the tile table in effect "
+        f"Raw: benchmarks/results/{archive_of(run).name} ({run}). The Qwen3 rows of the tile table in effect "
         f"come from the runs {', '.join(runs)}. How the layer runs: docs/kernels.md; how "
-        "each choice was measured: KERNEL_LOG.md; other models and every earlier run: the "
-        "history below.",
+        "each choice was measured: docs/history/kernel_log.md; other models and every "
+        "earlier run: docs/history/benchmarks.md.",
     ]
-    return _block("current", f"benchmarks/results/{path.name}", "\n".join(lines))
+    return _block(
+        "current", f"{run} in benchmarks/results/{archive_of(run).name}", "\n".join(lines)
+    )
 
 
-def plot(path: Path = RESULTS / CURRENT, out: Path = ROOT / PLOT) -> None:
+def plot(run: str = CURRENT_RUN, out: Path = ROOT / PLOT) -> None:
     """Time against T (log-log): moelora and the peer, LoRA-free and +LoRA, and the floor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted(json.loads(path.read_text())["rows"], key=lambda r: r["T"])
+    rows = sorted(load(run)["rows"], key=lambda r: r["T"])
     t = [r["T"] for r in rows]
     peer = [r.get("peer") or {} for r in rows]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
@@ -176,9 +175,20 @@ def knob_block(table: Table = H200) -> str:
     return _block("knobs", "moelora/tiling/h200_table.json", "\n".join(lines))
 
 
+def index_block() -> str:
+    """benchmarks/README.md's index: the registered tools (benchmarks/registry.py)."""
+    from benchmarks.registry import TOOLS
+
+    lines = ["| tool | kind | needs | what |", "|---|---|---|---|"]
+    for tool in TOOLS.values():
+        lines.append(f"| `{tool.name}` | {tool.kind.value} | {tool.needs.value} | {tool.summary} |")
+    return _block("index", "benchmarks/registry.py", "\n".join(lines))
+
+
 DOCS = {  # file -> (block name, generator)
     "BENCHMARKS.md": ("current", current_block),
     "docs/kernels.md": ("knobs", knob_block),
+    "benchmarks/README.md": ("index", index_block),
 }
 
 

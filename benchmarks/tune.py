@@ -36,12 +36,13 @@ import torch
 
 from moelora.backends.triton import fused_moe_lora
 from moelora.bench.runner import commit, time_graph
+from moelora.call import MoECall
 from moelora.compare import compare
 from moelora.device import gpu_limits
 from moelora.inputs import build_experts, build_inputs, build_lora
 from moelora.presets import resolve_model
 from moelora.reference import moe_lora_reference
-from moelora.tiling.config import GemmTiles, TileConfig
+from moelora.tiling.config import KNOB, KNOB_SPECS, GemmTiles, Search, TileConfig, searched
 from moelora.tiling.fit import fit_to_device
 from moelora.tiling.heuristic import DECODE_TILES, aligned_config
 from moelora.tiling.lora_class import RANK_CLASSES, REFERENCE, SLOT_CLASSES, LoRAClass
@@ -108,22 +109,14 @@ DECODE_DOWN = [
     (2, 512, 4, 1),
     (2, 1024, 4, 1),  # all of I = 768 in one step: with PDL the whole read starts early
 ]
-DECODE_SHRINK = [(2, 1024), (1, 2048), (2, 2048), (4, 512), (4, 1024), (8, 256)]
+DECODE_SHRINK = KNOB["decode_shrink"].values
 DEFAULT_TOKENS = (1024, 4096, 16384, 256, 64, 16, 1)
-# LoRA knobs, searched after the tiles (KERNEL_LOG.md v7): K lanes per expand dot, rows
-# per shrink tile, shrink K chunks, and where the expand runs.
-LORA_KNOBS = {
-    "expand_lanes": (16, 32, 64),
-    "shrink_block_m": (16, 32, 64),
-    "shrink_split_k": (1, 2, 4, 8),
-    "lora_delta": (False, True),  # expand over the shrink tiles (kernels/lora_delta.py)
-    "expand_first": (False, True),  # the in-GEMM expand pipelined before the K loop
-    "lora_stream": (False, True),  # the down LoRA on a side stream (kernels/side_stream.py)
-}
-# both modes, aligned path: half-height tail blocks (bit 1 up GEMM, bit 2 down GEMM)
-HALF_TAIL = (0, 1, 2, 3)
-# with lora_delta only (each alone is a no-op without it): tried as combinations
-DELTA_KNOBS = ("delta_in_reduce", "shrink_expand")
+# The knobs' candidates, declared once with each knob (moelora/tiling/config.py): the LoRA
+# knobs searched after the tiles, half-height tails, and lora_delta's own knobs (each alone a
+# no-op without it: tried as combinations).
+TUNED_LORA = searched(Search.LORA)
+HALF_TAIL = KNOB["half_tail"].values
+DELTA_KNOBS = tuple(searched(Search.DELTA))
 
 
 def _size(block_m: int) -> str:
@@ -166,7 +159,7 @@ class Layer:
         shape = self.model.shape
 
         def fwd(x, ids, w, slots):
-            return fused_moe_lora(x, ids, w, slots, self.experts, bank, shape, config=cfg)
+            return fused_moe_lora(MoECall(x, ids, w, slots, bank), self.experts, shape, config=cfg)
 
         static = tuple(t.clone() for t in self.sets[0])
         n = self.n
@@ -220,7 +213,7 @@ def search(
         if 16 <= bm <= 128:
             consider(dataclasses.replace(best, block_m=bm))
     if lora:
-        for knob, values in LORA_KNOBS.items():
+        for knob, values in TUNED_LORA.items():
             for v in values:
                 consider(dataclasses.replace(best, **{knob: v}))
         for on in itertools.product((False, True), repeat=len(DELTA_KNOBS)):
@@ -252,7 +245,7 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
     steps += [("z_sorted", not start.z_sorted), ("down_tma", not start.down_tma)]
     steps += [("up_tma", not start.up_tma), ("atomic_reduce", not start.atomic_reduce)]
     if lora:
-        steps += [(k, v) for k, values in LORA_KNOBS.items() for v in values]
+        steps += [(k, v) for k, values in TUNED_LORA.items() for v in values]
         steps += [(k, v) for k in DELTA_KNOBS for v in (False, True)]
     for knob, value in steps:
         if knob in DELTA_KNOBS and not best.lora_delta:
@@ -304,18 +297,16 @@ def search_decode(
     return best, best_ms
 
 
-LAYOUT_KNOBS = (
-    "z_sorted",
-    "down_tma",
-    "up_tma",
-    "atomic_reduce",
-    "decode",
-    "pdl",
-)  # both modes; written only when on
+# both modes; written only when on
+LAYOUT_KNOBS = tuple(
+    k.name
+    for k in KNOB_SPECS
+    if k.search in (Search.LAYOUT, Search.DECODE) and k.values == (False, True)
+)
 
 
 def _knobs(cfg: TileConfig) -> dict:
-    knobs = {k: getattr(cfg, k) for k in LORA_KNOBS}
+    knobs = {k: getattr(cfg, k) for k in TUNED_LORA}
     if cfg.lora_delta:
         knobs.update({k: getattr(cfg, k) for k in DELTA_KNOBS})
     return knobs

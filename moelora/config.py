@@ -18,6 +18,8 @@ import torch
 
 from .activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
 from .errors import ConfigError
+from .hf_keys import hf_fields
+from .quant.formats import QuantConfig, from_hf_quantization
 from .routing import RoutingConfig, RoutingMethod
 
 DTYPES: dict[str, torch.dtype] = {
@@ -94,16 +96,36 @@ EXPERT_TARGETS = frozenset(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LoRAConfig:
     """LoRA settings. `targets` are module names; LoRA reaches the experts only if one is
-    an expert target (LoRA on attention alone puts no LoRA requirement on the MoE layer)."""
+    an expert target (LoRA on attention alone puts no LoRA requirement on the MoE layer).
+
+    num_slots (L) and max_rank (R) are vLLM's --max-loras and --max-lora-rank; `max_loras`
+    is still accepted and read as num_slots' old spelling."""
 
     enabled: bool = False
     max_rank: int = 16  # R
-    max_loras: int = 1  # L
+    num_slots: int = 1  # L
     targets: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     add_inputs: AddInputs = AddInputs.ADD
+
+    def __init__(
+        self,
+        enabled: bool = False,
+        max_rank: int = 16,
+        num_slots: int = 1,
+        targets: tuple[str, ...] | str = ("gate_proj", "up_proj", "down_proj"),
+        add_inputs: AddInputs = AddInputs.ADD,
+        *,
+        max_loras: int | None = None,
+    ) -> None:
+        values = dict(enabled=enabled, max_rank=max_rank, num_slots=num_slots)
+        if max_loras is not None:  # the old spelling (dataclasses.replace passes both)
+            values["num_slots"] = max_loras
+        for name, value in {**values, "targets": targets, "add_inputs": add_inputs}.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, str):  # "down_proj" must not become ('d', 'o', ...)
@@ -112,8 +134,13 @@ class LoRAConfig:
         if self.enabled:
             if self.max_rank < 1:
                 raise ConfigError("max_lora_rank", self.max_rank, "a positive integer")
-            if self.max_loras < 1:
-                raise ConfigError("max_loras", self.max_loras, "a positive integer")
+            if self.num_slots < 1:
+                raise ConfigError("max_loras", self.num_slots, "a positive integer")
+
+    @property
+    def max_loras(self) -> int:
+        """num_slots under its old (vLLM) spelling."""
+        return self.num_slots
 
     @property
     def on_experts(self) -> bool:
@@ -188,6 +215,7 @@ class ModelConfig:
     routing: RoutingConfig
     num_layers: int
     moe_layers: tuple[int, ...] = field(default=())
+    quantization: QuantConfig = field(default_factory=QuantConfig)  # the experts' storage
 
     def __post_init__(self) -> None:
         if self.routing.method is RoutingMethod.LLAMA4 and self.shape.top_k != 1:
@@ -225,8 +253,6 @@ class ModelConfig:
 
 def from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelConfig:
     """Parse a Hugging Face config.json (dict or path) into a ModelConfig."""
-    from .hf_keys import parse_hf_dict
-
     if isinstance(config, (str, Path)):
         path = Path(config)
         if not path.is_file():
@@ -245,4 +271,7 @@ def from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> Mod
         name = name or path.parent.name or path.stem
     if not isinstance(config, dict):
         raise ConfigError("config", type(config).__name__, "a dict parsed from config.json")
-    return parse_hf_dict(config, name)
+    shape, model = hf_fields(config, name)
+    shape["dtype"] = parse_dtype(shape["dtype"], "dtype")
+    model["quantization"] = from_hf_quantization(model["quantization"])
+    return ModelConfig(shape=MoEShape(**shape), **model)

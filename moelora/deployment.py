@@ -15,6 +15,7 @@ import torch
 
 from .config import DeviceFacts, LoRAConfig, ModelConfig, MoEShape, ParallelConfig, parse_dtype
 from .errors import ConfigError
+from .quant.formats import QuantConfig, resolve_quantization
 from .routing import RoutingConfig
 
 AUTO = "auto"
@@ -39,8 +40,10 @@ class LoRASharding(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Deployment:
-    """One MoE layer type as it will be served. `shape.dtype` is the serving dtype.
+    """One MoE layer type as it will be served. `shape.dtype` is the serving dtype (the
+    activations', the LoRA factors' and, unquantized, the experts').
 
+    quantization: how the base experts are stored (--quantization; LoRA stays in dtype).
     backend: "auto" or the name of a registered backend (--moe-backend).
     """
 
@@ -52,6 +55,7 @@ class Deployment:
     cuda_graphs: bool = False
     backend: str = AUTO
     name: str = "moe"
+    quantization: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
         self._check_split("tensor_parallel_size", self.parallel.tp, "intermediate_size", "I")
@@ -66,6 +70,14 @@ class Deployment:
                     "(fully sharded LoRA splits A on the rank)",
                     "raise --max-lora-rank or drop --fully-sharded-loras",
                 )
+        if self.quantization.method.is_fp8 and self.parallel.tp * self.parallel.ep > 1:
+            raise ConfigError(
+                "quantization",
+                self.quantization.method.value,
+                "FP8 experts on one process per layer (tp = ep = 1): the parallel layer "
+                "shards serving-dtype experts only",
+                "drop -tp / -ep, or serve the bf16 checkpoint (--quantization none)",
+            )
         if self.cuda_graphs and self.device.kind != "cuda":
             raise ConfigError(
                 "cuda_graphs", True, "a cuda device", f"use --enforce-eager on {self.device.kind}"
@@ -82,13 +94,22 @@ class Deployment:
 
     @classmethod
     def for_model(
-        cls, model: ModelConfig, *, dtype: str | torch.dtype = AUTO, **kwargs: Any
+        cls,
+        model: ModelConfig,
+        *,
+        dtype: str | torch.dtype = AUTO,
+        quantization: str | None = None,
+        **kwargs: Any,
     ) -> Deployment:
-        """A deployment of `model`'s MoE layers; dtype "auto" keeps the model's dtype."""
+        """A deployment of `model`'s MoE layers; dtype "auto" keeps the model's dtype;
+        quantization None keeps the model's format (resolve_quantization reads the flag)."""
         shape = model.shape
         if dtype != AUTO:
             shape = dataclasses.replace(shape, dtype=parse_dtype(dtype))
-        return cls(shape=shape, routing=model.routing, name=model.name, **kwargs)
+        quant = resolve_quantization(quantization, model.quantization)
+        return cls(
+            shape=shape, routing=model.routing, name=model.name, quantization=quant, **kwargs
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -136,7 +157,7 @@ class Deployment:
         """One line: name, legend sizes, dtype, layout, LoRA, device."""
         s = self.shape
         lora = (
-            f"lora R={self.lora.max_rank} L={self.lora.max_loras} {self.lora_sharding.value} "
+            f"lora R={self.lora.max_rank} L={self.lora.num_slots} {self.lora_sharding.value} "
             f"add_inputs={self.lora.add_inputs.value}"
             if self.lora_on_experts
             else "no expert lora"
@@ -145,6 +166,7 @@ class Deployment:
             f"{self.name}: E={s.num_experts} K={s.top_k} H={s.hidden_size} "
             f"I={s.intermediate_size} I_p={self.intermediate_per_partition} "
             f"{s.activation.value} {self.routing.method.value} {dtype_name(self.dtype)} "
+            f"{quant_name(self.quantization)} "
             f"tp={self.parallel.tp} ep={self.parallel.ep} {lora} on {self.device.name} "
             f"cuda_graphs={self.cuda_graphs}"
         )
@@ -165,6 +187,8 @@ class Deployment:
             "has_bias": s.has_bias,
             "routing": self.routing.method.value,
             "dtype": dtype_name(self.dtype),
+            "quantization": self.quantization.method.value,
+            "quantization_block": list(self.quantization.block),
             "tp": self.parallel.tp,
             "ep": self.parallel.ep,
             "fully_sharded_loras": self.parallel.fully_sharded_loras,
@@ -172,7 +196,7 @@ class Deployment:
             "lora_on_experts": self.lora_on_experts,
             "lora_targets": list(lora.targets),
             "max_lora_rank": lora.max_rank,
-            "max_loras": lora.max_loras,
+            "max_loras": lora.num_slots,
             "lora_add_inputs": lora.add_inputs.value,
             "device": self.device.name,
             "device_kind": self.device.kind,
@@ -185,6 +209,12 @@ class Deployment:
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> 'bfloat16'."""
     return str(dtype).removeprefix("torch.")
+
+
+def quant_name(quant: QuantConfig) -> str:
+    """'experts none', 'experts fp8_block 128x128', 'experts fp8_channel'."""
+    block = f" {quant.block[0]}x{quant.block[1]}" if quant.method.value == "fp8_block" else ""
+    return f"experts {quant.method.value}{block}"
 
 
 def _cc(capability: tuple[int, int] | None) -> str | None:

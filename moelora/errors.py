@@ -124,3 +124,14 @@ def adapter_refusal(problems: Sequence[AdapterError]) -> AdapterError:
 def exit_code(err: MoeloraError) -> int:
     """EXIT_REFUSED for an oracle refusal, EXIT_USAGE for every other error moelora raises."""
     return EXIT_REFUSED if isinstance(err, UnsupportedDeploymentError) else EXIT_USAGE
+
+
+class WeightsError(MoeloraError, ValueError):
+    """Base expert weights (a checkpoint's tensors, or a quantized container) are missing,
+    malformed or in a format the kernels lack. Names the file (or "in memory"), the key,
+    what was found, what was expected and the fix; raised before anything is kept."""
+
+    def __init__(self, file: str, key: str, found: object, expected: str, fix: str = "") -> None:
+        self.file, self.key, self.found, self.expected, self.fix = file, key, found, expected, fix
+        msg = f"weights '{file}', key '{key}': found {found}, expected {expected}"
+        super().__init__(msg + (f". Fix: {fix}" if fix else ""))

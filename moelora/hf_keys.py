@@ -1,6 +1,8 @@
 """The one table of Hugging Face config.json keys, per model family, and its parser.
 
-Only `moelora.config.from_hf` calls `parse_hf_dict`; everything else reads ModelConfig.
+Only `moelora.config.from_hf` calls `hf_fields`, and builds the ModelConfig from what it
+returns (plain values: this module imports nothing of config.py, so no import circle);
+everything else reads ModelConfig.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
-from .config import ModelConfig, MoEShape, parse_dtype
 from .errors import ConfigError
 from .routing import RoutingConfig, RoutingMethod
 
@@ -249,30 +250,32 @@ def _experts_key(cfg: dict[str, Any], fam: Family) -> str:
     return next((k for k in EXPERT_KEY_ALIASES if cfg.get(k) is not None), fam.experts_key)
 
 
-def parse_hf_dict(raw: dict[str, Any], name: str | None) -> ModelConfig:
+def hf_fields(raw: dict[str, Any], name: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """config.json -> (MoEShape's fields, its dtype still the config's name for it;
+    ModelConfig's other fields)."""
     model_type, cfg = _family_and_dict(raw)
     fam = FAMILIES[model_type]
     hidden = _positive_int(cfg, fam.hidden_key)
     if model_type == "nemotron_h" and cfg.get("moe_latent_size"):
         hidden = _positive_int(cfg, "moe_latent_size")  # experts run in the latent space
-    activation = _activation(cfg, fam, model_type)
-    shape = MoEShape(
+    shape = dict(
         num_experts=_positive_int(cfg, _experts_key(cfg, fam)),
         top_k=_positive_int(cfg, "num_experts_per_tok"),
         hidden_size=hidden,
         intermediate_size=_positive_int(cfg, fam.intermediate_key),
-        activation=activation,
+        activation=_activation(cfg, fam, model_type),
         has_bias=fam.has_bias,
-        dtype=parse_dtype(_dtype_value(cfg), "dtype"),
+        dtype=_dtype_value(cfg),
         swiglu_alpha=_number(cfg, "swiglu_alpha", SWIGLUOAI_ALPHA),
         swiglu_limit=_number(cfg, "swiglu_limit", SWIGLUOAI_LIMIT),
     )
     num_layers = _num_layers(cfg, fam)
-    return ModelConfig(
+    model = dict(
         name=name or cfg.get("_name_or_path") or model_type,
         model_type=model_type,
-        shape=shape,
         routing=_routing(cfg, fam),
         num_layers=num_layers,
         moe_layers=_moe_layers(cfg, fam, num_layers),
+        quantization=raw.get("quantization_config") or cfg.get("quantization_config"),
     )
+    return shape, model

@@ -39,6 +39,26 @@ def build_bank(model: ModelConfig, ranks: Sequence[int], max_rank: int, device: 
         return random_lora_bank(model.shape, len(ranks), max_rank, ranks=list(ranks), device=device)
 
 
+# Past each slot's real rank the kernels must read nothing: large, finite in bf16 (1e30
+# overflows a bf16 product to inf), so a column read there shows in the output.
+PADDING_GARBAGE = 1e4
+
+
+def with_padding_garbage(bank: LoRABank, value: float = PADDING_GARBAGE) -> LoRABank:
+    """A copy of `bank` whose columns past each slot's real rank ([r, R) of every factor)
+    hold `value` instead of zeros; the same adapters for any computation that honours the
+    ranks (compare it against the clean bank)."""
+    out = LoRABank(
+        *(t.clone() for t in (bank.w13_a, bank.w13_b, bank.w2_a, bank.w2_b)),
+        ranks=bank.ranks.clone(),
+        tile_rank=bank.tile_rank,
+    )
+    for slot, r in enumerate(out.ranks.tolist()):
+        for t, dim in ((out.w13_a, 2), (out.w13_b, 3), (out.w2_a, 1), (out.w2_b, 2)):
+            t[slot].narrow(dim, r, t.shape[dim + 1] - r).fill_(value)
+    return out
+
+
 def build_inputs(model: ModelConfig, tokens: int, adapters: int, device: str, seed: int):
     """x [T, H], topk_ids [T, K] int32, topk_weights [T, K] fp32, token_slots [T] | None
     (None for 0 adapters): random router logits routed by the model's routing method."""

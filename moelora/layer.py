@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .backends.base import Backend
+from .call import MoECall
+from .comm import LoRAComm
 from .config import AddInputs
 from .deployment import Deployment, LoRASharding
 from .errors import InputError
@@ -25,10 +26,8 @@ from .layer_checks import (
     resolve_add_inputs,
 )
 from .oracle import Selection, select
+from .quant.fp8_experts import FP8ExpertWeights
 from .weights import ExpertWeights, LoRABank
-
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from .parallel import LoRAComm
 
 
 class MoELoRALayer:
@@ -37,15 +36,18 @@ class MoELoRALayer:
     def __init__(
         self,
         deployment: Deployment,
-        experts: ExpertWeights,
+        experts: ExpertWeights | FP8ExpertWeights,
         *,
         registry: Mapping[str, Backend] | None = None,
         check_values: bool = True,
         selection: Selection | None = None,
     ) -> None:
-        """experts: this rank's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
+        """experts: this process's weights, w13 [E_l, S*I_p, H], w2 [E_l, H, I_p] (the whole
         layer when tp = ep = 1). check_values: also check expert ids and slots (a GPU sync;
-        always skipped inside CUDA-graph capture). selection: the oracle's verdict for this
+        always skipped inside CUDA-graph capture). The transformers path turns it off: its
+        ids come from the model's own router and its slots from the RowAdapters, which hand
+        out only slots the SlotManager holds, and a sync per layer per step would stall
+        decoding; the kernels still treat a slot >= L as no adapter. selection: the oracle's verdict for this
         very deployment, when many layers of one type share it (asked once, logged once)."""
         self.deployment = deployment
         if selection is None:
@@ -62,7 +64,7 @@ class MoELoRALayer:
         self.shape = dataclasses.replace(
             deployment.shape, intermediate_size=deployment.intermediate_per_partition
         )
-        check_experts(experts, self.shape, deployment.local_experts)
+        check_experts(experts, self.shape, deployment.local_experts, deployment.quantization)
         self.experts = experts
         self.check_values = check_values
 
@@ -87,36 +89,34 @@ class MoELoRALayer:
         add_inputs: how y goes into `out`; default and only accepted value when LoRA is on:
         the deployment's (the mode the oracle checked). lora_comm: fully sharded LoRA's
         collectives (moelora.parallel passes it)."""
-        mode = self._check(x, topk_ids, topk_weights, token_slots, lora, add_inputs, lora_comm)
-        if x.shape[0] == 0:  # nothing to compute; kernels need at least one token
-            y = x.new_zeros(0, x.shape[1])
-            return y if out is None else out
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if lora is not None and x.is_cuda and not capturing:  # banks from a loader's stream
-            for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b):
-                t.record_stream(torch.cuda.current_stream())
-        return self.selection.backend.forward(
-            x,
-            topk_ids,
-            topk_weights,
-            token_slots,
-            self.experts,
-            lora,
-            self.shape,
-            weights_on_input=self.deployment.routing.method.weights_on_input,
-            out=out,
-            add_inputs=mode,
-            lora_comm=lora_comm,
+        mode = resolve_add_inputs(self.deployment, add_inputs)
+        weights_on_input = self.deployment.routing.method.weights_on_input
+        call = MoECall(
+            x, topk_ids, topk_weights, token_slots, lora, weights_on_input, lora_comm, out, mode
         )
+        return self.run(call)
 
-    def _check(self, x, topk_ids, topk_weights, token_slots, lora, add_inputs, lora_comm):
-        """Everything the oracle judged must be what runs; returns the add_inputs mode."""
-        dep = self.deployment
+    def run(self, call: MoECall) -> Tensor:
+        """forward on a built record (the parallel layer builds its own): checked against
+        the deployment here, once, then handed to the backend unchanged."""
+        self._check(call)
+        x = call.x
+        if call.num_tokens == 0:  # nothing to compute; kernels need at least one token
+            return x.new_zeros(0, x.shape[1]) if call.out is None else call.out
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if call.lora is not None and x.is_cuda and not capturing:  # banks from a loader's stream
+            for t in (call.lora.w13_a, call.lora.w13_b, call.lora.w2_a, call.lora.w2_b):
+                t.record_stream(torch.cuda.current_stream())
+        return self.selection.backend.forward(call, self.experts, self.shape)
+
+    def _check(self, call: MoECall) -> None:
+        """Everything the oracle judged must be what runs."""
+        dep, lora = self.deployment, call.lora
         fully_sharded = dep.lora_sharding is LoRASharding.FULLY_SHARDED
-        if (lora_comm is not None) != (fully_sharded and lora is not None):
+        if (call.lora_comm is not None) != (fully_sharded and lora is not None):
             raise InputError(
                 "lora_comm",
-                "given" if lora_comm is not None else None,
+                "given" if call.lora_comm is not None else None,
                 "a LoRAComm exactly when the deployment is fully sharded and lora is given "
                 "(use moelora.parallel.ParallelMoELoRALayer)",
             )
@@ -127,23 +127,22 @@ class MoELoRALayer:
                 "None: this deployment declared no LoRA on the experts "
                 "(enable LoRA with an expert target module to serve adapters here)",
             )
-        if lora is not None and token_slots is None:
+        if lora is not None and call.token_slots is None:
             raise InputError("token_slots", None, "a [T] int32 slot per token when lora is given")
-        mode = resolve_add_inputs(dep, add_inputs)
-        check_batch(x, topk_ids, topk_weights, token_slots, self.shape, self.experts.w13.device)
+        if call.weights_on_input != dep.routing.method.weights_on_input:
+            raise InputError(
+                "weights_on_input",
+                call.weights_on_input,
+                f"{dep.routing.method.weights_on_input}, as the deployment's routing says",
+            )
+        if call.out is not None:  # the mode the oracle checked (forward resolved it so)
+            resolve_add_inputs(dep, call.add_inputs)
+        check_batch(call, self.shape, self.experts.w13.device)
         if lora is not None:
             check_bank(lora, dep)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = call.x.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_values and not capturing:
-            slots = lora.w13_b.shape[0] if lora is not None else 0
-            check_values(
-                topk_ids,
-                token_slots if lora is not None else None,
-                dep.local_experts,
-                slots,
-                foreign_ids=dep.parallel.ep > 1,
-            )
-        return mode
+            check_values(call, dep.local_experts, foreign_ids=dep.parallel.ep > 1)
 
     __call__ = forward
 

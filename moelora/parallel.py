@@ -1,7 +1,7 @@
 """Tensor parallel, expert parallel and fully sharded LoRA over torch.distributed (NCCL on
 GPUs, gloo on CPUs). The only module that calls torch.distributed.
 
-Ranks: world = tp * ep, rank = ep_rank * tp + tp_rank. Every rank holds the same x and
+Processes: world = tp * ep, world_rank = ep_rank * tp + tp_rank. Every rank holds the same x and
 routing; each computes its share and one all-reduce over the world finishes the layer.
 - TP: w13 split on its I rows (gate and up halves, or interleaved pairs, stay aligned),
   w2 on its I columns, b2 added by tp_rank 0 only. LoRA: gate/up A replicated, gate/up B
@@ -9,20 +9,20 @@ routing; each computes its share and one all-reduce over the world finishes the 
 - Fully sharded LoRA (tp > 1): gate/up A split on the rank (R / tp), down B split on H; the
   shrink results are all-gathered / all-reduced over the TP group (LoRAComm). Banks are
   zero-padded to R before sharding (the slot bank layout already is).
-- EP: experts split in contiguous blocks of E_l; ids of other ranks' experts become -1 and
+- EP: experts split in contiguous blocks of E_l; ids of other processes' experts become -1 and
   contribute zero here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .activations import Activation
+from .call import MoECall
 from .config import AddInputs, MoEShape, ParallelConfig
 from .deployment import Deployment
 from .errors import ConfigError
@@ -42,15 +42,16 @@ class RankLayout:
     fully_sharded: bool = False
 
     @staticmethod
-    def of(parallel: ParallelConfig, rank: int) -> RankLayout:
+    def of(parallel: ParallelConfig, world_rank: int) -> RankLayout:
+        """The layout of process `world_rank` (its torch.distributed rank) in tp * ep."""
         world = parallel.tp * parallel.ep
-        if not 0 <= rank < world:
-            raise ConfigError("rank", rank, f"0 <= rank < tp * ep = {world}")
+        if not 0 <= world_rank < world:
+            raise ConfigError("world_rank", world_rank, f"0 <= world_rank < tp * ep = {world}")
         return RankLayout(
             parallel.tp,
             parallel.ep,
-            rank % parallel.tp,
-            rank // parallel.tp,
+            world_rank % parallel.tp,
+            world_rank // parallel.tp,
             parallel.fully_sharded_loras,
         )
 
@@ -64,7 +65,7 @@ def _split(t: Tensor, dim: int, parts: int, index: int) -> Tensor:
 
 
 def _w13_rows(t: Tensor, shape: MoEShape, layout: RankLayout) -> Tensor:
-    """This rank's rows of w13 [E, S*I, ...] / b13 [E, S*I] (dim 1), row layout kept."""
+    """This process's rows of w13 [E, S*I, ...] / b13 [E, S*I] (dim 1), row layout kept."""
     if not shape.activation.is_gated or shape.activation is Activation.SWIGLUOAI:
         return _split(t, 1, layout.tp, layout.tp_rank)  # [w1] or interleaved gate/up pairs
     gate, up = t.chunk(2, dim=1)
@@ -75,7 +76,7 @@ def _w13_rows(t: Tensor, shape: MoEShape, layout: RankLayout) -> Tensor:
 
 
 def shard_experts(experts: ExpertWeights, shape: MoEShape, layout: RankLayout) -> ExpertWeights:
-    """This rank's expert weights: E_l experts, I_p intermediate units."""
+    """This process's expert weights: E_l experts, I_p intermediate units."""
 
     def local(t: Tensor | None) -> Tensor | None:
         return None if t is None else _split(t, 0, layout.ep, layout.ep_rank)
@@ -90,7 +91,7 @@ def shard_experts(experts: ExpertWeights, shape: MoEShape, layout: RankLayout) -
 
 
 def shard_bank(bank: LoRABank, layout: RankLayout) -> LoRABank:
-    """This rank's slot bank (see the module docstring for which factor splits where)."""
+    """This process's slot bank (see the module docstring for which factor splits where)."""
 
     def local(t: Tensor) -> Tensor:
         return _split(t, 1, layout.ep, layout.ep_rank)
@@ -106,31 +107,14 @@ def shard_bank(bank: LoRABank, layout: RankLayout) -> LoRABank:
 
 
 def local_topk_ids(topk_ids: Tensor, num_experts: int, layout: RankLayout) -> Tensor:
-    """Global expert ids [T, K] -> this rank's local ids; other ranks' experts become -1."""
-    per_rank = num_experts // layout.ep
-    local = topk_ids - layout.ep_rank * per_rank
-    return torch.where((local >= 0) & (local < per_rank), local, -1).to(topk_ids.dtype)
-
-
-class LoRAComm(Protocol):
-    """Fully sharded LoRA's collectives over the tensor-parallel group (SPEC.md): gate/up A is
-    split on the rank, down A on I and down B on H. `DistComm` below implements it; the
-    backends and the reference take one (they name it in annotations only, so nothing
-    below this module imports it at run time)."""
-
-    hidden_offset: int  # first column of this rank's H slice of the down-B output
-
-    def gather_rank(self, u: Tensor) -> Tensor:
-        """[N, R/tp] per rank -> [N, R], ranks in order (all-gather on the last dim)."""
-        ...
-
-    def reduce_rank(self, v: Tensor) -> Tensor:
-        """[N, R] partial sums over the I shards -> their sum on every rank (all-reduce)."""
-        ...
+    """Global expert ids [T, K] -> this process's local ids; other processes' experts become -1."""
+    local_experts = num_experts // layout.ep
+    local = topk_ids - layout.ep_rank * local_experts
+    return torch.where((local >= 0) & (local < local_experts), local, -1).to(topk_ids.dtype)
 
 
 class DistComm:
-    """LoRAComm over a torch.distributed TP group (fully sharded LoRA)."""
+    """LoRAComm (comm.py) over a torch.distributed TP group (fully sharded LoRA)."""
 
     def __init__(self, layout: RankLayout, hidden_size: int, group) -> None:
         self.tp, self.group = layout.tp, group
@@ -147,13 +131,13 @@ class DistComm:
         return v
 
 
-# (default group, tp, ep) -> this rank's TP group. Every layer of a model shares one group
+# (default group, tp, ep) -> this process's TP group. Every layer of a model shares one group
 # (communicators are costly to create), and new_group is collective, so it runs once.
 _TP_GROUPS: dict[tuple[object, int, int], object] = {}
 
 
 def _tp_group(layout: RankLayout):
-    """The TP group of this rank (every rank creates every group, in the same order)."""
+    """The TP group of this process (every process creates every group, in the same order)."""
     key = (dist.group.WORLD, layout.tp, layout.ep)
     if key not in _TP_GROUPS:
         groups = [
@@ -164,10 +148,10 @@ def _tp_group(layout: RankLayout):
 
 
 class ParallelMoELoRALayer:
-    """One rank's share of a MoE-LoRA layer; forward returns the full y on every rank.
+    """One process's share of a MoE-LoRA layer; forward returns the full y on every process.
 
-    Build it on every rank of an initialised default process group of size tp * ep, from
-    the full (unsharded) weights: each rank keeps its shard only. The oracle checks the
+    Build it on every process of an initialised default process group of size tp * ep, from
+    the full (unsharded) weights: each process keeps its shard only. The oracle checks the
     deployment (its parallel layout included) once, at construction. check_values: as
     MoELoRALayer's (False drops its per-forward GPU sync, what a timed or captured loop needs).
     """
@@ -182,7 +166,7 @@ class ParallelMoELoRALayer:
                 "world_size",
                 world,
                 f"tp * ep = {parallel.tp * parallel.ep}",
-                "launch one process per rank of the layout",
+                "launch one process per place of the layout",
             )
         self.layout = RankLayout.of(parallel, dist.get_rank())
         self.num_experts = deployment.shape.num_experts
@@ -198,7 +182,7 @@ class ParallelMoELoRALayer:
         )
 
     def shard_bank(self, bank: LoRABank) -> LoRABank:
-        """This rank's share of a full slot bank (e.g. a SlotManager snapshot's bank)."""
+        """This process's share of a full slot bank (e.g. a SlotManager snapshot's bank)."""
         return shard_bank(bank, self.layout)
 
     def forward(
@@ -212,10 +196,12 @@ class ParallelMoELoRALayer:
         out: Tensor | None = None,
         add_inputs: AddInputs | None = None,
     ) -> Tensor:
-        """Like MoELoRALayer.forward, with global topk_ids and this rank's bank shard."""
+        """Like MoELoRALayer.forward, with global topk_ids and this process's bank shard."""
         ids = local_topk_ids(topk_ids, self.num_experts, self.layout)
         comm = self.comm if lora is not None else None
-        y = self.layer.forward(x, ids, topk_weights, token_slots, lora, lora_comm=comm)
+        weights_on_input = self.layer.deployment.routing.method.weights_on_input
+        call = MoECall(x, ids, topk_weights, token_slots, lora, weights_on_input, comm)
+        y = self.layer.run(call)
         self.reduce_output(y)
         if out is None:
             return y
@@ -223,7 +209,7 @@ class ParallelMoELoRALayer:
         return out.add_(y) if mode is AddInputs.ADD else out.copy_(y)
 
     def reduce_output(self, y: Tensor) -> None:
-        """y [T, H]: this rank's partial sum -> the sum over the world, in place. The one
+        """y [T, H]: this process's partial sum -> the sum over the world, in place. The one
         collective every layout issues (fully sharded LoRA adds `comm`'s two); a method, so
         that scripts/parallel_bench.py can time the layer without it and it alone."""
         dist.all_reduce(y)

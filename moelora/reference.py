@@ -1,20 +1,19 @@
 """The one reference computation of SPEC.md: slow, obvious, fp32.
 
-Every test, benchmark, the CLI and the `reference` backend import `moe_lora_reference`.
+Every test, benchmark, the CLI and the `reference` backend call it: `reference_forward` on a
+per-call record (call.py), or `moe_lora_reference` with the record's fields spelled out.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .activations import apply_activation, split_gate_up
+from .call import MoECall
+from .comm import LoRAComm
 from .config import MoEShape
+from .quant.activation_quant import base_gemm_input
 from .weights import ExpertWeights, LoRABank
-
-if TYPE_CHECKING:  # annotations only: the protocol lives beside its collectives
-    from .parallel import LoRAComm
 
 
 def _join_gate_up(shape: MoEShape, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -55,7 +54,7 @@ def _w2_delta(
     o: torch.Tensor,
     comm: LoRAComm | None,
 ) -> torch.Tensor:
-    """o [N, H] plus the down delta over the real rank; fully sharded: B2 holds this rank's
+    """o [N, H] plus the down delta over the real rank; fully sharded: B2 holds this process's
     H slice only."""
     v = z @ lora.w2_a[slot, expert, :rank].float().t()  # [N, r]; partial over I under TP
     b = lora.w2_b[slot, expert, :, :rank].float()
@@ -68,6 +67,57 @@ def _w2_delta(
 
 
 @torch.no_grad()
+def reference_forward(call: MoECall, experts: ExpertWeights, shape: MoEShape) -> torch.Tensor:
+    """y [T, H] in x's dtype for one per-call record (call.py).
+
+    Expert ids outside [0, E) contribute nothing (expert parallel); tokens with slot -1 (or
+    no slots at all) run the base model. call.weights_on_input: Llama-4 routing, the weight
+    scales the expert input, not its output. call.lora_comm: fully sharded LoRA only (the
+    bank holds this process's shards; see LoRAComm). experts.quantization: a W8A8 format's
+    base GEMMs multiply per-token quantized inputs (quant/activation_quant.py) while the
+    LoRA branch reads them unquantized. The (expert, slot) groups are visited in the same
+    order on every process of the TP group, so the collectives match up.
+    """
+    x, topk_ids, topk_weights = call.x, call.topk_ids, call.topk_weights
+    lora = call.lora if call.has_lora else None
+    lora_comm, weights_on_input = call.lora_comm, call.weights_on_input
+    tokens = x.shape[0]
+    xf = x.float()
+    y = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    slots = (
+        call.token_slots
+        if lora is not None
+        else torch.full((tokens,), -1, dtype=torch.int32, device=x.device)
+    )
+    ranks = [] if lora is None else lora.ranks.tolist()  # each slot's real rank
+    for expert in range(experts.w13.shape[0]):
+        tok, j = torch.nonzero(topk_ids == expert, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        g = topk_weights[tok, j].float().unsqueeze(1)
+        xe = xf[tok] * g if weights_on_input else xf[tok]
+        # the base GEMMs see the format's quantized input; the LoRA deltas see xe and z as is
+        h = base_gemm_input(experts.quantization, xe) @ experts.w13[expert].float().t()
+        if experts.b13 is not None:
+            h = h + experts.b13[expert].float()
+        tok_slots = slots[tok]
+        active = [] if lora is None else sorted(set(tok_slots[tok_slots >= 0].tolist()))
+        for slot in active:
+            rows = tok_slots == slot
+            h[rows] += _w13_delta(shape, xe[rows], lora, slot, ranks[slot], expert, lora_comm)
+        z = apply_activation(
+            shape.activation, h, alpha=shape.swiglu_alpha, limit=shape.swiglu_limit
+        )
+        o = base_gemm_input(experts.quantization, z) @ experts.w2[expert].float().t()
+        if experts.b2 is not None:
+            o = o + experts.b2[expert].float()
+        for slot in active:
+            rows = tok_slots == slot
+            o[rows] = _w2_delta(z[rows], lora, slot, ranks[slot], expert, o[rows], lora_comm)
+        y.index_add_(0, tok, o if weights_on_input else o * g)
+    return y.to(x.dtype)
+
+
 def moe_lora_reference(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -80,46 +130,8 @@ def moe_lora_reference(
     weights_on_input: bool = False,
     lora_comm: LoRAComm | None = None,
 ) -> torch.Tensor:
-    """y [T, H] in x's dtype.
-
-    x [T, H]; topk_ids [T, K] (ids outside [0, E) contribute nothing: expert parallel);
-    topk_weights [T, K] fp32; token_slots [T] (-1 = base model) or None (all -1).
-    weights_on_input: Llama-4 routing, the weight scales the expert input, not its output.
-    lora_comm: fully sharded LoRA only (banks hold this rank's shards; see LoRAComm). The
-    (expert, slot) groups are visited in the same order on every rank of the TP group, so
-    the collectives match up.
-    """
-    tokens = x.shape[0]
-    xf = x.float()
-    y = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    slots = (
-        token_slots
-        if token_slots is not None
-        else torch.full((tokens,), -1, dtype=torch.int32, device=x.device)
-    )
-    ranks = [] if lora is None else lora.ranks.tolist()  # each slot's real rank
-    for expert in range(experts.w13.shape[0]):
-        tok, j = torch.nonzero(topk_ids == expert, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        g = topk_weights[tok, j].float().unsqueeze(1)
-        xe = xf[tok] * g if weights_on_input else xf[tok]
-        h = xe @ experts.w13[expert].float().t()
-        if experts.b13 is not None:
-            h = h + experts.b13[expert].float()
-        tok_slots = slots[tok]
-        active = [] if lora is None else sorted(set(tok_slots[tok_slots >= 0].tolist()))
-        for slot in active:
-            rows = tok_slots == slot
-            h[rows] += _w13_delta(shape, xe[rows], lora, slot, ranks[slot], expert, lora_comm)
-        z = apply_activation(
-            shape.activation, h, alpha=shape.swiglu_alpha, limit=shape.swiglu_limit
-        )
-        o = z @ experts.w2[expert].float().t()
-        if experts.b2 is not None:
-            o = o + experts.b2[expert].float()
-        for slot in active:
-            rows = tok_slots == slot
-            o[rows] = _w2_delta(z[rows], lora, slot, ranks[slot], expert, o[rows], lora_comm)
-        y.index_add_(0, tok, o if weights_on_input else o * g)
-    return y.to(x.dtype)
+    """reference_forward with the record's fields spelled out (the public form tests,
+    benchmarks and the CLI call): x [T, H]; topk_ids [T, K]; topk_weights [T, K] fp32;
+    token_slots [T] int32 (-1 = base model) or None."""
+    call = MoECall(x, topk_ids, topk_weights, token_slots, lora, weights_on_input, lora_comm)
+    return reference_forward(call, experts, shape)

@@ -11,17 +11,24 @@ import torch
 
 from .config import MoEShape
 from .errors import InputError
+from .quant.formats import Quantization
 
 
 @dataclass
 class ExpertWeights:
     """w13 [E, S*I, H] (gated: rows [0, I) gate, [I, 2I) up; swigluoai interleaved),
-    w2 [E, H, I], optional b13 [E, S*I] and b2 [E, H]."""
+    w2 [E, H, I], optional b13 [E, S*I] and b2 [E, H].
+
+    quantization: the format these weights were dequantized from (FP8ExpertWeights.dequantize);
+    under a W8A8 format the reference quantizes each base GEMM's input per token, as the
+    kernels do. NONE: full-precision weights.
+    """
 
     w13: torch.Tensor
     w2: torch.Tensor
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
+    quantization: Quantization = Quantization.NONE
 
 
 @dataclass

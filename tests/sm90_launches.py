@@ -25,6 +25,8 @@ import pkgutil
 
 import torch
 
+from moelora.call import MoECall
+
 SM90 = ("cuda", 90, 32)
 NOT_COMPILED = ("_align_kernel", "_topk_reduce_kernel")  # no LoRA tiles, no pipeline
 
@@ -60,11 +62,12 @@ def _recorded():
 
 
 def forward_launches(
-    cfg, dtype: torch.dtype, rank: int, num_slots: int, *, bias: bool = False
+    cfg, dtype: torch.dtype, rank: int, num_slots: int, *, bias: bool = False, fp8: bool = False
 ) -> list[tuple]:
     """[(kernel, kwargs)] of one fused_moe_lora call with `cfg`: a Qwen3-30B-A3B layer
     (H 2048, I 768, K 8) cut to 8 experts, 512 tokens (4096 pairs), LoRA on with every
-    token on slot 0 (rank 0: LoRA-free), the expert biases with `bias`. The compiled code
+    token on slot 0 (rank 0: LoRA-free), the expert biases with `bias`, block-scaled e4m3
+    experts (128x128) with `fp8`. The compiled code
     does not depend on those sizes beyond their divisibility."""
     from moelora.activations import Activation
     from moelora.backends.triton import fused_moe_lora
@@ -76,6 +79,15 @@ def forward_launches(
     biases = (empty(experts, 2 * inter), empty(experts, hidden)) if bias else ()
     w13, w2 = empty(experts, 2 * inter, hidden), empty(experts, hidden, inter)
     weights = ExpertWeights(w13, w2, *biases)
+    if fp8:
+        from moelora.quant.formats import QuantConfig, Quantization
+        from moelora.quant.fp8_experts import FP8ExpertWeights, scale_shape
+
+        quant, e4m3 = QuantConfig(Quantization.FP8_BLOCK), torch.float8_e4m3fn
+        w13, w2 = w13.to(e4m3), w2.to(e4m3)
+        s13 = torch.ones(scale_shape(quant, experts, 2 * inter, hidden))
+        s2 = torch.ones(scale_shape(quant, experts, hidden, inter))
+        weights = FP8ExpertWeights(quant, w13, w2, s13, s2, *biases)
     bank = slots = None
     if rank:
         bank = LoRABank(
@@ -89,7 +101,7 @@ def forward_launches(
     ids = torch.zeros(tokens, top_k, dtype=torch.int32)
     x, w = empty(tokens, hidden), torch.empty(tokens, top_k)
     with _recorded() as calls:
-        fused_moe_lora(x, ids, w, slots, weights, bank, shape, config=cfg)
+        fused_moe_lora(MoECall(x, ids, w, slots, bank), weights, shape, config=cfg)
     return [(fn, kw) for fn, kw in calls if fn.__name__ not in NOT_COMPILED]
 
 

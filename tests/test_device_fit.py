@@ -16,6 +16,7 @@ import pytest
 import torch
 from sm90_child import run_compile_child
 
+from moelora.call import MoECall
 from moelora.device import GpuLimits
 from moelora.tiling import heuristic
 from moelora.tiling.config import GemmTiles, TileConfig
@@ -237,15 +238,15 @@ def test_fused_moe_lora_fits_picked_configs_only(monkeypatch) -> None:
     x = torch.randn(3, 32, generator=g)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
     w = torch.rand(3, 2, generator=g)
-    moe_lora.fused_moe_lora(x, ids, w, None, experts, None, shape)
+    moe_lora.fused_moe_lora(MoECall(x, ids, w, None, None), experts, shape)
     assert calls == [(2, torch.float32, "cpu", dict(rank=0, num_slots=0))]
     # with LoRA: the bank's B rank (its largest adapter's, zero-padded) and its slot count
     bank = random_lora_bank(shape, 3, 24, ranks=[24, 8, 16], generator=g)
     slots = torch.tensor([0, 2, -1], dtype=torch.int32)
-    moe_lora.fused_moe_lora(x, ids, w, slots, experts, bank, shape)
+    moe_lora.fused_moe_lora(MoECall(x, ids, w, slots, bank), experts, shape)
     assert calls[1] == (2, torch.float32, "cpu", dict(rank=24, num_slots=3))
     explicit = TileConfig(16, GemmTiles(32, 32), GemmTiles(32, 32))
-    moe_lora.fused_moe_lora(x, ids, w, None, experts, None, shape, config=explicit)
+    moe_lora.fused_moe_lora(MoECall(x, ids, w, None, None), experts, shape, config=explicit)
     assert len(calls) == 2
 
 

@@ -1,7 +1,8 @@
 """The generated parts of the docs (benchmarks/report.py) match the committed data they
-come from: the top of BENCHMARKS.md (the current bench JSON) and the knob table of
-docs/kernels.md (moelora/tiling/h200_table.json). A new bench result or table row shows
-here until `python -m benchmarks.report` is re-run."""
+come from: the top of BENCHMARKS.md (the current bench JSON), the knob table of
+docs/kernels.md (moelora/tiling/h200_table.json) and benchmarks/README.md's index (the
+tool registry). A new bench result, table row or tool shows here until
+`python -m benchmarks report` is re-run."""
 
 from __future__ import annotations
 

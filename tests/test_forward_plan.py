@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from moelora.tiling.align_launch import AlignMode
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.plan import ForwardPlan, LoRAPath, TopKSum, plan_forward
 
@@ -195,3 +196,20 @@ def test_the_backend_plans_what_it_picked_and_fitted() -> None:
     assert plan.lora is LoRAPath.EXPAND and not plan.pdl
     assert forward_plan(x, ids, experts, None, shape).lora is LoRAPath.NONE
     assert forward_plan(x, ids, experts, None, shape, config=BASE).tiles == BASE
+
+
+# (P pairs, E experts, the launch it takes, why)
+ALIGN_LAUNCHES = [
+    (2, 32, AlignMode.ONE_PAIR, 256, "P <= E/4: one pair per block"),
+    (9, 32, AlignMode.SINGLE, 1024, "just above E/4: the sort, in one program"),
+    (1024, 128, AlignMode.SINGLE, 1024, "P = WIDE_SINGLE_PAIRS: the narrow program"),
+    (1025, 128, AlignMode.SINGLE, 2048, "above it: the wide program"),
+    (2048, 128, AlignMode.SINGLE, 2048, "P = SINGLE_PROGRAM_PAIRS: still one program"),
+    (2049, 128, AlignMode.THREE, 256, "above it: three launches"),
+]
+
+
+@pytest.mark.parametrize("pairs,experts,mode,block_p,why", ALIGN_LAUNCHES)
+def test_the_plan_picks_the_alignment_launch(pairs, experts, mode, block_p, why) -> None:
+    launch = plan_forward(BASE, **CALL).align(pairs, experts)
+    assert (launch.mode, launch.block_p) == (mode, block_p), why

@@ -30,11 +30,12 @@ BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEI
                Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, W_TMA=False, BLOCK_M=128,
                BLOCK_N=128,
                BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8, UPCAST=False, IEEE=False,
-               PDL=False)  # fmt: skip
+               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128)  # fmt: skip
 BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=False,
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
-                 UPCAST=False, IEEE=False, PDL=False)  # fmt: skip
+                 UPCAST=False, IEEE=False, PDL=False, W_FP8=False, SCALE_N=128,
+                 SCALE_K=128)  # fmt: skip
 KERNELS = {"up": ("_expert_up_kernel", BASE_UP), "down": ("_expert_down_kernel", BASE_DOWN)}
 
 
@@ -46,6 +47,7 @@ class Variant(NamedTuple):
     changes: dict
     dtype: str = "bf16"
     lora: bool = True
+    fp8: bool = False  # block-scaled e4m3 experts (128x128)
 
 
 NO_LORA = dict(HAS_LORA=False, BLOCK_L=1, SLOTS_PER_DOT=1)  # one (unused) slot per dot
@@ -106,6 +108,17 @@ VARIANTS = {
         dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True),
         dtype="fp32",
     ),
+    # block-scaled e4m3 experts: each K step's e4m3 tile converted to bf16 for the MMA
+    ("up", "fp8-block"): Variant({}, dict(W_FP8=True), fp8=True),
+    ("up", "fp8-block-half-tail-expand-first"): Variant(
+        dict(half_tail=1, expand_first=True),
+        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, W_FP8=True),
+        fp8=True,
+    ),
+    ("down", "fp8-block"): Variant({}, dict(W_FP8=True), fp8=True),
+    ("down", "fp8-block-atomic-no-lora"): Variant(
+        dict(atomic_reduce=True), dict(ATOMIC=True, W_FP8=True, **NO_LORA), lora=False, fp8=True
+    ),
 }
 
 
@@ -122,7 +135,7 @@ def _compile(name: str, variant: Variant) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     cfg = dataclasses.replace(BASE, **variant.knobs)
     rank = RANK if variant.lora else 0
-    launches = forward_launches(cfg, dtype[variant.dtype], rank, SLOTS, bias=True)
+    launches = forward_launches(cfg, dtype[variant.dtype], rank, SLOTS, bias=True, fp8=variant.fp8)
     fn, kwargs = next(launch for launch in launches if launch[0].__name__ == KERNELS[name][0])
     got = {"constexprs": {p.name: kwargs[p.name] for p in fn.params if p.is_constexpr}}
     try:

@@ -44,7 +44,7 @@ def test_committed_table_knobs_are_valid() -> None:
     for row in pick.H200.rows:
         key, knobs = row.key, row.knobs
         assert knobs.get("half_tail", 0) in (1, 2, 3) or "half_tail" not in knobs, key
-        # aligned-path PDL measured no gain (KERNEL_LOG.md v13b): decode rows only
+        # aligned-path PDL measured no gain (docs/history/kernel_log.md v13b): decode rows only
         assert knobs.get("decode", False) or not knobs.get("pdl"), f"{key}: pdl needs decode"
         assert knobs.get("expand_lanes", 16) in (16, 32, 64, 128), key
         assert knobs.get("shrink_block_m", 16) in (16, 32, 64, 128), key
@@ -98,3 +98,20 @@ def test_tile_config_defaults_are_the_knobs_off() -> None:
     cfg = TileConfig(16, GemmTiles(64, 64), GemmTiles(64, 64))
     assert not any(getattr(cfg, k) for k in ("decode", "lora_delta", "pdl", "atomic_reduce"))
     assert cfg.half_tail == 0 and not (cfg.z_sorted or cfg.down_tma or cfg.up_tma)
+
+
+def test_each_knob_is_declared_once_as_data() -> None:
+    """KNOB_SPECS covers every TileConfig knob; each default and each value the H200 table
+    sets is among the knob's declared values, and the LoRA-only ones are LORA_KNOBS."""
+    from moelora.tiling.config import KNOB_SPECS, KNOBS
+    from moelora.tiling.pick import H200
+
+    assert sorted(k.name for k in KNOB_SPECS) == sorted(KNOBS)  # once each
+    default = TileConfig(16, GemmTiles(32, 32), GemmTiles(32, 32))
+    for knob in KNOB_SPECS:
+        assert getattr(default, knob.name) in knob.values, knob.name
+        assert (knob.name in LORA_KNOBS) == knob.lora_only, knob.name
+    for row in H200.rows:
+        for name, value in row.knobs.items():
+            spec = next(k for k in KNOB_SPECS if k.name == name)
+            assert value in spec.values, (row.key, name, value)

@@ -15,10 +15,12 @@ import torch
 from moelora.activations import Activation
 from moelora.backends.registry import REGISTRY
 from moelora.backends.triton import fused_moe_lora
+from moelora.call import MoECall
 from moelora.compare import assert_close, poison_
 from moelora.config import AddInputs, MoEShape
 from moelora.kernels.align import align_pairs
 from moelora.reference import moe_lora_reference
+from moelora.tiling.align_launch import align_launch
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.heuristic import DECODE_TILES
 from moelora.weights import random_expert_weights, random_lora_bank
@@ -476,14 +478,9 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
     )
     out = poison_(torch.empty_like(x))
     fused_moe_lora(
-        x,
-        ids,
-        weights,
-        slots,
+        MoECall(x, ids, weights, slots, lora, weights_on_input=case.weights_on_input, out=out),
         experts,
-        lora,
         shape,
-        out=out,
         config=dataclasses.replace(
             DECODE_TILES if case.extra.get("cfg") == "DECODE" else TILES,
             shrink_split_k=case.split_k,
@@ -502,7 +499,6 @@ def test_forward_matches_reference(case: Case, seed: int) -> None:
             atomic_reduce=case.extra.get("ar", False),
             lora_stream=case.extra.get("ls", False),
         ),
-        weights_on_input=case.weights_on_input,
     )
     assert_close(out, ref, what=case.id)
 
@@ -523,8 +519,8 @@ def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
         expand_first=path == "expand-first",
         lora_stream=path == "stream",
     )
-    mixed = fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)
-    base = fused_moe_lora(x, ids, weights, None, experts, None, shape, config=cfg)
+    mixed = fused_moe_lora(MoECall(x, ids, weights, slots, lora), experts, shape, config=cfg)
+    base = fused_moe_lora(MoECall(x, ids, weights, None, None), experts, shape, config=cfg)
     rows = slots < 0
     assert rows.any()
     assert torch.equal(mixed[rows], base[rows])
@@ -539,7 +535,7 @@ def test_backend_add_inputs(mode: AddInputs, seed: int) -> None:
     prior = torch.randn_like(x)
     out = prior.clone() if mode is AddInputs.ADD else poison_(torch.empty_like(x))
     got = REGISTRY["triton"].forward(
-        x, ids, weights, slots, experts, lora, shape, out=out, add_inputs=mode
+        MoECall(x, ids, weights, slots, lora, out=out, add_inputs=mode), experts, shape
     )
     assert got is out
     want = ref + prior if mode is AddInputs.ADD else ref
@@ -571,7 +567,12 @@ def test_add_into_out(knobs: dict, seed: int) -> None:
     prior = torch.randn_like(x)
     out = prior.clone()
     cfg = dataclasses.replace(TILES, **knobs)
-    fused_moe_lora(x, ids, weights, slots, experts, lora, shape, out=out, add=True, config=cfg)
+    fused_moe_lora(
+        MoECall(x, ids, weights, slots, lora, out=out, add_inputs=AddInputs.ADD),
+        experts,
+        shape,
+        config=cfg,
+    )
     assert_close(out, ref + prior, what=f"add {knobs}")
 
 
@@ -606,7 +607,7 @@ def test_half_tail_matches_reference(name: str, seed: int) -> None:
     ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
     out = poison_(torch.empty_like(x))
     cfg = dataclasses.replace(TILES, block_m=32, half_tail=3, **knobs)  # both GEMMs
-    fused_moe_lora(x, ids, weights, slots, experts, lora, shape, out=out, config=cfg)
+    fused_moe_lora(MoECall(x, ids, weights, slots, lora, out=out), experts, shape, config=cfg)
     assert_close(out, ref, what=f"half_tail {name}")
 
 
@@ -631,7 +632,7 @@ def test_half_tail_runs_both_row_variants(monkeypatch, seed: int) -> None:
 
             monkeypatch.setattr(mod, "mma", record)
         cfg = dataclasses.replace(TILES, block_m=32, half_tail=half_tail)
-        fused_moe_lora(x, ids, weights, slots, experts, lora, shape, config=cfg)
+        fused_moe_lora(MoECall(x, ids, weights, slots, lora), experts, shape, config=cfg)
         want = {32, 16} if half_tail else {32}
         assert rows == {"up": want, "down": want}, (half_tail, rows)
 
@@ -659,7 +660,7 @@ def test_unused_slots_do_not_leak(knobs: dict, seed: int) -> None:
             t[1:3] = value
         out = poison_(torch.empty_like(x))
         cfg = dataclasses.replace(TILES, **knobs)
-        fused_moe_lora(x, ids, weights, slots, experts, lora, shape, out=out, config=cfg)
+        fused_moe_lora(MoECall(x, ids, weights, slots, lora, out=out), experts, shape, config=cfg)
         assert_close(out, ref, what=f"unused slots = {value} {knobs}")
 
 
@@ -686,7 +687,8 @@ def test_align_invariants(tokens, top_k, experts, slots_n, block_m, case_id, see
     if tokens > 1:  # expert parallel drops, and a slot beyond the bank (= no adapter)
         ids[0, 0], ids[-1, -1], slots[-1] = -1, experts + 3, slots_n + 2
     for tile_m in (1, 8, 64):
-        al = align_pairs(ids, slots, experts, slots_n, block_m, lora_tile_m=tile_m)
+        launch = align_launch(ids.numel(), experts)
+        al = align_pairs(ids, slots, experts, slots_n, block_m, lora_tile_m=tile_m, launch=launch)
         _check_blocks(al, ids, slots, slots_n, experts, block_m)
         _check_lora_tiles(al, ids, slots, slots_n, experts)
 
@@ -741,18 +743,24 @@ def _check_lora_tiles(al, ids, slots, slots_n: int, experts: int) -> None:
 def test_launcher_errors_name_the_input(seed: int) -> None:
     shape, experts, lora, x, ids, weights, slots = _inputs(Case("err"), seed)
     with pytest.raises(ValueError, match="'x'"):
-        REGISTRY["triton"].forward(x[:, :16], ids, weights, slots, experts, lora, shape)
+        REGISTRY["triton"].forward(MoECall(x[:, :16], ids, weights, slots, lora), experts, shape)
     with pytest.raises(ValueError, match="token_slots"):
-        REGISTRY["triton"].forward(x, ids, weights, slots[:2], experts, lora, shape)
+        REGISTRY["triton"].forward(MoECall(x, ids, weights, slots[:2], lora), experts, shape)
 
 
 def test_zero_tokens(seed: int) -> None:
     """T = 0 (an empty batch bucket): an empty y, and ADD leaves `out` as it was."""
     shape, experts, lora, x, ids, weights, slots = _inputs(Case("empty", tokens=4), seed)
-    got = REGISTRY["triton"].forward(x[:0], ids[:0], weights[:0], slots[:0], experts, lora, shape)
+    got = REGISTRY["triton"].forward(
+        MoECall(x[:0], ids[:0], weights[:0], slots[:0], lora), experts, shape
+    )
     assert got.shape == (0, shape.hidden_size)
     out = torch.randn(0, shape.hidden_size)
-    fused_moe_lora(x[:0], ids[:0], weights[:0], slots[:0], experts, lora, shape, out=out, add=True)
+    fused_moe_lora(
+        MoECall(x[:0], ids[:0], weights[:0], slots[:0], lora, out=out, add_inputs=AddInputs.ADD),
+        experts,
+        shape,
+    )
 
 
 @pytest.mark.parametrize(
@@ -796,7 +804,10 @@ def test_atomic_reduce_takes_the_atomic_path(monkeypatch, knobs, dtype, want, se
         lora, slots = None, None
     ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
     out = fused_moe_lora(
-        x, ids, weights, slots, experts, lora, shape, config=dataclasses.replace(TILES, **knobs)
+        MoECall(x, ids, weights, slots, lora),
+        experts,
+        shape,
+        config=dataclasses.replace(TILES, **knobs),
     )
     assert_close(out, ref, what=want)
     assert out.dtype == dtype

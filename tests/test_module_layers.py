@@ -104,3 +104,40 @@ def test_the_interpreter_check_reads_the_variable_as_triton_does(monkeypatch, va
     assert triton_interpreted() == bool(knobs.runtime.interpret), value
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not triton_interpreted() and not knobs.runtime.interpret
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _import_cycles() -> list[set[str]]:
+    """The package's import circles, annotations-only imports included (a module named in
+    an annotation must sit below its user as much as one imported to run); package
+    __init__ files (re-exports) are left out. Each circle as the set of its modules."""
+    modules = {_module(p): p for p in _files(PACKAGE) if p.name != "__init__.py"}
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, node.module or ""]) if node.level else node.module
+                found |= {base.rstrip(".")} | {f"{base.rstrip('.')}.{a.name}" for a in node.names}
+        graph[name] = (found & modules.keys()) - {name}
+    reach = {m: set(graph[m]) for m in graph}
+    for _ in range(len(graph)):  # transitive closure: the graph has ~100 nodes
+        for m in graph:
+            reach[m] |= set().union(*(graph[n] for n in reach[m]))
+    cycles = {
+        frozenset({m} | {n for n in reach[m] if m in reach[n]}) for m in graph if m in reach[m]
+    }
+    return sorted((set(c) for c in cycles), key=sorted)
+
+
+def test_no_import_circles() -> None:
+    """LoRAComm lives in comm.py, below every user, so parallel.py (which implements it and
+    imports the layer) is imported by nothing below it, not even for annotations; the HF
+    key table returns plain values, so config.py imports it and not the other way."""
+    assert _import_cycles() == []

@@ -14,6 +14,7 @@ import torch
 
 from moelora.activations import Activation
 from moelora.backends.grouped_mm import BACKEND
+from moelora.call import MoECall
 from moelora.compare import compare, poison_
 from moelora.config import AddInputs, MoEShape
 from moelora.reference import moe_lora_reference
@@ -53,7 +54,8 @@ CASES = [
 def test_grouped_mm_matches_reference(act, dtype, knobs, weights_on_input, seed):
     case = make_case(act, dtype, seed=seed, **knobs)
     ref = moe_lora_reference(*case, weights_on_input=weights_on_input)
-    out = BACKEND.forward(*case, weights_on_input=weights_on_input)
+    x, ids, w, slots, experts, bank, shape = case
+    out = BACKEND.forward(MoECall(x, ids, w, slots, bank, weights_on_input), experts, shape)
     assert out.dtype == ref.dtype
     result = compare(out, ref, dtype)
     assert result.ok, str(result)
@@ -65,7 +67,9 @@ def test_grouped_mm_out_contract(add_inputs, seed):
     ref = moe_lora_reference(*case)
     prior = torch.randn_like(ref)
     buffer = prior.clone() if add_inputs is AddInputs.ADD else poison_(torch.empty_like(ref))
-    out = BACKEND.forward(*case, out=buffer, add_inputs=add_inputs)
+    x, ids, w, slots, experts, bank, shape = case
+    call = MoECall(x, ids, w, slots, bank, out=buffer, add_inputs=add_inputs)
+    out = BACKEND.forward(call, experts, shape)
     assert out is buffer
     expected = ref + prior if add_inputs is AddInputs.ADD else ref
     assert compare(out, expected, torch.float32).ok

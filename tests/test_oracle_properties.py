@@ -23,6 +23,7 @@ from moelora.deployment import AUTO, Deployment, LoRASharding, ParallelMode
 from moelora.device import TARGETS, target
 from moelora.errors import UnsupportedDeploymentError
 from moelora.oracle import select
+from moelora.quant.formats import QuantConfig, Quantization
 from moelora.routing import RoutingConfig, RoutingMethod
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,7 +63,7 @@ def deployments(draw) -> Deployment:
     lora = LoRAConfig(
         enabled=draw(st.booleans()),
         max_rank=rank,
-        max_loras=draw(st.sampled_from([1, 4, 8, 64])),
+        num_slots=draw(st.sampled_from([1, 4, 8, 64])),
         targets=draw(st.sampled_from([("gate_proj", "up_proj", "down_proj"), ("q_proj",)])),
         add_inputs=draw(st.sampled_from(list(AddInputs))),
     )
@@ -74,6 +75,10 @@ def deployments(draw) -> Deployment:
         parallel=ParallelConfig(tp, ep, can_shard and draw(st.booleans())),
         lora=lora,
         cuda_graphs=device.kind == "cuda" and draw(st.booleans()),
+        # FP8 experts run unsharded (Deployment refuses them under tp or ep)
+        quantization=QuantConfig(
+            draw(st.sampled_from(list(Quantization))) if tp * ep == 1 else Quantization.NONE
+        ),
     )
 
 
@@ -95,11 +100,14 @@ def capabilities(draw) -> Capabilities:
         gating=draw(subset(Gating)),
         routing_methods=draw(subset(RoutingMethod)),
         expert_bias=draw(st.booleans()),
+        quantizations=draw(
+            st.dictionaries(st.sampled_from(list(Quantization)), st.sampled_from(CCS))
+        ),
         parallel_modes=draw(subset(ParallelMode)),
         lora=draw(st.booleans()),
         runs_without_lora=draw(st.booleans()),
-        max_lora_rank=draw(limit),
-        max_loras=draw(limit),
+        max_rank=draw(limit),
+        max_slots=draw(limit),
         lora_add_inputs=draw(add_inputs),
         intermediate_align=draw(st.sampled_from([1, 8, 16, 128])),
         hidden_align=draw(st.sampled_from([1, 8, 16, 128])),
@@ -130,7 +138,14 @@ def registries(draw) -> dict[str, StubBackend]:
 
 def with_backend(dep: Deployment, name: str) -> Deployment:
     return Deployment(
-        dep.shape, dep.routing, dep.device, dep.parallel, dep.lora, dep.cuda_graphs, name
+        dep.shape,
+        dep.routing,
+        dep.device,
+        dep.parallel,
+        dep.lora,
+        dep.cuda_graphs,
+        name,
+        quantization=dep.quantization,
     )
 
 

@@ -16,6 +16,7 @@ import moelora
 from moelora import device as device_mod
 from moelora.backends.base import Backend
 from moelora.backends.registry import RANKING, REGISTRY
+from moelora.call import MoECall
 from moelora.compare import assert_close, poison_
 from moelora.config import AddInputs, MoEShape
 from moelora.deployment import LoRASharding, ParallelMode
@@ -218,7 +219,8 @@ def case(seed):
 
 def test_reference_backend_is_the_reference(case):
     ref = moe_lora_reference(*case)
-    out = REGISTRY["reference"].forward(*case)
+    x, ids, w, slots, experts, bank, shape = case
+    out = REGISTRY["reference"].forward(MoECall(x, ids, w, slots, bank), experts, shape)
     assert torch.equal(out, ref)
 
 
@@ -228,7 +230,9 @@ def test_reference_backend_out_contract(case, add_inputs):
     # ADD: a random prior; OVERWRITE: NaN poison, so an unwritten element fails
     start = torch.randn_like(ref) if add_inputs is AddInputs.ADD else poison_(torch.empty_like(ref))
     buffer = start.clone()
-    out = REGISTRY["reference"].forward(*case, out=buffer, add_inputs=add_inputs)
+    x, ids, w, slots, experts, bank, shape = case
+    call = MoECall(x, ids, w, slots, bank, out=buffer, add_inputs=add_inputs)
+    out = REGISTRY["reference"].forward(call, experts, shape)
     assert out is buffer
     expected = start + ref if add_inputs is AddInputs.ADD else ref
     assert_close(out, expected, torch.float32, what=add_inputs.value)

@@ -159,7 +159,7 @@ def test_parallel_layouts_equal_single_process(world, cases, tmp_path):
 def test_sharding_helpers_split_as_documented():
     shape = MoEShape(8, 2, 16, 12, Activation.SWIGLUOAI, has_bias=True, dtype=torch.float32)
     experts = random_expert_weights(shape)
-    layout = RankLayout.of(ParallelConfig(tp=2, ep=2), rank=3)  # tp_rank 1, ep_rank 1
+    layout = RankLayout.of(ParallelConfig(tp=2, ep=2), world_rank=3)  # tp_rank 1, ep_rank 1
     assert (layout.tp_rank, layout.ep_rank) == (1, 1)
     local = shard_experts(experts, shape, layout)
     assert local.w13.shape == (4, 12, 16) and local.w2.shape == (4, 16, 6)

@@ -24,6 +24,7 @@ from sm90_child import run_compile_child
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moelora.call import MoECall
 from moelora.kernels.decode_down import _decode_down_kernel
 from moelora.kernels.decode_shrink import _decode_shrink_kernel
 from moelora.kernels.decode_up import _decode_up_kernel
@@ -52,9 +53,10 @@ def _compile(fn, constexprs: dict) -> list[str]:
 
 
 UP = dict(GATED=True, ACT=0, HAS_BIAS=False, HAS_LORA=True, WEIGHT_INPUT=False, BLOCK_N=2,
-          BLOCK_K=256, BLOCK_R=16, EARLY=True)  # fmt: skip
+          BLOCK_K=256, BLOCK_R=16, EARLY=True, W_FP8=False, SCALE_N=128, SCALE_K=128)  # fmt: skip
 DOWN = dict(HAS_BIAS=False, HAS_LORA=True, MUL_WEIGHT=True, ADD=True, BLOCK_J=8, BLOCK_N=2,
-            BLOCK_K=256, BLOCK_R=16, EARLY=True)  # fmt: skip
+            BLOCK_K=256, BLOCK_R=16, EARLY=True, W_FP8=False, SCALE_N=128,
+            SCALE_K=128)  # fmt: skip
 SHRINK = dict(BLOCK_R=16, ROWS_PER_PROG=1, BLOCK_K=256, ZERO_BLOCK=16)
 KERNELS = [(_decode_up_kernel, UP, True), (_decode_down_kernel, DOWN, True),
            (_decode_shrink_kernel, SHRINK, False)]  # fmt: skip
@@ -243,7 +245,7 @@ def test_decode_chain_launch_modes(monkeypatch, seed) -> None:
         plan = plan_forward(
             cfg, lora=bank is not None, sharded=False, pdl_supported=True, interpreted=False
         )
-        y = moe_lora.forward(plan, x, ids, w, slots, experts, bank, shape)
+        y = moe_lora.forward(plan, MoECall(x, ids, w, slots, bank), experts, shape)
         ref = moe_lora_reference(x, ids, w, slots, experts, bank, shape)
         assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
         if bank is not None:

@@ -15,6 +15,7 @@ import torch
 
 from moelora.activations import Activation
 from moelora.backends.triton import fused_moe_lora
+from moelora.call import MoECall
 from moelora.compare import assert_close, poison_
 from moelora.config import MoEShape
 from moelora.errors import InputError
@@ -72,7 +73,7 @@ def _with_garbage(lora: LoRABank) -> LoRABank:
 def _run(shape, experts, lora, x, ids, weights, slots, knobs):
     out = poison_(torch.empty_like(x))
     cfg = dataclasses.replace(TILES, **knobs)
-    fused_moe_lora(x, ids, weights, slots, experts, lora, shape, out=out, config=cfg)
+    fused_moe_lora(MoECall(x, ids, weights, slots, lora, out=out), experts, shape, config=cfg)
     return out
 
 

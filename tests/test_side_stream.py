@@ -1,6 +1,6 @@
 """The lora_stream fork / join (kernels/side_stream.py) as the pipeline uses it.
 
-On the GPU the branch runs on a second stream (checked there by scripts/gpu_ranks_check.py,
+On the GPU the branch runs on a second stream (checked there by `moelora validate --suite ranks`,
 eager and graph replay). Here, on the CPU, the same pipeline code runs with a plan that has
 lora_stream on (as a GPU forward's plan has it): the branch runs inline and must give the
 reference's output, and a Branch must owe its join from the fork on."""
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moelora.activations import Activation
+from moelora.call import MoECall
 from moelora.compare import assert_close
 from moelora.config import MoEShape
 from moelora.kernels import moe_lora
@@ -43,7 +44,7 @@ def test_the_pipeline_with_the_branch_forked_matches_the_reference(z_sorted, see
     cfg = dataclasses.replace(TILES, lora_stream=True, z_sorted=z_sorted)
     plan = plan_forward(cfg, lora=True, sharded=False, pdl_supported=False, interpreted=False)
     assert plan.lora_stream and plan.down_lora is LoRAPath.DELTA and not plan.down_gemm_lora
-    got = moe_lora.forward(plan, x, ids, weights, slots, experts, lora, shape)
+    got = moe_lora.forward(plan, MoECall(x, ids, weights, slots, lora), experts, shape)
     ref = moe_lora_reference(x, ids, weights, slots, experts, lora, shape)
     assert_close(got, ref, what="lora_stream branch inline")
     # the branch really is the down LoRA: without it the rows with an adapter differ

@@ -1,6 +1,7 @@
 """`moelora validate --dtype`: the same cases in another dtype, judged by that dtype's
-tolerance; `--rank`; `--lora-sweep`: the LoRA sweep's banks added (the interpreter on CPU
-with the tiny preset here; a GPU runs the real shapes)."""
+tolerance; `--rank`; `--lora-sweep`: the LoRA sweep's banks added; `--suite ranks`: banks
+with garbage past each slot's rank (the interpreter on CPU with the tiny preset here; a
+GPU runs the real shapes)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from moelora import cli
 from moelora.cli import build_parser
-from moelora.commands.validate import LORA_SWEEP_TOKENS, lora_sweep_cases
+from moelora.commands.validate import LORA_SWEEP_TOKENS, lora_sweep_cases, ranks_cases
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", "1e-05"), ("fp16", "2e-03")])
@@ -65,3 +66,46 @@ def test_lora_sweep_runs_on_tiny_shapes(capsys) -> None:
     assert any("R=128 ranks=8,16,64,128,8,16,64,128" in r for r in rows)
     assert all(" pass " in r for r in rows if "R=256" not in r)
     assert any("R=256" in r for r in rows)
+
+
+def test_the_ranks_suite_runs_garbage_banks_against_the_clean_reference(capsys) -> None:
+    """--suite ranks on the CPU (tiny preset, T 1 and capped at 3, eager): each bank's padded
+    columns hold garbage, and every row passes against the reference on the clean bank."""
+    banks = {(c.rank, c.ranks) for c in ranks_cases()}
+    assert all(c.garbage for c in ranks_cases()) and len(banks) == 5
+    assert {c.graphs for c in ranks_cases()} == {False, True}
+    args = ["--device", "cpu", "--models", "tiny", "--tokens", "3", "--quick", "--suite", "ranks"]
+    code = cli.main(["validate", *args, "--dtype", "fp32"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("triton") and "garbage" in line]
+    capped = {(c.rank, c.ranks, min(c.tokens, 3)) for c in ranks_cases()}  # T 1 and 3 a bank
+    assert len(rows) == len(capped) and all(" pass " in r for r in rows), rows
+    assert code == 0
+
+
+def test_padding_garbage_fails_a_computation_that_reads_past_the_rank() -> None:
+    """The garbage is visible: the reference run on the garbage bank with the ranks
+    ignored (every slot at full R) differs from the clean bank's output by far more than
+    any tolerance, so a kernel that read past a rank would fail the suite."""
+    import dataclasses
+
+    import torch
+
+    from moelora.commands.validate import with_dtype
+    from moelora.compare import compare
+    from moelora.inputs import build_bank, build_experts, build_inputs, with_padding_garbage
+    from moelora.presets import resolve_model
+    from moelora.reference import moe_lora_reference
+
+    model = with_dtype(resolve_model("tiny"), "fp32")
+    experts = build_experts(model, "cpu", 0)
+    clean = build_bank(model, (4, 8), 8, "cpu")
+    dirty = with_padding_garbage(clean)
+    x, ids, w, slots = build_inputs(model, 6, 2, "cpu", 1)
+    ref = moe_lora_reference(x, ids, w, slots, experts, clean, model.shape)
+    same = moe_lora_reference(x, ids, w, slots, experts, dirty, model.shape)
+    assert compare(same, ref, torch.float32).ok  # honouring the ranks: the same adapters
+    full = dataclasses.replace(dirty, ranks=torch.full_like(dirty.ranks, 8))
+    assert not compare(
+        moe_lora_reference(x, ids, w, slots, experts, full, model.shape), ref, torch.float32
+    ).ok

@@ -7,18 +7,16 @@ listed once in registry.py. Backends never choose a backend: only moelora.oracle
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from ..call import MoECall
 from ..config import AddInputs, MoEShape
-from ..weights import ExpertWeights, LoRABank
+from ..weights import ExpertWeights
 from .capabilities import Capabilities, Gating, Reason
 from .checks import CHECKS, check, check_table
-
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from ..parallel import LoRAComm
 
 __all__ = [
     "CHECKS",
@@ -39,31 +37,17 @@ class Backend(Protocol):
     name: str
     capabilities: Capabilities
 
-    def forward(
-        self,
-        x: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        token_slots: Tensor | None,
-        experts: ExpertWeights,
-        lora: LoRABank | None,
-        shape: MoEShape,
-        *,
-        weights_on_input: bool = False,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-        lora_comm: LoRAComm | None = None,
-    ) -> Tensor:
-        """y [T, H] in x's dtype.
+    def forward(self, call: MoECall, experts: ExpertWeights, shape: MoEShape) -> Tensor:
+        """y [T, H] in x's dtype, for one checked per-call record (call.py: x, top-k ids
+        and weights, token slots, the bank, lora_comm, out), the local experts and their
+        shape.
 
-        x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32
-        (-1 = no adapter) or None. out [T, H] given: OVERWRITE writes y into it, ADD does
-        out += y; returns out. out None: returns y.
-        lora_comm: given exactly when the deployment is fully sharded and lora is given
-        (moelora.parallel): lora then holds this rank's shards (w13_a [L, E, S, R/tp, H],
-        w2_b [L, E, H/tp, R]) and the backend runs the collectives of LoRAComm, the same
-        calls in the same order on every rank. A backend whose record refuses fully sharded
-        LoRA raises InputError when given one.
+        call.out given: OVERWRITE writes y into it, ADD does out += y; returns out. out
+        None: returns y. call.lora_comm: given exactly when the deployment is fully sharded
+        and a bank is given (moelora.parallel): the bank then holds this process's shards and
+        the backend runs the collectives of LoRAComm, the same calls in the same order on
+        every process. A backend whose record refuses fully sharded LoRA raises InputError
+        when given one.
         """
         ...
 

@@ -19,6 +19,7 @@ import torch
 from ..activations import Activation
 from ..config import AddInputs
 from ..deployment import LoRASharding, ParallelMode
+from ..quant.formats import Quantization
 from ..routing import RoutingMethod
 
 
@@ -40,6 +41,10 @@ ALL_GATING = frozenset(Gating)
 ALL_ROUTING = frozenset(RoutingMethod)
 ALL_PARALLEL = frozenset(ParallelMode)
 ALL_ADD_INPUTS = frozenset(AddInputs)
+# Base experts stored in the serving dtype only (no quantized format).
+FULL_PRECISION_ONLY: Mapping[Quantization, tuple[int, int] | None] = MappingProxyType(
+    {Quantization.NONE: None}
+)
 EVERY_LORA_SHARDING: Mapping[LoRASharding, frozenset[AddInputs]] = MappingProxyType(
     dict.fromkeys(LoRASharding, ALL_ADD_INPUTS)
 )
@@ -72,7 +77,9 @@ class Validation:
     dtypes: frozenset[torch.dtype]
     date: str  # ISO date of the run, or "every commit" for the test suite
     result: str  # the command and its pass count, e.g. "moelora validate ...: 110/110 pass"
-    source: str  # where the log is kept (BENCHMARKS.md section, or the test files)
+    source: str  # where the log is kept (a docs/history/benchmarks.md entry, or the test files)
+    # the experts' storage formats the run covered (the safe default: full precision only)
+    quantizations: frozenset[Quantization] = frozenset({Quantization.NONE})
 
 
 @dataclass(frozen=True)
@@ -91,13 +98,16 @@ class Capabilities:
     gating: frozenset[Gating]
     routing_methods: frozenset[RoutingMethod]
     expert_bias: bool  # b13 / b2 (gpt-oss)
+    # Storage format of the base experts -> the minimum compute capability it needs on cuda
+    # (None: the record's own minimum); a format absent = unsupported.
+    quantizations: Mapping[Quantization, tuple[int, int] | None]
     # Parallel layout.
     parallel_modes: frozenset[ParallelMode]
     # LoRA on the experts.
     lora: bool
     runs_without_lora: bool  # False for a LoRA-only kernel
-    max_lora_rank: int | None  # R
-    max_loras: int | None  # L
+    max_rank: int | None  # R, the largest max_rank accepted
+    max_slots: int | None  # L, the largest num_slots accepted
     lora_add_inputs: Mapping[LoRASharding, frozenset[AddInputs]]  # sharding absent = unsupported
     # Shape rules.
     intermediate_align: int  # I_p % n == 0
@@ -114,9 +124,10 @@ class Capabilities:
         for key in ("intermediate_align", "hidden_align"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"Capabilities.{key} must be a positive int")
-        for key in ("max_lora_rank", "max_loras", "max_experts", "max_groups"):
+        for key in ("max_rank", "max_slots", "max_experts", "max_groups"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Capabilities.{key} must be None or a positive int")
         object.__setattr__(self, "lora_add_inputs", MappingProxyType(dict(self.lora_add_inputs)))
+        object.__setattr__(self, "quantizations", MappingProxyType(dict(self.quantizations)))
         object.__setattr__(self, "validated_on", tuple(self.validated_on))

@@ -83,6 +83,17 @@ def check_expert_bias(cap: Capabilities, dep: Deployment) -> list[Reason]:
     return []
 
 
+def check_quantization(cap: Capabilities, dep: Deployment) -> list[Reason]:
+    method = dep.quantization.method
+    if method not in cap.quantizations:
+        return [Reason("quantization", method.value, _one_of(cap.quantizations))]
+    low, have = cap.quantizations[method], dep.device.compute_capability
+    if dep.device.kind == "cuda" and low is not None and (have is None or have < low):
+        needed = f">= {_cc(low)} for {method.value} experts"
+        return [Reason("device.compute_capability", _cc(have), needed)]
+    return []
+
+
 def check_parallel(cap: Capabilities, dep: Deployment) -> list[Reason]:
     mode = dep.parallel_mode
     if mode in cap.parallel_modes:
@@ -115,11 +126,11 @@ def check_lora(cap: Capabilities, dep: Deployment) -> list[Reason]:
     if not cap.lora:
         return [Reason("lora.on_experts", True, "no LoRA on the experts (no LoRA support)")]
     reasons = []
-    rank, slots = dep.lora.max_rank, dep.lora.max_loras
-    if cap.max_lora_rank is not None and rank > cap.max_lora_rank:
-        reasons.append(Reason("lora.max_rank", rank, f"at most {cap.max_lora_rank}"))
-    if cap.max_loras is not None and slots > cap.max_loras:
-        reasons.append(Reason("lora.max_loras", slots, f"at most {cap.max_loras}"))
+    rank, slots = dep.lora.max_rank, dep.lora.num_slots
+    if cap.max_rank is not None and rank > cap.max_rank:
+        reasons.append(Reason("lora.max_rank", rank, f"at most {cap.max_rank}"))
+    if cap.max_slots is not None and slots > cap.max_slots:
+        reasons.append(Reason("lora.max_loras", slots, f"at most {cap.max_slots}"))
     reasons += _check_add_inputs(cap, dep)
     return reasons
 
@@ -153,6 +164,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("activation", check_activation),
     ("routing", check_routing),
     ("expert_bias", check_expert_bias),
+    ("quantization", check_quantization),
     ("parallel", check_parallel),
     ("shape", check_shape),
     ("lora", check_lora),
@@ -188,9 +200,10 @@ class ValidationStatus:
 
 
 def validation_status(cap: Capabilities, dep: Deployment) -> ValidationStatus:
-    """How far `cap.validated_on` covers `dep` (a report, never a reason: it refuses nothing)."""
-    device = dep.device
-    kind = [v for v in cap.validated_on if v.kind == device.kind]
+    """How far `cap.validated_on` covers `dep` (a report, never a reason: it refuses nothing).
+    Only runs that covered the deployment's experts format count."""
+    device, method = dep.device, dep.quantization.method
+    kind = [v for v in cap.validated_on if v.kind == device.kind and method in v.quantizations]
     if device.kind == "cuda":
         same = [v for v in kind if v.device.lower() in device.name.lower()]
         arch = [v for v in kind if v.compute_capability == device.compute_capability]

@@ -7,30 +7,34 @@ contribute zero. Legend: T tokens, K top-k, N = T*K pairs, H hidden, I_p interme
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from ..activations import apply_activation, split_gate_up
+from ..call import MoECall
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..errors import InputError
 from ..weights import ExpertWeights, LoRABank
 from .base import write_output
-from .capabilities import ALL_ACTIVATIONS, ALL_GATING, ALL_ROUTING, Capabilities, Validation
+from .capabilities import (
+    ALL_ACTIVATIONS,
+    ALL_GATING,
+    ALL_ROUTING,
+    FULL_PRECISION_ONLY,
+    Capabilities,
+    Validation,
+)
 
-# Where this record has run (BENCHMARKS.md, 2026-11-30, commit 7fff9c4): one GPU, bf16 only.
+# Where this record has run (docs/history/benchmarks.md, 2026-11-30, commit 7fff9c4): one GPU, bf16 only.
 VALIDATED_ON = (
     Validation("NVIDIA H200", "cuda", (9, 0), frozenset({torch.bfloat16}), "2026-11-30",
                "moelora validate --backends grouped_mm --quick at 7fff9c4: 45/45 pass (the "
                "five models, T 1..16384, 8 adapters rank 16, eager)",
-               "BENCHMARKS.md, 2026-11-30 (the commit 28cc3e4 section); "
-               "benchmarks/results/h200_7fff9c4_validate_grouped_mm_quick.log"),
+               "docs/history/benchmarks.md, 2026-11-30 (the commit 28cc3e4 section); "
+               "h200_7fff9c4_validate_grouped_mm_quick.log in benchmarks/results/h200_validate.txt"),
 )  # fmt: skip
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from ..parallel import LoRAComm
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
@@ -44,11 +48,12 @@ CAPABILITIES = Capabilities(
     gating=ALL_GATING,
     routing_methods=ALL_ROUTING,  # routing happens before; weights_on_input scales x rows
     expert_bias=True,  # gathered per pair and added in fp32
+    quantizations=FULL_PRECISION_ONLY,  # torch._grouped_mm multiplies serving-dtype experts
     parallel_modes=frozenset(ParallelMode),  # TP shards / EP local ids: plain shard inputs
     lora=True,
     runs_without_lora=True,
-    max_lora_rank=None,  # fp32 torch matmuls: no rank limit
-    max_loras=None,
+    max_rank=None,  # fp32 torch matmuls: no rank limit
+    max_slots=None,
     # Fully sharded LoRA needs the collectives between each shrink and expand; this
     # backend's per-(slot, expert) torch loop does not run them (forward raises if given a
     # LoRAComm), so it is refused.
@@ -116,39 +121,27 @@ class GroupedMMBackend:
     name = "grouped_mm"
     capabilities = CAPABILITIES
 
-    def forward(
-        self,
-        x: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        token_slots: Tensor | None,
-        experts: ExpertWeights,
-        lora: LoRABank | None,
-        shape: MoEShape,
-        *,
-        weights_on_input: bool = False,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-        lora_comm: LoRAComm | None = None,
-    ) -> Tensor:
-        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs. lora_comm must
-        be None: fully sharded LoRA is refused by this backend's record."""
-        if lora_comm is not None:
+    def forward(self, call: MoECall, experts: ExpertWeights, shape: MoEShape) -> Tensor:
+        """y [T, H] in x's dtype; see Backend.forward for out / add_inputs. call.lora_comm
+        must be None: fully sharded LoRA is refused by this backend's record."""
+        if call.lora_comm is not None:
             raise InputError(
                 "lora_comm",
                 "a LoRAComm",
                 "None: grouped_mm does not run fully sharded LoRA "
                 "(use --moe-backend triton or reference, or drop --fully-sharded-loras)",
             )
+        x, topk_ids, topk_weights = call.x, call.topk_ids, call.topk_weights
+        lora = call.lora if call.has_lora else None
         num_experts, top_k = experts.w13.shape[0], topk_ids.shape[1]
         order, expert, offs, local = _sort_pairs(topk_ids, num_experts)
         token = order // top_k
         g = topk_weights.reshape(-1)[order].float().unsqueeze(1)
         rows = x[token]
-        if weights_on_input:
+        if call.weights_on_input:
             rows = (rows.float() * g).to(x.dtype)
         h = torch._grouped_mm(rows, experts.w13.transpose(1, 2), offs=offs).float()
-        key = self._lora_key(token_slots, token, expert, local, num_experts, lora)
+        key = self._lora_key(call.token_slots, token, expert, local, num_experts, lora)
         if experts.b13 is not None:
             h += experts.b13[expert.clamp(max=num_experts - 1)].float()
         if lora is not None:
@@ -162,10 +155,10 @@ class GroupedMMBackend:
             o += experts.b2[expert.clamp(max=num_experts - 1)].float()
         if lora is not None:
             o += _lora_delta(z, lora.w2_a, lora.w2_b, key, ranks)
-        o = o if weights_on_input else o * g
+        o = o if call.weights_on_input else o * g
         o = torch.where(local.unsqueeze(1), o, 0.0)  # rows past offs[-1] are not computed
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        return write_output(y.index_add_(0, token, o).to(x.dtype), out, add_inputs)
+        return write_output(y.index_add_(0, token, o).to(x.dtype), call.out, call.add_inputs)
 
     @staticmethod
     def _lora_key(

@@ -1,17 +1,18 @@
-"""The `reference` backend: moelora.reference.moe_lora_reference behind the Backend interface.
+"""The `reference` backend: moelora.reference behind the Backend interface.
 
 Slow (a Python loop over experts, fp32) and exact: the ground truth, on any device.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 
-from ..config import AddInputs, MoEShape
-from ..reference import moe_lora_reference
-from ..weights import ExpertWeights, LoRABank
+from ..call import MoECall
+from ..config import MoEShape
+from ..quant.formats import Quantization
+from ..quant.fp8_experts import FP8ExpertWeights
+from ..reference import reference_forward
+from ..weights import ExpertWeights
 from .base import write_output
 from .capabilities import (
     ALL_ACTIVATIONS,
@@ -25,19 +26,18 @@ from .capabilities import (
     Validation,
 )
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above this module
-    from ..parallel import LoRAComm
-
 # The ground truth is checked against an independent float64 loop and transformers' MoE
 # blocks (CPU, every commit), and it is the comparison side of every GPU validate run.
 VALIDATED_ON = (
     Validation("cpu", "cpu", None, ALL_DTYPES, "every commit",
-               "the test suite: against a float64 loop and transformers' MoE blocks",
-               "tests/test_foundation_reference.py, tests/test_foundation_hf.py"),
+               "the test suite: against a float64 loop and transformers' MoE blocks (FP8: "
+               "against a float64 loop on the dequantized experts)",
+               "tests/test_foundation_reference.py, tests/test_foundation_hf.py, "
+               "tests/test_quant_reference.py", frozenset(Quantization)),
     Validation("NVIDIA H200", "cuda", (9, 0), ALL_DTYPES, "2026-11-30",
                "the comparison side of every moelora validate run there (bf16, fp16 and fp32 "
                "inputs), and its own fp32 layouts in scripts/parallel_gpu_check.py over NCCL",
-               "BENCHMARKS.md, 2026-11-30"),
+               "docs/history/benchmarks.md, 2026-11-30"),
 )  # fmt: skip
 
 CAPABILITIES = Capabilities(
@@ -51,11 +51,14 @@ CAPABILITIES = Capabilities(
     gating=ALL_GATING,
     routing_methods=ALL_ROUTING,
     expert_bias=True,
+    # FP8 experts are dequantized (FP8ExpertWeights.dequantize); W8A8 input quantization
+    # is modelled per token in the base GEMMs, the LoRA branch reads unquantized inputs.
+    quantizations=dict.fromkeys(Quantization),
     parallel_modes=ALL_PARALLEL,
     lora=True,
     runs_without_lora=True,
-    max_lora_rank=None,
-    max_loras=None,
+    max_rank=None,
+    max_slots=None,
     lora_add_inputs=EVERY_LORA_SHARDING,
     intermediate_align=1,
     hidden_align=1,
@@ -73,34 +76,13 @@ class ReferenceBackend:
     capabilities = CAPABILITIES
 
     def forward(
-        self,
-        x: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        token_slots: Tensor | None,
-        experts: ExpertWeights,
-        lora: LoRABank | None,
-        shape: MoEShape,
-        *,
-        weights_on_input: bool = False,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-        lora_comm: LoRAComm | None = None,
+        self, call: MoECall, experts: ExpertWeights | FP8ExpertWeights, shape: MoEShape
     ) -> Tensor:
-        """y [T, H] = moe_lora_reference(...); see Backend.forward for out / add_inputs.
-        lora_comm: fully sharded LoRA's collectives (given by moelora.parallel)."""
-        y = moe_lora_reference(
-            x,
-            topk_ids,
-            topk_weights,
-            token_slots,
-            experts,
-            lora,
-            shape,
-            weights_on_input=weights_on_input,
-            lora_comm=lora_comm,
-        )
-        return write_output(y, out, add_inputs)
+        """y [T, H] = the reference's; see Backend.forward for out / add_inputs. FP8
+        experts are dequantized to fp32 first (the one reference takes dequantized weights)."""
+        if isinstance(experts, FP8ExpertWeights):
+            experts = experts.dequantize()
+        return write_output(reference_forward(call, experts, shape), call.out, call.add_inputs)
 
 
 BACKEND = ReferenceBackend()

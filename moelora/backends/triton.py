@@ -10,19 +10,22 @@ reason about it) on hosts without the triton package.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
+from ..call import MoECall
+from ..comm import LoRAComm
 from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..device import gpu_limits, triton_interpreted
 from ..errors import InputError
+from ..quant.formats import Quantization
+from ..quant.fp8_experts import FP8ExpertWeights
 from ..tiling.config import TileConfig
 from ..tiling.fit import fit_to_device
 from ..tiling.pick import pick_config
 from ..tiling.plan import ForwardPlan, plan_forward
+from ..tiling.quantized import fit_to_fp8_blocks
 from ..weights import ExpertWeights, LoRABank
 from .capabilities import (
     ALL_ACTIVATIONS,
@@ -33,18 +36,18 @@ from .capabilities import (
     Validation,
 )
 
-# Where this record has run (BENCHMARKS.md): one GPU so far; `moelora plan` warns elsewhere.
-_H200, _SM90, _BENCH = "NVIDIA H200", (9, 0), "BENCHMARKS.md, 2026-11-30"
+# Where this record has run (docs/history/benchmarks.md): one GPU so far; `moelora plan` warns elsewhere.
+_H200, _SM90, _BENCH = "NVIDIA H200", (9, 0), "docs/history/benchmarks.md, 2026-11-30"
 VALIDATED_ON = (
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-11-30",
                "moelora validate --ref-tokens 1024 at 4acd27b: 110/110 pass (qwen3-30b-a3b, "
                "mixtral-8x7b, deepseek-v3, nemotron-h, gpt-oss-20b; T 1..16384, CUDA graphs, "
-               "ranks 8-128)", f"{_BENCH} (seventh session); benchmarks/results/h200_4acd27b_validate.log"),
+               "ranks 8-128)", f"{_BENCH} (seventh session); h200_4acd27b_validate.log in benchmarks/results/h200_validate.txt"),
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-12-01",
                "scripts/gpu_ranks_check.py at 310c49a: 50/50 pass (qwen3-30b-a3b; mixed ranks "
                "8-128, rank 256, 64 and 128 slots, garbage past each slot's rank; T 1..4096, "
                "eager and graphs); validate --lora-sweep at f01537b: 16/16",
-               "BENCHMARKS.md, 2026-12-01 (LoRA configurations)"),
+               "docs/history/benchmarks.md, 2026-12-01 (LoRA configurations)"),
     Validation(_H200, "cuda", _SM90, frozenset({torch.float16}), "2026-11-30",
                "moelora validate --quick --tokens 1,7,64,1024 --dtype fp16 at 4aa3e56: 20/20 "
                "pass (the five models)", f"{_BENCH} (sixth session)"),
@@ -53,12 +56,12 @@ VALIDATED_ON = (
                "T 1..4096); --rank 128 --tokens 4096 at c2185c0: 2/2 (qwen3-30b-a3b, "
                "gpt-oss-20b)", f"{_BENCH} (sixth session)"),
     Validation("cpu", "cpu", None, frozenset({torch.float16, torch.float32}), "every commit",
-               "the test suite under TRITON_INTERPRET=1 against the reference",
-               "tests/test_kernels.py, tests/test_parallel.py"),
+               "the test suite under TRITON_INTERPRET=1 against the reference (FP8 block "
+               "experts: against the reference on their dequantization)",
+               "tests/test_kernels.py, tests/test_parallel.py, tests/test_quant_triton.py",
+               frozenset({Quantization.NONE, Quantization.FP8_BLOCK})),
 )  # fmt: skip
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above the backends
-    from ..parallel import LoRAComm
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda", "cpu"}),
@@ -73,6 +76,11 @@ CAPABILITIES = Capabilities(
     # Routing happens before the backend; weights_on_input (Llama-4) is fused in the up GEMM.
     routing_methods=ALL_ROUTING,
     expert_bias=True,
+    # Block-scaled e4m3 experts (weight-only): the GEMMs and the decode GEMVs load e4m3
+    # tiles, convert them exactly and scale each K step's sum by its block scales (e4m3
+    # conversions need sm89+); the LoRA seams are the bf16 ones. Per-channel W8A8
+    # (run-time activation quantization) is not implemented here: the reference has it.
+    quantizations={Quantization.NONE: None, Quantization.FP8_BLOCK: (8, 9)},
     # The kernels run whatever shard they are given: TP = I_p-sized w13/w2 shards and a
     # partial y (the caller all-reduces); EP = local experts, ids outside [0, E_l) dropped.
     parallel_modes=frozenset(ParallelMode),
@@ -81,12 +89,12 @@ CAPABILITIES = Capabilities(
     # Each slot's real rank is data (LoRABank.ranks): the shrink splits the rank into chunks
     # over its grid, the in-GEMM expand packs the slots' rank lanes into its dots, and the
     # decode kernels hold one slot's rank lanes in registers (at most 256 of them).
-    max_lora_rank=256,
-    max_loras=None,  # slots only enter the sort key and a per-block loop: no limit
+    max_rank=256,
+    max_slots=None,  # slots only enter the sort key and a per-block loop: no limit
     # Fully sharded LoRA: the pipeline runs shrink and expand as separate launches with the
     # fp32 rank intermediates in memory between them, so the caller's LoRAComm all-gathers
     # the gate/up one and all-reduces the down one there (once each per forward), and the
-    # down expand writes only this rank's H/tp columns. Checked against the single-process
+    # down expand writes only this process's H/tp columns. Checked against the single-process
     # reference over gloo, interpreted (tests/test_parallel.py); the collectives are the
     # caller's (NCCL on GPUs), outside the kernels. add_inputs acts on the final y.
     lora_add_inputs={
@@ -105,50 +113,29 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _check_inputs(
-    x: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    token_slots: Tensor | None,
-    experts: ExpertWeights,
-    lora: LoRABank | None,
-    shape: MoEShape,
-    out: Tensor | None,
-) -> None:
-    tokens = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != experts.w13.shape[2]:
-        raise InputError("x", f"shape {list(x.shape)}", f"[T, H = {experts.w13.shape[2]}]")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != tokens:
+Experts = ExpertWeights | FP8ExpertWeights
+
+
+def _check_inputs(call: MoECall, experts: Experts) -> None:
+    """What the kernels need beyond the record's own checks: x's and out's H that of the
+    weights (the bench, validate and the tune call backends without a layer), FP8 experts
+    in the format the kernels run, and on the CPU the Triton interpreter. Metadata only."""
+    hidden = experts.w13.shape[2]
+    for name, t in (("x", call.x), ("out", call.out)):
+        if t is not None and t.shape[1] != hidden:
+            raise InputError(name, f"shape {list(t.shape)}", f"[T, H = {hidden}]")
+    if (
+        isinstance(experts, FP8ExpertWeights)
+        and experts.quant.method not in CAPABILITIES.quantizations
+    ):
         raise InputError(
-            "topk_ids / topk_weights",
-            f"shapes {list(topk_ids.shape)} / {list(topk_weights.shape)}",
-            f"both [T = {tokens}, K]",
+            "experts", f"{experts.quant.method.value} FP8 experts", "block-scaled FP8 (fp8_block)"
         )
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise InputError("topk_ids", f"dtype {topk_ids.dtype}", "int32 (or int64)")
-    if token_slots is not None and token_slots.shape != (tokens,):
-        raise InputError("token_slots", f"shape {list(token_slots.shape)}", f"[T = {tokens}]")
-    if experts.w13.shape[1] != shape.w13_rows:
+    x = call.x
+    if x.device.type == "cpu" and not triton_interpreted():
         raise InputError(
-            "w13",
-            f"shape {list(experts.w13.shape)}",
-            f"[E, S*I = {shape.w13_rows}, H] for {shape.activation.value}",
+            "x", "on cpu", "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu"
         )
-    if lora is not None and lora.w13_a.shape[2] != shape.activation.width_factor:
-        raise InputError(
-            "lora.w13_a",
-            f"shape {list(lora.w13_a.shape)}",
-            f"[L, E, S = {shape.activation.width_factor}, R, H]",
-        )
-    if out is not None and out.shape != x.shape:
-        raise InputError("out", f"shape {list(out.shape)}", f"{list(x.shape)} (like x)")
-    if x.device.type == "cpu":
-        if not triton_interpreted():
-            raise InputError(
-                "x",
-                "on cpu",
-                "a cuda tensor, or TRITON_INTERPRET=1 for the Triton interpreter on cpu",
-            )
 
 
 def _check_sharded_bank(lora: LoRABank | None, shape: MoEShape, comm: LoRAComm) -> None:
@@ -168,44 +155,18 @@ class TritonBackend:
     name = "triton"
     capabilities = CAPABILITIES
 
-    def forward(
-        self,
-        x: Tensor,
-        topk_ids: Tensor,
-        topk_weights: Tensor,
-        token_slots: Tensor | None,
-        experts: ExpertWeights,
-        lora: LoRABank | None,
-        shape: MoEShape,
-        *,
-        weights_on_input: bool = False,
-        out: Tensor | None = None,
-        add_inputs: AddInputs = AddInputs.OVERWRITE,
-        lora_comm: LoRAComm | None = None,
-    ) -> Tensor:
+    def forward(self, call: MoECall, experts: Experts, shape: MoEShape) -> Tensor:
         """y [T, H] in x's dtype; see Backend.forward for out / add_inputs / lora_comm."""
-        _check_inputs(x, topk_ids, topk_weights, token_slots, experts, lora, shape, out)
-        if lora_comm is not None:
-            _check_sharded_bank(lora, shape, lora_comm)
-        return fused_moe_lora(
-            x,
-            topk_ids,
-            topk_weights,
-            token_slots,
-            experts,
-            lora,
-            shape,
-            weights_on_input=weights_on_input,
-            out=out,
-            add=out is not None and add_inputs is AddInputs.ADD,
-            lora_comm=lora_comm if lora is not None else None,
-        )
+        _check_inputs(call, experts)
+        if call.lora_comm is not None and call.lora is not None:
+            _check_sharded_bank(call.lora, shape, call.lora_comm)
+        return fused_moe_lora(call, experts, shape)
 
 
 def forward_plan(
     x: Tensor,
     topk_ids: Tensor,
-    experts: ExpertWeights,
+    experts: Experts,
     lora: LoRABank | None,
     shape: MoEShape,
     *,
@@ -240,6 +201,8 @@ def forward_plan(
         cfg = fit_to_device(
             picked, shape.activation.width_factor, x.dtype, limits, rank=rank, num_slots=slots
         )
+    if isinstance(experts, FP8ExpertWeights):  # a correctness fit: explicit configs too
+        cfg = fit_to_fp8_blocks(cfg, experts.quant.block)
     return plan_forward(
         cfg,
         lora=use_lora,
@@ -250,43 +213,17 @@ def forward_plan(
 
 
 def fused_moe_lora(
-    x: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    token_slots: Tensor | None,
-    experts: ExpertWeights,
-    lora: LoRABank | None,
-    shape: MoEShape,
-    *,
-    weights_on_input: bool = False,
-    out: Tensor | None = None,
-    add: bool = False,
-    config: TileConfig | None = None,
-    lora_comm: LoRAComm | None = None,
+    call: MoECall, experts: Experts, shape: MoEShape, *, config: TileConfig | None = None
 ) -> Tensor:
-    """y [T, H] in x's dtype (into `out` if given; add=True adds to it): the plan of this
+    """y [T, H] in x's dtype (into call.out if given, by call.add_inputs): the plan of this
     call (forward_plan), run by the kernels (kernels/moe_lora.py; shapes and layouts
     there). LoRA runs with a bank and token slots; config: launched as given."""
     from ..kernels import moe_lora
 
-    bank = lora if token_slots is not None else None
-    plan = forward_plan(
-        x, topk_ids, experts, bank, shape, config=config, sharded=lora_comm is not None
-    )
-    return moe_lora.forward(
-        plan,
-        x,
-        topk_ids,
-        topk_weights,
-        token_slots,
-        experts,
-        lora,
-        shape,
-        weights_on_input=weights_on_input,
-        out=out,
-        add=add,
-        lora_comm=lora_comm,
-    )
+    bank = call.lora if call.has_lora else None
+    sharded = call.lora is not None and call.lora_comm is not None
+    plan = forward_plan(call.x, call.topk_ids, experts, bank, shape, config=config, sharded=sharded)
+    return moe_lora.forward(plan, call, experts, shape)
 
 
 BACKEND = TritonBackend()

@@ -15,7 +15,8 @@ class BenchCase:
     """One model layer at one token count, LoRA with `adapters` slots (token t uses slot
     t % adapters, as the vLLM peer does) in a bank of max rank `bank_rank` (default `rank`);
     every slot holds an adapter of real rank `rank`, or slot a one of ranks[a] (a mixed
-    bank; each zero-padded up to the bank's rank)."""
+    bank; each zero-padded up to the bank's rank). quantization: the experts' storage
+    (`moelora --quantization`: none, fp8 ...; None: the model's own)."""
 
     model: str
     tokens: int
@@ -23,6 +24,7 @@ class BenchCase:
     rank: int = 16
     bank_rank: int | None = None
     ranks: tuple[int, ...] | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.ranks is not None and len(self.ranks) != self.adapters:
@@ -54,6 +56,8 @@ class BenchCase:
     @property
     def id(self) -> str:
         base = f"{self.model}/T={self.tokens}/L={self.adapters}/R={self.max_rank}"
+        if self.quantization is not None:
+            base += f"/{self.quantization}"
         ranks = self.slot_ranks
         if all(r == self.max_rank for r in ranks):
             return base
@@ -105,4 +109,13 @@ CASES: dict[str, list[BenchCase]] = {
     # Issue 19: many adapters, high rank, padded and mixed banks, beside the peer at each
     # (adapters, rank) (scripts/gpu_lora_sweep.sh; its table: benchmarks/lora_sweep_report.py)
     "lora-sweep": _lora_sweep(),
+    # Issue 26: block-scaled FP8 experts beside bf16 on the same layer (the floor counts one
+    # byte per FP8 weight plus its scales); bf16 first, so that each layer's experts are
+    # built once per format (the runner keeps one set)
+    "fp8-qwen3": [BenchCase(QWEN3, t, quantization=q) for q in ("none", "fp8") for t in TOKENS],
+    "fp8-deepseek-v3": [
+        BenchCase("deepseek-v3", t, quantization=q)
+        for q in ("none", "fp8")
+        for t in LARGE_MODEL_TOKENS
+    ],
 }

@@ -64,16 +64,20 @@ def layer_work(
     rank: int | Sequence[int],
     elem: int = 2,
     lora: bool = True,
+    weight_bytes: float | None = None,
 ) -> Work:
     """Fewest bytes and FLOPs of one layer: each hit expert's weights (and each hit
     (slot, expert) adapter, at its slot's real rank) read once, x read once, y written once.
 
     topk_ids [T, K]; token_slots [T] (-1 = no adapter) or None; rank: every slot's real
-    rank, or one per slot [L] (a mixed bank; padding up to the bank's R is not work)."""
+    rank, or one per slot [L] (a mixed bank; padding up to the bank's R is not work).
+    weight_bytes: bytes per expert weight element (FP8: 1 plus its share of the scales);
+    None: elem."""
     tokens, top_k = topk_ids.shape
     e_hit = torch.unique(topk_ids).numel()
     per_expert = (parts + 1) * hidden * inter
-    nbytes = elem * (per_expert * e_hit + 2 * tokens * hidden)
+    per_weight = elem if weight_bytes is None else weight_bytes
+    nbytes = per_weight * per_expert * e_hit + elem * 2 * tokens * hidden
     flops = 2.0 * tokens * top_k * per_expert
     if lora and token_slots is not None:
         active = (token_slots >= 0).repeat_interleave(top_k)

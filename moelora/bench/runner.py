@@ -4,6 +4,7 @@ median over many replays); JSON stamped with device, versions and commit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -13,15 +14,19 @@ import time
 
 import torch
 
+from ..call import MoECall
 from ..compare import compare
 from ..device import probe
 from ..inputs import build_bank, build_experts, build_inputs
 from ..presets import resolve_model
-from ..reference import moe_lora_reference
+from ..quant.formats import resolve_quantization
+from ..quant.fp8_experts import quantize_experts
+from ..reference import reference_forward
 from .cases import BenchCase
 from .floors import Ceilings, layer_work
 
 FLUSH_BYTES = 256 << 20  # 5x the H200's 50 MB L2
+FP8 = torch.float8_e4m3fn  # the tolerance row of FP8 experts (moelora/compare.py)
 INPUT_SETS = 4  # fresh inputs rotate among these, copied in outside the timed region
 
 
@@ -85,11 +90,15 @@ def time_graph(fwd, static, sets, iters: int) -> float:
 
 def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache: dict) -> dict:
     model = resolve_model(case.model)
+    model = dataclasses.replace(
+        model, quantization=resolve_quantization(case.quantization, model.quantization)
+    )
     shape = model.shape
-    if case.model not in experts_cache:
+    key = (case.model, model.quantization)
+    if key not in experts_cache:
         experts_cache.clear()
-        experts_cache[case.model] = build_experts(model, "cuda")
-    experts = experts_cache[case.model]
+        experts_cache[key] = _experts(model)
+    experts, ref_experts, weight_bytes = experts_cache[key]
     lora = build_bank(model, case.slot_ranks, case.max_rank, "cuda")
     woi = model.routing.method.weights_on_input
     sets = [
@@ -109,22 +118,13 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
     for label, bank in (("base", None), ("lora", lora)):
 
         def fwd(x, ids, w, slots, bank=bank):
-            return backend.forward(x, ids, w, slots, experts, bank, shape, weights_on_input=woi)
+            return backend.forward(MoECall(x, ids, w, slots, bank, woi), experts, shape)
 
         static = tuple(t.clone() for t in sets[0])
         out = fwd(*static)
         n = min(case.tokens, 1024)
-        ref = moe_lora_reference(
-            static[0][:n],
-            static[1][:n],
-            static[2][:n],
-            static[3][:n],
-            experts,
-            bank,
-            shape,
-            weights_on_input=woi,
-        )
-        cmp = compare(out[:n], ref, shape.dtype)
+        ref = reference_forward(MoECall(*static, bank, woi).head(n), ref_experts, shape)
+        cmp = compare(out[:n], ref, FP8 if model.quantization.method.is_fp8 else shape.dtype)
         ms = time_graph(fwd, static, sets, iters)
         work = layer_work(
             static[1],
@@ -134,6 +134,7 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
             shape.activation.width_factor,
             case.slot_ranks,
             lora=bank is not None,
+            weight_bytes=weight_bytes,
         )
         floor_ms = work.floor_s(ceil) * 1e3
         row[label] = dict(
@@ -148,6 +149,19 @@ def run_case(backend, case: BenchCase, ceil: Ceilings, iters: int, experts_cache
         if not cmp.ok:
             print(f"  {case.id} {label}: CHECK FAILED {cmp}", file=sys.stderr)
     return row
+
+
+def _experts(model) -> tuple:
+    """(what the backend runs, what the reference multiplies, bytes per weight element for
+    the floor): the serving dtype, or FP8 experts, their fp32 dequantization and one byte
+    plus the scales' share."""
+    experts = build_experts(model, "cuda")
+    if not model.quantization.method.is_fp8:
+        return experts, experts, None
+    fp8 = quantize_experts(experts, model.quantization)
+    del experts
+    weights = fp8.w13.numel() + fp8.w2.numel()
+    return fp8, fp8.dequantize(), fp8.nbytes / weights
 
 
 def dump(path: str, payload: dict) -> None:

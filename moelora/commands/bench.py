@@ -81,7 +81,12 @@ def select_backend(name: str, case):
         add_inputs=AddInputs.OVERWRITE,  # forward without `out` writes y
     )
     deployment = Deployment.for_model(
-        resolve_model(case.model), device=probe(), lora=lora, cuda_graphs=True, backend=name
+        resolve_model(case.model),
+        device=probe(),
+        lora=lora,
+        cuda_graphs=True,
+        backend=name,
+        quantization=case.quantization,
     )
     oracle_log = logging.getLogger("moelora.oracle")
     level = oracle_log.level

@@ -81,6 +81,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default=AUTO, help="auto (the model's), bfloat16, float16, float32")
     p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="as in vLLM: the experts' storage; default the config's quantization_config. "
+        "fp8 (the config's FP8 format and weight_block_size; 128x128 blocks when it names "
+        "none), fp8_block, fp8_channel (per-token dynamic activations), or none",
+    )
+    p.add_argument(
         "--moe-backend",
         default=AUTO,
         help=f"auto (the fastest that accepts) or one of {', '.join(default_registry())}",
@@ -139,6 +147,7 @@ def build_deployment(args: argparse.Namespace) -> Deployment:
     return Deployment.for_model(
         resolve_model(args.model),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=device,
         parallel=_parallel(args),
         lora=_lora(args),

@@ -103,6 +103,7 @@ def _describe(dep: dict[str, Any]) -> str:
         "activation",
         "routing",
         "dtype",
+        "quantization",
         "tp",
         "ep",
         "lora_on_experts",

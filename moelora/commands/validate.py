@@ -4,8 +4,9 @@ Prints pass/fail per case.
 
 Cases per model: T sweep (8 adapters, rank 16, eager), CUDA-graph replay with fresh inputs
 copied into the captured buffers, ranks 8/16/64/128, 1 adapter, and the LoRA-free path;
---lora-sweep adds the banks of `moelora bench --suite lora-sweep` (mixed real ranks, padded
-ranks, 64 and 128 slots, rank 256). Adapters alternate rank R and R/2 (zero-padded) unless a
+--lora-sweep (or --suite lora-sweep) adds the banks of `moelora bench --suite lora-sweep`
+(mixed real ranks, padded ranks, 64 and 128 slots, rank 256); --suite ranks adds banks with
+garbage past each slot's real rank, eager and graphs. Adapters alternate rank R and R/2 (zero-padded) unless a
 case names each slot's rank, and every (L+1)-th token has slot -1.
 """
 
@@ -21,14 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..call import MoECall
 from ..compare import compare
 from ..config import AddInputs, DeviceFacts, LoRAConfig, ModelConfig
 from ..deployment import Deployment
 from ..device import probe
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
-from ..inputs import build_bank, build_experts, build_inputs, build_lora
+from ..inputs import build_bank, build_experts, build_inputs, build_lora, with_padding_garbage
 from ..oracle import default_registry, select
 from ..presets import PRESETS, resolve_model
+from ..quant.formats import resolve_quantization
+from ..quant.fp8_experts import FP8ExpertWeights, quantize_experts
 from ..reference import moe_lora_reference
 from ..weights import ExpertWeights, LoRABank
 from .cpu_cost import Cost, validate_cost
@@ -42,6 +46,7 @@ TOKENS = (1, 2, 7, 16, 64, 255, 1024, 4096, 16384)
 CPU_MODELS = ("tiny", "tiny-relu2")
 CPU_TOKENS = (1, 7, 16)
 REFERENCE = "reference"
+FP8 = torch.float8_e4m3fn  # the tolerance row of FP8 experts (moelora/compare.py)
 
 
 @dataclass(frozen=True)
@@ -52,12 +57,14 @@ class Case:
     graphs: bool
     # each slot's real rank (zero-padded to R); None: alternating R and R/2 (build_lora)
     ranks: tuple[int, ...] | None = None
+    garbage: bool = False  # the backend's bank holds garbage past each rank (inputs.py)
 
     def label(self) -> str:
         lora = f"L={self.adapters} R={self.rank}" if self.adapters else "no LoRA"
         if self.ranks is not None:
             lora += f" ranks={_ranks_text(self.ranks)}"
-        return f"T={self.tokens} {lora} {'graph' if self.graphs else 'eager'}"
+        padding = " garbage" if self.garbage else ""
+        return f"T={self.tokens} {lora}{padding} {'graph' if self.graphs else 'eager'}"
 
 
 def _ranks_text(ranks: tuple[int, ...]) -> str:
@@ -92,6 +99,33 @@ def lora_sweep_cases() -> list[Case]:
     ]
 
 
+RANKS_TOKENS = (1, 7, 64, 1024, 4096)
+
+
+def ranks_cases() -> list[Case]:
+    """--suite ranks: banks whose columns past each slot's real rank hold garbage, eager
+    and graph replay, against the reference on the clean bank: mixed ranks 8-128 in R =
+    128, rank 8 in R = 128, rank 256 / 32, 64 slots of rank 16, and 128 slots of ranks 8 /
+    16 with every other slot empty (rank 0)."""
+    banks = [
+        (128, (8, 16, 64, 128) * 2),
+        (128, (8,) * 8),
+        (256, (256, 32) * 4),
+        (16, (16,) * 64),
+        (16, tuple(0 if s % 2 else 8 if s % 4 else 16 for s in range(128))),
+    ]
+    return [
+        Case(t, len(ranks), rank, graphs, ranks, garbage=True)
+        for rank, ranks in banks
+        for t in RANKS_TOKENS
+        for graphs in (False, True)
+    ]
+
+
+# Case sets a GPU check adds to the run (--suite, repeatable)
+SUITES = {"lora-sweep": lora_sweep_cases, "ranks": ranks_cases}
+
+
 def default_cases(tokens: tuple[int, ...] = TOKENS, rank: int = 16) -> list[Case]:
     cases = sweep_cases(tokens, rank)
     cases += [Case(t, 8, 16, True) for t in (1, 255, 4096) if t in tokens or len(tokens) > 3]
@@ -122,6 +156,24 @@ def with_dtype(model: ModelConfig, dtype: str | None) -> ModelConfig:
     return dataclasses.replace(model, shape=dataclasses.replace(model.shape, dtype=DTYPES[dtype]))
 
 
+def with_quantization(model: ModelConfig, flag: str | None) -> ModelConfig:
+    """model with its experts stored as `--quantization` says (None: the model's own)."""
+    return dataclasses.replace(model, quantization=resolve_quantization(flag, model.quantization))
+
+
+def build_validated_experts(
+    model: ModelConfig, device: str, seed: int
+) -> tuple[ExpertWeights | FP8ExpertWeights, ExpertWeights]:
+    """(what the backend runs, what the reference multiplies): random experts in the
+    serving dtype twice, or, FP8, their quantization and its fp32 dequantization."""
+    experts = build_experts(model, device, seed)
+    if not model.quantization.method.is_fp8:
+        return experts, experts
+    fp8 = quantize_experts(experts, model.quantization)
+    del experts  # DeepSeek-V3: the bf16 layer (22 GB) goes before the fp32 one is made
+    return fp8, fp8.dequantize()
+
+
 def select_backend(name: str, model: ModelConfig, case: Case, device: DeviceFacts):
     """The backend `name` through the oracle, for exactly what this case runs: a backend the
     oracle would refuse for this deployment is never run (the refusal is the case's error)."""
@@ -146,24 +198,28 @@ def select_backend(name: str, model: ModelConfig, case: Case, device: DeviceFact
 def run_case(
     backend,
     model: ModelConfig,
-    experts: ExpertWeights,
+    experts: ExpertWeights | FP8ExpertWeights,
     case: Case,
     device: str,
     ref_tokens: int,
     seed: int,
+    ref_experts: ExpertWeights | None = None,
 ) -> tuple[object, float]:
-    """-> (Comparison on the first ref_tokens rows, seconds)."""
+    """-> (Comparison on the first ref_tokens rows, seconds). ref_experts: what the
+    reference multiplies (FP8 experts: their dequantization, fp32); None: `experts`."""
+    ref_experts = experts if ref_experts is None else ref_experts
     start = time.perf_counter()
-    lora = (
+    clean = (
         build_lora(model, case.adapters, case.rank, device)
         if case.ranks is None
         else build_bank(model, case.ranks, case.rank, device)
     )
+    lora = with_padding_garbage(clean) if case.garbage else clean
     woi = model.routing.method.weights_on_input
     x, ids, w, slots = build_inputs(model, case.tokens, case.adapters, device, seed)
 
     def fwd(x, ids, w, slots):
-        return backend.forward(x, ids, w, slots, experts, lora, model.shape, weights_on_input=woi)
+        return backend.forward(MoECall(x, ids, w, slots, lora, woi), experts, model.shape)
 
     if case.graphs:
         out = _graph_run(
@@ -176,9 +232,9 @@ def run_case(
     n = min(case.tokens, ref_tokens)
     s = None if slots is None else slots[:n]
     ref = moe_lora_reference(
-        x[:n], ids[:n], w[:n], s, experts, lora, model.shape, weights_on_input=woi
+        x[:n], ids[:n], w[:n], s, ref_experts, clean, model.shape, weights_on_input=woi
     )
-    result = compare(out[:n], ref, model.shape.dtype)
+    result = compare(out[:n], ref, FP8 if model.quantization.method.is_fp8 else model.shape.dtype)
     return result, time.perf_counter() - start
 
 
@@ -245,6 +301,15 @@ def add_parser(subparsers) -> None:
         "a CPU: rank 256 and 128 slots)",
     )
     p.add_argument(
+        "--suite",
+        action="append",
+        choices=sorted(SUITES),
+        default=[],
+        help="add a suite's cases (repeatable): lora-sweep (as --lora-sweep); ranks (banks "
+        f"with garbage past each slot's real rank, R up to 256 and 128 slots, at T "
+        f"{','.join(map(str, RANKS_TOKENS))}, eager and graphs)",
+    )
+    p.add_argument(
         "--rank",
         type=int,
         default=16,
@@ -260,6 +325,15 @@ def add_parser(subparsers) -> None:
         "a warning with the estimate before anything larger)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of weights and inputs")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="as in vLLM: the experts' storage (default: each model's quantization_config): "
+        "fp8 (block-scaled e4m3, the config's block or 128x128), fp8_block, fp8_channel, none; "
+        "FP8 experts are the random weights quantized, compared with the reference on their "
+        "dequantization (fp32) with the FP8 row of the tolerance table",
+    )
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -319,12 +393,15 @@ def run(args: argparse.Namespace) -> int:
     backends = _backends(args.backends)
     models = (args.models or ",".join(MODELS if args.device == "cuda" else CPU_MODELS)).split(",")
     cases = sweep_cases(tokens, args.rank) if args.quick else default_cases(tokens, args.rank)
-    if args.lora_sweep:
-        cases += lora_sweep_cases()
+    for suite in dict.fromkeys(args.suite + ["lora-sweep"] * args.lora_sweep):
+        cases += SUITES[suite]()
     if args.device != "cuda":  # no graphs, and no case larger than the largest T asked for
         capped = (dataclasses.replace(c, tokens=min(c.tokens, max(tokens))) for c in cases)
         cases = list(dict.fromkeys(c for c in capped if not c.graphs))
-    loaded = [(name, with_dtype(resolve_model(name), args.dtype)) for name in models]
+    loaded = [
+        (name, with_quantization(with_dtype(resolve_model(name), args.dtype), args.quantization))
+        for name in models
+    ]
     device = probe() if args.device == "cuda" else probe("cpu")
     if args.device == "cpu":
         _warn_cpu_cost(loaded, cases, args, len(backends), device.interpreted)
@@ -336,23 +413,29 @@ def run(args: argparse.Namespace) -> int:
     )
     for name in backends:
         for model_name, model in loaded:
-            experts = build_experts(model, args.device, args.seed)
+            experts, ref_experts = build_validated_experts(model, args.device, args.seed)
             for case in cases:
                 total += 1
-                failures += not _run_one(name, model_name, model, experts, case, device, args)
-            del experts
+                failures += not _run_one(
+                    name, model_name, model, (experts, ref_experts), case, device, args
+                )
+            del experts, ref_experts
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     print(f"validate: {total - failures}/{total} passed" + ("" if not failures else " — FAILURES"))
     return EXIT_FAILED if failures else EXIT_OK
 
 
-def _run_one(name, model_name, model, experts, case, device, args) -> bool:
-    """One table row; True when the case passed."""
+def _run_one(name, model_name, model, weights, case, device, args) -> bool:
+    """One table row (weights: the backend's experts and the reference's); True when the
+    case passed."""
     ok = False
+    experts, ref_experts = weights
     try:
         backend = select_backend(name, model, case, device)
-        res, secs = run_case(backend, model, experts, case, args.device, args.ref_tokens, args.seed)
+        res, secs = run_case(
+            backend, model, experts, case, args.device, args.ref_tokens, args.seed, ref_experts
+        )
         line = (
             f"{res.rel_err:9.2e} {res.tol:7.0e} {res.max_abs:9.2e}  "
             f"{'pass' if res.ok else 'FAIL':<6} {secs:5.1f}"

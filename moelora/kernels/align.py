@@ -10,9 +10,11 @@ counts into each expert's padded start (cumsum over experts) and each bucket's s
 inside it (and, for the LoRA shrink tiles, each bucket's first tile index), writes the
 padding sentinels, block experts and the used length. SCATTER: sorted[key_start[key] +
 rank] = pair, and a pair whose rank is a multiple of the tile rows writes the shrink tile
-that starts at it (so tile writing is spread over the pairs, not looped per bucket). Up to SINGLE_PROGRAM_PAIRS pairs the three phases
-run in one program (one launch, barriers between phases); above, as three launches
-(COUNT and SCATTER over many programs) after a memset of counts.
+that starts at it (so tile writing is spread over the pairs, not looped per bucket). The
+three phases run in one program (one launch, barriers between phases) or as three
+launches (COUNT and SCATTER over many programs) after a memset of counts; for a few pairs
+over many experts, one pair per block replaces the sort. Which, and with how many pairs
+per step and warps, is the caller's AlignLaunch (tiling/align_launch.py).
 
 Legend: T tokens, K top-k, E experts, L slots, P = T*K pairs.
 """
@@ -25,30 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tiling.align_launch import AlignLaunch, AlignMode
 from .pdl import chain_point
-
-# Largest P aligned by one program (one launch, no memset). Measured on the H200
-# (benchmarks/ab_align.py at 4661a39): P = 8192 in one program took 38-56 us against 14-17
-# in three launches, and P = 2048 in one took 20.5 us against 23.6 as three.
-SINGLE_PROGRAM_PAIRS = 2048
-# Pairs per step and warps: of the one program in single mode; of each COUNT / SCATTER
-# program in three-launch mode, where more, smaller programs spread the atomics over more
-# SMs. H200 at 4661a39, three-launch mode with slots (8 adapters), graph replay: (1024, 4
-# warps) -> (256, 8 warps) took 29.8 -> 16.6 us at T = 1024, 29.8 -> 19.2 at 4096, 36.8 ->
-# 28.7 at 16384 (LoRA-free 18.4 -> 13.6 at 1024); single mode at T = 256 with slots 28.3 ->
-# 20.5 us with (1024, 8 warps), where (256, 8) took 23.6.
-# f393d39 (same tool): single mode at T = 256 (P = 2048) with slots 20.8 -> 17.9 us with
-# (2048, 16 warps), LoRA-free 12.4 -> 10.3; at T = 64 (P = 512) 16 warps took 0.2-0.7 us
-# more, so P <= 1024 keeps (1024, 8 warps). The OFFSETS program at 16 warps: 6.4 -> 5.4
-# us with slots (4 warps: 10.5).
-SINGLE_BLOCK_P = 1024
-SINGLE_WARPS = 8
-WIDE_SINGLE_PAIRS = 1024  # single mode above this P: (WIDE_BLOCK_P, WIDE_WARPS)
-WIDE_BLOCK_P = 2048
-WIDE_WARPS = 16
-BLOCK_P = 256
-ALIGN_WARPS = 8
-OFFSETS_WARPS = 16  # the OFFSETS program of three-launch mode (one program: the cumsums)
 
 
 @dataclass(frozen=True)
@@ -270,11 +250,14 @@ def align_pairs(
     block_m: int,
     lora_tile_m: int = 0,
     pdl: bool = False,
+    *,
+    launch: AlignLaunch,
 ) -> AlignedPairs:
     """topk_ids [T, K] (ids outside [0, E) are dropped: expert parallel); token_slots [T]
     int32 (-1 or out of [0, L) = no adapter) or None; lora_tile_m > 0 (with slots): also
     the LoRA shrink tiles of at most that many rows; pdl: the OFFSETS and SCATTER launches
-    of three-launch mode use PDL (kernels/pdl.py). Returns the block layout of the pairs."""
+    of three-launch mode use PDL (kernels/pdl.py); launch: the mode, pairs per step and
+    warps (tiling/align_launch.py). Returns the block layout of the pairs."""
     device = topk_ids.device
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -282,7 +265,7 @@ def align_pairs(
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     has_slots = token_slots is not None and num_slots > 0
     tiles = has_slots and lora_tile_m > 0
-    decode = num_pairs * 4 <= num_experts
+    decode = launch.mode is AlignMode.ONE_PAIR
     if tiles:
         max_tiles = (
             num_pairs if decode else max_lora_tiles(num_pairs, num_experts, num_slots, lora_tile_m)
@@ -302,7 +285,7 @@ def align_pairs(
             num_pairs, block_m, num_padded, tile_args, lora_tiles, num_lora_tiles,
         )  # fmt: skip
     cap = max_padded_pairs(num_pairs, num_experts, block_m)
-    single = num_pairs <= SINGLE_PROGRAM_PAIRS
+    single = launch.mode is AlignMode.SINGLE
     sorted_pair_ids = torch.empty(cap, dtype=torch.int32, device=device)
     block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
     bins = num_slots + 1 if has_slots else 1
@@ -331,26 +314,23 @@ def align_pairs(
         HAS_SLOTS=has_slots,
         TILE_M=max(1, lora_tile_m),
         **tile_args,
-        BLOCK_P=BLOCK_P,
+        BLOCK_P=launch.block_p,
         # experts per OFFSETS step: ~4K counters in registers, at most 128 experts
         BLOCK_E=max(1, min(128, 4096 // block_s)),
         BLOCK_S=block_s,
         BLOCK_M=block_m,
         PDL=pdl,
-        num_warps=ALIGN_WARPS,
+        num_warps=launch.num_warps,
     )
     phases = dict(ZERO=False, COUNT=False, OFFSETS=False, SCATTER=False)
     if single:
-        wide = num_pairs > WIDE_SINGLE_PAIRS
-        args["BLOCK_P"] = WIDE_BLOCK_P if wide else SINGLE_BLOCK_P
-        args["num_warps"] = WIDE_WARPS if wide else SINGLE_WARPS
         _align_kernel[(1,)](**args, **{**phases, "ZERO": True, "COUNT": True, "OFFSETS": True,
                                        "SCATTER": True})  # fmt: skip
     else:
-        grid = (triton.cdiv(num_pairs, BLOCK_P),)
+        grid = (triton.cdiv(num_pairs, launch.block_p),)
         _align_kernel[grid](**args, **{**phases, "COUNT": True})
         # COUNT follows the counts memset; OFFSETS and SCATTER may start early (PDL)
-        offsets_args = {**args, "num_warps": OFFSETS_WARPS, "launch_pdl": pdl}
+        offsets_args = {**args, "num_warps": launch.offsets_warps, "launch_pdl": pdl}
         _align_kernel[(1,)](**offsets_args, **{**phases, "OFFSETS": True})
         _align_kernel[grid](**args, launch_pdl=pdl, **{**phases, "SCATTER": True})
     return AlignedPairs(

@@ -48,6 +48,30 @@ def check_dtype_match(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         raise InputError(name, f"on {t.device}", f"on {like.device} (the device of x)")
 
 
+def check_fp8_weight(
+    name: str, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], block_k: int
+) -> None:
+    """An e4m3 weight [E, N, K] with block scales [E, ceil(N / bn), ceil(K / bk)] whose K
+    blocks each hold whole BLOCK_K steps (the K loop reads one scale per step)."""
+    if scale is None:
+        raise InputError(f"{name} scale", None, f"the block scales of the e4m3 {name}")
+    e, n, k = w.shape
+    bn, bk = block
+    check_shape(f"{name} scale", scale, (e, -(-n // bn), -(-k // bk)))
+    if scale.dtype != torch.float32 or scale.device != w.device:
+        raise InputError(f"{name} scale", f"{scale.dtype} on {scale.device}", f"fp32 on {w.device}")
+    if bk % block_k:
+        raise InputError("BLOCK_K", block_k, f"a divisor of the scale block's K side {bk}")
+
+
+def check_weight_dtype(name: str, w: torch.Tensor, x: torch.Tensor, fp8: bool) -> None:
+    """w in x's dtype, or e4m3 when `fp8` (block-scaled experts); on x's device."""
+    if not fp8:
+        check_dtype_match(name, w, x)
+    elif w.dtype != torch.float8_e4m3fn or w.device != x.device:
+        raise InputError(name, f"{w.dtype} on {w.device}", f"torch.float8_e4m3fn on {x.device}")
+
+
 def tma_tiles_ok(
     a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int
 ) -> bool:

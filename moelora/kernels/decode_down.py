@@ -24,9 +24,16 @@ import triton.language as tl
 from ..errors import InputError
 from ..tiling.config import GemmTiles
 from ..tiling.geometry import rank_block
-from .checks import check_dtype_match, check_shape, workspace
+from .checks import (
+    check_dtype_match,
+    check_fp8_weight,
+    check_shape,
+    check_weight_dtype,
+    workspace,
+)
 from .pdl import chain_point
 from .ranks import slot_ranks
+from .tiles import block_scaled
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -35,6 +42,7 @@ MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_
 def _decode_down_kernel(
     z_ptr,
     w_ptr,
+    ws_ptr,
     b_ptr,
     y_ptr,
     topk_ids_ptr,
@@ -56,6 +64,9 @@ def _decode_down_kernel(
     stride_we,
     stride_wn,
     stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_be,
     stride_bn,
     stride_ym,
@@ -70,6 +81,9 @@ def _decode_down_kernel(
     HAS_LORA: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     ADD: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -93,6 +107,12 @@ def _decode_down_kernel(
         + expert[:, None, None] * stride_we
         + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
         + offs_k[None, None, :] * stride_wk
+    )
+    # W_FP8: e4m3 rows; each K step (inside one scale block) times its rows' block scales
+    s_ptrs = (
+        ws_ptr
+        + expert[:, None] * stride_se
+        + (tl.where(n_mask, offs_n, 0) // SCALE_N)[None, :] * stride_sn
     )
     if EARLY:  # the first K step's weight tile, loaded before the chain point: it streams
         # while the up kernel still runs (pdl.py) and depends on nothing that kernel writes
@@ -126,14 +146,16 @@ def _decode_down_kernel(
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     if EARLY:  # the first step, from the tile loaded early (the loop starts at the second)
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+        d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+        acc += block_scaled(d, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+        d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
+        acc += block_scaled(d, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:  # zeros when the token has no adapter
@@ -172,8 +194,11 @@ def decode_down(
     pdl: bool = False,
     chained: bool = False,
     early: bool = False,
+    w_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
-    """z [P, I] (decode_up), w2 [E, H, I], b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
+    """z [P, I] (decode_up), w2 [E, H, I] (z's dtype, or e4m3 with w_scale: fp32 block
+    scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk]), b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
     lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R); topk_weights [T, K]
     (None: applied to the input). Returns y [T, H] in z's dtype (into
@@ -184,7 +209,8 @@ def decode_down(
     check_shape("z", z, (num_tokens * top_k, None))
     num_experts, hidden, _ = w2.shape
     check_shape("w2", w2, (num_experts, hidden, inter_size))
-    check_dtype_match("w2", w2, z)
+    fp8 = w_scale is not None
+    check_weight_dtype("w2", w2, z, fp8)
     if b2 is not None:
         check_shape("b2", b2, (num_experts, hidden))
     has_lora = lora_b is not None
@@ -206,11 +232,14 @@ def decode_down(
     # a step's tile is [K, BLOCK_N, BLOCK_K] fp32 in registers: large top-k (K > 8) gets a
     # narrower K step so the tile stays at the 8 x 16 x 128 elements tried for K = 8
     block_k = max(16, min(tiles.block_k, MAX_TILE // (block_j * block_n)))
+    if fp8:
+        check_fp8_weight("w2", w2, w_scale, scale_block, block_k)
     dummy = z  # never read: its constexpr flag is off
     grid = (num_tokens, triton.cdiv(hidden, block_n))
     _decode_down_kernel[grid](
         z_ptr=z,
         w_ptr=w2,
+        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b2 if b2 is not None else dummy,
         y_ptr=out,
         topk_ids_ptr=topk_ids,
@@ -232,6 +261,9 @@ def decode_down(
         stride_we=w2.stride(0),
         stride_wn=w2.stride(1),
         stride_wk=w2.stride(2),
+        stride_se=w_scale.stride(0) if fp8 else 0,
+        stride_sn=w_scale.stride(1) if fp8 else 0,
+        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b2.stride(0) if b2 is not None else 0,
         stride_bn=b2.stride(1) if b2 is not None else 0,
         stride_ym=out.stride(0),
@@ -246,6 +278,9 @@ def decode_down(
         HAS_LORA=has_lora,
         MUL_WEIGHT=topk_weights is not None,
         ADD=add,
+        W_FP8=fp8,
+        SCALE_N=scale_block[0],
+        SCALE_K=scale_block[1],
         BLOCK_J=block_j,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

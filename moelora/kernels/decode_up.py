@@ -5,7 +5,7 @@ At a handful of tokens the layer is the weight read: every pair streams its expe
 rows once. The aligned GEMM pads each pair to a 16-row dot and its program count per
 expert is fixed by BLOCK_N; here a program holds BLOCK_N units (gate and up rows) and
 sums products in fp32 registers, so the grid is P * I / BLOCK_N small programs, many
-resident per SM, and the weight read has no wave tail (v9 in KERNEL_LOG.md).
+resident per SM, and the weight read has no wave tail (v9 in docs/history/kernel_log.md).
 
 LoRA: the expand is an fp32 dot of the shrink intermediate with B rows (exact, no 16-bit
 split needed off the tensor cores), added before the activation. The z shrink follows in
@@ -28,9 +28,16 @@ import triton.language as tl
 from ..activations import Activation
 from ..tiling.config import GemmTiles
 from .activation import act_code, apply_act
-from .checks import check_dtype_match, check_shape, workspace
+from .checks import (
+    check_dtype_match,
+    check_fp8_weight,
+    check_shape,
+    check_weight_dtype,
+    workspace,
+)
 from .pdl import chain_point
 from .ranks import slot_ranks
+from .tiles import block_scaled
 
 
 @triton.jit
@@ -44,6 +51,7 @@ def _rows_dot(w_ptrs, xv, mask):
 def _decode_up_kernel(
     x_ptr,
     w_ptr,
+    ws_ptr,
     b_ptr,
     z_ptr,
     topk_ids_ptr,
@@ -70,6 +78,9 @@ def _decode_up_kernel(
     stride_we,
     stride_wn,
     stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_be,
     stride_bn,
     stride_zm,
@@ -93,6 +104,9 @@ def _decode_up_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     WEIGHT_INPUT: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -116,6 +130,9 @@ def _decode_up_kernel(
     w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
     wg_ptrs = w_base + gate_rows[:, None] * stride_wn
     wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
+    # W_FP8: e4m3 rows; each K step (inside one scale block) times its rows' block scales
+    sg_ptrs = ws_ptr + expert * stride_se + (gate_rows // SCALE_N) * stride_sn
+    su_ptrs = ws_ptr + expert * stride_se + ((gate_rows + up_offset) // SCALE_N) * stride_sn
     if EARLY:  # the first K step's weight tiles, loaded before the chain point: they stream
         # while the kernel before still runs (pdl.py) and depend on nothing it writes
         k_ok = offs_k < hidden
@@ -159,18 +176,22 @@ def _decode_up_kernel(
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if EARLY:  # the first step, from the tiles loaded early (the loop starts at the second)
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        acc_g += tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
+        d_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
+        acc_g += block_scaled(d_g, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
-            acc_u += tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
+            d_u = tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
+            acc_u += block_scaled(d_u, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        acc_g += _rows_dot(wg_ptrs, xv, k_ok[None, :])
+        d_g = _rows_dot(wg_ptrs, xv, k_ok[None, :])
+        acc_g += block_scaled(d_g, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
-            acc_u += _rows_dot(wu_ptrs, xv, k_ok[None, :])
+            d_u = _rows_dot(wu_ptrs, xv, k_ok[None, :])
+            acc_u += block_scaled(d_u, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -219,8 +240,11 @@ def decode_up(
     pdl: bool = False,
     chained: bool = False,
     early: bool = False,
+    w_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
+    """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
+    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
     added; lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R): the LoRA terms stop
@@ -238,7 +262,10 @@ def decode_up(
     inter_size = rows // parts
     num_pairs = num_tokens * top_k
     check_shape("w13", w13, (num_experts, parts * inter_size, hidden))
-    check_dtype_match("w13", w13, x)
+    fp8 = w_scale is not None
+    check_weight_dtype("w13", w13, x, fp8)
+    if fp8:
+        check_fp8_weight("w13", w13, w_scale, scale_block, block_k)
     if b13 is not None:
         check_shape("b13", b13, (num_experts, rows))
     has_lora = lora_b is not None
@@ -257,6 +284,7 @@ def decode_up(
     _decode_up_kernel[grid](
         x_ptr=x,
         w_ptr=w13,
+        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b13 if b13 is not None else dummy,
         z_ptr=z,
         topk_ids_ptr=topk_ids,
@@ -283,6 +311,9 @@ def decode_up(
         stride_we=w13.stride(0),
         stride_wn=w13.stride(1),
         stride_wk=w13.stride(2),
+        stride_se=w_scale.stride(0) if fp8 else 0,
+        stride_sn=w_scale.stride(1) if fp8 else 0,
+        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b13.stride(0) if b13 is not None else 0,
         stride_bn=b13.stride(1) if b13 is not None else 0,
         stride_zm=z.stride(0),
@@ -306,6 +337,9 @@ def decode_up(
         HAS_BIAS=b13 is not None,
         HAS_LORA=has_lora,
         WEIGHT_INPUT=topk_weights is not None,
+        W_FP8=fp8,
+        SCALE_N=scale_block[0],
+        SCALE_K=scale_block[1],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(max(rank, z_rank))),

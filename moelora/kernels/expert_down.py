@@ -21,12 +21,21 @@ from ..errors import InputError
 from ..tiling.geometry import next_pow2
 from ..tiling.plan import GemmPlan
 from .align import AlignedPairs
-from .checks import check_dtype_match, check_shape, precision_flags, tma_tiles_ok, workspace
+from .checks import (
+    check_dtype_match,
+    check_fp8_weight,
+    check_shape,
+    check_weight_dtype,
+    precision_flags,
+    tma_tiles_ok,
+    workspace,
+)
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
     add_delta,
     block_rows,
+    fp8_mma,
     grouped_pid,
     lora_expand,
     mma,
@@ -41,6 +50,7 @@ def _expert_down_kernel(
     w_ptr,
     z_desc,
     w_desc,
+    ws_ptr,
     b_ptr,
     o_ptr,
     topk_weights_ptr,
@@ -55,7 +65,7 @@ def _expert_down_kernel(
     top_k,
     num_slots,
     ranks_ptr,
-    rank_size,
+    max_rank,
     inter_size,
     hidden,
     lora_n_offset,
@@ -65,6 +75,9 @@ def _expert_down_kernel(
     stride_we,
     stride_wn,
     stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_be,
     stride_bn,
     stride_om,
@@ -84,6 +97,9 @@ def _expert_down_kernel(
     DELTA: tl.constexpr,
     Z_SORTED: tl.constexpr,
     TMA: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     ATOMIC: tl.constexpr,
     EXPAND_FIRST: tl.constexpr,
@@ -112,7 +128,7 @@ def _expert_down_kernel(
     # last block) runs the half-height variant, rows [row0, row0 + BLOCK_M // 2), so the
     # padding costs no MMA there; every other block runs the full one. 1: full blocks only.
     # Inline in both GEMM kernels on purpose: the same choice as a tiles.py helper compiled
-    # differently and measured 3% slower at T = 4096 on the H200 (a66485b, KERNEL_LOG v16c).
+    # differently and measured 3% slower at T = 4096 on the H200 (a66485b, kernel_log v16c).
     if TAIL_VARIANTS == 2:
         half = tl.load(sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
     for v in tl.static_range(TAIL_VARIANTS):
@@ -166,14 +182,23 @@ def _expert_down_kernel(
                         if UPCAST:
                             zt = zt.to(tl.float32)
                             w = w.to(tl.float32)
-                        acc = mma(zt, w, acc, IEEE)
+                        if W_FP8:  # e4m3 tiles, each K step inside one scale block
+                            s_ptrs = (
+                                ws_ptr
+                                + expert * stride_se
+                                + (k0 // SCALE_K) * stride_sk
+                                + (tl.where(n_mask, offs_n, 0) // SCALE_N) * stride_sn
+                            )
+                            acc = fp8_mma(zt, w, acc, s_ptrs, n_mask, IEEE)
+                        else:
+                            acc = mma(zt, w, acc, IEEE)
                         z_ptrs += BLOCK_K * stride_zk
                         w_ptrs += BLOCK_K * stride_wk
                 else:
                     acc = _down_lora(
                         acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
                         stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
-                        num_slots, offs_n, n_mask, ranks_ptr, rank_size, lora_n_offset,
+                        num_slots, offs_n, n_mask, ranks_ptr, max_rank, lora_n_offset,
                         lora_n_size, HAS_LORA, DELTA, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE,
                         EXPAND_FIRST,
                     )  # fmt: skip
@@ -215,7 +240,7 @@ def _down_lora(
     offs_n,
     n_mask,
     ranks_ptr,
-    rank_size,
+    max_rank,
     lora_n_offset,
     lora_n_size,
     HAS_LORA: tl.constexpr,
@@ -242,7 +267,7 @@ def _down_lora(
             acc, _ = lora_expand(
                 acc, acc, inter_ptr, stride_im, 0, stride_ir, pair, slot, num_slots, b_ptr,
                 stride_ll, 0, stride_ln, stride_lr, tl.where(b_mask, offs_b, 0), b_mask,
-                ranks_ptr, rank_size, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, False, UPCAST, IEEE, PIPELINED,
+                ranks_ptr, max_rank, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, False, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc
 
@@ -267,6 +292,8 @@ def expert_down(
     out: torch.Tensor | None = None,
     sum_into: torch.Tensor | None = None,
     pdl: bool = False,
+    w_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """z [P, I] (gemm.z_sorted: [P_pad, I] in the sorted order, with num_pairs = P;
     gemm.tma: its tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
@@ -276,7 +303,9 @@ def expert_down(
     whole-H lora_b only). Returns o [P, H] in z's dtype (rows of dropped pairs unwritten);
     with sum_into (fp32 [T, H], T = P / top_k), each pair's row is atomically added into
     its token's row there instead (the top-k reduce, kernels/atomic_reduce.py) and
-    sum_into is returned. gemm: the tiles and knobs (tiling.plan.GemmPlan)."""
+    sum_into is returned. gemm: the tiles and knobs (tiling.plan.GemmPlan). w_scale: w2
+    is e4m3 with fp32 block scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk],
+    dequantized in the K loop (no TMA then)."""
     block_n, block_k, z_sorted = gemm.tiles.block_n, gemm.tiles.block_k, gemm.z_sorted
     inter_size = z.shape[1]
     if not z_sorted:
@@ -286,7 +315,10 @@ def expert_down(
     check_shape("z", z, (aligned.sorted_pair_ids.shape[0] if z_sorted else num_pairs, None))
     num_experts, hidden, _ = w2.shape
     check_shape("w2", w2, (num_experts, hidden, inter_size))
-    check_dtype_match("w2", w2, z)
+    fp8 = w_scale is not None
+    check_weight_dtype("w2", w2, z, fp8)
+    if fp8:
+        check_fp8_weight("w2", w2, w_scale, scale_block, block_k)
     if b2 is not None:
         check_shape("b2", b2, (num_experts, hidden))
     has_lora = lora_b is not None
@@ -320,7 +352,7 @@ def expert_down(
     dummy = z  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(z)
     block_m = aligned.block_m
-    use_tma = gemm.tma and z_sorted and tma_tiles_ok(z, w2, block_m, block_n, block_k)
+    use_tma = gemm.tma and z_sorted and not fp8 and tma_tiles_ok(z, w2, block_m, block_n, block_k)
     if use_tma:
         z_desc = TensorDescriptor(z, list(z.shape), list(z.stride()), [block_m, block_k])
         w_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [1, block_n, block_k])
@@ -332,6 +364,7 @@ def expert_down(
         w_ptr=w2,
         z_desc=z_desc,
         w_desc=w_desc,
+        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b2 if b2 is not None else dummy,
         o_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
@@ -346,7 +379,7 @@ def expert_down(
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,
         ranks_ptr=ranks if ranks is not None else dummy,
-        rank_size=lora_b.shape[3] if has_lora else 16,
+        max_rank=lora_b.shape[3] if has_lora else 16,
         inter_size=inter_size,
         hidden=hidden,
         lora_n_offset=lora_n_offset,
@@ -356,6 +389,9 @@ def expert_down(
         stride_we=w2.stride(0),
         stride_wn=w2.stride(1),
         stride_wk=w2.stride(2),
+        stride_se=w_scale.stride(0) if fp8 else 0,
+        stride_sn=w_scale.stride(1) if fp8 else 0,
+        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b2.stride(0) if b2 is not None else 0,
         stride_bn=b2.stride(1) if b2 is not None else 0,
         stride_om=out.stride(0),
@@ -375,6 +411,9 @@ def expert_down(
         DELTA=delta is not None,
         Z_SORTED=z_sorted,
         TMA=use_tma,
+        W_FP8=fp8,
+        SCALE_N=scale_block[0],
+        SCALE_K=scale_block[1],
         MUL_WEIGHT=topk_weights is not None,
         ATOMIC=sum_into is not None,
         EXPAND_FIRST=gemm.expand_first and lora_b is not None and delta is None,

@@ -23,12 +23,21 @@ from ..tiling.geometry import next_pow2
 from ..tiling.plan import GemmPlan
 from .activation import act_code, apply_act
 from .align import AlignedPairs
-from .checks import check_dtype_match, check_shape, precision_flags, tma_box_ok, workspace
+from .checks import (
+    check_dtype_match,
+    check_fp8_weight,
+    check_shape,
+    check_weight_dtype,
+    precision_flags,
+    tma_box_ok,
+    workspace,
+)
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
     add_delta,
     block_rows,
+    fp8_mma,
     grouped_pid,
     lora_expand,
     mma,
@@ -42,6 +51,7 @@ def _expert_up_kernel(
     x_ptr,
     w_ptr,
     w_desc,
+    ws_ptr,
     b_ptr,
     z_ptr,
     topk_weights_ptr,
@@ -56,7 +66,7 @@ def _expert_up_kernel(
     top_k,
     num_slots,
     ranks_ptr,
-    rank_size,
+    max_rank,
     hidden,
     inter_size,
     up_offset,
@@ -68,6 +78,9 @@ def _expert_up_kernel(
     stride_we,
     stride_wn,
     stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_be,
     stride_bn,
     stride_zm,
@@ -94,6 +107,9 @@ def _expert_up_kernel(
     EXPAND_FIRST: tl.constexpr,
     TAIL_VARIANTS: tl.constexpr,
     W_TMA: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -118,7 +134,7 @@ def _expert_up_kernel(
     # last block) runs the half-height variant, rows [row0, row0 + BLOCK_M // 2), so the
     # padding costs no MMA there; every other block runs the full one. 1: full blocks only.
     # Inline in both GEMM kernels on purpose: the same choice as a tiles.py helper compiled
-    # differently and measured 3% slower at T = 4096 on the H200 (a66485b, KERNEL_LOG v16c).
+    # differently and measured 3% slower at T = 4096 on the H200 (a66485b, kernel_log v16c).
     if TAIL_VARIANTS == 2:
         half = tl.load(sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
     for v in tl.static_range(TAIL_VARIANTS):
@@ -164,7 +180,14 @@ def _expert_up_kernel(
                         if UPCAST:
                             xt = xt.to(tl.float32)
                             wg = wg.to(tl.float32)
-                        acc_g = mma(xt, wg, acc_g, IEEE)
+                        # W_FP8: e4m3 tiles, each K step inside one scale block; the
+                        # gate and up rows read their own blocks' scales
+                        s_base = ws_ptr + expert * stride_se + (k0 // SCALE_K) * stride_sk
+                        if W_FP8:
+                            sg_ptrs = s_base + (gate_rows // SCALE_N) * stride_sn
+                            acc_g = fp8_mma(xt, wg, acc_g, sg_ptrs, n_mask, IEEE)
+                        else:
+                            acc_g = mma(xt, wg, acc_g, IEEE)
                         if GATED:
                             if W_TMA:  # up rows: a block of I rows after the gate rows
                                 wu = w_desc.load(
@@ -175,7 +198,11 @@ def _expert_up_kernel(
                                 wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
                             if UPCAST:
                                 wu = wu.to(tl.float32)
-                            acc_u = mma(xt, wu, acc_u, IEEE)
+                            if W_FP8:
+                                su_ptrs = s_base + ((gate_rows + up_offset) // SCALE_N) * stride_sn
+                                acc_u = fp8_mma(xt, wu, acc_u, su_ptrs, n_mask, IEEE)
+                            else:
+                                acc_u = mma(xt, wu, acc_u, IEEE)
                         x_ptrs += BLOCK_K * stride_xk
                         wg_ptrs += BLOCK_K * stride_wk
                         wu_ptrs += BLOCK_K * stride_wk
@@ -184,7 +211,7 @@ def _expert_up_kernel(
                         acc_g, acc_u, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr,
                         stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
                         stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask,
-                        ranks_ptr, rank_size, HAS_LORA, DELTA, GATED, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST,
+                        ranks_ptr, max_rank, HAS_LORA, DELTA, GATED, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST,
                         IEEE, EXPAND_FIRST,
                     )  # fmt: skip
             if WEIGHT_INPUT:
@@ -231,7 +258,7 @@ def _up_lora(
     offs_n,
     n_mask,
     ranks_ptr,
-    rank_size,
+    max_rank,
     HAS_LORA: tl.constexpr,
     DELTA: tl.constexpr,
     GATED: tl.constexpr,
@@ -254,7 +281,7 @@ def _up_lora(
             acc_g, acc_u = lora_expand(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                 num_slots, b_ptr, stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask,
-                ranks_ptr, rank_size, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE, PIPELINED,
+                ranks_ptr, max_rank, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE, PIPELINED,
             )  # fmt: skip
     return acc_g, acc_u
 
@@ -279,8 +306,12 @@ def expert_up(
     tile_rank: int | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    w_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, S*I, H], b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
+    """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
+    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk], dequantized in the K loop),
+    b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R], or instead of inter the expanded delta
     [P, S, I] (lora_delta; lora_b still gives the slot count); topk_weights [T, K] only for
     weights_on_input; gemm: the tiles and knobs (tiling.plan.GemmPlan).
@@ -295,7 +326,10 @@ def expert_up(
     num_experts, rows, _ = w13.shape
     inter_size = rows // parts
     check_shape("w13", w13, (num_experts, parts * inter_size, hidden))
-    check_dtype_match("w13", w13, x)
+    fp8 = w_scale is not None
+    check_weight_dtype("w13", w13, x, fp8)
+    if fp8:
+        check_fp8_weight("w13", w13, w_scale, scale_block, block_k)
     if b13 is not None:
         check_shape("b13", b13, (num_experts, rows))
     has_lora = lora_b is not None
@@ -315,7 +349,7 @@ def expert_up(
     ranks, block_r, per_dot = expand_layout(lora_b, lora_ranks, tile_rank, gemm.expand_lanes, 4)
     dummy = x  # never read: its constexpr flag is off
     upcast, ieee = precision_flags(x)
-    use_tma = gemm.tma and not swiglu and tma_box_ok(w13, (1, block_n, block_k))
+    use_tma = gemm.tma and not swiglu and not fp8 and tma_box_ok(w13, (1, block_n, block_k))
     if use_tma:
         w_desc = TensorDescriptor(w13, list(w13.shape), list(w13.stride()), [1, block_n, block_k])
     else:
@@ -325,6 +359,7 @@ def expert_up(
         x_ptr=x,
         w_ptr=w13,
         w_desc=w_desc,
+        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b13 if b13 is not None else dummy,
         z_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
@@ -339,7 +374,7 @@ def expert_up(
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,
         ranks_ptr=ranks if ranks is not None else dummy,
-        rank_size=lora_b.shape[4] if has_lora else 16,
+        max_rank=lora_b.shape[4] if has_lora else 16,
         hidden=hidden,
         inter_size=inter_size,
         up_offset=1 if swiglu else inter_size,
@@ -351,6 +386,9 @@ def expert_up(
         stride_we=w13.stride(0),
         stride_wn=w13.stride(1),
         stride_wk=w13.stride(2),
+        stride_se=w_scale.stride(0) if fp8 else 0,
+        stride_sn=w_scale.stride(1) if fp8 else 0,
+        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b13.stride(0) if b13 is not None else 0,
         stride_bn=b13.stride(1) if b13 is not None else 0,
         stride_zm=out.stride(0),
@@ -377,6 +415,9 @@ def expert_up(
         EXPAND_FIRST=gemm.expand_first and has_lora and delta is None,
         TAIL_VARIANTS=tail_variants(gemm.half_tail, aligned.block_m),
         W_TMA=use_tma,
+        W_FP8=fp8,
+        SCALE_N=scale_block[0],
+        SCALE_K=scale_block[1],
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

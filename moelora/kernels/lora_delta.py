@@ -77,7 +77,7 @@ def _lora_delta_kernel(
     tiles_ptr,
     num_tiles_ptr,
     ranks_ptr,
-    rank_size,
+    max_rank,
     n_size,
     stride_im,
     stride_is,
@@ -107,9 +107,9 @@ def _lora_delta_kernel(
     part = tl.program_id(1)
     pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
     # the slot's width (real rank rounded up to RANK_STEP: the intermediate is zero past the
-    # rank, B finite; cut to R = rank_size), BLOCK_R lanes per step
+    # rank, B finite; cut to R = max_rank), BLOCK_R lanes per step
     rank = tl.load(ranks_ptr + slot)
-    rank = tl.minimum((rank + RANK_STEP - 1) // RANK_STEP * RANK_STEP, rank_size)
+    rank = tl.minimum((rank + RANK_STEP - 1) // RANK_STEP * RANK_STEP, max_rank)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_size
     b_part = b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
@@ -163,7 +163,7 @@ def lora_delta(
         tiles_ptr=aligned.lora_tiles,
         num_tiles_ptr=aligned.num_lora_tiles,
         ranks_ptr=slot_ranks(b5, ranks, 4),
-        rank_size=rank,
+        max_rank=rank,
         n_size=n_size,
         stride_im=inter.stride(0),
         stride_is=inter.stride(1),

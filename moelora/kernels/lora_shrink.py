@@ -5,7 +5,7 @@ other engines). The work list is the alignment's LoRA tiles: runs of at most TIL
 consecutive sorted pairs that share one expert and one slot, so a program reads one
 (slot, expert) A matrix in one pipelined K loop over its rows, and pairs of slot -1 cost
 nothing. (v6 and before looped over the slots of each aligned block with one K loop per
-slot: serial, and its x tile re-gathered per slot; KERNEL_LOG.md v7.)
+slot: serial, and its x tile re-gathered per slot; docs/history/kernel_log.md v7.)
 
 A program computes PARTS_PER_PROG parts at once (gate and up from one read of the input
 rows when their S*R lanes fit), the others go to grid dimension 1.
@@ -13,7 +13,7 @@ rows when their S*R lanes fit), the others go to grid dimension 1.
 Split-K (split > 1): program (tile, part group, k_split) covers one K chunk and atomically
 adds its fp32 partial into a zeroed intermediate: with few tiles (small T) each program
 streams a whole A matrix serially with too few loads in flight for HBM; splitting K
-multiplies the programs (KERNEL_LOG.md v6).
+multiplies the programs (docs/history/kernel_log.md v6).
 
 Legend: P pairs, S parts (2 gated w13, 1 otherwise), R max rank, L slots, E experts.
 """

@@ -10,21 +10,23 @@ No host synchronisation and static shapes per T, so the whole call is CUDA-graph
 (its workspaces come from the graph's private pool). Composition only: every choice is the
 plan's.
 
-Fully sharded LoRA (a `lora_comm` given): the banks are this rank's shards (gate/up A on the
-rank, down A on I, down B on H). Two collectives per forward, on every rank in the same
+Fully sharded LoRA (a `lora_comm` given): the banks are this process's shards (gate/up A on the
+rank, down A on I, down B on H). Two collectives per forward, on every process in the same
 order whatever the routing: the gate/up shrink result [P, S, R/tp] is all-gathered to
-[P, S, R], and the down shrink's partial sum over this rank's I shard [P, R] is all-reduced;
+[P, S, R], and the down shrink's partial sum over this process's I shard [P, R] is all-reduced;
 the down expand then writes its H/tp slice of columns. Both stay fp32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..call import MoECall
+from ..comm import LoRAComm
 from ..config import MoEShape
+from ..quant.fp8_experts import FP8ExpertWeights
 from ..tiling.geometry import expand_rank_block
 from ..tiling.plan import ForwardPlan, LoRAPath, TopKSum
 from ..weights import ExpertWeights, LoRABank
@@ -40,69 +42,66 @@ from .lora_shrink import lora_shrink
 from .side_stream import side_stream
 from .topk_reduce import topk_reduce
 
-if TYPE_CHECKING:  # annotations only: parallel.py sits above the kernels
-    from ..parallel import LoRAComm
-
 
 @dataclass(frozen=True)
 class _Layer:
-    """One call's tensors (contiguous; slots int32, or None without LoRA)."""
+    """One call's record with what the pipeline adds: the slots and bank only when the
+    plan runs LoRA (None otherwise), and the weights."""
 
-    x: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
+    call: MoECall
     slots: torch.Tensor | None
-    experts: ExpertWeights
-    lora: LoRABank | None  # None without LoRA (no bank or no slots)
+    lora: LoRABank | None
+    experts: ExpertWeights | FP8ExpertWeights
     shape: MoEShape
-    weights_on_input: bool
-    out: torch.Tensor | None
-    add: bool
-    comm: LoRAComm | None
+
+    @property
+    def out(self) -> torch.Tensor | None:
+        return self.call.out
+
+    @property
+    def add(self) -> bool:
+        return self.call.adds
 
     @property
     def num_pairs(self) -> int:
-        return self.topk_ids.numel()
+        return self.call.topk_ids.numel()
+
+    @property
+    def comm(self) -> LoRAComm | None:
+        return self.call.lora_comm
+
+    def scales(self, name: str) -> dict:
+        """The GEMM launcher's FP8 arguments for weight `name` ("w13" / "w2"): its block
+        scales and the block, or nothing for serving-dtype experts."""
+        if not isinstance(self.experts, FP8ExpertWeights):
+            return {}
+        return {
+            "w_scale": getattr(self.experts, f"{name}_scale"),
+            "scale_block": self.experts.quant.block,
+        }
 
 
 def forward(
-    plan: ForwardPlan,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    token_slots: torch.Tensor | None,
-    experts: ExpertWeights,
-    lora: LoRABank | None,
-    shape: MoEShape,
-    *,
-    weights_on_input: bool = False,
-    out: torch.Tensor | None = None,
-    add: bool = False,
-    lora_comm: LoRAComm | None = None,
+    plan: ForwardPlan, call: MoECall, experts: ExpertWeights | FP8ExpertWeights, shape: MoEShape
 ) -> torch.Tensor:
-    """y [T, H] in x's dtype (written into `out` if given; add=True adds to it).
+    """y [T, H] in x's dtype (written into call.out if given, added with ADD).
 
-    x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] fp32; token_slots [T] int32 or None;
-    experts w13 [E, S*I, H], w2 [E, H, I]; lora: LoRABank or None (used only when the
-    plan's LoRA path is not NONE); lora_comm: fully sharded LoRA's collectives (lora then
-    holds w13_a [L, E, S, R/tp, H] and w2_b [L, E, H/tp, R]).
+    call: the checked per-call record (call.py: x [T, H], topk_ids [T, K], topk_weights
+    [T, K] fp32, token_slots [T] int32, the bank; contiguous); experts w13 [E, S*I, H], w2
+    [E, H, I], in x's dtype or (FP8ExpertWeights, aligned path only) e4m3 with block
+    scales, the LoRA branch unchanged. The bank is used only when the plan's LoRA path is not NONE; call.lora_comm:
+    fully sharded LoRA's collectives (the bank then holds w13_a [L, E, S, R/tp, H] and
+    w2_b [L, E, H/tp, R]).
     """
-    num_tokens, hidden = x.shape
-    if num_tokens == 0:  # nothing routed: the op form's output is empty (or left as is)
-        return out if out is not None else x.new_empty(0, hidden)
+    if call.num_tokens == 0:  # nothing routed: the op form's output is empty (or left as is)
+        return call.out if call.out is not None else call.x.new_empty(0, call.x.shape[1])
     use_lora = plan.lora is not LoRAPath.NONE
     layer = _Layer(
-        x=x.contiguous(),
-        topk_ids=topk_ids.contiguous(),
-        topk_weights=topk_weights.contiguous(),
-        slots=token_slots.to(torch.int32).contiguous() if use_lora else None,
+        call=call,
+        slots=call.token_slots if use_lora else None,
+        lora=call.lora if use_lora else None,
         experts=experts,
-        lora=lora if use_lora else None,
         shape=shape,
-        weights_on_input=weights_on_input,
-        out=out,
-        add=add,
-        comm=lora_comm,
     )
     return _decode(plan, layer) if plan.decode else _aligned(plan, layer)
 
@@ -110,15 +109,16 @@ def forward(
 def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     """align -> (shrink x) -> up GEMM -> (shrink z) -> down GEMM -> top-k sum."""
     lora, experts, shape = c.lora, c.experts, c.shape
-    num_experts, top_k = experts.w13.shape[0], c.topk_ids.shape[1]
+    num_experts, top_k = experts.w13.shape[0], c.call.topk_ids.shape[1]
     aligned = align_pairs(
-        c.topk_ids,
+        c.call.topk_ids,
         c.slots,
         num_experts,
         lora.num_slots if lora is not None else 0,
         plan.tiles.block_m,
         plan.tiles.shrink_block_m if lora is not None else 0,
         pdl=plan.pdl,
+        launch=plan.align(c.num_pairs, num_experts),
     )
     inter13 = delta13 = None
     if lora is not None:
@@ -126,7 +126,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         inter13, delta13 = _lora_side(
             plan,
             c,
-            c.x,
+            c.call.x,
             lora.w13_a,
             lora.w13_b,
             aligned,
@@ -136,7 +136,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
             plan.lora,
         )
     z = expert_up(
-        c.x,
+        c.call.x,
         experts.w13,
         experts.b13,
         aligned,
@@ -145,7 +145,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         top_k=top_k,
         alpha=shape.swiglu_alpha,
         limit=shape.swiglu_limit,
-        topk_weights=c.topk_weights if c.weights_on_input else None,
+        topk_weights=c.call.topk_weights if c.call.weights_on_input else None,
         token_slots=c.slots,
         inter=inter13,
         lora_b=lora.w13_b if lora is not None else None,
@@ -153,6 +153,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         lora_ranks=lora.ranks if lora is not None else None,
         tile_rank=lora.tile_rank if lora is not None else None,
         pdl=plan.pdl,
+        **c.scales("w13"),
     )
     if lora is None:
         return _down_and_sum(plan, c, z, aligned, None, None)
@@ -184,12 +185,12 @@ def _down_and_sum(
     the GEMM's own atomic sum, or the reduce over o (adding the down delta with
     delta_in_reduce). before_sum: called between the two (lora_stream: the join, after
     which delta2 is ready)."""
-    num_tokens, hidden = c.x.shape
+    num_tokens, hidden = c.call.x.shape
     lora = c.lora if plan.down_gemm_lora else None
     acc = direct = None
     if plan.top_k_sum is TopKSum.ATOMIC:
         acc, direct = sum_buffer(
-            num_tokens, hidden, c.x.dtype, out=c.out, add=c.add, device=c.x.device
+            num_tokens, hidden, c.call.x.dtype, out=c.out, add=c.add, device=c.call.x.device
         )
     o = expert_down(
         z,
@@ -197,8 +198,8 @@ def _down_and_sum(
         c.experts.b2,
         aligned,
         plan.down,
-        top_k=c.topk_ids.shape[1],
-        topk_weights=None if c.weights_on_input else c.topk_weights,
+        top_k=c.call.topk_ids.shape[1],
+        topk_weights=None if c.call.weights_on_input else c.call.topk_weights,
         token_slots=c.slots if lora is not None else None,
         inter=inter2 if lora is not None else None,
         lora_b=lora.w2_b if lora is not None else None,
@@ -209,24 +210,27 @@ def _down_and_sum(
         tile_rank=lora.tile_rank if lora is not None else None,
         sum_into=acc,
         pdl=plan.pdl,
+        **c.scales("w2"),
     )
     num_experts = c.experts.w13.shape[0]
     if before_sum is not None:
         before_sum()
     if plan.top_k_sum is TopKSum.ATOMIC:
-        return acc if direct else finish_sum(acc, c.x.dtype, out=c.out, add=c.add, pdl=plan.pdl)
+        return (
+            acc if direct else finish_sum(acc, c.call.x.dtype, out=c.out, add=c.add, pdl=plan.pdl)
+        )
     if not plan.delta_in_reduce:
-        return topk_reduce(o, c.topk_ids, num_experts, out=c.out, add=c.add, pdl=plan.pdl)
+        return topk_reduce(o, c.call.topk_ids, num_experts, out=c.out, add=c.add, pdl=plan.pdl)
     return topk_reduce(
         o,
-        c.topk_ids,
+        c.call.topk_ids,
         num_experts,
         out=c.out,
         add=c.add,
         delta=delta2.view(c.num_pairs, -1),
         token_slots=c.slots,
         num_slots=c.lora.num_slots,
-        topk_weights=None if c.weights_on_input else c.topk_weights,
+        topk_weights=None if c.call.weights_on_input else c.call.topk_weights,
         pdl=plan.pdl,
     )
 
@@ -251,7 +255,7 @@ def _lora_side(
     kw = dict(
         num_pairs=c.num_pairs,
         rows=rows,
-        top_k=c.topk_ids.shape[1],
+        top_k=c.call.topk_ids.shape[1],
         block_k=plan.tiles.shrink_block_k,
         split_k=plan.tiles.shrink_split_k,
         tile_rank=c.lora.tile_rank,
@@ -282,9 +286,9 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     if lora is not None:
         rows_per_prog, block_k = plan.tiles.decode_shrink
         inter13, z_inter = decode_shrink(
-            c.x,
+            c.call.x,
             lora.w13_a,
-            c.topk_ids,
+            c.call.topk_ids,
             c.slots,
             experts.w13.shape[0],
             lora.w2_a.shape[2],
@@ -297,14 +301,14 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         if c.comm is not None:
             inter13 = _gather_parts(inter13, c.comm)
     z = decode_up(
-        c.x,
+        c.call.x,
         experts.w13,
         experts.b13,
-        c.topk_ids,
+        c.call.topk_ids,
         activation=shape.activation,
         alpha=shape.swiglu_alpha,
         limit=shape.swiglu_limit,
-        topk_weights=c.topk_weights if c.weights_on_input else None,
+        topk_weights=c.call.topk_weights if c.call.weights_on_input else None,
         token_slots=c.slots,
         inter=inter13,
         lora_b=lora.w13_b if lora is not None else None,
@@ -315,6 +319,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         pdl=plan.pdl,
         chained=lora is not None,  # after decode_shrink; else the layer's first kernel
         early=plan.early_loads,
+        **c.scales("w13"),
     )
     if c.comm is not None and z_inter is not None:
         z_inter = c.comm.reduce_rank(z_inter)
@@ -322,8 +327,8 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         z,
         experts.w2,
         experts.b2,
-        c.topk_ids,
-        topk_weights=None if c.weights_on_input else c.topk_weights,
+        c.call.topk_ids,
+        topk_weights=None if c.call.weights_on_input else c.call.topk_weights,
         token_slots=c.slots,
         z_inter=z_inter,
         lora_b=lora.w2_b if lora is not None else None,
@@ -335,6 +340,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         pdl=plan.pdl,
         chained=True,
         early=plan.early_loads,
+        **c.scales("w2"),
     )
 
 

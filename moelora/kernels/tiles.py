@@ -80,6 +80,26 @@ def mma(a, b, acc, IEEE: tl.constexpr):
     return acc
 
 
+@triton.jit
+def block_scaled(d, s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
+    """A decode GEMV's K step sums d (fp32, the shape of mask) times its rows' block scales
+    at s_ptrs (W_FP8: e4m3 weights, the step inside one scale block); d as is otherwise.
+    Both branches return d's type: a compiled kernel needs one return type."""
+    if W_FP8:
+        d = d * tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0)
+    return d
+
+
+@triton.jit
+def fp8_mma(a, w, acc, s_ptrs, n_mask, IEEE: tl.constexpr):
+    """acc += (a @ w) * s: w [BLOCK_K, BLOCK_N] an e4m3 tile inside one scale block along
+    K, s [BLOCK_N] its columns' block scales (s_ptrs). e4m3 converts exactly to a's dtype
+    (bf16 / fp16 / fp32), so the dot sees the stored values and the scale acts in fp32."""
+    s = tl.load(s_ptrs, mask=n_mask, other=0.0)
+    part = mma(a, w.to(a.dtype), tl.zeros_like(acc), IEEE)
+    return acc + part * s[None, :]
+
+
 def tail_variants(half_tail: bool, block_m: int) -> int:
     """Row variants of the GEMM kernels: 2 with half_tail (blocks whose second half is
     padding run BLOCK_M // 2 rows) where that half is still a dot tile (>= 16 rows)."""
@@ -128,7 +148,7 @@ def lora_expand(
     offs_n,
     n_mask,
     ranks_ptr,
-    rank_size,
+    max_rank,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_DOT: tl.constexpr,
@@ -149,7 +169,7 @@ def lora_expand(
     rank loaded), so an R = 128 bank of rank-8 adapters runs the lanes of an R = 16 bank;
     each group runs `passes` dots of BLOCK_R columns, enough for the widest slot of the
     bank (one when the tile rank is current; none when every slot is empty), columns past
-    R = rank_size cut. The columns are the same for every lane of a slot, so the loads stay
+    R = max_rank cut. The columns are the same for every lane of a slot, so the loads stay
     vectorised: a slot's columns past its rank meet an intermediate the shrink wrote as
     zeros (lora_shrink's fill_block), and B there is multiplied by them (the bank must be
     finite everywhere, weights.LoRABank). PIPELINED (expand_first): one flat loop over
@@ -176,7 +196,7 @@ def lora_expand(
             acc_g, acc_u = _expand_group(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, num_slots,
                 b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, q_slot, cols,
-                cols < rank_size, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE,
+                cols < max_rank, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE,
             )  # fmt: skip
     else:
         # one flat loop too (a nested pass loop would be software-pipelined on its own,
@@ -189,7 +209,7 @@ def lora_expand(
                 acc_g, acc_u = _expand_group(
                     acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                     num_slots, b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n,
-                    n_mask, q_slot, cols, cols < rank_size, s0, TWO_PARTS, UPCAST, IEEE,
+                    n_mask, q_slot, cols, cols < max_rank, s0, TWO_PARTS, UPCAST, IEEE,
                 )  # fmt: skip
     return acc_g, acc_u
 

@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 
+from .align_launch import AlignLaunch, align_launch
 from .config import GemmTiles, TileConfig
 
 
@@ -63,6 +64,11 @@ class ForwardPlan:
     def z_sorted(self) -> bool:
         return self.up.z_sorted
 
+    def align(self, num_pairs: int, num_experts: int) -> AlignLaunch:
+        """How the aligned path's routing alignment launches for this call's P pairs over
+        E experts (tiling/align_launch.py: one pair per block, one program or three)."""
+        return align_launch(num_pairs, num_experts)
+
     @property
     def down_gemm_lora(self) -> bool:
         """Whether the down GEMM adds a LoRA term itself."""
@@ -80,7 +86,7 @@ def plan_forward(
     - PDL only where the config asks, the GPU has it, and no collective sits between two
       kernels (docs/kernels.md, "Decode path").
     - The decode path's early weight loads pay only with PDL (alone they measured +12% at
-      T = 8, KERNEL_LOG.md v13); the interpreter runs them so that the CPU tests cover them.
+      T = 8, docs/history/kernel_log.md v13); the interpreter runs them so that the CPU tests cover them.
     - lora_delta needs whole intermediates and whole-H B2 between shrink and expand: not
       under fully sharded LoRA, whose collectives sit there; its delta_in_reduce and
       shrink_expand act only with it.

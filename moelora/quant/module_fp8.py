@@ -1,0 +1,62 @@
+"""FP8 experts from a transformers experts module that keeps them in FP8: on a GPU of
+compute capability >= 8.9, transformers 5.24 loads an FP8 checkpoint's fused experts as
+e4m3 `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] with fp32 `gate_up_proj_scale_inv`
+and `down_proj_scale_inv` (integrations/finegrained_fp8.py); elsewhere it dequantizes them
+and this returns None (read the checkpoint instead: quant/checkpoint.py).
+
+The result views the module's own tensors: nothing is copied.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import WeightsError
+from .checkpoint import read_fp8_experts
+from .formats import QuantConfig
+from .fp8_experts import FP8ExpertWeights
+
+
+def fp8_experts_from_module(experts: nn.Module, quant: QuantConfig) -> FP8ExpertWeights | None:
+    """FP8ExpertWeights viewing `experts`' e4m3 tensors and scales (checked as any
+    container), or None when the module holds its experts dequantized."""
+    w13 = getattr(experts, "gate_up_proj", None)
+    if w13 is None or w13.dtype != torch.float8_e4m3fn:
+        return None
+    name = type(experts).__name__
+    return FP8ExpertWeights(
+        quant,
+        w13.detach(),
+        experts.down_proj.detach(),
+        _scale(experts, "gate_up_proj_scale_inv"),
+        _scale(experts, "down_proj_scale_inv"),
+        source=f"transformers module {name}",
+    )
+
+
+def _scale(experts: nn.Module, name: str) -> torch.Tensor | None:
+    t = getattr(experts, name, None)
+    return None if t is None else t.detach()
+
+
+def fp8_experts_for_layer(
+    experts: nn.Module, model: ModelConfig, layer: int, model_dir: str | Path | None
+) -> FP8ExpertWeights:
+    """What `moelora.hf.attach` serves for MoE layer `layer` of a model whose config is FP8
+    (model.quantization): the module's own e4m3 tensors where transformers kept them,
+    else the experts read from `model_dir`'s safetensors (transformers dequantized them:
+    a CPU, or a GPU below sm89). Raises WeightsError naming what is missing."""
+    found = fp8_experts_from_module(experts, model.quantization)
+    if found is not None:
+        return found
+    if model_dir is None or not Path(model_dir).is_dir():
+        raise WeightsError(
+            str(model_dir), "model directory", "none on disk",
+            "the FP8 checkpoint's directory (transformers holds these experts dequantized)",
+            "load the model from a local directory, or pass its path",
+        )  # fmt: skip
+    return read_fp8_experts(model_dir, model, layer)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One GPU call: issue 26's FP8 experts (128x128 block scales, weight-only, bf16 LoRA) on the
+# Qwen3-30B-A3B and DeepSeek-V3 layers. In order, so that a call cut short keeps what
+# matters most: GPU and versions; `moelora validate --quantization fp8` (T 1..16384, +LoRA,
+# CUDA graphs, ranks 8-128, the LoRA-free path) against the reference on the dequantized
+# experts; `moelora bench --suite fp8-qwen3` and `fp8-deepseek-v3` (bf16 and FP8 rows of the same layer, T by T, the
+# floor counting one byte per FP8 weight plus its scales; JSON rewritten after every case).
+# Logs and JSON go to $OUT (or ./out): gpu.txt, validate_fp8.log, and per layer
+# fp8_bench_{qwen3,deepseek-v3}.json + bench_{qwen3,deepseek-v3}.log.
+# Usage (device tool): MOELORA_COMMIT=<sha> bash scripts/gpu_fp8.sh
+# Knobs: VALIDATE_S / BENCH_S (each step's limit; 0 skips it), VALIDATE_MODELS, ITERS.
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+  --format=csv 2>&1 | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+
+if [ "${VALIDATE_S:-300}" -gt 0 ]; then
+  timeout "${VALIDATE_S:-300}" $PY -m moelora validate --quantization fp8 \
+    --models "${VALIDATE_MODELS:-qwen3-30b-a3b,deepseek-v3}" --ref-tokens 1024 \
+    2>&1 | tee "$OUT/validate_fp8.log"
+  echo "validate exit: ${PIPESTATUS[0]}"
+fi
+for model in qwen3 deepseek-v3; do
+  if [ "${BENCH_S:-130}" -gt 0 ]; then
+    timeout "${BENCH_S:-130}" $PY -m moelora bench --suite "fp8-$model" --iters "${ITERS:-30}" \
+      --json "$OUT/fp8_bench_$model.json" 2>&1 | tee "$OUT/bench_$model.log"
+    echo "bench $model exit: ${PIPESTATUS[0]}"
+  fi
+done
+echo "done in ${SECONDS}s"
