@@ -74,7 +74,10 @@ def attach(
     served = served_modules(model, lora_target_modules, find_routers(model, model_config))
     first = next(iter(modules.values()))
     param = first.down_proj
-    device, dtype = param.device, param.dtype
+    quantized = model_config.quantization.method.is_fp8
+    device = param.device
+    # FP8 experts (e4m3 on sm89+ GPUs): the serving dtype is the model's, not the experts'
+    dtype = model.dtype if quantized else param.dtype
     if fully_sharded_loras:
         log.info("fully_sharded_loras: a no-op in one process (tp = 1), as in vLLM")
     deployment = Deployment.for_model(
@@ -91,7 +94,7 @@ def attach(
     layers = {
         index: MoELoRALayer(
             deployment,
-            expert_weights_from_hf(module, model_config, in_place=True),
+            _layer_experts(module, model_config, index, model),
             selection=selection,
             check_values=False,  # the model's router gives the ids: no host sync per layer
         )
@@ -124,6 +127,18 @@ def attach(
     hooks = ModuleHooks(served, manager.module_banks)
     handle._bound = (list(modules.values()), swapped, previous, hooks)
     return handle
+
+
+def _layer_experts(module: nn.Module, model_config: ModelConfig, index: int, model: nn.Module):
+    """Layer `index`'s experts as moelora serves them: views of the module's tensors, or
+    for an FP8 config its e4m3 experts and scales (the module's where transformers kept
+    them in FP8, else the checkpoint's: quant/module_fp8.py)."""
+    if not model_config.quantization.method.is_fp8:
+        return expert_weights_from_hf(module, model_config, in_place=True)
+    from ..quant.module_fp8 import fp8_experts_for_layer
+
+    model_dir = getattr(model.config, "_name_or_path", None)
+    return fp8_experts_for_layer(module, model_config, index, model_dir)
 
 
 def _model_config(model: nn.Module) -> ModelConfig:

@@ -1,0 +1,80 @@
+"""moelora.hf.attach on an FP8 checkpoint (block-scaled e4m3 experts, as transformers and the
+published -FP8 checkpoints store them). transformers on a CPU loads the experts dequantized
+to bf16 and drops the quantization_config: attach then serves the bf16 experts it holds.
+Where the config still says FP8 but the experts were dequantized (a GPU below sm89), attach
+serves the checkpoint's e4m3 experts and scales read from its files. Either way every row
+(base and adapters) equals transformers + PEFT on the weights transformers loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_quant_checkpoint import BLOCK_QC, quantize_experts_one
+
+from moelora.compare import assert_close
+from moelora.config import from_hf
+from moelora.hf import attach, toy
+from moelora.quant.fp8_experts import FP8ExpertWeights
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _fp8_checkpoint(tmp_path, seed: int):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, pad_token_id=0,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    model = from_hf(cfg.to_dict() | {"quantization_config": BLOCK_QC}, "hf-fp8")
+    for key in [k for k in tensors if ".mlp.experts." in k]:
+        tensors[key], tensors[key + "_scale_inv"] = quantize_experts_one(
+            tensors[key].float().normal_(0, 0.2), model
+        )
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": BLOCK_QC}))
+    return AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()  # fp32: tight checks
+
+
+@pytest.mark.parametrize("config_says_fp8", [False, True], ids=["cpu-dequantized", "fp8-config"])
+def test_attach_serves_the_checkpoints_experts(tmp_path, seed, config_says_fp8):
+    model = _fp8_checkpoint(tmp_path / "model", seed)
+    assert getattr(model.config, "quantization_config", None) is None  # dropped on a CPU
+    if config_says_fp8:  # as a GPU below sm89 keeps it
+        model.config.quantization_config = dict(BLOCK_QC)
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float32  # dequantized
+    toy.write_peft_adapter(model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+                           target_parameters=toy.expert_parameters(model),
+                           target_modules=["q_proj"])  # fmt: skip
+    ids = torch.randint(1, 64, (3, 7), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        base_ref = model(ids).logits
+    import peft
+
+    with torch.no_grad():
+        peft_model = peft.PeftModel.from_pretrained(model, tmp_path / "a")
+        lora_ref = peft_model(ids).logits
+        model = peft_model.unload()
+    handle = attach(model, max_loras=2, max_lora_rank=8, moe_backend="reference")
+    layer = handle._bound[0][0]._moelora_key  # the experts bound: FP8 weights served
+    from moelora.hf import experts
+
+    served = experts._bindings[layer].layer.experts
+    assert isinstance(served, FP8ExpertWeights) == config_says_fp8, type(served)
+    handle.load_adapter(tmp_path / "a", name="a")
+    with torch.no_grad():
+        out = handle(ids, adapter_names=["a", None, "a"]).logits
+    # transformers dequantized the experts into bf16: the FP8 experts moelora reads from
+    # the files (dequantized exactly in fp32) differ from them by bf16 rounding
+    tol = torch.bfloat16 if config_says_fp8 else torch.float32
+    assert_close(out[[0, 2]], lora_ref[[0, 2]], tol, what="adapter rows")
+    assert_close(out[1], base_ref[1], tol, what="base row")
+    assert not torch.allclose(lora_ref[0], base_ref[0], atol=1e-3), "the adapter changes nothing"
