@@ -523,7 +523,15 @@ def test_slot_minus1_rows_equal_base_exactly(path: str, seed: int) -> None:
     base = fused_moe_lora(MoECall(x, ids, weights, None, None), experts, shape, config=cfg)
     rows = slots < 0
     assert rows.any()
-    assert torch.equal(mixed[rows], base[rows])
+    if x.is_cuda:
+        assert torch.equal(mixed[rows], base[rows])
+    else:
+        # Triton's interpreter runs tl.dot as numpy's BLAS matmul, whose sum order for a row
+        # depends on the row's place in the tile, and the LoRA path orders a block's rows by
+        # slot: about 1 seed in 60 moves a base row and rounds it 1 ulp apart (4.5e-8 at
+        # 353886130). A GPU MMA sums every row in one order: bitwise there. Here: 2 ulp.
+        diff = (mixed[rows] - base[rows]).abs()
+        assert (diff <= 2 * torch.finfo(x.dtype).eps * base[rows].abs().clamp(min=1)).all(), diff
     assert not torch.equal(mixed[~rows], base[~rows])
 
 

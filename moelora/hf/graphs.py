@@ -1,7 +1,7 @@
 """CUDA graphs of one expert layer at small T (decode), captured and replayed.
 
 In eager transformers a decode step is host-bound: each Triton launch costs ~0.19 ms of
-Python on the H200 (KERNEL_LOG, host side), three or more per MoE layer, while the layer's
+Python on the H200 (docs/history/kernel_log.md, host side), three or more per MoE layer, while the layer's
 GPU work at T = 1 is ~0.04 ms. A replay costs one launch. Per (thread, T, with / without
 LoRA) an entry, made at the shape's second call (decode repeats it every step), holds
 static inputs, a graph of the layer reading them, and its output; a
