@@ -89,7 +89,7 @@ def _forward_matches(
     for layer in mc.moe_layers:
         out = moe_lora_reference(x, ids, w, slots, experts, snap.banks[layer], mc.shape)
         ref = moe_lora_reference(
-            x, ids, w, torch.where(slots >= 0, 0, -1), experts, manual[layer], mc.shape
+            x, ids, w, torch.where(slots >= 0, 0, -1).int(), experts, manual[layer], mc.shape
         )
         base = moe_lora_reference(x, ids, w, None, experts, None, mc.shape)
         assert_close(out, ref, torch.float32, what=f"layer {layer}")

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..layer import MoELoRALayer
 from ..lora import SlotManager
 from ..oracle import select
-from . import experts
+from . import engine_generate, experts
 from .graphs import MAX_GRAPH_TOKENS, LayerGraphs
 from .handle import MoELoRAModel
 from .llama4 import swap_llama4_blocks
@@ -124,6 +124,7 @@ def attach(
     model.eval()
     handle = MoELoRAModel(model, model_config, selection, manager, device, served)
     handle.enforce_eager = enforce_eager
+    handle.engine_generate = engine_generate.generate  # handle.generate decodes on the engine
     hooks = ModuleHooks(served, manager.module_banks)
     handle._bound = (list(modules.values()), swapped, previous, hooks)
     return handle

@@ -13,7 +13,7 @@ Legend: B rows, S tokens per row, T = B * S.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -107,3 +107,18 @@ def using(rows: RowAdapters) -> Iterator[RowAdapters]:
         yield rows
     finally:
         _current.rows = None
+
+
+@dataclass(frozen=True)
+class AdapterHold:
+    """One adapter version held for a row (MoELoRAModel.hold): its slot (-1: none), whether
+    it has expert factors, the served modules it has factors on, and the banks its slot
+    indexes; release() exactly once."""
+
+    name: str | None
+    key: str | None  # the version's slot-manager name (None: no expert factors)
+    slot: int
+    experts: bool
+    modules: frozenset[str]
+    snapshot: BankSnapshot
+    release: Callable[[], None]

@@ -22,7 +22,6 @@ from ..errors import ConfigError, InputError
 from . import batch, decode_graphs
 from . import graphs as layer_graphs
 from .engine_support import engine_support
-from .handle import AdapterHold, MoELoRAModel
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
 from .sampling import RowSampler, Sampling, next_tokens
@@ -54,7 +53,7 @@ class _Row:
 
     request: Request
     row: int
-    hold: AdapterHold
+    hold: batch.AdapterHold
     sampler: RowSampler
     generated: list[int] = field(default_factory=list)
 
@@ -69,7 +68,7 @@ class Engine:
 
     def __init__(
         self,
-        handle: MoELoRAModel,
+        handle,  # the MoELoRAModel moelora.hf.attach returned
         *,
         max_rows: int = 64,
         max_len: int | None = None,
@@ -180,8 +179,10 @@ class Engine:
             return f"every adapter slot ({self.handle.max_loras}) is held by running requests"
         return None
 
-    def add(self, request: Request) -> None:
-        """Join at the next step (check() and admissible() must pass)."""
+    def add(self, request: Request, hold: batch.AdapterHold | None = None) -> None:
+        """Join at the next step (check() and admissible() must pass). hold: the request's
+        adapter already held (handle.hold_all for a batch of requests, taken at once); the
+        engine releases it at the finish. Default: held here."""
         self.check(request)
         if request.request_id in self._rows:
             raise InputError("request_id", repr(request.request_id), "an id no running request has")
@@ -192,7 +193,8 @@ class Engine:
             )
         busy = {r.row for r in self._rows.values()}
         row = next(i for i in range(self.max_rows) if i not in busy)
-        hold = self.handle.hold(request.adapter)  # the version current now, until the finish
+        if hold is None:
+            hold = self.handle.hold(request.adapter)  # the version current now, until the finish
         sampler = RowSampler.make(request.sampling, self._eos, self.device)
         state = _Row(request, row, hold, sampler)
         self._rows[request.request_id] = state
@@ -255,7 +257,7 @@ class Engine:
         prompts = [list(r.request.prompt_ids) for r in group]
         return self._prefill_rows(prompts, [r.row for r in group], [r.hold for r in group])
 
-    def _prefill_tokens(self, prompt: list[int], row: int, hold: AdapterHold) -> Tensor:
+    def _prefill_tokens(self, prompt: list[int], row: int, hold: batch.AdapterHold) -> Tensor:
         """One request's prompt into its cache row; logits [1, V] of its last token."""
         return self._prefill_rows([prompt], [row], [hold])
 

@@ -165,15 +165,22 @@ def _run(engine: Engine, requests: list[Request]) -> list[list[int]]:
     for request in requests:
         engine.check(request)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    # every row's adapter held at once, as a model.generate call holds them: rows held one
+    # by one could each keep a slot another thread's call waits for, while waiting too
+    holds = engine.handle.hold_all([r.adapter for r in requests])
+    added = 0
     try:
-        for request in requests:
-            engine.add(request)
+        for request, hold in zip(requests, holds):
+            engine.add(request, hold=hold)
+            added += 1
         while engine.has_work:
             for event in engine.step():
                 if event.token_id >= 0:
                     tokens[event.request_id].append(event.token_id)
     except BaseException:
         engine.clear()  # a failed call leaves no request holding an adapter
+        for hold in holds[added:]:
+            hold.release()
         raise
     return [tokens[r.request_id] for r in requests]
 

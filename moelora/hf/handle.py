@@ -25,7 +25,6 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import AdapterError, InputError
 from ..lora import SlotManager, load_adapter
-from ..lora.leases import BankSnapshot
 from ..lora.refusals import Refusals
 from ..lora.safe_io import read_config, read_tensors
 from ..oracle import Selection
@@ -45,21 +44,6 @@ class _Version:
     rank: int
     modules: tuple[str, ...]
     pinned: bool
-
-
-@dataclass(frozen=True)
-class AdapterHold:
-    """One adapter version held for a row (MoELoRAModel.hold): its slot (-1: none), whether
-    it has expert factors, the served modules it has factors on, and the banks its slot
-    indexes; release() exactly once."""
-
-    name: str | None
-    key: str | None  # the version's slot-manager name (None: no expert factors)
-    slot: int
-    experts: bool
-    modules: frozenset[str]
-    snapshot: BankSnapshot
-    release: Callable[[], None]
 
 
 class MoELoRAModel:
@@ -91,6 +75,9 @@ class MoELoRAModel:
         self._local = threading.local()
         self.enforce_eager: bool | None = None  # set by attach: the engine's graphs follow it
         self.use_engine = True
+        # set by attach: engine_generate.generate (the engine imports this module, so this
+        # module never imports the engine)
+        self.engine_generate: Callable[..., torch.Tensor | None] | None = None
 
     # ---- facts --------------------------------------------------------------------------
 
@@ -278,10 +265,8 @@ class MoELoRAModel:
         enforce_eager) for the models and settings it supports (use_engine = False: never);
         otherwise by model.generate."""
         rows, width = _rows(input_ids, generate_kwargs)
-        if self.use_engine:
-            from . import engine_generate  # imports transformers' cache classes
-
-            out = engine_generate.generate(
+        if self.use_engine and self.engine_generate is not None:
+            out = self.engine_generate(
                 self, input_ids, _names(adapter_names, rows), generate_kwargs
             )
             if out is not None:
@@ -346,32 +331,52 @@ class MoELoRAModel:
         finally:
             reading.__exit__(None, None, None)
 
-    def hold(self, name: str | None) -> AdapterHold:
+    def hold(self, name: str | None) -> batch.AdapterHold:
         """Hold the current version of `name` (None: the base model) until the returned
         hold's release(): its slot lease (a registered adapter in no slot is loaded first).
         For callers whose rows outlive one call (the decode engine)."""
+        return self.hold_all([name])[0]
+
+    def hold_all(self, names: Sequence[str | None]) -> list[batch.AdapterHold]:
+        """Hold the current versions of all `names` at once (one slot lease over the set, as
+        a call takes it: callers that took them one by one could each hold a slot while
+        waiting for another's); the lease ends when every returned hold is released."""
         with self._lock:
-            version = None if name is None else self._known(name)
+            versions = [None if n is None else self._known(n) for n in names]
             reading = self._manager.reading(
-                [None if version is None else version.internal], device=self.device
+                [None if v is None else v.internal for v in versions], device=self.device
             )
             snapshot, slots = reading.__enter__()
-        released = threading.Event()
+        left = [len(names)]
+        count_lock = threading.Lock()
 
-        def release() -> None:
-            if not released.is_set():
+        def releaser() -> Callable[[], None]:
+            released = threading.Event()
+
+            def release() -> None:
+                if released.is_set():
+                    return
                 released.set()
-                reading.__exit__(None, None, None)
+                with count_lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    reading.__exit__(None, None, None)
 
-        return AdapterHold(
-            name,
-            None if version is None else version.internal,
-            int(slots[0]),
-            experts=version is not None and version.experts,
-            modules=frozenset(version.modules) if version is not None else frozenset(),
-            snapshot=snapshot,
-            release=release,
-        )
+            return release
+
+        return [
+            batch.AdapterHold(
+                name,
+                None if v is None else v.internal,
+                int(slot),
+                experts=v is not None and v.experts,
+                modules=frozenset(v.modules) if v is not None else frozenset(),
+                snapshot=snapshot,
+                release=releaser(),
+            )
+            for name, v, slot in zip(names, versions, slots)
+        ]
 
     def slot_key(self, name: str | None) -> str | None:
         """The slot-manager name of `name`'s current version (None: the base model)."""
