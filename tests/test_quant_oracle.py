@@ -135,8 +135,9 @@ def test_fp8_is_not_reported_validated_where_no_fp8_run_was(tmp_path) -> None:
     from moelora.backends.registry import REGISTRY
 
     triton = REGISTRY["triton"].capabilities
-    dep = _dep(BLOCK, "h200")
-    assert validation_status(triton, dep).level == "not_validated"  # no H200 FP8 run yet
+    h200 = validation_status(triton, _dep(BLOCK, "h200"))
+    assert h200.validated and all("--quantization fp8" in r.result for r in h200.runs)
+    assert validation_status(triton, _dep(BLOCK, "b200")).level == "not_validated"
     assert validation_status(triton, _dep(QuantConfig(), "h200")).validated
     cpu = _dep(BLOCK, "cpu")
     cpu = dataclasses.replace(cpu, shape=dataclasses.replace(cpu.shape, dtype=torch.float32))

@@ -59,8 +59,8 @@ VALIDATED_ON = (
                "moelora validate --quantization fp8 --models qwen3-30b-a3b --ref-tokens 1024 at "
                "13bc0fd: 22/22 pass (FP8 block 128x128 experts, bf16 LoRA; T 1..16384, CUDA "
                "graphs, ranks 8-128)",
-               "BENCHMARKS.md (FP8 experts); h200_13bc0fd_fp8_validate.log in "
-               "benchmarks/results/h200_validate.txt",
+               "docs/history/benchmarks.md, 2026-12-01 (eleventh session); "
+               "h200_13bc0fd_fp8_validate.log in benchmarks/results/h200_validate.txt",
                frozenset({Quantization.FP8_BLOCK})),
     Validation("cpu", "cpu", None, frozenset({torch.float16, torch.float32}), "every commit",
                "the test suite under TRITON_INTERPRET=1 against the reference (FP8 block "

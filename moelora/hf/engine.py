@@ -143,8 +143,9 @@ class Engine:
     def running(self) -> int:
         return len(self._rows)
 
-    def check(self, request: Request) -> None:
-        """InputError when the request can never run here."""
+    def check(self, request: Request, held: bool = False) -> None:
+        """InputError when the request can never run here (held: its adapter version is held
+        already, so an unload since does not matter)."""
         request.sampling.check()
         prompt = request.prompt_ids
         if not prompt:
@@ -156,7 +157,7 @@ class Engine:
                 f"request {request.request_id!r} prompt_ids",
                 f"ids in [{min(prompt)}, {max(prompt)}]", f"token ids in [0, {self._vocab})",
             )  # fmt: skip
-        if request.adapter is not None and request.adapter not in self.handle.adapters:
+        if not held and request.adapter is not None and request.adapter not in self.handle.adapters:
             raise InputError(
                 f"request {request.request_id!r} adapter", repr(request.adapter),
                 f"None (base model) or a loaded adapter {self.handle.adapters}",
@@ -171,22 +172,28 @@ class Engine:
 
     def admissible(self, request: Request) -> str | None:
         """None when add(request) would run at the next step; else why it must wait."""
-        if len(self._rows) >= self.max_rows:
-            return f"no free row ({self.max_rows} requests running)"
+        if self._row_free() is not None:
+            return self._row_free()
         key = self.handle.slot_key(request.adapter)  # the version add() would hold
         held = {r.hold.key for r in self._rows.values()} - {None}
         if key is not None and key not in held and len(held) >= self.handle.max_loras:
             return f"every adapter slot ({self.handle.max_loras}) is held by running requests"
         return None
 
+    def _row_free(self) -> str | None:
+        if len(self._rows) >= self.max_rows:
+            return f"no free row ({self.max_rows} requests running)"
+        return None
+
     def add(self, request: Request, hold: batch.AdapterHold | None = None) -> None:
         """Join at the next step (check() and admissible() must pass). hold: the request's
         adapter already held (handle.hold_all for a batch of requests, taken at once); the
         engine releases it at the finish. Default: held here."""
-        self.check(request)
+        self.check(request, held=hold is not None)
         if request.request_id in self._rows:
             raise InputError("request_id", repr(request.request_id), "an id no running request has")
-        reason = self.admissible(request)
+        # a given hold already has its slot (the version it holds, whatever is current now)
+        reason = self.admissible(request) if hold is None else self._row_free()
         if reason is not None:
             raise InputError(
                 f"request {request.request_id!r}", reason, "add() once admissible() returns None"

@@ -163,7 +163,7 @@ def _refuse_too_many_adapters(handle, names: list[str | None]) -> None:
 
 def _run(engine: Engine, requests: list[Request]) -> list[list[int]]:
     for request in requests:
-        engine.check(request)
+        engine.check(request)  # before anything is held
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     # every row's adapter held at once, as a model.generate call holds them: rows held one
     # by one could each keep a slot another thread's call waits for, while waiting too
