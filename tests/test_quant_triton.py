@@ -10,13 +10,14 @@ import dataclasses
 import pytest
 import torch
 
-from moelora import MoEShape, moe_lora_reference, random_expert_weights, random_lora_bank
+from moelora import MoEShape, random_expert_weights, random_lora_bank
 from moelora.backends.triton import BACKEND, forward_plan
 from moelora.call import MoECall
 from moelora.compare import assert_close
 from moelora.errors import InputError
 from moelora.quant.formats import QuantConfig, Quantization
 from moelora.quant.fp8_experts import quantize_experts
+from moelora.reference import reference_forward
 from moelora.tiling.config import GemmTiles, TileConfig
 
 FP8 = torch.float8_e4m3fn
@@ -69,15 +70,7 @@ CASES = [
 def test_triton_fp8_block_matches_dequantized_reference(name, shape, quant, slots, seed) -> None:
     call, fp8 = _problem(shape, quant, len(slots), slots, seed)
     out = BACKEND.forward(call, fp8, shape)
-    ref = moe_lora_reference(
-        call.x,
-        call.topk_ids,
-        call.topk_weights,
-        call.token_slots,
-        fp8.dequantize(),
-        call.lora,
-        shape,
-    )
+    ref = reference_forward(call, fp8.dequantize(), shape)
     # fp32 inputs run exact dots: the fp32 row proves the scale indexing; others the FP8 row
     tol = 1e-5 if shape.dtype == torch.float32 else None
     assert_close(out, ref, FP8, tol=tol, what=name)
@@ -110,15 +103,7 @@ def test_decode_path_on_fp8_rows(name, shape, slots, early, seed) -> None:
     call, fp8 = _problem(shape, B32, len(slots), slots, seed)
     cfg = dataclasses.replace(DECODE, pdl=early)
     out = fused_moe_lora(call, fp8, shape, config=cfg)
-    ref = moe_lora_reference(
-        call.x,
-        call.topk_ids,
-        call.topk_weights,
-        call.token_slots,
-        fp8.dequantize(),
-        call.lora,
-        shape,
-    )
+    ref = reference_forward(call, fp8.dequantize(), shape)
     assert_close(out, ref, FP8, tol=1e-5, what=name)
 
 
@@ -166,15 +151,7 @@ def test_layer_runs_fp8_experts_and_base_rows_ignore_loaded_adapters(seed) -> No
     unloaded = layer.forward(call.x, call.topk_ids, call.topk_weights, call.token_slots, empty)
     base = call.token_slots < 0
     assert torch.equal(loaded[base], unloaded[base])
-    ref = moe_lora_reference(
-        call.x,
-        call.topk_ids,
-        call.topk_weights,
-        call.token_slots,
-        fp8.dequantize(),
-        call.lora,
-        shape,
-    )
+    ref = reference_forward(call, fp8.dequantize(), shape)
     assert_close(loaded, ref, FP8, tol=1e-5, what="layer")
     assert not torch.equal(loaded[~base], unloaded[~base])  # the adapters did act
 
