@@ -49,10 +49,23 @@ def bench():
     return load_script()
 
 
-def torchrun(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def torchrun(args: list[str], cwd: Path = ROOT, printed: int = 0) -> subprocess.CompletedProcess:
+    """Runs `args` under torchrun with 2 gloo ranks; exit 0 is required. A user script that
+    ends with `dist.destroy_process_group()` can still abort in gloo's teardown at interpreter
+    exit on a loaded machine (SIGABRT, TEARDOWN_ABORT, after every rank's work printed; seen
+    once in CI, 0 of 12 runs beside 3 CPU hogs here). With `printed` = the lines every clean
+    run prints, such a run is started once more, and that second run must exit 0."""
     env = os.environ | dict(GLOO_SOCKET_IFNAME="lo", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    for attempt in range(2 if printed else 1):
+        done = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=180)  # fmt: skip
+        teardown = TEARDOWN_ABORT in done.stderr and done.stdout.count("\n") >= printed
+        if done.returncode == 0 or not teardown:
+            break
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -200,7 +213,7 @@ def test_readme_torchrun_example_runs_as_printed(tmp_path) -> None:
     text = (ROOT / "README.md").read_text().split("### Running on several GPUs")[1]
     assert "torchrun --standalone --nproc-per-node 2 scripts/parallel_bench.py" in text
     (tmp_path / "tp_layer.py").write_text(text.split("```python\n")[1].split("```")[0])
-    done = torchrun(["tp_layer.py"], cwd=tmp_path)
+    done = torchrun(["tp_layer.py"], cwd=tmp_path, printed=2)
     # two ranks print into one pipe: their lines can interleave mid-line
     errors = [float(e) for e in re.findall(r"max \|y - reference\| = ([0-9.e+-]+\d)", done.stdout)]
     assert len(errors) == 2 and max(errors) < 1e-4, done.stdout
