@@ -9,7 +9,7 @@ import pytest
 
 from moelora import cli
 from moelora.cli import build_parser
-from moelora.commands.validate import LORA_SWEEP_TOKENS, lora_sweep_cases, ranks_cases
+from moelora.commands.validate_cases import LORA_SWEEP_TOKENS, lora_sweep_cases, ranks_cases
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", "1e-05"), ("fp16", "2e-03")])

@@ -6,8 +6,13 @@ Cases per model: T sweep (8 adapters, rank 16, eager), CUDA-graph replay with fr
 copied into the captured buffers, ranks 8/16/64/128, 1 adapter, and the LoRA-free path;
 --lora-sweep (or --suite lora-sweep) adds the banks of `moelora bench --suite lora-sweep`
 (mixed real ranks, padded ranks, 64 and 128 slots, rank 256); --suite ranks adds banks with
-garbage past each slot's real rank, eager and graphs. Adapters alternate rank R and R/2 (zero-padded) unless a
-case names each slot's rank, and every (L+1)-th token has slot -1.
+garbage past each slot's real rank, eager and graphs. Adapters alternate rank R and R/2
+(zero-padded) unless a case names each slot's rank, and every (L+1)-th token has slot -1.
+The cases are validate_cases.py's.
+
+--suite slots | hf | serving run a check suite instead of the layer table (validate_suites/:
+the slot manager under queued GPU work, the transformers integration, serving hot and cold
+adapters); named with a layer suite, the table runs too.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -34,11 +38,20 @@ from ..presets import PRESETS, resolve_model
 from ..quant.formats import resolve_quantization
 from ..quant.fp8_experts import FP8ExpertWeights, quantize_experts
 from ..reference import moe_lora_reference
-from ..weights import ExpertWeights, LoRABank
+from ..weights import ExpertWeights
 from .cpu_cost import Cost, validate_cost
+from .validate_cases import (
+    LAYER_SUITES,
+    LORA_SWEEP_TOKENS,
+    RANKS_TOKENS,
+    TOKENS,
+    Case,
+    default_cases,
+    sweep_cases,
+)
+from .validate_suites import CHECK_SUITES, run_suite
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "nemotron-h", "gpt-oss-20b")
-TOKENS = (1, 2, 7, 16, 64, 255, 1024, 4096, 16384)
 # On a cpu every kernel runs through Triton's interpreter: the two small presets (gated
 # and non-gated), T = 1 (decode), 7 and 16, every case capped at the largest T: 9 cases per
 # model, about 20 s for both on the shared 2-core CPU machine (with T 64: 30 s; the GPU
@@ -47,105 +60,6 @@ CPU_MODELS = ("tiny", "tiny-relu2")
 CPU_TOKENS = (1, 7, 16)
 REFERENCE = "reference"
 FP8 = torch.float8_e4m3fn  # the tolerance row of FP8 experts (moelora/compare.py)
-
-
-@dataclass(frozen=True)
-class Case:
-    tokens: int
-    adapters: int  # L; 0 = no LoRA bank (base path)
-    rank: int  # R of the bank
-    graphs: bool
-    # each slot's real rank (zero-padded to R); None: alternating R and R/2 (build_lora)
-    ranks: tuple[int, ...] | None = None
-    garbage: bool = False  # the backend's bank holds garbage past each rank (inputs.py)
-
-    def label(self) -> str:
-        lora = f"L={self.adapters} R={self.rank}" if self.adapters else "no LoRA"
-        if self.ranks is not None:
-            lora += f" ranks={_ranks_text(self.ranks)}"
-        padding = " garbage" if self.garbage else ""
-        return f"T={self.tokens} {lora}{padding} {'graph' if self.graphs else 'eager'}"
-
-
-def _ranks_text(ranks: tuple[int, ...]) -> str:
-    """8 for (8,) * L, else every slot's rank (as the bench case ids write them)."""
-    return str(ranks[0]) if len(set(ranks)) == 1 else ",".join(map(str, ranks))
-
-
-def sweep_cases(tokens: tuple[int, ...], rank: int = 16) -> list[Case]:
-    """The T sweep (--quick runs only this): 8 adapters of rank `rank`, eager."""
-    return [Case(t, 8, rank, False) for t in tokens]
-
-
-# Issue 19's banks (moelora bench --suite lora-sweep times them), each at these T
-LORA_SWEEP_TOKENS = (2, 255, 4096)  # one token with an adapter; a partial block; prefill
-
-
-def lora_sweep_cases() -> list[Case]:
-    """--lora-sweep: a mixed bank (real ranks 8, 16, 64, 128 in an R = 128 bank), rank-8
-    adapters padded to R = 128, 64 and 128 slots of R = 16 and 8 slots of R = 256 (these
-    three alternating R and R/2, as build_lora makes them); eager."""
-    banks = [
-        (8, 128, (8, 16, 64, 128) * 2),
-        (8, 128, (8,) * 8),
-        (64, 16, None),
-        (8, 256, None),
-        (128, 16, None),
-    ]
-    return [
-        Case(t, adapters, rank, False, ranks)
-        for adapters, rank, ranks in banks
-        for t in LORA_SWEEP_TOKENS
-    ]
-
-
-RANKS_TOKENS = (1, 7, 64, 1024, 4096)
-
-
-def ranks_cases() -> list[Case]:
-    """--suite ranks: banks whose columns past each slot's real rank hold garbage, eager
-    and graph replay, against the reference on the clean bank: mixed ranks 8-128 in R =
-    128, rank 8 in R = 128, rank 256 / 32, 64 slots of rank 16, and 128 slots of ranks 8 /
-    16 with every other slot empty (rank 0)."""
-    banks = [
-        (128, (8, 16, 64, 128) * 2),
-        (128, (8,) * 8),
-        (256, (256, 32) * 4),
-        (16, (16,) * 64),
-        (16, tuple(0 if s % 2 else 8 if s % 4 else 16 for s in range(128))),
-    ]
-    return [
-        Case(t, len(ranks), rank, graphs, ranks, garbage=True)
-        for rank, ranks in banks
-        for t in RANKS_TOKENS
-        for graphs in (False, True)
-    ]
-
-
-# Case sets a GPU check adds to the run (--suite, repeatable)
-SUITES = {"lora-sweep": lora_sweep_cases, "ranks": ranks_cases}
-
-
-def default_cases(tokens: tuple[int, ...] = TOKENS, rank: int = 16) -> list[Case]:
-    cases = sweep_cases(tokens, rank)
-    cases += [Case(t, 8, 16, True) for t in (1, 255, 4096) if t in tokens or len(tokens) > 3]
-    cases += [Case(t, 8, r, False) for r in (8, 64, 128) for t in (64, 1024)]
-    cases += [Case(t, 1, 16, False) for t in (7, 1024)]
-    cases += [Case(16, 0, 16, False), Case(4096, 0, 16, True)]
-    return cases
-
-
-@dataclass
-class Problem:
-    model: ModelConfig
-    experts: ExpertWeights
-    lora: LoRABank | None
-    x: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    token_slots: torch.Tensor | None
-
-
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -303,11 +217,14 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--suite",
         action="append",
-        choices=sorted(SUITES),
+        choices=sorted(LAYER_SUITES) + list(CHECK_SUITES),
         default=[],
-        help="add a suite's cases (repeatable): lora-sweep (as --lora-sweep); ranks (banks "
-        f"with garbage past each slot's real rank, R up to 256 and 128 slots, at T "
-        f"{','.join(map(str, RANKS_TOKENS))}, eager and graphs)",
+        help="a suite (repeatable). Layer suites add cases to the table: lora-sweep (as "
+        "--lora-sweep); ranks (banks with garbage past each slot's real rank, R up to 256 "
+        f"and 128 slots, at T {','.join(map(str, RANKS_TOKENS))}, eager and graphs). Check "
+        "suites run their own cases, one verdict each, instead of the table (with a layer "
+        "suite too, both run): "
+        + "; ".join(f"{s.name} ({s.summary})" for s in CHECK_SUITES.values()),
     )
     p.add_argument(
         "--rank",
@@ -340,6 +257,9 @@ def add_parser(subparsers) -> None:
         default=None,
         help="the activations' and weights' dtype (default: each model's, bf16 for the presets)",
     )
+    for suite in CHECK_SUITES.values():
+        if suite.add_arguments is not None:
+            suite.add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -385,16 +305,42 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    checks = [CHECK_SUITES[name] for name in dict.fromkeys(args.suite) if name in CHECK_SUITES]
+    refused = [s for s in checks if args.device == "cpu" and s.cpu_refusal]
+    for suite in refused:
+        print(
+            f"moelora validate: --suite {suite.name} needs a CUDA device: {suite.cpu_refusal}. "
+            "Fix: run it on a GPU machine (without --device cpu)",
+            file=sys.stderr,
+        )
+    if refused:
+        return EXIT_USAGE
     if args.device == "cpu":  # before any kernel import, as demo does
         os.environ.setdefault("TRITON_INTERPRET", "1")
     tokens = _tokens(args.tokens, args.device)
     if args.rank < 1:
         raise ConfigError("--rank", args.rank, "a LoRA rank >= 1", "e.g. --rank 16")
     backends = _backends(args.backends)
+    for suite in checks:  # every setting refused before anything runs
+        if suite.check_args is not None:
+            suite.check_args(args, args.device)
+    layer_suites = [name for name in args.suite if name in LAYER_SUITES]
+    failures = 0
+    if not checks or layer_suites or args.lora_sweep:
+        failures += _layer_table(args, tokens, backends)
+    for suite in checks:
+        for name in backends if suite.uses_backend else backends[:1]:
+            failures += run_suite(suite, args, args.device, name)
+    return EXIT_FAILED if failures else EXIT_OK
+
+
+def _layer_table(args: argparse.Namespace, tokens: tuple[int, ...], backends: list[str]) -> int:
+    """Every backend, model and case of the table, one line each; returns the failures."""
     models = (args.models or ",".join(MODELS if args.device == "cuda" else CPU_MODELS)).split(",")
     cases = sweep_cases(tokens, args.rank) if args.quick else default_cases(tokens, args.rank)
-    for suite in dict.fromkeys(args.suite + ["lora-sweep"] * args.lora_sweep):
-        cases += SUITES[suite]()
+    layer_suites = [name for name in args.suite if name in LAYER_SUITES]
+    for suite in dict.fromkeys(layer_suites + ["lora-sweep"] * args.lora_sweep):
+        cases += LAYER_SUITES[suite]()
     if args.device != "cuda":  # no graphs, and no case larger than the largest T asked for
         capped = (dataclasses.replace(c, tokens=min(c.tokens, max(tokens))) for c in cases)
         cases = list(dict.fromkeys(c for c in capped if not c.graphs))
@@ -423,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     print(f"validate: {total - failures}/{total} passed" + ("" if not failures else " — FAILURES"))
-    return EXIT_FAILED if failures else EXIT_OK
+    return failures
 
 
 def _run_one(name, model_name, model, weights, case, device, args) -> bool:
