@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call for the transformers integration: the main job on the GPU, the CUDA-graph /
-# torch.compile checks, the model-level benchmark and the HF + PEFT peer in the same run.
+# torch.compile checks (`moelora validate --suite hf`), the model-level benchmark and the HF + PEFT peer in the same run.
 # Usage (device tool, .peer carried): MOELORA_COMMIT=<sha> bash scripts/gpu_hf.sh
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 timeout ${GEN_S:-120} $PY -m moelora generate 2>&1 | tee "$OUT/generate.log"; echo "generate exit: ${PIPESTATUS[0]}"
-PYTHONPATH=. timeout ${CHECK_S:-120} $PY scripts/gpu_hf_check.py 2>&1 | tee "$OUT/hf_check.log"; echo "hf check exit: ${PIPESTATUS[0]}"
+timeout ${CHECK_S:-120} $PY -m moelora validate --suite hf 2>&1 | tee "$OUT/hf_check.log"; echo "hf check exit: ${PIPESTATUS[0]}"
 timeout ${BENCH_S:-200} $PY -m benchmarks.hf_generate --layers 4 --batches ${BATCHES:-1,16,64} \
   --json "$OUT/hf_generate.json" 2>&1 | grep -v Warning | tee "$OUT/hf_generate.log"; echo "bench exit: ${PIPESTATUS[0]}"
 if [ -d .peer ]; then

@@ -1,7 +1,7 @@
 """The decode-graph cache's policy (moelora/hf/graphs.py), on CPU with a stand-in for the
 CUDA capture: a shape runs directly at its first call, is captured at its second, replayed
 after that with the call's own inputs copied in; entries are per thread and bounded (LRU).
-The capture itself runs on the GPU only (scripts/gpu_hf_check.py)."""
+The capture itself runs on the GPU only (`moelora validate --suite hf`)."""
 
 from __future__ import annotations
 
