@@ -20,7 +20,7 @@ from moelora import cli
 from moelora.backends.checks import validation_status
 from moelora.backends.registry import REGISTRY
 from moelora.commands import demo as demo_cmd
-from moelora.commands import validate as validate_cmd
+from moelora.commands import validate_table
 from moelora.commands.cpu_cost import demo_cost
 from moelora.deployment import Deployment
 from moelora.device import target
@@ -349,12 +349,12 @@ def test_demo_warns_with_an_estimate_before_it_starts():
 
 def test_validate_on_cpu_defaults_to_seconds_and_warns_above(capsys, monkeypatch):
     ran = []
-    monkeypatch.setattr(validate_cmd, "_run_one", lambda *a: ran.append((a[1], a[4])) or True)
-    monkeypatch.setattr(validate_cmd, "build_experts", lambda *a: None)
+    monkeypatch.setattr(validate_table, "_run_one", lambda *a: ran.append((a[1], a[4])) or True)
+    monkeypatch.setattr(validate_table, "build_experts", lambda *a: None)
     code, _, err = in_process(capsys, "validate", "--device", "cpu")
     assert code == 0 and err == ""
-    assert {m for m, _ in ran} == set(validate_cmd.CPU_MODELS)
-    assert max(case.tokens for _, case in ran) == max(validate_cmd.CPU_TOKENS) == 16
+    assert {m for m, _ in ran} == set(validate_table.CPU_MODELS)
+    assert max(case.tokens for _, case in ran) == max(validate_table.CPU_TOKENS) == 16
     ran.clear()
     code, _, err = in_process(capsys, "validate", "--device", "cpu", "--models", "qwen3-30b-a3b")
     assert code == 0 and "moelora validate: warning:" in err and "take about" in err

@@ -91,7 +91,7 @@ def test_padding_garbage_fails_a_computation_that_reads_past_the_rank() -> None:
 
     import torch
 
-    from moelora.commands.validate import with_dtype
+    from moelora.commands.validate_table import with_dtype
     from moelora.compare import compare
     from moelora.inputs import build_bank, build_experts, build_inputs, with_padding_garbage
     from moelora.presets import resolve_model

@@ -87,7 +87,7 @@ def test_check_suites_replace_the_table_unless_a_layer_suite_is_named(
     suites, table, checks, monkeypatch
 ) -> None:
     ran, tables = [], []
-    monkeypatch.setattr(validate_cmd, "_layer_table", lambda *a: tables.append(a) or 0)
+    monkeypatch.setattr(validate_cmd, "layer_table", lambda *a: tables.append(a) or 0)
     monkeypatch.setattr(validate_cmd, "run_suite", lambda s, *a: ran.append(s.name) or 0)
     argv = [*CPU, "--models", "tiny"] + [a for s in suites for a in ("--suite", s)]
     assert cli.main(argv) == 0

@@ -59,18 +59,25 @@ def stamp(ceil: Ceilings | None) -> dict:
     return out
 
 
-def time_graph(fwd, static, sets, iters: int) -> float:
-    """Median ms of graph replays of fwd(*static); before each, one of `sets` is copied into
-    the static buffers and L2 is flushed (outside the events)."""
+def capture_graph(fwd, static, warmups: int) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, its output) of fwd(*static) captured on the current stream, after `warmups`
+    calls on a side stream (they compile the kernels and allocate outside the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):
+        for _ in range(warmups):
             fwd(*static)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fwd(*static)
+        out = fwd(*static)
+    return graph, out
+
+
+def time_graph(fwd, static, sets, iters: int) -> float:
+    """Median ms of graph replays of fwd(*static); before each, one of `sets` is copied into
+    the static buffers and L2 is flushed (outside the events)."""
+    graph, _ = capture_graph(fwd, static, warmups=2)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     times = []
     for i in range(iters + 3):

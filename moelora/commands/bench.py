@@ -64,37 +64,20 @@ def add_parser(subparsers) -> None:
 
 def select_backend(name: str, case):
     """The backend `name` through the oracle, for exactly what the case times (its model,
-    this GPU, LoRA with the case's slots and bank rank, CUDA graphs): a backend the oracle
-    would refuse is never timed (the refusal raises, naming the failing capabilities)."""
-    import logging
-
-    from ..config import AddInputs, LoRAConfig
-    from ..deployment import Deployment
+    this GPU, LoRA with the case's slots and bank rank, CUDA graphs)."""
     from ..device import probe
-    from ..oracle import select
     from ..presets import resolve_model
+    from .case_backend import case_backend
 
-    lora = LoRAConfig(
-        enabled=True,
-        max_rank=case.max_rank,
-        max_loras=case.adapters,
-        add_inputs=AddInputs.OVERWRITE,  # forward without `out` writes y
-    )
-    deployment = Deployment.for_model(
+    return case_backend(
+        name,
         resolve_model(case.model),
-        device=probe(),
-        lora=lora,
+        probe(),
+        adapters=case.adapters,
+        max_rank=case.max_rank,
         cuda_graphs=True,
-        backend=name,
         quantization=case.quantization,
     )
-    oracle_log = logging.getLogger("moelora.oracle")
-    level = oracle_log.level
-    oracle_log.setLevel(logging.WARNING)  # one selection per case: keep the output short
-    try:
-        return select(deployment).backend
-    finally:
-        oracle_log.setLevel(level)
 
 
 def select_cases(cases: list, tokens: str | None, pieces: str | None) -> list:

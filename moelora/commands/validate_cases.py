@@ -6,6 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "nemotron-h", "gpt-oss-20b")
+# On a cpu every kernel runs through Triton's interpreter: the two small presets (gated
+# and non-gated), T = 1 (decode), 7 and 16, every case capped at the largest T: 9 cases per
+# model, about 20 s for both on the shared 2-core CPU machine (with T 64: 30 s; the GPU
+# defaults: hours).
+CPU_MODELS = ("tiny", "tiny-relu2")
+CPU_TOKENS = (1, 7, 16)
 TOKENS = (1, 2, 7, 16, 64, 255, 1024, 4096, 16384)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ...bench.runner import capture_graph
 from ...compare import compare
 from .suite import CheckSuite, Outcome, Verdict
 
@@ -69,14 +70,7 @@ def graph_verdicts(handle, module, x, ids, w) -> Iterator[Verdict]:
     key = module._moelora_key
     with handle._call(ROWS, len(ROWS)) as current:
         eager = experts.experts_op(x, ids, w, key)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm the kernels outside the capture
-            experts.experts_op(x, ids, w, key)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = experts.experts_op(x, ids, w, key)
+        graph, captured = capture_graph(experts.experts_op, (x, ids, w, key), warmups=1)
         graph.replay()
         torch.cuda.synchronize()
         same = torch.equal(captured, eager)
