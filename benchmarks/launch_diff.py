@@ -60,24 +60,21 @@ def _value(v):
 
 
 @contextlib.contextmanager
-def _recorded():
+def kernels_recording(on_launch):
+    """Every moelora.kernels `*_kernel` JIT function calls on_launch(fn, grid, kwargs) for
+    each launch instead of running (tests/sm90_launches.py records with it too)."""
     from triton.runtime.jit import JITFunction
 
     import moelora.kernels as pkg
 
-    calls, swapped = [], []
+    swapped = []
 
     class Recorder:
         def __init__(self, fn):
             self.fn = fn
 
         def __getitem__(self, grid):
-            def launch(**kwargs):
-                g = grid(kwargs) if callable(grid) else grid
-                rec = {k: _value(v) for k, v in sorted(kwargs.items())}
-                calls.append([self.fn.__name__, list(g), rec])
-
-            return launch
+            return lambda **kwargs: on_launch(self.fn, grid, kwargs)
 
     for info in pkgutil.iter_modules(pkg.__path__):
         module = importlib.import_module(f"{pkg.__name__}.{info.name}")
@@ -86,10 +83,23 @@ def _recorded():
                 swapped.append((module, name, obj))
                 setattr(module, name, Recorder(obj))
     try:
-        yield calls
+        yield
     finally:
         for module, name, obj in swapped:
             setattr(module, name, obj)
+
+
+@contextlib.contextmanager
+def _recorded():
+    """Yields the list of launches: [kernel name, grid, {argument: _value}]."""
+    calls = []
+
+    def record(fn, grid, kwargs):
+        g = grid(kwargs) if callable(grid) else grid
+        calls.append([fn.__name__, list(g), {k: _value(v) for k, v in sorted(kwargs.items())}])
+
+    with kernels_recording(record):
+        yield calls
 
 
 def _entry():

@@ -20,11 +20,10 @@ Run in a child process with TRITON_INTERPRET=0 (tests/sm90_child.py).
 from __future__ import annotations
 
 import contextlib
-import importlib
-import pkgutil
 
 import torch
 
+from benchmarks.launch_diff import kernels_recording
 from moelora.call import MoECall
 
 SM90 = ("cuda", 90, 32)
@@ -35,30 +34,9 @@ NOT_COMPILED = ("_align_kernel", "_topk_reduce_kernel")  # no LoRA tiles, no pip
 def _recorded():
     """Every moelora.kernels `*_kernel` JIT function records its launches instead of
     running; yields the list of (kernel, kwargs)."""
-    from triton.runtime.jit import JITFunction
-
-    import moelora.kernels as pkg
-
-    calls, swapped = [], []
-
-    class Recorder:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda **kwargs: calls.append((self.fn, kwargs))
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        for name, obj in list(vars(module).items()):
-            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
-                swapped.append((module, name, obj))
-                setattr(module, name, Recorder(obj))
-    try:
+    calls = []
+    with kernels_recording(lambda fn, grid, kwargs: calls.append((fn, kwargs))):
         yield calls
-    finally:
-        for module, name, obj in swapped:
-            setattr(module, name, obj)
 
 
 def forward_launches(
