@@ -4,10 +4,7 @@
 # Usage (device tool, .peer carried): MOELORA_COMMIT=<sha> bash scripts/gpu_check.sh [quick]
 # Knobs: VALIDATE_S / PEER_S / BENCH_S (step time limits), VALIDATE_MODELS (quick mode's
 # models, comma-separated), TOKENS, ITERS / PEER_ITERS.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 MODE=${1:-full}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
   --format=csv 2>&1 | tee "$OUT/gpu.txt"

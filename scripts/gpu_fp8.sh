@@ -9,10 +9,7 @@
 # fp8_bench_{qwen3,deepseek-v3}.json + bench_{qwen3,deepseek-v3}.log.
 # Usage (device tool): MOELORA_COMMIT=<sha> bash scripts/gpu_fp8.sh
 # Knobs: VALIDATE_S / BENCH_S (each step's limit; 0 skips it), VALIDATE_MODELS, ITERS.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
   --format=csv 2>&1 | tee "$OUT/gpu.txt"

@@ -2,10 +2,8 @@
 # One GPU call for the transformers integration: the main job on the GPU, the CUDA-graph /
 # torch.compile checks (`moelora validate --suite hf`), the model-level benchmark and the HF + PEFT peer in the same run.
 # Usage (device tool, .peer carried): MOELORA_COMMIT=<sha> bash scripts/gpu_hf.sh
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-PY=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+export HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 timeout ${GEN_S:-120} $PY -m moelora generate 2>&1 | tee "$OUT/generate.log"; echo "generate exit: ${PIPESTATUS[0]}"

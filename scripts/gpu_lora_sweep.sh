@@ -12,23 +12,13 @@
 # Usage (device tool, .peer carried, vendor/ fetched): MOELORA_COMMIT=<sha> bash scripts/gpu_lora_sweep.sh
 # Knobs: TOTAL_S (570), VALIDATE_S / BENCH_S / CEILING_S / PEER_S (each step's limit; 0
 # skips it), ITERS / PEER_ITERS (timed replays), PEERS (LxR:T,T,... entries, space separated).
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-TOTAL_S=${TOTAL_S:-570}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 REPORT_S=${REPORT_S:-15}
 
-# seconds a step may take: its own limit, capped by what is left before the deadline
-# (less the report's share); 0 when under 20 s would be left for it
-budget() {
-  local left=$((TOTAL_S - SECONDS - REPORT_S))
-  local want=$(( $1 < left ? $1 : left ))
-  echo $(( want < 20 ? 0 : want ))
-}
-# step NAME LIMIT LOG CMD...: runs CMD under its budget, output tee'd to $OUT/LOG
+# step NAME LIMIT LOG CMD...: runs CMD under its budget (the report's share kept), output
+# tee'd to $OUT/LOG
 step() {
-  local name=$1 limit; limit=$(budget "$2"); local log=$3; shift 3
+  local name=$1 limit; limit=$(budget "$2" "$REPORT_S"); local log=$3; shift 3
   if [ "$limit" -eq 0 ]; then echo "$name: skipped (no time left, or its limit is 0)"; return; fi
   echo "== $name (limit ${limit}s, ${SECONDS}s into the call)"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$log"

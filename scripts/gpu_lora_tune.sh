@@ -12,11 +12,7 @@
 #   TOTAL_S (the call's deadline, 570: no tune starts that could not end before it; the
 #   device tool stops a call at 600 s), SLACK_S (a tune's limit past its budget: model
 #   load and the step in flight when the budget ends, 45).
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-TOTAL_S=${TOTAL_S:-570}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 SLACK_S=${SLACK_S:-45}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv \
   > "$OUT/gpu.txt" 2>&1
@@ -24,14 +20,13 @@ start=(${TABLE_IN:+--table-in "$TABLE_IN"})
 table=${TABLE_IN:-}
 for class in ${CLASSES:-8x128 8x256 64x16 128x16}; do
   slots=${class%x*}; rank=${class#*x}
-  left=$((TOTAL_S - SECONDS - SLACK_S))
-  budget=$(( ${TUNE_S:-100} < left ? ${TUNE_S:-100} : left ))
-  if [ "$budget" -lt 20 ]; then echo "$class: skipped (under 20 s left before TOTAL_S)"; continue; fi
+  limit=$(budget "${TUNE_S:-100}" "$SLACK_S")
+  if [ "$limit" -eq 0 ]; then echo "$class: skipped (under 20 s left before TOTAL_S)"; continue; fi
   next="$OUT/table_$class.json"
-  echo "== $class: $slots adapters of rank $rank, budget ${budget}s, ${SECONDS}s into the call"
-  timeout $((budget + SLACK_S)) $PY -m benchmarks.tune --model "${MODEL:-qwen3-30b-a3b}" \
+  echo "== $class: $slots adapters of rank $rank, budget ${limit}s, ${SECONDS}s into the call"
+  timeout $((limit + SLACK_S)) $PY -m benchmarks.tune --model "${MODEL:-qwen3-30b-a3b}" \
     --adapters "$slots" --rank "$rank" --tokens "${TOKENS:-256,4096,16384}" \
-    --search "${SEARCH:-quick}" --budget-s "$budget" "${start[@]}" --out "$next" \
+    --search "${SEARCH:-quick}" --budget-s "$limit" "${start[@]}" --out "$next" \
     --json "$OUT/tune_$class.json" "$@" > "$OUT/tune_$class.log" 2>&1
   echo "$class tune exit: $?"; grep -E "^T=|start |heuristic |budget|skipped|tune:" "$OUT/tune_$class.log"
   if [ -s "$next" ]; then

@@ -10,10 +10,7 @@
 #   nemotron-h) it is skipped and the bench runs without peer columns.
 # Knobs: TOKENS (a subset of the suite's T for the peer, benches and tune), TUNE_TOKENS
 #   (default: those T, largest first), TUNE_S, ITERS, BENCH_S, PEER_S.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 SUITE=${1:?usage: gpu_model.sh SUITE}
 read -r MODEL TOKENS PEER_ARGS < <($PY - "$SUITE" "${TOKENS:-}" <<'PYEOF'
 import sys

@@ -6,10 +6,7 @@
 # Usage (device tool): MOELORA_COMMIT=<sha> bash scripts/gpu_tune.sh [extra tune args]
 #   e.g. `--tokens 1024,4096,16384` to re-tune some T only (other rows are kept).
 # Knobs: TUNE_S / VALIDATE_S / BENCH_S (step time limits), TOKENS (bench T list).
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 budget=${TUNE_S:-300}
 timeout $((budget + 30)) $PY -m benchmarks.tune --budget-s "$budget" --out "$OUT/h200_table.json" \
   --json "$OUT/tune.json" "$@" > "$OUT/tune.log" 2>&1
