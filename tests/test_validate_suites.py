@@ -157,3 +157,12 @@ def test_hf_suite_runs_torch_compile_on_a_cpu(capsys) -> None:
     for case in ("graph replay", "graph follows slots", "decode graphs"):
         assert f"not run {case}: needs a CUDA device" in out
     assert "validate --suite hf (triton): 1/1 passed" in out
+
+
+def test_hf_suite_refuses_without_peft_before_anything_runs(monkeypatch, capsys) -> None:
+    from moelora.commands.validate_suites import hf
+
+    monkeypatch.setattr(hf, "installed_packages", lambda: frozenset({"torch", "transformers"}))
+    assert cli.main([*CPU, "--suite", "hf"]) == 2
+    out, err = capsys.readouterr()
+    assert "peft missing" in err and "pip install 'moelora[hf]'" in err and out == ""

@@ -26,6 +26,8 @@ import torch
 
 from ...bench.runner import capture_graph
 from ...compare import compare
+from ...device import installed_packages
+from ...errors import ConfigError
 from .suite import CheckSuite, Outcome, Verdict
 
 ADAPTERS = ("fused-r8", "fused-r2")  # experts-only adapters of toy.demo_adapters
@@ -165,6 +167,14 @@ def run(args: argparse.Namespace, device: str, backend: str) -> Iterator[Verdict
             yield Verdict(case, Outcome.NOT_RUN, "needs a CUDA device (CUDA graphs)")
 
 
+def check_packages(args: argparse.Namespace, device: str) -> None:
+    """Refuse before anything runs when transformers or peft is missing."""
+    missing = sorted({"transformers", "peft"} - installed_packages())
+    if missing:
+        raise ConfigError("--suite", "hf", f"transformers and peft installed ({', '.join(missing)} "
+                          "missing)", "pip install 'moelora[hf]'")  # fmt: skip
+
+
 SUITE = CheckSuite(
     name="hf",
     summary="the transformers integration: a CUDA graph around the expert op with changing "
@@ -172,4 +182,5 @@ SUITE = CheckSuite(
     "torch.compile only)",
     cpu_refusal=None,
     run=run,
+    check_args=check_packages,
 )
