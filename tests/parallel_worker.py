@@ -23,15 +23,14 @@ from moelora import (
     ParallelConfig,
     RoutingConfig,
     RoutingMethod,
-    moe_lora_reference,
     random_expert_weights,
     random_lora_bank,
     route,
 )
+from moelora.commands.validate_suites.layouts import parallel_vs_reference
 from moelora.compare import compare, poison_
 from moelora.deployment import Deployment
 from moelora.device import target
-from moelora.parallel import ParallelMoELoRALayer
 
 SOFTMAX = RoutingConfig(RoutingMethod.SOFTMAX_TOPK, renormalize=True)
 
@@ -96,22 +95,11 @@ def _run_case(case: Case, seed: int) -> tuple[float, float]:
         lora=lora_cfg,
         backend=case.backend,
     )
-    layer = ParallelMoELoRALayer(deployment, experts)
-    bank_in = layer.shard_bank(bank) if case.lora else None
-    slots_in = slots if case.lora else None
     prior = torch.randn(11, 32, generator=torch.Generator().manual_seed(seed + 1))
     out = prior.clone() if case.add_inputs is AddInputs.ADD else poison_(torch.empty(11, 32))
-    layer(x, ids, wts, slots_in, bank_in, out=out, add_inputs=case.add_inputs)
-    on_input = case.routing.method.weights_on_input
-    ref = moe_lora_reference(
-        x,
-        ids,
-        wts,
-        slots_in,
-        experts,
-        bank if case.lora else None,
-        shape,
-        weights_on_input=on_input,
+    bank_in, slots_in = (bank, slots) if case.lora else (None, None)
+    out, ref = parallel_vs_reference(
+        deployment, experts, bank_in, x, ids, wts, slots_in, out=out, add_inputs=case.add_inputs
     )
     if case.add_inputs is AddInputs.ADD:
         ref = ref + prior

@@ -166,3 +166,30 @@ def test_hf_suite_refuses_without_peft_before_anything_runs(monkeypatch, capsys)
     assert cli.main([*CPU, "--suite", "hf"]) == 2
     out, err = capsys.readouterr()
     assert "peft missing" in err and "pip install 'moelora[hf]'" in err and out == ""
+
+
+def test_parallel_suite_runs_two_gloo_processes_on_a_cpu(monkeypatch, capsys) -> None:
+    """Two layouts (the runs are made here and handed to the spawned processes): fully
+    sharded TP and EP, each with the triton backend (interpreted, fp32) and the reference
+    backend, every row against the single-process reference."""
+    from moelora.commands.validate_suites import parallel
+
+    keep = [c for c in parallel.CASES if c[0] in ("fs-tp2-silu", "ep2-silu")]
+    monkeypatch.setattr(parallel, "CASES", keep)
+    assert cli.main([*CPU, "--suite", "parallel", "--seed", "7"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("  pass ")]
+    assert len(rows) == 4 and all("against the single-process reference" in r for r in rows)
+    assert {r.split()[1] for r in rows} == {"triton", "reference"}
+    assert "validate --suite parallel (triton): 4/4 passed" in out
+
+
+def test_parallel_suite_refuses_fewer_gpus_than_processes(monkeypatch) -> None:
+    import torch
+
+    from moelora.commands.validate_suites import parallel
+    from moelora.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="2 GPUs .one per process; found 1"):
+        parallel.check_gpus(None, "cuda")

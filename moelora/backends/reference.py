@@ -36,7 +36,8 @@ VALIDATED_ON = (
                "tests/test_quant_reference.py", frozenset(Quantization)),
     Validation("NVIDIA H200", "cuda", (9, 0), ALL_DTYPES, "2026-11-30",
                "the comparison side of every moelora validate run there (bf16, fp16 and fp32 "
-               "inputs), and its own fp32 layouts in scripts/parallel_gpu_check.py over NCCL",
+               "inputs), and its own fp32 layouts over NCCL (the check of "
+               "`moelora validate --suite parallel`)",
                "docs/history/benchmarks.md, 2026-11-30"),
 )  # fmt: skip
 

@@ -10,9 +10,10 @@ garbage past each slot's real rank, eager and graphs. Adapters alternate rank R 
 (zero-padded) unless a case names each slot's rank, and every (L+1)-th token has slot -1.
 The cases are validate_cases.py's.
 
---suite slots | hf | serving run a check suite instead of the layer table (validate_suites/:
-the slot manager under queued GPU work, the transformers integration, serving hot and cold
-adapters); named with a layer suite, the table runs too.
+--suite slots | hf | serving | parallel run a check suite instead of the layer table
+(validate_suites/: the slot manager under queued GPU work, the transformers integration,
+serving hot and cold adapters, the parallel layouts over two processes); named with a layer
+suite, the table runs too.
 """
 
 from __future__ import annotations
