@@ -191,5 +191,5 @@ def test_parallel_suite_refuses_fewer_gpus_than_processes(monkeypatch) -> None:
     from moelora.errors import ConfigError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ConfigError, match="2 GPUs .one per process; found 1"):
+    with pytest.raises(ConfigError, match=r"2 GPUs \(one per process; found 1\)"):
         parallel.check_gpus(None, "cuda")
