@@ -28,7 +28,7 @@ def case_backend(
     lora = LoRAConfig(
         enabled=adapters > 0,
         max_rank=max_rank,
-        max_loras=max(1, adapters),
+        num_slots=max(1, adapters),
         add_inputs=AddInputs.OVERWRITE,  # forward without `out` writes y
     )
     deployment = Deployment.for_model(

@@ -102,7 +102,7 @@ def layout_run(layout: Layout, sizes: Sizes, device: str, seed: int) -> Comparis
         routing=layout.routing,
         device=probe() if device == "cuda" else probe("cpu"),
         parallel=layout.parallel,
-        lora=LoRAConfig(enabled=True, max_rank=s.rank, max_loras=s.slots),
+        lora=LoRAConfig(enabled=True, max_rank=s.rank, num_slots=s.slots),
         backend=layout.backend,
         name=layout.id,
     )

@@ -117,7 +117,7 @@ def build_layers(setup: Setup, model: ModelConfig, backend: str, dev: torch.devi
     """One MoELoRALayer per kept MoE layer, random experts drawn on the device."""
     shape = model.shape
     facts: DeviceFacts = probe() if dev.type == "cuda" else target("cpu")
-    lora = LoRAConfig(enabled=True, max_rank=setup.rank, max_loras=setup.slots)
+    lora = LoRAConfig(enabled=True, max_rank=setup.rank, num_slots=setup.slots)
     deployment = Deployment(shape=shape, routing=model.routing, device=facts, lora=lora,
                             backend=backend, name=model.name)  # fmt: skip
     g = torch.Generator(device=dev).manual_seed(setup.seed)
