@@ -10,12 +10,10 @@
 # seen). Budgets (seconds; EXAMPLE_S 60 + BENCH_S 500 stay under the tool's 600 per command):
 # BENCH_S the whole bench, BUDGET_S its layouts' share (layouts past it are skipped, their
 # plan verdict kept); MODELS, TOKENS, ITERS, LAYOUTS pass through to the bench.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 # NVLink multicast stays off, also in torchrun's children (KINDS.md: it can take the host's
 # GPUs out of service)
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PYTHON:-python3}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 N=$($PY -c 'import torch; print(torch.cuda.device_count())')
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())" 2>&1 | tee -a "$OUT/gpu.txt"
