@@ -19,11 +19,14 @@ from moelora.commands.validate_suites import CheckSuite, Outcome, Verdict, run_s
 CPU = ["validate", "--device", "cpu"]
 
 
-def test_slots_suite_refuses_a_cpu_naming_what_it_needs(capsys) -> None:
-    code = cli.main([*CPU, "--suite", "slots"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: asked for, none here
+def test_slots_suite_refuses_a_cpu_naming_what_it_needs(device, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(validate_cmd.torch.cuda, "is_available", lambda: False)
+    code = cli.main(["validate", "--device", device, "--suite", "slots"])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""  # nothing ran
     assert "--suite slots needs a CUDA device" in err and "queued behind a released lease" in err
+    assert "--device cpu (Triton" not in err  # no hint at a CPU run it would refuse
 
 
 # (id, verdict function, its inputs, expected outcome): what each slots case calls a pass

@@ -167,16 +167,9 @@ def _backends(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            "moelora validate: --device cuda: no CUDA device here. Fix: run it on a GPU "
-            f"machine, or pass --device cpu (Triton's interpreter; {','.join(CPU_MODELS)} at "
-            "small T by default, seconds)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     checks = [CHECK_SUITES[name] for name in dict.fromkeys(args.suite) if name in CHECK_SUITES]
-    refused = [s for s in checks if args.device == "cpu" and s.cpu_refusal]
+    no_gpu = args.device == "cpu" or not torch.cuda.is_available()
+    refused = [s for s in checks if no_gpu and s.cpu_refusal]
     for suite in refused:
         print(
             f"moelora validate: --suite {suite.name} needs a CUDA device: {suite.cpu_refusal}. "
@@ -184,6 +177,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if refused:
+        return EXIT_USAGE
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "moelora validate: --device cuda: no CUDA device here. Fix: run it on a GPU "
+            f"machine, or pass --device cpu (Triton's interpreter; {','.join(CPU_MODELS)} at "
+            "small T by default, seconds)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.device == "cpu":  # before any kernel import, as demo does
         os.environ.setdefault("TRITON_INTERPRET", "1")
