@@ -178,6 +178,28 @@ class Layer:
             return None
 
 
+class Coordinate:
+    """A coordinate search's state: the best config so far and its time (None: it failed),
+    the start's time, and `log`, where every measured config goes (in order)."""
+
+    def __init__(self, layer: Layer, lora: bool, log: list, start: TileConfig) -> None:
+        self.layer, self.lora, self.log = layer, lora, log
+        self.best, self.best_ms = start, None
+        self.measure(start)
+        self.base_ms = self.best_ms
+
+    def measure(self, cfg: TileConfig) -> None:
+        ms = self.layer.measure(cfg, self.lora)
+        self.log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
+        if cfg is self.best or (ms is not None and (self.best_ms is None or ms < self.best_ms)):
+            self.best, self.best_ms = cfg, ms
+
+    def consider(self, cfg: TileConfig) -> None:
+        """Measure cfg unless it is the best already; keep it when faster."""
+        if cfg != self.best:
+            self.measure(cfg)
+
+
 def search(
     layer: Layer,
     start: TileConfig,
@@ -190,57 +212,45 @@ def search(
     first and the search continues from the fastest. quick (--search quick): the starts,
     the up tiles of the size class, BLOCK_M halved / doubled and the LoRA knobs only (no
     down tiles, no layout knobs): about half the candidates, for class tunes."""
-    best, best_ms = start, layer.measure(start, lora)
-    base_ms = best_ms
-    log.append(dict(cfg=dataclasses.asdict(start), ms=best_ms))
-
-    def consider(cfg: TileConfig) -> None:
-        nonlocal best, best_ms
-        if cfg == best:
-            return
-        ms = layer.measure(cfg, lora)
-        log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
-        if ms is not None and (best_ms is None or ms < best_ms):
-            best, best_ms = cfg, ms
-
+    c = Coordinate(layer, lora, log, start)
     for cfg in other_starts:
-        consider(cfg)
-    for up in UP[_size(best.block_m)]:
-        consider(dataclasses.replace(best, up=GemmTiles(*up)))
-    for down in () if quick else DOWN[_size(best.block_m)]:
-        consider(dataclasses.replace(best, down=GemmTiles(*down)))
-    for bm in (best.block_m // 2, best.block_m * 2):
+        c.consider(cfg)
+    for up in UP[_size(c.best.block_m)]:
+        c.consider(dataclasses.replace(c.best, up=GemmTiles(*up)))
+    for down in () if quick else DOWN[_size(c.best.block_m)]:
+        c.consider(dataclasses.replace(c.best, down=GemmTiles(*down)))
+    for bm in (c.best.block_m // 2, c.best.block_m * 2):
         if 16 <= bm <= 128:
-            consider(dataclasses.replace(best, block_m=bm))
+            c.consider(dataclasses.replace(c.best, block_m=bm))
     if lora:
         for knob, values in TUNED_LORA.items():
             for v in values:
-                consider(dataclasses.replace(best, **{knob: v}))
+                c.consider(dataclasses.replace(c.best, **{knob: v}))
         for on in itertools.product((False, True), repeat=len(DELTA_KNOBS)):
             if any(on):  # lora_delta plus each combination of its knobs
-                consider(dataclasses.replace(best, lora_delta=True, **dict(zip(DELTA_KNOBS, on))))
+                c.consider(
+                    dataclasses.replace(c.best, lora_delta=True, **dict(zip(DELTA_KNOBS, on)))
+                )
     if quick:
-        print(f"    start {base_ms} ms -> {best_ms} ms  {best}  (quick)")
-        return best, base_ms
+        print(f"    start {c.base_ms} ms -> {c.best_ms} ms  {c.best}  (quick)")
+        return c.best, c.base_ms
     # z layout, then TMA in the down GEMM (which needs the sorted layout)
-    consider(dataclasses.replace(best, z_sorted=not best.z_sorted, down_tma=False))
-    consider(dataclasses.replace(best, z_sorted=True, down_tma=True))
+    c.consider(dataclasses.replace(c.best, z_sorted=not c.best.z_sorted, down_tma=False))
+    c.consider(dataclasses.replace(c.best, z_sorted=True, down_tma=True))
     for half_tail in HALF_TAIL:
-        consider(dataclasses.replace(best, half_tail=half_tail))
-    consider(dataclasses.replace(best, up_tma=not best.up_tma))
-    if not (best.lora_delta and best.delta_in_reduce) and not best.lora_stream:
+        c.consider(dataclasses.replace(c.best, half_tail=half_tail))
+    c.consider(dataclasses.replace(c.best, up_tma=not c.best.up_tma))
+    if not (c.best.lora_delta and c.best.delta_in_reduce) and not c.best.lora_stream:
         # atomic_reduce is a no-op with the reduce adding the down delta (tiling/plan.py)
-        consider(dataclasses.replace(best, atomic_reduce=not best.atomic_reduce))
-    print(f"    heuristic {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
-    return best, base_ms
+        c.consider(dataclasses.replace(c.best, atomic_reduce=not c.best.atomic_reduce))
+    print(f"    heuristic {c.base_ms:.4f} ms -> {c.best_ms:.4f} ms  {c.best}")
+    return c.best, c.base_ms
 
 
 def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
     """--knobs-only: a coordinate search over the knobs alone (LoRA knobs, z layout / TMA,
     half-height tails) from `start`, the committed row, its tiles kept."""
-    best, best_ms = start, layer.measure(start, lora)
-    base_ms = best_ms
-    log.append(dict(cfg=dataclasses.asdict(start), ms=best_ms))
+    c = Coordinate(layer, lora, log, start)
     steps = [("half_tail", v) for v in HALF_TAIL]
     steps += [("z_sorted", not start.z_sorted), ("down_tma", not start.down_tma)]
     steps += [("up_tma", not start.up_tma), ("atomic_reduce", not start.atomic_reduce)]
@@ -248,6 +258,7 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
         steps += [(k, v) for k, values in TUNED_LORA.items() for v in values]
         steps += [(k, v) for k in DELTA_KNOBS for v in (False, True)]
     for knob, value in steps:
+        best = c.best
         if knob in DELTA_KNOBS and not best.lora_delta:
             continue  # each acts only with lora_delta
         if knob == "atomic_reduce" and (
@@ -257,14 +268,10 @@ def search_knobs(layer: Layer, start: TileConfig, lora: bool, log: list):
         cfg = dataclasses.replace(best, **{knob: value})
         if knob == "down_tma" and value:
             cfg = dataclasses.replace(cfg, z_sorted=True)
-        if cfg == best or (knob == "z_sorted" and cfg.down_tma):
-            continue  # the same config (down_tma implies z_sorted)
-        ms = layer.measure(cfg, lora)
-        log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
-        if ms is not None and (best_ms is None or ms < best_ms):
-            best, best_ms = cfg, ms
-    print(f"    committed {base_ms:.4f} ms -> {best_ms:.4f} ms  {best}")
-    return best, base_ms
+        if not (knob == "z_sorted" and cfg.down_tma):  # down_tma implies z_sorted
+            c.consider(cfg)
+    print(f"    committed {c.base_ms:.4f} ms -> {c.best_ms:.4f} ms  {c.best}")
+    return c.best, c.base_ms
 
 
 def search_decode(
@@ -273,28 +280,21 @@ def search_decode(
     """The decode path's tiles: up candidates, then down candidates, then (LoRA) the x
     shrink's, a coordinate search from `start` when it is a decode config (a committed
     row), else from heuristic.DECODE_TILES."""
-    best = start if start.decode else DECODE_TILES
-    best_ms = layer.measure(best, lora)
-    log.append(dict(cfg=dataclasses.asdict(best), ms=best_ms))
+    c = Coordinate(layer, lora, log, start if start.decode else DECODE_TILES)
     # PDL first (kernels/pdl.py), so the tiles are searched with the launch mode that won
-    steps = [("pdl", not best.pdl)]
+    steps = [("pdl", not c.best.pdl)]
     steps += [("up", GemmTiles(*t)) for t in DECODE_UP]
     steps += [("down", GemmTiles(*t)) for t in DECODE_DOWN]
     if lora:  # rows x BLOCK_K per program of the x shrink
         steps += [("decode_shrink", v) for v in DECODE_SHRINK]
     for field, value in steps:
-        cfg = dataclasses.replace(best, **{field: value})
-        if cfg == best:
-            continue
-        ms = layer.measure(cfg, lora)
-        log.append(dict(cfg=dataclasses.asdict(cfg), ms=ms))
-        if ms is not None and (best_ms is None or ms < best_ms):
-            best, best_ms = cfg, ms
+        c.consider(dataclasses.replace(c.best, **{field: value}))
+    best = c.best
     print(
-        f"    decode path: {best_ms} ms  up {best.up}  down {best.down}  {best.decode_shrink}"
+        f"    decode path: {c.best_ms} ms  up {best.up}  down {best.down}  {best.decode_shrink}"
         f"  pdl={best.pdl}"
     )
-    return best, best_ms
+    return best, c.best_ms
 
 
 # both modes; written only when on
