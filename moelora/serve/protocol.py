@@ -100,14 +100,8 @@ def completion(
         choice = {"index": 0, "message": {"role": "assistant", "content": text}}
     else:
         choice = {"index": 0, "text": text, "logprobs": None}
-    return {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice | {"finish_reason": reason}],
-        "usage": usage,
-    }
+    kind = "chat.completion" if chat else "text_completion"
+    return _response(rid, kind, model, choice, reason) | {"usage": usage}
 
 
 def chunk(
@@ -119,9 +113,15 @@ def chunk(
         choice = {"index": 0, "delta": delta}
     else:
         choice = {"index": 0, "text": text, "logprobs": None}
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return _response(rid, kind, model, choice, reason)
+
+
+def _response(rid: str, kind: str, model: str, choice: dict, reason: str | None) -> dict:
+    """The fields every response and chunk share, in OpenAI's order; one choice."""
     return {
         "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": [choice | {"finish_reason": reason}],
