@@ -3,7 +3,10 @@ torch.profiler over eager calls (L2 flushed before each), next to the whole laye
 CUDA-graph replay time (the difference is launch gaps and graph overhead).
 
 Usage (GPU): python -m benchmarks.profile_layer [--tokens 1,64,1024,4096,16384] [--iters 10]
-             [--model qwen3-30b-a3b] [--json out.json]
+             [--model qwen3-30b-a3b] [--adapters 8] [--rank 16] [--quantization fp8]
+             [--json out.json]
+The +LoRA run takes the config the backend picks for the bank's LoRA class (as `moelora
+bench` runs it); --quantization fp8 profiles block-scaled e4m3 experts.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import json
 
 import torch
 
-from moelora.backends.triton import fused_moe_lora
+from moelora.backends.triton import forward_plan, fused_moe_lora
 from moelora.bench.runner import FLUSH_BYTES, time_graph
 from moelora.call import MoECall
 from moelora.inputs import build_experts, build_inputs, build_lora
 from moelora.presets import resolve_model
+from moelora.quant.formats import resolve_quantization
+from moelora.quant.fp8_experts import quantize_experts
 from moelora.tiling.pick import pick_config
 
 FLUSH_TAG = "bitwise_not"  # the flush kernel's name contains this; it is left out
@@ -55,6 +60,9 @@ def main() -> None:
     p.add_argument("--tokens", default="1,64,1024,4096,16384")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--adapters", type=int, default=8, help="slots of the bank (every token has one)")
+    p.add_argument("--rank", type=int, default=16, help="the bank's rank")
+    p.add_argument("--quantization", default=None, help="the experts' storage (none, fp8)")
     p.add_argument(
         "--lora-base-tiles",
         action="store_true",
@@ -62,26 +70,30 @@ def main() -> None:
     )
     args = p.parse_args()
     model = resolve_model(args.model)
+    quant = resolve_quantization(args.quantization, model.quantization)
     shape = model.shape
     experts = build_experts(model, "cuda")
-    bank = build_lora(model, 8, 16, "cuda")
+    if quant.method.is_fp8:
+        experts = quantize_experts(experts, quant)
+    bank = build_lora(model, args.adapters, args.rank, "cuda")
     dims = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size)
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
-        sets = [build_inputs(model, t, 8, "cuda", seed) for seed in range(2)]
+        sets = [build_inputs(model, t, args.adapters, "cuda", seed) for seed in range(2)]
         for s in sets:
-            s[3].copy_(torch.arange(t, device="cuda") % 8)
-        runs = [("base", None, pick_config(t, *dims)), ("lora", bank, pick_config(t, *dims, True))]
+            s[3].copy_(torch.arange(t, device="cuda") % args.adapters)
+        runs = [("base", None, None), ("lora", bank, None)]
         if args.lora_base_tiles:
-            tiles = dataclasses.replace(
-                pick_config(t, *dims), shrink_split_k=runs[1][2].shrink_split_k
-            )
+            picked = forward_plan(sets[0][0], sets[0][1], experts, bank, shape).tiles
+            tiles = dataclasses.replace(pick_config(t, *dims), shrink_split_k=picked.shrink_split_k)
             runs.append(("lora@base-tiles", bank, tiles))
         for label, lora, cfg in runs:
 
             def fwd(x, ids, w, slots, lora=lora, cfg=cfg):
                 return fused_moe_lora(MoECall(x, ids, w, slots, lora), experts, shape, config=cfg)
 
+            if cfg is None:
+                cfg = forward_plan(sets[0][0], sets[0][1], experts, lora, shape).tiles
             static = tuple(v.clone() for v in sets[0])
             graph_ms = time_graph(fwd, static, sets, 30)
             kernels = kernel_times(fwd, static, args.iters)
