@@ -6,7 +6,12 @@ Usage (GPU): python -m benchmarks.profile_layer [--tokens 1,64,1024,4096,16384] 
              [--model qwen3-30b-a3b] [--adapters 8] [--rank 16] [--quantization fp8]
              [--json out.json]
 The +LoRA run takes the config the backend picks for the bank's LoRA class (as `moelora
-bench` runs it); --quantization fp8 profiles block-scaled e4m3 experts.
+bench` runs it); --quantization fp8 profiles block-scaled e4m3 experts. --ncu-window runs, after
+warm-up, one eager forward of each mode between cudaProfilerStart / Stop and times nothing,
+for Nsight Compute's counters of exactly those launches:
+    PYTHONPATH=$PWD ncu --profile-from-start off --clock-control none --csv \
+        --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,... \
+        python -m benchmarks.profile_layer --tokens 4096 --ncu-window
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ def kernel_times(fwd, static, iters: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def profiler_window(fwd, static) -> None:
+    """Three warm-up calls (compiles, autotune-free), then one call inside the CUDA profiler's
+    window (ncu --profile-from-start off records only that one)."""
+    for _ in range(3):
+        fwd(*static)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fwd(*static)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def _short(name: str) -> str:
     return name if len(name) < 60 else name[:57] + "..."
 
@@ -60,13 +77,20 @@ def main() -> None:
     p.add_argument("--tokens", default="1,64,1024,4096,16384")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None)
-    p.add_argument("--adapters", type=int, default=8, help="slots of the bank (every token has one)")
+    p.add_argument(
+        "--adapters", type=int, default=8, help="slots of the bank (every token has one)"
+    )
     p.add_argument("--rank", type=int, default=16, help="the bank's rank")
     p.add_argument("--quantization", default=None, help="the experts' storage (none, fp8)")
     p.add_argument(
         "--lora-base-tiles",
         action="store_true",
         help="also run +LoRA with the LoRA-free path's tiles (what the LoRA loops cost there)",
+    )
+    p.add_argument(
+        "--ncu-window",
+        action="store_true",
+        help="no timing: one forward per mode inside cudaProfilerStart / Stop (for ncu)",
     )
     args = p.parse_args()
     model = resolve_model(args.model)
@@ -95,6 +119,9 @@ def main() -> None:
             if cfg is None:
                 cfg = forward_plan(sets[0][0], sets[0][1], experts, lora, shape).tiles
             static = tuple(v.clone() for v in sets[0])
+            if args.ncu_window:
+                profiler_window(fwd, static)
+                continue
             graph_ms = time_graph(fwd, static, sets, 30)
             kernels = kernel_times(fwd, static, args.iters)
             print(f"T={t} {label}: graph {graph_ms:.4f} ms, kernels {sum(kernels.values()):.4f}")
