@@ -10,29 +10,15 @@ import transformers
 
 from moelora import from_hf, moe_lora_reference, route
 from moelora.compare import assert_close
-from moelora.hf import expert_weights_from_hf, router_from_hf, router_logits
+from moelora.hf import expert_weights_from_hf, router_from_hf, router_logits, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-COMMON = dict(
-    vocab_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    hidden_size=32,
-    max_position_embeddings=64,
-)
-MLA = dict(
-    q_lora_rank=None,
-    kv_lora_rank=8,
-    qk_rope_head_dim=4,
-    qk_nope_head_dim=4,
-    v_head_dim=8,
-    n_shared_experts=1,
-    first_k_dense_replace=0,
-    intermediate_size=40,
-)
+COMMON = dict(toy.COMMON, num_hidden_layers=1)  # one layer: the block under test
+MLA = dict(toy.MLA, n_shared_experts=1, first_k_dense_replace=0, intermediate_size=40)
+# DeepSeek's routed experts; V3 and V2 differ in their routing (below)
+DEEPSEEK = dict(moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                topk_group=2, **MLA)  # fmt: skip
 # (model_type, extra config, shared-expert path to subtract) — I = 12 so that S*I != H.
 FAMILIES = [
     (
@@ -55,31 +41,13 @@ FAMILIES = [
     # DeepSeek-V3: sigmoid + correction bias + grouped top-k + scaling factor; K=3 of 8
     (
         "deepseek_v3",
-        dict(
-            moe_intermediate_size=12,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            **MLA,
-        ),
+        dict(DEEPSEEK, routed_scaling_factor=2.5, norm_topk_prob=True),
         "shared_experts",
     ),
     # DeepSeek-V2 group-limited greedy (softmax, groups by max)
     (
         "deepseek_v2",
-        dict(
-            moe_intermediate_size=12,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            n_group=4,
-            topk_group=2,
-            topk_method="group_limited_greedy",
-            routed_scaling_factor=1.5,
-            **MLA,
-        ),
+        dict(DEEPSEEK, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
         "shared_experts",
     ),
     # gpt-oss: swigluoai, interleaved gate/up, biases, router bias, top-k then softmax

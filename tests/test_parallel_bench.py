@@ -129,7 +129,7 @@ def test_plan_flags_describe_the_layout(bench) -> None:
     deployment = build_deployment(build_parser().parse_args(bench.plan_argv("tiny", layout, args)))
     p = deployment.parallel
     assert (p.tp, p.ep, p.fully_sharded_loras) == (2, 2, True)
-    assert (deployment.lora.max_rank, deployment.lora.max_loras) == (8, 3)
+    assert (deployment.lora.max_rank, deployment.lora.num_slots) == (8, 3)
     assert deployment.lora.add_inputs is ADD and deployment.backend == "reference"
     assert not deployment.cuda_graphs  # timed eagerly, planned eagerly
 
