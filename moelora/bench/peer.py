@@ -27,7 +27,7 @@ def peer_shape(case) -> dict:
         H=s.hidden_size,
         I=s.intermediate_size,
         dtype=dtype,
-        num_slots=case.adapters,
+        max_loras=case.adapters,
         rank=case.rank,
         activation=s.activation.value,
         bias=s.has_bias,
