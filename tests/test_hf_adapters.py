@@ -12,7 +12,13 @@ from hf_models import PAD, alone, build_family
 from safetensors.torch import load_file, save_file
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from moelora.errors import AdapterError, InputError, MoeloraError, UnsupportedDeploymentError
+from moelora.errors import (
+    AdapterError,
+    ConfigError,
+    InputError,
+    MoeloraError,
+    UnsupportedDeploymentError,
+)
 from moelora.hf import attach, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -107,6 +113,22 @@ def test_explicit_backend_refused_before_anything_is_allocated(family):
     with pytest.raises(UnsupportedDeploymentError) as info:
         attach(model, num_slots=2, max_rank=8, moe_backend="grouped_mm")
     assert "grouped_mm" in str(info.value) and "device" in str(info.value)
+    assert not any(hasattr(m, "_moelora_key") for m in model.modules())
+    assert model.config._experts_implementation != "moelora"
+
+
+@pytest.mark.parametrize(
+    "sizes, named",
+    [
+        (dict(num_slots=0, max_rank=8), "'num_slots' = 0"),  # no slot for an adapter
+        (dict(num_slots=2, max_rank=0), "'max_rank' = 0"),  # no rank for a factor
+    ],
+    ids=["no-slot", "no-rank"],
+)
+def test_bad_bank_sizes_are_refused_naming_the_keyword_passed(family, sizes, named):
+    model = family.fresh()
+    with pytest.raises(ConfigError, match=named):
+        attach(model, moe_backend="reference", **sizes)
     assert not any(hasattr(m, "_moelora_key") for m in model.modules())
     assert model.config._experts_implementation != "moelora"
 

@@ -140,8 +140,21 @@ def test_replace_with_one_slot_rewrites_it_when_no_forward_holds_it(adapters) ->
     assert m.loaded == {"x": 0} and _slot_equals(m, 0, adapters["b"])
     m.pin("x")  # a pinned adapter can still be replaced explicitly
     assert m.replace("x", adapters["c"]) == 0 and _slot_equals(m, 0, adapters["c"])
-    with pytest.raises(ConfigError, match="unpin or unload"):  # nothing can ever be evicted
+    with pytest.raises(ConfigError, match=r"unpin or unload.*raise num_slots"):  # no eviction
         m.load(adapters["d"], name="y")
+
+
+@pytest.mark.parametrize(
+    "sizes, named",
+    [
+        (dict(num_slots=0, max_rank=R), "'num_slots' = 0"),  # no slot for an adapter
+        (dict(num_slots=2, max_rank=0), "'max_rank' = 0"),  # no rank for a factor
+    ],
+    ids=["no-slot", "no-rank"],
+)
+def test_bad_sizes_are_refused_naming_the_keyword_passed(sizes, named) -> None:
+    with pytest.raises(ConfigError, match=named):
+        SlotManager(MC, dtype=torch.float32, **sizes)
 
 
 def test_unload_zeroes_and_frees_the_slot(adapters) -> None:
