@@ -60,7 +60,7 @@ def torchrun(args: list[str], cwd: Path = ROOT, printed: int = 0) -> subprocess.
     run prints, such a run is started once more, and that second run must exit 0."""
     env = os.environ | dict(GLOO_SOCKET_IFNAME="lo", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    for attempt in range(2 if printed else 1):
+    for _attempt in range(2 if printed else 1):
         done = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=180)  # fmt: skip
         teardown = TEARDOWN_ABORT in done.stderr and done.stdout.count("\n") >= printed
