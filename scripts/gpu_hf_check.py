@@ -26,7 +26,7 @@ def main() -> int:
         head_dim=64, num_attention_heads=8, vocab_size=4096,
     )  # fmt: skip
     tmp = Path(tempfile.mkdtemp())
-    handle = attach(model, max_loras=4, max_lora_rank=16)
+    handle = attach(model, num_slots=4, max_rank=16)
     specs = toy.demo_adapters(model)
     for i, name in enumerate(["fused-r8", "fused-r2"]):
         toy.write_peft_adapter(model, tmp / name, seed=i + 1, **specs[name])

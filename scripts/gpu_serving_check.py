@@ -120,7 +120,7 @@ def build_layers(args, model, dev: torch.device) -> dict[int, MoELoRALayer]:
         shape=shape,
         routing=model.routing,
         device=probe() if dev.type == "cuda" else target("cpu"),
-        lora=LoRAConfig(enabled=True, max_rank=args.rank, max_loras=args.slots),
+        lora=LoRAConfig(enabled=True, max_rank=args.rank, num_slots=args.slots),
         backend=args.moe_backend,
         name=model.name,
     )

@@ -75,7 +75,7 @@ def _case(rank: int, case, backend: str, dtype: torch.dtype, seed: int) -> tuple
         routing=routing,
         device=probe(),
         parallel=ParallelConfig(tp, ep, fully),
-        lora=LoRAConfig(enabled=True, max_rank=R, max_loras=L),
+        lora=LoRAConfig(enabled=True, max_rank=R, num_slots=L),
         backend=backend,
         name=cid,
     )

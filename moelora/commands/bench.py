@@ -77,7 +77,7 @@ def select_backend(name: str, case):
     lora = LoRAConfig(
         enabled=True,
         max_rank=case.max_rank,
-        max_loras=case.adapters,
+        num_slots=case.adapters,
         add_inputs=AddInputs.OVERWRITE,  # forward without `out` writes y
     )
     deployment = Deployment.for_model(

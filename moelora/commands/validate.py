@@ -180,7 +180,7 @@ def select_backend(name: str, model: ModelConfig, case: Case, device: DeviceFact
     lora = LoRAConfig(
         enabled=case.adapters > 0,
         max_rank=case.rank,
-        max_loras=max(1, case.adapters),
+        num_slots=max(1, case.adapters),
         add_inputs=AddInputs.OVERWRITE,  # forward without `out` writes y
     )
     deployment = Deployment.for_model(
