@@ -28,6 +28,7 @@ from ..errors import InputError
 from ..tiling.geometry import rank_block
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
+from .launch_args import lora_tile_args, strides
 from .pdl import chain_point
 from .ranks import slot_ranks
 from .tiles import RANK_STEP, expand_dot, lora_tile
@@ -159,24 +160,13 @@ def lora_delta(
         inter_ptr=inter,
         b_ptr=b5,
         delta_ptr=delta,
-        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
-        tiles_ptr=aligned.lora_tiles,
-        num_tiles_ptr=aligned.num_lora_tiles,
+        **lora_tile_args(aligned),
         ranks_ptr=slot_ranks(b5, ranks, 4),
         max_rank=rank,
         n_size=n_size,
-        stride_im=inter.stride(0),
-        stride_is=inter.stride(1),
-        stride_ir=inter.stride(2),
-        stride_bl=b5.stride(0),
-        stride_be=b5.stride(1),
-        stride_bs=b5.stride(2),
-        stride_bn=b5.stride(3),
-        stride_br=b5.stride(4),
-        stride_dm=delta.stride(0),
-        stride_ds=delta.stride(1),
-        stride_dn=delta.stride(2),
-        BLOCK_M=max(16, triton.next_power_of_2(aligned.lora_tile_m)),
+        **strides("i", inter, "msr"),
+        **strides("b", b5, "lesnr"),
+        **strides("d", delta, "msn"),
         BLOCK_N=BLOCK_N,
         BLOCK_R=min(DELTA_BLOCK_R, rank_block(rank)),
         UPCAST=upcast,
