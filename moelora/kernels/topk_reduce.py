@@ -21,6 +21,7 @@ import triton.language as tl
 from ..errors import InputError
 from .checks import check_shape, workspace
 from .launch_args import strides
+from .output import store_y
 from .pdl import chain_point
 
 
@@ -85,9 +86,7 @@ def _topk_reduce_kernel(
                 d = d * g.to(tl.float32)[:, None]
             acc += d
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
-    if ADD:
-        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    store_y(y_ptrs, acc, mask, ADD)
 
 
 def topk_reduce(
