@@ -1,6 +1,6 @@
-"""Keyword arguments the launchers pass alike: a tensor's strides under the kernels'
-`stride_<tensor><dim>` names, and the LoRA shrink tiles' work list. Pure bookkeeping; no
-policy."""
+"""What the launchers pass alike: a tensor's strides under the kernels' `stride_<tensor><dim>`
+names, a LoRA factor with its parts dimension, and the LoRA shrink tiles' work list. Pure
+bookkeeping; no policy."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ def strides(name: str, t: torch.Tensor | None, dims: str) -> dict[str, int]:
         return {f"stride_{name}{d}": 0 for d in dims}
     assert t.dim() == len(dims), f"{name}: {t.dim()}-d tensor for strides {dims!r}"
     return {f"stride_{name}{d}": t.stride(i) for i, d in enumerate(dims)}
+
+
+def with_parts(factor: torch.Tensor) -> torch.Tensor:
+    """A LoRA factor as the kernels index it, [L, E, S, ., .]: w13's as is, w2's [L, E, ., .]
+    viewed with S = 1."""
+    return factor if factor.dim() == 5 else factor.unsqueeze(2)
 
 
 def lora_tile_args(aligned: AlignedPairs) -> dict:

@@ -28,7 +28,7 @@ from ..errors import InputError
 from ..tiling.geometry import rank_block
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
-from .launch_args import lora_tile_args, strides
+from .launch_args import lora_tile_args, strides, with_parts
 from .pdl import chain_point
 from .ranks import slot_ranks
 from .tiles import RANK_STEP, expand_dot, lora_tile
@@ -147,7 +147,7 @@ def lora_delta(
     (w2_b, S = 1), aligned with its LoRA tiles; ranks [L] int32 (LoRABank.ranks; None: every
     slot at R): a slot's expand stops at its real rank. Returns delta [P, S, N] in `dtype`,
     rows of pairs without an adapter unwritten."""
-    b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
+    b5 = with_parts(lora_b)
     _, _, parts, n_size, rank = b5.shape
     num_pairs = inter.shape[0]
     check_shape("LoRA intermediate", inter, (num_pairs, parts, rank))

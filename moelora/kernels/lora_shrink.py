@@ -33,7 +33,7 @@ from ..tiling.geometry import (
 )
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
-from .launch_args import lora_tile_args, strides
+from .launch_args import lora_tile_args, strides, with_parts
 from .lora_delta import expand_tile
 from .pdl import chain_point
 from .ranks import slot_ranks
@@ -281,7 +281,7 @@ def lora_shrink(
         raise InputError(
             "aligned", "pairs aligned without LoRA tiles", "align_pairs(..., lora_tile_m > 0)"
         )
-    a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
+    a5 = with_parts(lora_a)
     _, _, parts, rank, k_dim = a5.shape
     check_shape("lora A", a5, (None, None, parts, rank, inp.shape[1]))
     check_dtype_match("lora A", a5, inp)
@@ -299,7 +299,7 @@ def lora_shrink(
             "out", "given with expand_b", "out=None (the expanded delta is a new tensor)"
         )
     if expand_b is not None:
-        b5 = expand_b if expand_b.dim() == 5 else expand_b.unsqueeze(2)
+        b5 = with_parts(expand_b)
         check_shape("lora B", b5, (a5.shape[0], a5.shape[1], parts, None, rank))
         check_dtype_match("lora B", b5, inp)
         split_k = 1
