@@ -309,7 +309,7 @@ def _sort_pairs(
     single = launch.mode is AlignMode.SINGLE
     sorted_pair_ids = torch.empty(cap, dtype=torch.int32, device=device)
     block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
-    bins = common["num_slots"] + 1
+    bins = common["num_slots"] + 1  # num_slots is 0 without slots: one bin per expert
     counts = (torch.empty if single else torch.zeros)(
         num_experts * bins, dtype=torch.int32, device=device
     )
@@ -323,7 +323,7 @@ def _sort_pairs(
         sorted_pair_ids_ptr=sorted_pair_ids,
         block_experts_ptr=block_experts,
         num_blocks=block_experts.shape[0],
-        HAS_SLOTS=common["num_slots"] > 0,
+        HAS_SLOTS=bins > 1,
         TILE_M=max(1, lora_tile_m),
         BLOCK_P=launch.block_p,
         # experts per OFFSETS step: ~4K counters in registers, at most 128 experts
