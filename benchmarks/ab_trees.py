@@ -41,9 +41,10 @@ def select_backend(case):
     from moelora.oracle import select
     from moelora.presets import resolve_model
 
-    lora = LoRAConfig(
-        enabled=True, max_rank=case.rank, max_loras=case.adapters, add_inputs=AddInputs.OVERWRITE
-    )
+    sizes = dict(max_rank=case.rank, num_slots=case.adapters)
+    if "num_slots" not in {f.name for f in dataclasses.fields(LoRAConfig)}:
+        sizes = dict(max_rank=case.rank, max_loras=case.adapters)  # a tree before num_slots
+    lora = LoRAConfig(enabled=True, add_inputs=AddInputs.OVERWRITE, **sizes)
     deployment = Deployment.for_model(
         resolve_model(case.model), device=probe(), lora=lora, cuda_graphs=True, backend="triton"
     )

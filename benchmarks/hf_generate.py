@@ -103,7 +103,7 @@ def main() -> None:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     tmp = Path(tempfile.mkdtemp())
     dirs, peft_model = write_adapters(model, tmp, a.adapters, a.rank)
-    handle = attach(model, max_loras=a.adapters, max_lora_rank=a.rank)
+    handle = attach(model, num_slots=a.adapters, max_rank=a.rank)
     for name, path in dirs.items():
         handle.load_adapter(path, name=name)
     banks = sum(

@@ -28,7 +28,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     spec = toy.demo_adapters(model)["fused-r8"]
     toy.write_peft_adapter(model, tmp / "a", seed=1, **{**spec, "r": 16, "lora_alpha": 32})
-    handle = attach(model, max_loras=8, max_lora_rank=16)
+    handle = attach(model, num_slots=8, max_rank=16)
     for k in range(8):
         handle.load_adapter(tmp / "a", name=f"a{k}")
     ids = torch.randint(1, 4000, (1, 128), device="cuda")

@@ -13,6 +13,7 @@ import logging
 import sys
 
 from . import __version__
+from .commands.flag_terms import in_flag_terms
 from .errors import EXIT_USAGE, MoeloraError, exit_code
 
 DESCRIPTION = (
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except MoeloraError as err:  # a refusal (3) or bad input (2): the message says what to fix
-        print(f"moelora {args.command}: {err}", file=sys.stderr)
+        message = in_flag_terms(str(err), getattr(args, "flag_terms", {}))
+        print(f"moelora {args.command}: {message}", file=sys.stderr)
         return exit_code(err)
 
 

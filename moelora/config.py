@@ -96,13 +96,13 @@ EXPERT_TARGETS = frozenset(
 )
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class LoRAConfig:
     """LoRA settings. `targets` are module names; LoRA reaches the experts only if one is
     an expert target (LoRA on attention alone puts no LoRA requirement on the MoE layer).
 
-    num_slots (L) and max_rank (R) are vLLM's --max-loras and --max-lora-rank; `max_loras`
-    is still accepted and read as num_slots' old spelling."""
+    num_slots (L) and max_rank (R) are what vLLM's CLI calls --max-loras and
+    --max-lora-rank; the commands translate those flags at their edge."""
 
     enabled: bool = False
     max_rank: int = 16  # R
@@ -110,37 +110,15 @@ class LoRAConfig:
     targets: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     add_inputs: AddInputs = AddInputs.ADD
 
-    def __init__(
-        self,
-        enabled: bool = False,
-        max_rank: int = 16,
-        num_slots: int = 1,
-        targets: tuple[str, ...] | str = ("gate_proj", "up_proj", "down_proj"),
-        add_inputs: AddInputs = AddInputs.ADD,
-        *,
-        max_loras: int | None = None,
-    ) -> None:
-        values = dict(enabled=enabled, max_rank=max_rank, num_slots=num_slots)
-        if max_loras is not None:  # the old spelling (dataclasses.replace passes both)
-            values["num_slots"] = max_loras
-        for name, value in {**values, "targets": targets, "add_inputs": add_inputs}.items():
-            object.__setattr__(self, name, value)
-        self.__post_init__()
-
     def __post_init__(self) -> None:
         if isinstance(self.targets, str):  # "down_proj" must not become ('d', 'o', ...)
             object.__setattr__(self, "targets", (self.targets,))
         object.__setattr__(self, "targets", tuple(self.targets))
         if self.enabled:
             if self.max_rank < 1:
-                raise ConfigError("max_lora_rank", self.max_rank, "a positive integer")
+                raise ConfigError("max_rank", self.max_rank, "a positive integer")
             if self.num_slots < 1:
-                raise ConfigError("max_loras", self.num_slots, "a positive integer")
-
-    @property
-    def max_loras(self) -> int:
-        """num_slots under its old (vLLM) spelling."""
-        return self.num_slots
+                raise ConfigError("num_slots", self.num_slots, "a positive integer")
 
     @property
     def on_experts(self) -> bool:

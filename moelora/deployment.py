@@ -64,7 +64,7 @@ class Deployment:
             self._check_split("tensor_parallel_size", self.parallel.tp, "hidden_size", "H")
             if self.lora.max_rank % self.parallel.tp:
                 raise ConfigError(
-                    "max_lora_rank",
+                    "max_rank",
                     self.lora.max_rank,
                     f"a multiple of tensor_parallel_size = {self.parallel.tp} "
                     "(fully sharded LoRA splits A on the rank)",

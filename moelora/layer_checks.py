@@ -80,14 +80,14 @@ def bank_shapes(
 
 
 def check_bank(lora: LoRABank, deployment: Deployment) -> None:
-    """L <= num_slots, R <= max_rank (what the oracle checked; the messages name them as
-    vLLM's --max-loras / --max-lora-rank), shapes of this process's shard."""
+    """L <= num_slots, R <= max_rank (what the oracle checked), shapes of this process's
+    shard."""
     num_slots, max_rank = lora.num_slots, lora.max_rank
     cfg = deployment.lora
     if num_slots > cfg.num_slots:
-        raise InputError("lora", f"{num_slots} slots", f"at most max_loras = {cfg.num_slots}")
+        raise InputError("lora", f"{num_slots} slots", f"at most num_slots = {cfg.num_slots}")
     if max_rank > cfg.max_rank:
-        raise InputError("lora", f"rank {max_rank}", f"at most max_lora_rank = {cfg.max_rank}")
+        raise InputError("lora", f"rank {max_rank}", f"at most max_rank = {cfg.max_rank}")
     for name, want in bank_shapes(deployment, num_slots, max_rank).items():
         check_tensor(f"lora.{name}", getattr(lora, name), want)
 

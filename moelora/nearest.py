@@ -139,7 +139,7 @@ def _remedy(cap: Capabilities, dep: Deployment, reason: Reason) -> Remedy | None
         return "--enable-lora", lambda d: _lora(d, enabled=True, targets=LoRAConfig().targets)
     if field == "lora.max_rank" and cap.max_rank:
         return f"--max-lora-rank {cap.max_rank}", lambda d: _lora(d, max_rank=cap.max_rank)
-    if field == "lora.max_loras" and cap.max_slots:
+    if field == "lora.num_slots" and cap.max_slots:
         return f"--max-loras {cap.max_slots}", lambda d: _lora(d, num_slots=cap.max_slots)
     if field == "lora.sharding":
         return _sharding_remedy(cap, dep)

@@ -57,7 +57,7 @@ def build(args):
         num_key_value_heads=min(4, args.hidden // 64), vocab_size=8192, intermediate_size=2 * args.hidden,
         max_position_embeddings=256,
     )  # fmt: skip
-    handle = attach(model, max_loras=4, max_lora_rank=16, moe_backend=args.moe_backend)
+    handle = attach(model, num_slots=4, max_rank=16, moe_backend=args.moe_backend)
     tmp = Path(tempfile.mkdtemp())
     specs = toy.demo_adapters(model)
     for i, name in enumerate(ADAPTERS):

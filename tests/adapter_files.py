@@ -11,20 +11,13 @@ import torch
 from safetensors.torch import save_file
 
 from moelora import ModelConfig, from_hf
+from moelora.lora import Adapter
+from moelora.weights import LoRABank
 
 H, INTER, E = 32, 20, 4  # H != I and H != 2I: fused factor shapes are unambiguous
 PREFIX = "base_model.model.model.layers.{n}.mlp.experts"
 GATED_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 MIXTRAL_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
-
-
-def one_torch_thread():
-    """Generator for an autouse fixture: torch 2.13's CPU index_add_ (used by the reference)
-    takes ~60 ms per call with 2 intra-op threads on these 2-core machines, ~10 us with 1."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def model_config(
@@ -103,6 +96,17 @@ def per_expert_tensors(
     return out
 
 
+def write_random_adapter(
+    root: Path, mc: ModelConfig, r: int, alpha: float, seed: int = 0, layers: set | None = None
+) -> Path:
+    """An adapter directory of `known_factors(mc, r, seed)` (rank r on every MoE layer, or
+    on `layers` only) in PEFT's per-expert layout, with its adapter_config.json."""
+    factors = known_factors(mc, r, seed=seed)
+    if layers is not None:
+        factors = {key: f for key, f in factors.items() if key[0] in layers}
+    return write_adapter(root, per_expert_tensors(factors), lora_config(r, alpha))
+
+
 def fuse(a: torch.Tensor, b: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert (a [E, r, in], b [E, out, r]) -> PEFT's fused (A, B) as saved.
 
@@ -143,3 +147,20 @@ def fused_tensors(
         out[f"{base}.base_layer.lora_A.weight"], out[f"{base}.base_layer.lora_B.weight"] = first
         out[f"{base}.lora_A.weight"], out[f"{base}.lora_B.weight"] = down
     return out
+
+
+def bank_of(
+    mc: ModelConfig, adapter_at: dict[int, Adapter], layer: int, num_slots: int, max_rank: int
+):
+    """The fp32 LoRABank of one layer that slot -> adapter implies, built from the adapters
+    directly (not by the slot manager): each adapter zero-padded to max_rank R, empty slots
+    rank 0 as the manager keeps them. A13 [L, E, S, R, H], B13 [L, E, S, I, R], A2 [L, E, R, I],
+    B2 [L, E, H, R]."""
+    bank = LoRABank.empty(mc.shape, num_slots, max_rank, dtype=torch.float32)
+    bank.ranks.zero_()
+    for slot, adapter in adapter_at.items():
+        lora, r = adapter.layers[layer], adapter.rank
+        bank.ranks[slot] = r
+        bank.w13_a[slot, :, :, :r], bank.w13_b[slot, :, :, :, :r] = lora.w13_a, lora.w13_b
+        bank.w2_a[slot, :, :r], bank.w2_b[slot, :, :, :r] = lora.w2_a, lora.w2_b
+    return bank

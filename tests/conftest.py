@@ -20,6 +20,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures(...)`), the
+    previous count restored after it: torch 2.13's CPU index_add_ (used by the reference)
+    takes ~60 ms per call with 2 intra-op threads on these 2-core machines, ~10 us with 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A fresh random seed per test (MOELORA_SEED=N reproduces one); a failure prints it."""

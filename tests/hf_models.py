@@ -1,6 +1,6 @@
 """Test helpers for the transformers integration: a family's random model, its four PEFT
-adapters saved by PEFT, HF + PEFT generating one row alone (the outside truth), and
-left-padded batches."""
+adapters saved by PEFT, HF + PEFT generating one row alone (the outside truth), left-padded
+batches, and a mixed batch through a handle checked row by row against that truth."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moelora.compare import assert_close
 from moelora.hf import toy
 
 PAD = 0
@@ -75,3 +76,30 @@ def alone(
             input_ids=prompt[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD
         )
     return out[0, len(prompt) :], logits
+
+
+def mixed_batch(
+    handle, names: list[str | None], new_tokens: int, gen: torch.Generator
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random prompts, left-padded into one batch whose row i runs adapter names[i] (None: the
+    base model), through handle.generate (greedy) and one handle forward. Per row: (prompt
+    [S_i], its generated ids [new_tokens], the logits of the prompt's own positions [S_i, V])."""
+    rows = prompts(len(names), handle.model.config.vocab_size, gen)
+    ids, mask = left_padded(rows)
+    out = handle.generate(
+        ids, adapter_names=names, attention_mask=mask, max_new_tokens=new_tokens,
+        do_sample=False, pad_token_id=PAD,
+    )  # fmt: skip
+    logits = handle(ids, adapter_names=names, attention_mask=mask).logits
+    width = ids.shape[1]
+    return [(p, out[row, width:], logits[row, width - len(p) :]) for row, p in enumerate(rows)]
+
+
+def assert_equals_alone(truth: nn.Module, row: tuple, new_tokens: int, what: str) -> None:
+    """One row of a mixed batch, (prompt, tokens, logits) as mixed_batch gives it, equals
+    `truth` (HF + PEFT) generating that prompt alone: the new_tokens tokens equal, the
+    prompt's logits [S, V] within the fp32 tolerance."""
+    prompt, tokens, logits = row
+    want_tokens, want_logits = alone(truth, prompt, new_tokens)
+    assert torch.equal(tokens, want_tokens), f"{what}: {tokens} != {want_tokens}"
+    assert_close(logits, want_logits, torch.float32, what=f"{what} logits")

@@ -97,7 +97,7 @@ def deploy(
     lora_cfg = LoRAConfig(
         enabled=lora,
         max_rank=rank,
-        max_loras=loras,
+        num_slots=loras,
         targets=targets or LoRAConfig().targets,
         add_inputs=add_inputs,
     )

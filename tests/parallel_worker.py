@@ -86,7 +86,7 @@ def run_case(case: Case, seed: int) -> tuple[float, float]:
 
 def _run_case(case: Case, seed: int) -> tuple[float, float]:
     shape, experts, bank, x, ids, wts, slots = _inputs(case, seed)
-    lora_cfg = LoRAConfig(enabled=case.lora, max_rank=8, max_loras=3, add_inputs=case.add_inputs)
+    lora_cfg = LoRAConfig(enabled=case.lora, max_rank=8, num_slots=3, add_inputs=case.add_inputs)
     deployment = Deployment(
         shape=shape,
         routing=case.routing,

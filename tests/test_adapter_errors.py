@@ -10,14 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_files import (
-    fused_tensors,
-    known_factors,
-    lora_config,
-    model_config,
-    per_expert_tensors,
-    write_adapter,
-)
+from adapter_files import fused_tensors, known_factors, model_config, write_random_adapter
 from safetensors.torch import load_file, save_file
 
 from moelora.errors import AdapterError, MoeloraError
@@ -119,8 +112,7 @@ CORRUPTIONS = [
      "cannot serve"),
     ("wrong-shape", _set(KEY_A, lambda t: torch.randn(RANK, 21)), r"shape \(3, 21\).*\(r, 20\)"),
     ("B-rank-differs-from-A", _set(KEY_B, lambda t: torch.randn(20, RANK + 1)), r"shape \(20, 4\)"),
-    ("rank-above-R", lambda r: write_adapter(r, per_expert_tensors(known_factors(MC, 10)),
-                                             lora_config(10, 10)), "rank 10.*at most.*8"),
+    ("rank-above-R", lambda r: write_random_adapter(r, MC, 10, 10), "rank 10.*at most.*8"),
     ("config-rank-mismatch", lambda r: _edit_config(r, r=4), "rank 3 in the tensor.*rank 4"),
     ("layer-out-of-range", _set(KEY_B.replace("layers.0", "layers.5"), lambda _: torch.randn(20, 3)),
      "layer 5.*MoE layers"),
@@ -154,9 +146,7 @@ CORRUPTIONS = [
 
 
 def _good(root: Path, seed: int = 0) -> Path:
-    return write_adapter(
-        root, per_expert_tensors(known_factors(MC, RANK, seed=seed)), lora_config(RANK, 6)
-    )
+    return write_random_adapter(root, MC, RANK, 6, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -219,9 +209,7 @@ def test_all_pinned_full_manager_refuses_and_keeps_slots(tmp_path) -> None:
 def test_adapter_for_another_model_is_refused(tmp_path) -> None:
     other = model_config("qwen3_moe", hidden=48)
     adapter = load_adapter(
-        write_adapter(
-            tmp_path / "o", per_expert_tensors(known_factors(other, 2)), lora_config(2, 2)
-        ),
+        write_random_adapter(tmp_path / "o", other, 2, 2),
         other,
         R,
     )

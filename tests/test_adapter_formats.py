@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import math
 
+import adapter_files as af
 import pytest
 import torch
-from adapter_files import (
-    GATED_NAMES,
-    MIXTRAL_NAMES,
-    fused_tensors,
-    known_factors,
-    lora_config,
-    model_config,
-    one_torch_thread,
-    per_expert_tensors,
-    write_adapter,
-)
 
 from moelora import moe_lora_reference, random_expert_weights
 from moelora.compare import assert_close
@@ -25,10 +15,7 @@ from moelora.errors import AdapterError
 from moelora.lora import SlotManager, load_adapter
 from moelora.weights import LoRABank
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_torch_thread()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 PART = {"gate": ("w13", 0), "w1": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
@@ -99,12 +86,12 @@ def _forward_matches(
 
 # (id, model_type, names, prefix, shared parts) -- the per-expert / shared-outer table
 PER_EXPERT_CASES = [
-    ("qwen-per-expert", "qwen3_moe", GATED_NAMES, None, None),  # gate/up/down_proj names
-    ("mixtral-w1w3w2", "mixtral", MIXTRAL_NAMES,  # Mixtral names on the old module path
+    ("qwen-per-expert", "qwen3_moe", af.GATED_NAMES, None, None),  # gate/up/down_proj names
+    ("mixtral-w1w3w2", "mixtral", af.MIXTRAL_NAMES,  # Mixtral names on the old module path
      "base_model.model.model.layers.{n}.block_sparse_moe.experts", None),
-    ("shared-outer-vllm", "qwen3_moe", GATED_NAMES, None,  # gate/up A and down B shared
+    ("shared-outer-vllm", "qwen3_moe", af.GATED_NAMES, None,  # gate/up A and down B shared
      {"gate": "A", "up": "A", "down": "B"}),
-    ("shared-inner", "mixtral", MIXTRAL_NAMES, None, {"gate": "B", "down": "A"}),
+    ("shared-inner", "mixtral", af.MIXTRAL_NAMES, None, {"gate": "B", "down": "A"}),
     ("non-gated-relu2", "nemotron_h", {"w1": "up_proj", "down": "down_proj"}, None, None),
 ]  # fmt: skip
 
@@ -115,9 +102,9 @@ PER_EXPERT_CASES = [
     ids=[c[0] for c in PER_EXPERT_CASES],
 )
 def test_per_expert_layouts(tmp_path, model_type, names, prefix, shared) -> None:
-    mc = model_config(model_type)
+    mc = af.model_config(model_type)
     r, alpha = 3, 6.0
-    factors = known_factors(mc, r)
+    factors = af.known_factors(mc, r)
     for (layer, part), (a, b) in factors.items():  # a shared factor is expert 0's everywhere
         kind = (shared or {}).get(part)
         if kind == "A":
@@ -125,8 +112,8 @@ def test_per_expert_layouts(tmp_path, model_type, names, prefix, shared) -> None
         elif kind == "B":
             factors[(layer, part)] = (a, b[:1].expand_as(b).clone())
     kw = {"prefix": prefix} if prefix else {}
-    tensors = per_expert_tensors(factors, names, shared=shared, **kw)
-    path = write_adapter(tmp_path / "ad", tensors, lora_config(r, alpha))
+    tensors = af.per_expert_tensors(factors, names, shared=shared, **kw)
+    path = af.write_adapter(tmp_path / "ad", tensors, af.lora_config(r, alpha))
     adapter = load_adapter(path, mc, max_rank=8)
     assert adapter.layout == ("shared_outer" if shared else "per_expert")
     assert adapter.rank == r and adapter.non_expert_modules == ()
@@ -151,14 +138,14 @@ FUSED_CASES = [
     ids=[c[0] for c in FUSED_CASES],
 )
 def test_fused_layouts(tmp_path, model_type, written, told, hidden, inter) -> None:
-    mc = model_config(model_type, hidden=hidden, inter=inter)
+    mc = af.model_config(model_type, hidden=hidden, inter=inter)
     r, alpha = 2, 5.0
-    factors = known_factors(mc, r, seed=1)
+    factors = af.known_factors(mc, r, seed=1)
     if mc.shape.activation.is_gated:
         for layer in mc.moe_layers:  # one fused gate_up LoRA: gate and up share A
             factors[(layer, "up")] = (factors[(layer, "gate")][0], factors[(layer, "up")][1])
-    tensors = fused_tensors(mc, factors, written, interleave=model_type == "gpt_oss")
-    path = write_adapter(tmp_path / "ad", tensors, lora_config(r, alpha))
+    tensors = af.fused_tensors(mc, factors, written, interleave=model_type == "gpt_oss")
+    path = af.write_adapter(tmp_path / "ad", tensors, af.lora_config(r, alpha))
     adapter = load_adapter(path, mc, max_rank=4, fused_orientation=told)
     assert adapter.layout == "fused" and adapter.rank == r
     _assert_factors(adapter, factors, alpha / r)
@@ -184,13 +171,13 @@ AMBIGUITY_CASES = [
 def test_ambiguous_fused_is_refused(
     tmp_path, model_type, hidden, inter, with_down, ambiguous
 ) -> None:
-    mc = model_config(model_type, hidden=hidden, inter=inter)
-    factors = known_factors(mc, 2)
+    mc = af.model_config(model_type, hidden=hidden, inter=inter)
+    factors = af.known_factors(mc, 2)
     if mc.shape.activation.is_gated:
         for layer in mc.moe_layers:
             factors[(layer, "up")] = (factors[(layer, "gate")][0], factors[(layer, "up")][1])
-    tensors = fused_tensors(mc, factors, with_down=with_down)
-    path = write_adapter(tmp_path / "ad", tensors, lora_config(2, 2))
+    tensors = af.fused_tensors(mc, factors, with_down=with_down)
+    path = af.write_adapter(tmp_path / "ad", tensors, af.lora_config(2, 2))
     if ambiguous:
         with pytest.raises(AdapterError, match="fused_orientation"):
             load_adapter(path, mc, max_rank=4)
@@ -204,12 +191,12 @@ def test_swapped_matches_peft_017_delta_formula(tmp_path) -> None:
     """PEFT 0.17.1 ParamWrapper.get_delta_weight on a 3-D param (E, in, out) computed
     einsum('o r e, e r i -> e i o', B.reshape(o, r, E), A.reshape(E, r, i)) -- for Mixtral's
     gate_up_proj [E, 2I, H] that is the weight delta in the param's own layout."""
-    mc = model_config("mixtral")
-    factors = known_factors(mc, 3, seed=5)
+    mc = af.model_config("mixtral")
+    factors = af.known_factors(mc, 3, seed=5)
     for layer in mc.moe_layers:
         factors[(layer, "up")] = (factors[(layer, "gate")][0], factors[(layer, "up")][1])
-    tensors = fused_tensors(mc, factors, "swapped")
-    adapter = load_adapter(write_adapter(tmp_path / "ad", tensors, lora_config(3, 3)), mc, 4)
+    tensors = af.fused_tensors(mc, factors, "swapped")
+    adapter = load_adapter(af.write_adapter(tmp_path / "ad", tensors, af.lora_config(3, 3)), mc, 4)
     key = "base_model.model.model.layers.0.mlp.experts.base_layer"
     a_saved, b_saved = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
     ref = torch.einsum(
@@ -222,24 +209,24 @@ def test_swapped_matches_peft_017_delta_formula(tmp_path) -> None:
 
 def test_scaling_rslora_and_patterns(tmp_path) -> None:
     """rsLoRA alpha/sqrt(r); rank_pattern / alpha_pattern per module (regex, PEFT matching)."""
-    mc = model_config("qwen3_moe")
-    factors = known_factors(mc, 4)
+    mc = af.model_config("qwen3_moe")
+    factors = af.known_factors(mc, 4)
     for (layer, part), (a, b) in list(factors.items()):
         if part == "down":  # down trained at rank 2 by rank_pattern
             factors[(layer, part)] = (a[:, :2].clone(), b[:, :, :2].clone())
-    cfg = lora_config(4, 8, use_rslora=True, rank_pattern={"down_proj": 2},
+    cfg = af.lora_config(4, 8, use_rslora=True, rank_pattern={"down_proj": 2},
                       alpha_pattern={r".*\.up_proj": 3})  # fmt: skip
-    path = write_adapter(tmp_path / "ad", per_expert_tensors(factors), cfg)
+    path = af.write_adapter(tmp_path / "ad", af.per_expert_tensors(factors), cfg)
     adapter = load_adapter(path, mc, max_rank=8)
     _assert_factors(adapter, factors, {"gate": 8 / 2.0, "up": 3 / 2.0, "down": 8 / math.sqrt(2)})
 
 
 def test_legacy_bin_loads_like_safetensors(tmp_path) -> None:
-    mc = model_config("qwen3_moe")
-    factors = known_factors(mc, 2)
-    tensors = per_expert_tensors(factors)
+    mc = af.model_config("qwen3_moe")
+    factors = af.known_factors(mc, 2)
+    tensors = af.per_expert_tensors(factors)
     legacy = load_adapter(
-        write_adapter(tmp_path / "b", tensors, lora_config(2, 2), legacy=True), mc, 4
+        af.write_adapter(tmp_path / "b", tensors, af.lora_config(2, 2), legacy=True), mc, 4
     )
     _assert_factors(legacy, factors, 1.0)
 
@@ -248,13 +235,13 @@ def test_attention_only_adapter_loads_empty_where_attention_is_served(tmp_path) 
     """LoRA on attention only: refused for the expert layers alone (it would change nothing
     there); a caller serving attention elsewhere gets it with no expert layers (rank 0) and
     the modules reported. tests/test_adapter_targets.py has the whole table."""
-    mc = model_config("qwen3_moe")
+    mc = af.model_config("qwen3_moe")
     key = "base_model.model.model.layers.0.self_attn.q_proj"
     tensors = {
         f"{key}.lora_A.weight": torch.randn(2, 32),
         f"{key}.lora_B.weight": torch.randn(32, 2),
     }
-    path = write_adapter(tmp_path / "a", tensors, lora_config(2, 2))
+    path = af.write_adapter(tmp_path / "a", tensors, af.lora_config(2, 2))
     with pytest.raises(AdapterError, match="no LoRA on the routed experts"):
         load_adapter(path, mc, 4)
     adapter = load_adapter(path, mc, 4, serves_non_expert=True)

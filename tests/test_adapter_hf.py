@@ -16,12 +16,13 @@ import peft
 import pytest
 import torch
 import transformers
-from adapter_files import one_torch_thread
 
 from moelora import ExpertWeights, from_hf, moe_lora_reference
 from moelora.compare import assert_close
 from moelora.errors import AdapterError
 from moelora.lora import SlotManager, load_adapter
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 H, INTER, E, K, LAYERS, R = 32, 20, 4, 2, 2, 8
 COMMON = dict(
@@ -54,11 +55,6 @@ ADAPTERS = {
         alpha_pattern={"down_proj": 7},
     ),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_torch_thread()
 
 
 MODULES = {"qwen3_moe": ["gate_proj", "up_proj", "down_proj"], "mixtral": ["w1", "w2", "w3"]}

@@ -12,37 +12,25 @@ import dataclasses
 import json
 import logging
 
+import adapter_files as af
 import peft
 import pytest
 import torch
 import transformers
-from adapter_files import (
-    PREFIX,
-    fused_tensors,
-    known_factors,
-    lora_config,
-    model_config,
-    one_torch_thread,
-    per_expert_tensors,
-    write_adapter,
-)
 
 from moelora import from_hf
 from moelora.compare import assert_close
 from moelora.errors import AdapterError, AdapterProblems
 from moelora.lora import SlotManager, load_adapter
 
-MC = model_config("qwen3_moe")  # H = 32, I = 20: fused shapes read one way
-MC_2I = model_config("qwen3_moe", inter=16)  # H = 2I: a gate_up-only fused file reads both ways
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MC = af.model_config("qwen3_moe")  # H = 32, I = 20: fused shapes read one way
+MC_2I = af.model_config("qwen3_moe", inter=16)  # H = 2I: a gate_up-only fused file reads both ways
 R, RANK = 8, 3
 SAFE = "adapter_model.safetensors"
 ATTN = "base_model.model.model.layers.{n}.self_attn.q_proj"
 ZERO_WARNING = "every LoRA delta it serves is zero"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_torch_thread()
 
 
 def _attention(rank: int = RANK, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,12 +44,12 @@ def _attention(rank: int = RANK, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _fused_gate_up(mc, seed: int, orientation: str = "natural", with_down: bool = True):
     """(known factors, fused tensors) with one gate_up LoRA (gate and up share A)."""
-    factors = known_factors(mc, 2, seed=seed)
+    factors = af.known_factors(mc, 2, seed=seed)
     for layer in mc.moe_layers:
         factors[(layer, "up")] = (factors[(layer, "gate")][0], factors[(layer, "up")][1])
     if not with_down:
         factors = {k: v for k, v in factors.items() if k[1] != "down"}
-    return factors, fused_tensors(mc, factors, orientation, with_down=with_down)
+    return factors, af.fused_tensors(mc, factors, orientation, with_down=with_down)
 
 
 def _delta(adapter, layer: int, part: str) -> torch.Tensor:
@@ -83,7 +71,7 @@ def _assert_deltas(adapter, factors: dict, scale: dict | float) -> None:
 
 # ---- NaN / Inf / non-float: the same refusal from a file and from memory --------------------
 
-KEY_B = PREFIX.format(n=1) + ".2.down_proj.lora_B.weight"
+KEY_B = af.PREFIX.format(n=1) + ".2.down_proj.lora_B.weight"
 
 
 def _poke(t: torch.Tensor, value: float) -> torch.Tensor:
@@ -103,11 +91,13 @@ DEFECTS = [
 
 @pytest.mark.parametrize("defect", [c[1] for c in DEFECTS], ids=[c[0] for c in DEFECTS])
 def test_file_and_memory_refuse_alike(tmp_path, seed, defect) -> None:
-    factors = known_factors(MC, RANK, seed=seed)
-    tensors = per_expert_tensors(factors)
-    good = load_adapter(write_adapter(tmp_path / "good", tensors, lora_config(RANK, 6)), MC, R)
+    factors = af.known_factors(MC, RANK, seed=seed)
+    tensors = af.per_expert_tensors(factors)
+    good = load_adapter(
+        af.write_adapter(tmp_path / "good", tensors, af.lora_config(RANK, 6)), MC, R
+    )
     tensors[KEY_B] = defect(tensors[KEY_B])
-    bad_dir = write_adapter(tmp_path / "bad", tensors, lora_config(RANK, 6))
+    bad_dir = af.write_adapter(tmp_path / "bad", tensors, af.lora_config(RANK, 6))
     with pytest.raises(AdapterError) as from_file:
         load_adapter(bad_dir, MC, R)
     layer = good.layers[1]
@@ -126,29 +116,29 @@ def test_file_and_memory_refuse_alike(tmp_path, seed, defect) -> None:
 
 # ---- int8 (non-float) factors: refused for every factor kind ----------------------------------
 
-FUSED_A = PREFIX.format(n=0) + ".base_layer.lora_A.weight"  # gate_up
-FUSED_B = PREFIX.format(n=1) + ".lora_B.weight"  # down
+FUSED_A = af.PREFIX.format(n=0) + ".base_layer.lora_A.weight"  # gate_up
+FUSED_B = af.PREFIX.format(n=1) + ".lora_B.weight"  # down
 
 
 def _per_expert() -> tuple[dict[str, torch.Tensor], dict]:
-    tensors = {**per_expert_tensors(known_factors(MC, RANK, seed=3)), **_attention()}
-    return tensors, lora_config(RANK, 4)
+    tensors = {**af.per_expert_tensors(af.known_factors(MC, RANK, seed=3)), **_attention()}
+    return tensors, af.lora_config(RANK, 4)
 
 
 def _shared_outer() -> tuple[dict[str, torch.Tensor], dict]:
-    tensors = per_expert_tensors(known_factors(MC, RANK, seed=4), shared={"gate": "A"})
-    return tensors, lora_config(RANK, 4)
+    tensors = af.per_expert_tensors(af.known_factors(MC, RANK, seed=4), shared={"gate": "A"})
+    return tensors, af.lora_config(RANK, 4)
 
 
 def _fused() -> tuple[dict[str, torch.Tensor], dict]:
-    return {**_fused_gate_up(MC, 5)[1], **_attention(2)}, lora_config(2, 4)
+    return {**_fused_gate_up(MC, 5)[1], **_attention(2)}, af.lora_config(2, 4)
 
 
 # (id, (tensors, config), the key made int8, serves_non_expert)
 INT8_KINDS = [
-    ("per-expert-A", _per_expert, PREFIX.format(n=0) + ".1.up_proj.lora_A.weight", False),
+    ("per-expert-A", _per_expert, af.PREFIX.format(n=0) + ".1.up_proj.lora_A.weight", False),
     ("per-expert-B", _per_expert, KEY_B, False),
-    ("shared-outer-A", _shared_outer, PREFIX.format(n=1) + ".gate_proj.lora_A.weight", False),
+    ("shared-outer-A", _shared_outer, af.PREFIX.format(n=1) + ".gate_proj.lora_A.weight", False),
     ("fused-gate-up-A", _fused, FUSED_A, False),
     ("fused-down-B", _fused, FUSED_B, False),
     ("attention-A-served", _per_expert, ATTN.format(n=0) + ".lora_A.weight", True),
@@ -161,9 +151,9 @@ INT8_KINDS = [
 )
 def test_int8_factor_refused_for_every_kind(tmp_path, make, key, serves) -> None:
     tensors, cfg = make()
-    load_adapter(write_adapter(tmp_path / "ok", tensors, cfg), MC, R, serves_non_expert=serves)
+    load_adapter(af.write_adapter(tmp_path / "ok", tensors, cfg), MC, R, serves_non_expert=serves)
     tensors[key] = (tensors[key] * 40).to(torch.int8)  # loaded above while it was float
-    root = write_adapter(tmp_path / "int8", tensors, cfg)
+    root = af.write_adapter(tmp_path / "int8", tensors, cfg)
     with pytest.raises(AdapterError) as info:
         load_adapter(root, MC, R, serves_non_expert=serves)
     err = info.value
@@ -187,9 +177,9 @@ ALPHA_ZERO = [
     "alpha,pattern,words,scale", [c[1:] for c in ALPHA_ZERO], ids=[c[0] for c in ALPHA_ZERO]
 )
 def test_alpha_zero_loads_with_a_warning(tmp_path, caplog, seed, alpha, pattern, words, scale):
-    factors = known_factors(MC, RANK, seed=seed)
-    cfg = lora_config(RANK, alpha, alpha_pattern=pattern)
-    root = write_adapter(tmp_path / "ad", per_expert_tensors(factors), cfg)
+    factors = af.known_factors(MC, RANK, seed=seed)
+    cfg = af.lora_config(RANK, alpha, alpha_pattern=pattern)
+    root = af.write_adapter(tmp_path / "ad", af.per_expert_tensors(factors), cfg)
     with caplog.at_level(logging.WARNING, logger="moelora.lora"):
         adapter = load_adapter(root, MC, R)
     messages = [r.getMessage() for r in caplog.records]
@@ -204,9 +194,9 @@ def test_alpha_zero_loads_with_a_warning(tmp_path, caplog, seed, alpha, pattern,
 
 @pytest.mark.parametrize("serves", [True, False], ids=["served", "not-served"])
 def test_module_rank_mismatch_names_file_and_module(tmp_path, serves) -> None:
-    tensors = {**per_expert_tensors(known_factors(MC, RANK)), **_attention(RANK)}
-    cfg = lora_config(RANK, 6, rank_pattern={"q_proj": RANK + 1})  # the file's q_proj: rank 3
-    root = write_adapter(tmp_path / "ad", tensors, cfg)
+    tensors = {**af.per_expert_tensors(af.known_factors(MC, RANK)), **_attention(RANK)}
+    cfg = af.lora_config(RANK, 6, rank_pattern={"q_proj": RANK + 1})  # the file's q_proj: rank 3
+    root = af.write_adapter(tmp_path / "ad", tensors, cfg)
     manager = SlotManager(MC, num_slots=1, max_rank=R, dtype=torch.float32)
     with pytest.raises(AdapterError) as info:
         manager.load(root, name="x", serves_non_expert=serves)
@@ -258,7 +248,7 @@ def test_peft_version_decides_an_ambiguous_orientation(
     mc = MODELS[model]
     factors, tensors = _fused_gate_up(mc, seed, written, with_down=False)
     extra = {} if version is None else {"peft_version": version}
-    root = write_adapter(tmp_path / "ad", tensors, lora_config(2, 3, **extra))
+    root = af.write_adapter(tmp_path / "ad", tensors, af.lora_config(2, 3, **extra))
     if loads:
         _assert_deltas(load_adapter(root, mc, 4, fused_orientation=told), factors, 1.5)
         return
@@ -272,7 +262,7 @@ def test_peft_version_decides_an_ambiguous_orientation(
 def test_version_decided_orientation_that_does_not_fit_names_it(tmp_path) -> None:
     """A file whose shapes only read swapped, under a config claiming PEFT 0.21.2."""
     _, tensors = _fused_gate_up(MC, 1, "swapped")
-    root = write_adapter(tmp_path / "ad", tensors, lora_config(2, 2, peft_version="0.21.2"))
+    root = af.write_adapter(tmp_path / "ad", tensors, af.lora_config(2, 2, peft_version="0.21.2"))
     with pytest.raises(AdapterError, match=r"natural layout .*\(what PEFT 0.21.2 saves"):
         load_adapter(root, MC, 4)
     load_adapter(root, MC, 4, fused_orientation="swapped")  # the override still reads it
@@ -313,16 +303,16 @@ def test_several_problems_are_listed_together(tmp_path) -> None:
     nan_key, int8_key = ATTN.format(n=0) + ".lora_B.weight", ATTN.format(n=1) + ".lora_A.weight"
     attention[nan_key] = _poke(attention[nan_key], float("nan"))
     attention[int8_key] = (attention[int8_key] * 40).to(torch.int8)
-    root = write_adapter(tmp_path / "ad", {**tensors, **attention}, lora_config(2, 2))
+    root = af.write_adapter(tmp_path / "ad", {**tensors, **attention}, af.lora_config(2, 2))
     manager = SlotManager(MC_2I, num_slots=1, max_rank=4, dtype=torch.float32)
     with pytest.raises(AdapterProblems) as info:
         manager.load(root, name="x", serves_non_expert=True)
     err = info.value
     by_key = {p.key: p for p in err.problems}
-    assert set(by_key) == {nan_key, int8_key, PREFIX.format(n=0) + ".lora_A.weight"}, str(err)
+    assert set(by_key) == {nan_key, int8_key, af.PREFIX.format(n=0) + ".lora_A.weight"}, str(err)
     assert "1 NaN/Inf values" in by_key[nan_key].found
     assert by_key[int8_key].found == "dtype torch.int8"
-    assert "--fused-orientation" in by_key[PREFIX.format(n=0) + ".lora_A.weight"].fix
+    assert "--fused-orientation" in by_key[af.PREFIX.format(n=0) + ".lora_A.weight"].fix
     assert str(err).startswith("3 problems") and all(k in str(err) for k in by_key), str(err)
     assert manager.loaded == {}
 
@@ -343,12 +333,12 @@ def test_the_handle_names_every_refusal(tmp_path) -> None:
     _, tensors = _fused_gate_up(MC_2I, 6, with_down=False)
     tensors[f"{norm}.lora_A.weight"] = torch.randn(2, 32)
     tensors[f"{norm}.lora_B.weight"] = torch.randn(32, 2)
-    root = write_adapter(tmp_path / "ad", tensors, lora_config(2, 2))
-    handle = attach(model, max_loras=2, max_lora_rank=4)
+    root = af.write_adapter(tmp_path / "ad", tensors, af.lora_config(2, 2))
+    handle = attach(model, num_slots=2, max_rank=4)
     with pytest.raises(AdapterProblems) as info:
         handle.load_adapter(root, name="x")
     keys = [p.key for p in info.value.problems]
-    assert keys[0] == PREFIX.format(n=0) + ".lora_A.weight" and len(keys) == 2, keys
+    assert keys[0] == af.PREFIX.format(n=0) + ".lora_A.weight" and len(keys) == 2, keys
     assert "post_attention_layernorm" in keys[1], keys
     assert "--fused-orientation" in info.value.problems[0].fix
     assert handle.adapters == []

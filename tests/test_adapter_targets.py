@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import logging
 
+import adapter_files as af
 import pytest
 import torch
-from adapter_files import (
-    fused_tensors,
-    known_factors,
-    lora_config,
-    model_config,
-    per_expert_tensors,
-    write_adapter,
-)
 
 from moelora.errors import AdapterError
 from moelora.lora import SlotManager, load_adapter
 
-MC = model_config("qwen3_moe")
+MC = af.model_config("qwen3_moe")
 R, RANK = 8, 2
 ATTN = "base_model.model.model.layers.{n}.self_attn.q_proj"
 SHARED = "base_model.model.model.layers.{n}.mlp.shared_experts.{p}"
@@ -50,24 +43,24 @@ def shared_experts() -> dict[str, torch.Tensor]:
 
 def experts(zero: str = "") -> dict[str, torch.Tensor]:
     """Per-expert factors; zero: '' none, 'B' every B, 'mixed' gate/up A and down B."""
-    factors = known_factors(MC, RANK, seed=3)
+    factors = af.known_factors(MC, RANK, seed=3)
     for (layer, part), (a, b) in factors.items():
         if zero == "B" or (zero == "mixed" and part == "down"):
             b = torch.zeros_like(b)
         if zero == "mixed" and part != "down":
             a = torch.zeros_like(a)
         factors[(layer, part)] = (a, b)
-    return per_expert_tensors(factors)
+    return af.per_expert_tensors(factors)
 
 
 def fused_zero_b() -> dict[str, torch.Tensor]:
     """What PEFT saves for target_parameters before training: B all zeros."""
-    factors = known_factors(MC, RANK, seed=4)
+    factors = af.known_factors(MC, RANK, seed=4)
     for layer in MC.moe_layers:
         factors[(layer, "up")] = (factors[(layer, "gate")][0], factors[(layer, "up")][1])
     return {
         k: torch.zeros_like(v) if "lora_B" in k else v
-        for k, v in fused_tensors(MC, factors).items()
+        for k, v in af.fused_tensors(MC, factors).items()
     }
 
 
@@ -97,7 +90,7 @@ REFUSED = [
     "tensors,extra,serves,pattern", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED]
 )
 def test_no_op_adapters_are_refused(tmp_path, tensors, extra, serves, pattern) -> None:
-    path = write_adapter(tmp_path / "ad", tensors(), lora_config(RANK, RANK, **extra))
+    path = af.write_adapter(tmp_path / "ad", tensors(), af.lora_config(RANK, RANK, **extra))
     with pytest.raises(AdapterError, match=pattern) as info:
         load_adapter(path, MC, R, serves_non_expert=serves)
     assert info.value.file.startswith(str(path)) and info.value.expected
@@ -136,7 +129,7 @@ LOADED = [
 def test_adapters_that_change_something_load(
     tmp_path, caplog, tensors, extra, serves, layout, warnings
 ) -> None:
-    path = write_adapter(tmp_path / "ad", tensors(), lora_config(RANK, RANK, **extra))
+    path = af.write_adapter(tmp_path / "ad", tensors(), af.lora_config(RANK, RANK, **extra))
     with caplog.at_level(logging.WARNING, logger="moelora.lora"):
         adapter = load_adapter(path, MC, R, serves_non_expert=serves)
     assert adapter.layout == layout

@@ -199,8 +199,10 @@ def test_dataclass_validation():
     assert ParallelConfig(tp=2, fully_sharded_loras=True).fully_sharded_loras
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         ParallelConfig(tp=0)
-    with pytest.raises(ConfigError, match="max_lora_rank"):
+    with pytest.raises(ConfigError, match="'max_rank'"):
         LoRAConfig(enabled=True, max_rank=0)
+    with pytest.raises(ConfigError, match="'num_slots'"):  # the keyword the caller typed
+        LoRAConfig(enabled=True, num_slots=0)
     assert not LoRAConfig(enabled=True, targets=("q_proj", "v_proj")).on_experts
     assert LoRAConfig(enabled=True, targets=("down_proj",)).on_experts
     assert not LoRAConfig(enabled=False).on_experts

@@ -1,6 +1,7 @@
-"""Outside truth: Hugging Face transformers' own MoE blocks, tiny random models built from
-configs in this file. moelora's from_hf, routing and reference must match the block (LoRA
-off, fp32), and its routing must match the block's own router (ids and weights)."""
+"""Outside truth: Hugging Face transformers' own MoE blocks, tiny random one-layer models
+built from moelora.hf.toy's family configs. moelora's from_hf, routing and reference must
+match the block (LoRA off, fp32), and its routing must match the block's own router (ids
+and weights)."""
 
 from __future__ import annotations
 
@@ -10,134 +11,47 @@ import transformers
 
 from moelora import from_hf, moe_lora_reference, route
 from moelora.compare import assert_close
-from moelora.hf import expert_weights_from_hf, router_from_hf, router_logits
+from moelora.hf import expert_weights_from_hf, router_from_hf, router_logits, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-COMMON = dict(
-    vocab_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    hidden_size=32,
-    max_position_embeddings=64,
-)
-MLA = dict(
-    q_lora_rank=None,
-    kv_lora_rank=8,
-    qk_rope_head_dim=4,
-    qk_nope_head_dim=4,
-    v_head_dim=8,
-    n_shared_experts=1,
-    first_k_dense_replace=0,
-    intermediate_size=40,
-)
-# (model_type, extra config, shared-expert path to subtract) — I = 12 so that S*I != H.
+
+def _one_layer(model_type: str, **changes) -> dict:
+    """The tiny family of moelora.hf.toy (the one the hf tests run), cut to its one MoE block
+    (I = 12 so that S*I != H)."""
+    return dict(toy.FAMILIES[model_type], num_hidden_layers=1, **changes)
+
+
+# (model_type, extra config, shared-expert path to subtract)
 FAMILIES = [
-    (
-        "qwen3_moe",
-        dict(
-            moe_intermediate_size=12,
-            num_experts=6,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            intermediate_size=40,
-        ),
-        None,
-    ),
-    ("mixtral", dict(intermediate_size=12, num_local_experts=6, num_experts_per_tok=2), None),
-    (
-        "olmoe",
-        dict(intermediate_size=12, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
-        None,
-    ),
+    ("qwen3_moe", _one_layer("qwen3_moe"), None),
+    ("mixtral", _one_layer("mixtral"), None),
+    ("olmoe", _one_layer("olmoe"), None),
     # DeepSeek-V3: sigmoid + correction bias + grouped top-k + scaling factor; K=3 of 8
-    (
-        "deepseek_v3",
-        dict(
-            moe_intermediate_size=12,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            **MLA,
-        ),
-        "shared_experts",
-    ),
-    # DeepSeek-V2 group-limited greedy (softmax, groups by max)
+    ("deepseek_v3", _one_layer("deepseek_v3", first_k_dense_replace=0), "shared_experts"),
+    # DeepSeek-V2 group-limited greedy (softmax, groups by max), V2's default norm_topk_prob
     (
         "deepseek_v2",
-        dict(
-            moe_intermediate_size=12,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            n_group=4,
-            topk_group=2,
-            topk_method="group_limited_greedy",
-            routed_scaling_factor=1.5,
-            **MLA,
-        ),
+        _one_layer("deepseek_v3", first_k_dense_replace=0, topk_method="group_limited_greedy",
+                   routed_scaling_factor=1.5, norm_topk_prob=False),
         "shared_experts",
     ),
     # gpt-oss: swigluoai, interleaved gate/up, biases, router bias, top-k then softmax
-    (
-        "gpt_oss",
-        dict(
-            intermediate_size=12,
-            num_local_experts=6,
-            num_experts_per_tok=2,
-            layer_types=["full_attention"],
-        ),
-        None,
-    ),
+    ("gpt_oss", _one_layer("gpt_oss", layer_types=["full_attention"]), None),
     # NemotronH: non-gated relu2 experts, DeepSeek-V3 style routing
-    (
-        "nemotron_h",
-        dict(
-            moe_intermediate_size=12,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            mlp_hidden_act="relu2",
-            hybrid_override_pattern="E",
-            moe_shared_expert_intermediate_size=24,
-            intermediate_size=40,
-        ),
-        "shared_experts",
-    ),
+    ("nemotron_h", _one_layer("nemotron_h", hybrid_override_pattern="E"), "shared_experts"),
     # Llama-4: top-1 sigmoid weight applied to the expert input
-    (
-        "llama4_text",
-        dict(
-            intermediate_size=12,
-            intermediate_size_mlp=40,
-            num_local_experts=4,
-            num_experts_per_tok=1,
-        ),
-        "shared_expert",
-    ),
+    ("llama4_text", _one_layer("llama4_text"), "shared_expert"),
     (
         "qwen3_5_moe_text",
-        dict(
-            moe_intermediate_size=12,
-            num_experts=6,
-            num_experts_per_tok=2,
-            shared_expert_intermediate_size=24,
-            layer_types=["full_attention"],
-        ),
+        _one_layer("qwen3_5_moe_text", layer_types=["full_attention"]),
         "qwen_shared",
     ),
-]
+]  # fmt: skip
 
 
 def _build(model_type: str, extra: dict, seed: int):
-    cfg = transformers.AutoConfig.for_model(model_type, **COMMON, **extra)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**toy.COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     name = next(n for n, m in model.named_modules() if hasattr(m, "experts"))
@@ -170,7 +84,7 @@ def test_block_matches_transformers(family, seed):
     model_type, extra, shared = family
     cfg, block = _build(model_type, extra, seed)
     model = from_hf(cfg.to_dict())  # the real HF config dict goes through the one parser
-    x = torch.randn(13, COMMON["hidden_size"])
+    x = torch.randn(13, toy.COMMON["hidden_size"])
     with torch.no_grad():
         ref = _block_out(block, x) - _shared(block, shared, x)
     _, correction = router_from_hf(block)
@@ -198,7 +112,7 @@ def test_routing_matches_transformers_router(family, seed):
     model_type, extra, _ = family
     cfg, block = _build(model_type, extra, seed)
     model = from_hf(cfg.to_dict())
-    x = torch.randn(17, COMMON["hidden_size"])
+    x = torch.randn(17, toy.COMMON["hidden_size"])
     router, correction = router_from_hf(block)
     with torch.no_grad():
         _, hf_weights, hf_ids = router(x)
@@ -218,7 +132,7 @@ def test_llama4_router_scores_match(seed):
     model_type, extra, _ = next(f for f in FAMILIES if f[0] == "llama4_text")
     cfg, block = _build(model_type, extra, seed)
     model = from_hf(cfg.to_dict())
-    x = torch.randn(9, COMMON["hidden_size"])
+    x = torch.randn(9, toy.COMMON["hidden_size"])
     with torch.no_grad():
         dense_scores, _ = block.router(x)  # [T, E], zero except the chosen expert
     ids, weights = route(router_logits(block, x), model.routing, 1)

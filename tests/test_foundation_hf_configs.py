@@ -17,20 +17,11 @@ import torch
 import transformers
 
 from moelora import ModelConfig, from_hf
-from moelora.hf import expert_weights_from_hf
+from moelora.hf import expert_weights_from_hf, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-COMMON = dict(
-    vocab_size=64,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    hidden_size=32,
-    max_position_embeddings=64,
-)
-MLA = dict(q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-           v_head_dim=8, n_shared_experts=1, intermediate_size=40)  # fmt: skip
+MLA = dict(toy.MLA, n_shared_experts=1, intermediate_size=40)
 QWEN = dict(moe_intermediate_size=12, num_experts=6, num_experts_per_tok=2, intermediate_size=40)
 QWEN35 = dict(moe_intermediate_size=12, num_experts=6, num_experts_per_tok=2,
               shared_expert_intermediate_size=24)  # fmt: skip
@@ -97,7 +88,9 @@ CASES = [
 
 def _configs(model_type: str, kw: dict, wrapper: str | None):
     """(config to save, the text config transformers builds the language model from)."""
-    text = transformers.AutoConfig.for_model(model_type, **COMMON, **kw)
+    text = transformers.AutoConfig.for_model(
+        model_type, **toy.COMMON, **kw
+    )  # the layer count is each case's own
     if wrapper is None:
         return text, text
     return transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict()), text

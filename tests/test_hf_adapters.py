@@ -12,7 +12,13 @@ from hf_models import PAD, alone, build_family
 from safetensors.torch import load_file, save_file
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from moelora.errors import AdapterError, InputError, MoeloraError, UnsupportedDeploymentError
+from moelora.errors import (
+    AdapterError,
+    ConfigError,
+    InputError,
+    MoeloraError,
+    UnsupportedDeploymentError,
+)
 from moelora.hf import attach, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -50,7 +56,7 @@ REFUSALS = [
     # (id, how to make the adapter, exception, words the message must hold)
     ("norm-lora", "norm", AdapterError, ["input_layernorm", "does not serve"]),
     ("missing-module", "missing", AdapterError, ["self_attn.w_nope", "does not serve"]),
-    ("rank-above-max", "rank", AdapterError, ["rank 8", "max_lora_rank"]),
+    ("rank-above-max", "rank", AdapterError, ["rank 8", "max_rank"]),
     ("other-model", "other", AdapterError, ["expected"]),
 ]
 
@@ -58,7 +64,7 @@ REFUSALS = [
 @pytest.mark.parametrize("case", REFUSALS, ids=[c[0] for c in REFUSALS])
 def test_refused_adapters_change_nothing(family, tmp_path, case):
     _, how, error, words = case
-    handle = attach(family.fresh(), max_loras=4, max_lora_rank=4, moe_backend="reference")
+    handle = attach(family.fresh(), num_slots=4, max_rank=4, moe_backend="reference")
     handle.load_adapter(family.dirs["fused-r4-attn"], name="ok")
     before = _state(handle)
     src = family.dirs["fused-r4-attn"]
@@ -86,7 +92,7 @@ def test_refused_adapters_change_nothing(family, tmp_path, case):
 
 
 def test_bad_calls_are_refused_before_running(family):
-    handle = attach(family.fresh(), max_loras=2, max_lora_rank=8, moe_backend="reference")
+    handle = attach(family.fresh(), num_slots=2, max_rank=8, moe_backend="reference")
     handle.load_adapter(family.dirs["fused-r2"], name="a")
     ids = torch.randint(1, 96, (2, 5))
     with pytest.raises(InputError, match=r"'nope'.*loaded adapter"):
@@ -105,8 +111,24 @@ def test_bad_calls_are_refused_before_running(family):
 def test_explicit_backend_refused_before_anything_is_allocated(family):
     model = family.fresh()
     with pytest.raises(UnsupportedDeploymentError) as info:
-        attach(model, max_loras=2, max_lora_rank=8, moe_backend="grouped_mm")
+        attach(model, num_slots=2, max_rank=8, moe_backend="grouped_mm")
     assert "grouped_mm" in str(info.value) and "device" in str(info.value)
+    assert not any(hasattr(m, "_moelora_key") for m in model.modules())
+    assert model.config._experts_implementation != "moelora"
+
+
+@pytest.mark.parametrize(
+    "sizes, named",
+    [
+        (dict(num_slots=0, max_rank=8), "'num_slots' = 0"),  # no slot for an adapter
+        (dict(num_slots=2, max_rank=0), "'max_rank' = 0"),  # no rank for a factor
+    ],
+    ids=["no-slot", "no-rank"],
+)
+def test_bad_bank_sizes_are_refused_naming_the_keyword_passed(family, sizes, named):
+    model = family.fresh()
+    with pytest.raises(ConfigError, match=named):
+        attach(model, moe_backend="reference", **sizes)
     assert not any(hasattr(m, "_moelora_key") for m in model.modules())
     assert model.config._experts_implementation != "moelora"
 
@@ -143,7 +165,7 @@ def test_swaps_during_a_call_keep_its_versions(family, tmp_path, slots):
     v2_model = toy.write_peft_adapter(
         base, v2, seed=4242, **toy.demo_adapters(base)["fused-r4-attn"]
     )
-    handle = attach(family.fresh(), max_loras=slots, max_lora_rank=8, moe_backend="reference")
+    handle = attach(family.fresh(), num_slots=slots, max_rank=8, moe_backend="reference")
     handle.load_adapter(v1, name="a")
     handle.load_adapter(family.dirs["fused-r2"], name="b")
     prompt = torch.randint(1, 96, (6,), generator=torch.Generator().manual_seed(11))
@@ -194,7 +216,7 @@ def test_generate_threads_with_a_swapper(family, tmp_path):
     v2 = tmp_path / "v2"
     base = family.base
     v2_model = toy.write_peft_adapter(base, v2, seed=77, **toy.demo_adapters(base)["fused-r4-attn"])
-    handle = attach(family.fresh(), max_loras=3, max_lora_rank=8, moe_backend="reference")
+    handle = attach(family.fresh(), num_slots=3, max_rank=8, moe_backend="reference")
     handle.load_adapter(family.dirs["fused-r4-attn"], name="a")
     prompt = torch.randint(1, 96, (5,), generator=torch.Generator().manual_seed(3))
     allowed = [
@@ -233,7 +255,7 @@ def test_more_adapters_than_slots(family, seed):
     """Four adapters, two slots: each call names at most two, the others wait in host
     memory and are copied in when named; every row equals HF + PEFT alone. A call naming
     more distinct adapters than slots is refused and leaves nothing held."""
-    handle = attach(family.fresh(), max_loras=2, max_lora_rank=8, moe_backend="reference")
+    handle = attach(family.fresh(), num_slots=2, max_rank=8, moe_backend="reference")
     for name, path in family.dirs.items():
         handle.load_adapter(path, name=name)
     assert handle.adapters == sorted(family.dirs)
@@ -244,7 +266,7 @@ def test_more_adapters_than_slots(family, seed):
         for row, name in enumerate([*names, None]):
             assert torch.equal(out[row], alone(family.truth(name), prompt, NEW)[0]), (names, row)
     assert handle._manager.stats().misses >= 2  # adapters were copied in on demand
-    with pytest.raises(InputError, match="max_loras = 2"):
+    with pytest.raises(InputError, match="num_slots = 2"):
         _generate(handle, prompt, ["fused-r8", "fused-r2", "modules-r4"])
     from moelora.hf import batch
 

@@ -28,8 +28,8 @@ def family(request, tmp_path_factory):
     return build_family(request.param, tmp_path_factory.mktemp(request.param), seed=4321)
 
 
-def _attached(family, max_loras=4):
-    handle = attach(family.fresh(), max_loras=max_loras, max_lora_rank=16, moe_backend="reference")
+def _attached(family, num_slots=4):
+    handle = attach(family.fresh(), num_slots=num_slots, max_rank=16, moe_backend="reference")
     for name, path in family.dirs.items():
         handle.load_adapter(path, name=name, **family.load_kwargs)
     return handle
@@ -76,7 +76,7 @@ def _prompt(seed: int, length: int, vocab: int = 96) -> tuple[int, ...]:
 def test_joins_and_cancels(qwen, seed):
     """Requests join at steps 0, 2, 3 (one into the row a cancel freed) and equal their rows
     alone; the cancelled one ends with one 'cancelled' event and frees its row and slot."""
-    handle = _attached(qwen, max_loras=3)
+    handle = _attached(qwen, num_slots=3)
     engine = Engine(handle, max_rows=3, max_len=32, enforce_eager=True)
     p = [_prompt(seed + i, 3 + 2 * i) for i in range(5)]
     mk = lambda rid, i, name, n: Request(rid, p[i], name, Sampling(max_new_tokens=n))  # noqa: E731
@@ -180,7 +180,7 @@ def test_check_refuses_requests_that_can_never_run(qwen, case):
 
 def test_admissible_reasons(qwen):
     """No free row; every slot held by running requests of other adapters; None otherwise."""
-    handle = _attached(qwen, max_loras=2)
+    handle = _attached(qwen, num_slots=2)
     engine = Engine(handle, max_rows=3, max_len=32, enforce_eager=True)
     req = lambda rid, name: Request(rid, (5, 6, 7), name, Sampling(max_new_tokens=3))  # noqa: E731
     engine.add(req("a", "fused-r8"))

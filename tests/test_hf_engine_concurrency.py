@@ -30,7 +30,7 @@ def qwen(tmp_path_factory):
 
 
 def test_swaps_while_the_engine_runs(qwen, seed):
-    handle = attach(qwen.fresh(), max_loras=4, max_lora_rank=16, moe_backend="reference")
+    handle = attach(qwen.fresh(), num_slots=4, max_rank=16, moe_backend="reference")
     handle.load_adapter(qwen.dirs["fused-r8"], name="a")
     handle.load_adapter(qwen.dirs["fused-r4-attn"], name="attn")
     rng = random.Random(seed)

@@ -23,7 +23,7 @@ def qwen(tmp_path_factory):
 
 
 def _handle(family):
-    handle = attach(family.fresh(), max_loras=4, max_lora_rank=16, moe_backend="reference")
+    handle = attach(family.fresh(), num_slots=4, max_rank=16, moe_backend="reference")
     for name, path in family.dirs.items():
         handle.load_adapter(path, name=name, **family.load_kwargs)
     return handle
@@ -95,7 +95,7 @@ def test_models_with_other_state_run_model_generate(seed, caplog, monkeypatch):
     """NemotronH with a Mamba layer: the engine cannot keep its state, model.generate runs."""
     base = toy.build_model("nemotron_h", hybrid_override_pattern="M*E", seed=seed % 1000)
     model = toy.build_model("nemotron_h", hybrid_override_pattern="M*E", seed=seed % 1000)
-    handle = attach(model, max_loras=2, max_lora_rank=8, moe_backend="reference")
+    handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
     monkeypatch.setattr(engine_generate, "_logged", set())
     ids, mask = left_padded(prompts(2, 96, torch.Generator().manual_seed(seed)))
     with caplog.at_level(logging.INFO, logger="moelora.hf"):

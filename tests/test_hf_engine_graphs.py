@@ -81,7 +81,7 @@ def qwen(tmp_path_factory):
 
 
 def _engine(qwen, stand_in, max_rows=8):
-    handle = attach(qwen.fresh(), max_loras=4, max_lora_rank=16, moe_backend="reference")
+    handle = attach(qwen.fresh(), num_slots=4, max_rank=16, moe_backend="reference")
     for name, path in qwen.dirs.items():
         handle.load_adapter(path, name=name, **qwen.load_kwargs)
     engine = Engine(handle, max_rows=max_rows, max_len=32, enforce_eager=False)

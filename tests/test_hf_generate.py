@@ -9,9 +9,8 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
-from hf_models import PAD, alone, build_family, left_padded, prompts
+from hf_models import alone, assert_equals_alone, build_family, mixed_batch
 
-from moelora.compare import assert_close
 from moelora.hf import attach, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -27,26 +26,14 @@ def family(request, tmp_path_factory):
 
 def test_mixed_batch_generate_equals_peft_row_by_row(family, seed):
     model = family.fresh()
-    handle = attach(model, max_loras=4, max_lora_rank=16, moe_backend="reference")
+    handle = attach(model, num_slots=4, max_rank=16, moe_backend="reference")
     for name, path in family.dirs.items():
         handle.load_adapter(path, name=name, **family.load_kwargs)
     assert handle.adapters == sorted(family.dirs)
-    gen = torch.Generator().manual_seed(seed)
-    rows = prompts(len(ROWS), model.config.vocab_size, gen)
-    ids, mask = left_padded(rows)
-
-    out = handle.generate(
-        ids, adapter_names=ROWS, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-        do_sample=False, pad_token_id=PAD,
-    )  # fmt: skip
-    logits = handle(ids, adapter_names=ROWS, attention_mask=mask).logits
+    batch = mixed_batch(handle, ROWS, NEW_TOKENS, torch.Generator().manual_seed(seed))
     changed = 0
-    for row, (name, prompt) in enumerate(zip(ROWS, rows)):
-        want_tokens, want_logits = alone(family.truth(name), prompt, NEW_TOKENS)
-        got = out[row, ids.shape[1] :]
-        assert torch.equal(got, want_tokens), f"row {row} ({name}): {got} != {want_tokens}"
-        real = logits[row, ids.shape[1] - len(prompt) :]
-        assert_close(real, want_logits, torch.float32, what=f"row {row} ({name}) logits")
+    for row, (name, (prompt, _, real)) in enumerate(zip(ROWS, batch)):
+        assert_equals_alone(family.truth(name), batch[row], NEW_TOKENS, f"row {row} ({name})")
         if name is not None:
             _, base_logits = alone(family.base, prompt, 0)
             changed += not torch.allclose(real, base_logits, atol=1e-3)
@@ -57,7 +44,7 @@ def test_expert_weights_are_the_modules_own(family):
     """No second copy: each layer's w13 / w2 are views of the module's parameters (strided
     where transformers stores them transposed), and PEFT never wraps the experts."""
     model = family.fresh()
-    handle = attach(model, max_loras=2, max_lora_rank=8, moe_backend="reference")
+    handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
     for path in family.dirs.values():
         handle.load_adapter(path, **family.load_kwargs)
     bound = [m for m in model.modules() if hasattr(m, "_moelora_key")]

@@ -39,7 +39,7 @@ def test_replacing_attention_lora_while_threads_generate(family, tmp_path):
     # a call may wait for a slot while the others hold both: a wait, not a refusal, however
     # slow the machine (the full suite on 2 loaded cores took over 30 s once)
     handle = attach(
-        family.fresh(), max_loras=2, max_lora_rank=8, moe_backend="reference", load_timeout_s=300
+        family.fresh(), num_slots=2, max_rank=8, moe_backend="reference", load_timeout_s=300
     )
     handle.load_adapter(versions[0], name="attn")
     handle.load_adapter(family.dirs["fused-r8"], name="fused-r8")

@@ -9,10 +9,9 @@ import copy
 
 import pytest
 import torch
-from hf_models import PAD, alone, left_padded, prompts
+from hf_models import alone, assert_equals_alone, mixed_batch
 from torch import nn
 
-from moelora.compare import assert_close
 from moelora.errors import AdapterError, ConfigError
 from moelora.hf import attach, toy
 
@@ -78,7 +77,7 @@ def test_every_linear_module_equals_peft_row_by_row(family, seed):
     model_type, base, truths, dirs = family
     orientation = {"fused_orientation": "natural"} if model_type == "nemotron_h" else {}
     model = copy.deepcopy(base)
-    handle = attach(model, max_loras=3, max_lora_rank=8, moe_backend="reference")
+    handle = attach(model, num_slots=3, max_rank=8, moe_backend="reference")
     for name, path in dirs.items():
         handle.load_adapter(path, name=name, **orientation)
     served = set(handle.describe("all")["modules"])
@@ -90,18 +89,10 @@ def test_every_linear_module_equals_peft_row_by_row(family, seed):
     expert_lora = any(isinstance(m, ParamWrapper) for m in truths["linear-only"].modules())
     assert handle.describe("linear-only")["experts"] is expert_lora  # PEFT's rewrite decides
     gen = torch.Generator().manual_seed(seed)
-    rows = prompts(len(ROWS), model.config.vocab_size, gen)
-    ids, mask = left_padded(rows)
-    out = handle.generate(
-        ids, adapter_names=ROWS, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-        do_sample=False, pad_token_id=PAD,
-    )  # fmt: skip
-    logits = handle(ids, adapter_names=ROWS, attention_mask=mask).logits
-    for row, (name, prompt) in enumerate(zip(ROWS, rows)):
-        want_tokens, want_logits = alone(truths[name] if name else base, prompt, NEW_TOKENS)
-        assert torch.equal(out[row, ids.shape[1] :], want_tokens), f"row {row} ({name})"
-        real = logits[row, ids.shape[1] - len(prompt) :]
-        assert_close(real, want_logits, torch.float32, what=f"row {row} ({name}) logits")
+    batch = mixed_batch(handle, ROWS, NEW_TOKENS, gen)
+    for row, (name, (prompt, _, real)) in enumerate(zip(ROWS, batch)):
+        truth = truths[name] if name else base
+        assert_equals_alone(truth, batch[row], NEW_TOKENS, f"row {row} ({name})")
         if name == "linear-only":  # the modules alone change the logits
             assert not torch.allclose(real, alone(base, prompt, 0)[1], atol=1e-3)
     from peft.tuners.lora import LoraLayer
@@ -122,7 +113,7 @@ def test_target_modules_narrow_the_banks_and_refuse_the_rest(family):
     model_type, base, _, dirs = family
     orientation = {"fused_orientation": "natural"} if model_type == "nemotron_h" else {}
     handle = attach(
-        copy.deepcopy(base), max_loras=2, max_lora_rank=8, moe_backend="reference",
+        copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference",
         lora_target_modules=["q_proj"],
     )  # fmt: skip
     banks = handle._manager.module_banks
@@ -131,4 +122,4 @@ def test_target_modules_narrow_the_banks_and_refuse_the_rest(family):
         handle.load_adapter(dirs["linear-only"], name="x", **orientation)
     assert handle.adapters == [] and not handle._manager.registered
     with pytest.raises(ConfigError, match="'nope_proj'"):
-        attach(copy.deepcopy(base), max_loras=2, max_lora_rank=4, lora_target_modules=["nope_proj"])
+        attach(copy.deepcopy(base), num_slots=2, max_rank=4, lora_target_modules=["nope_proj"])

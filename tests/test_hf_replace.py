@@ -101,7 +101,7 @@ CASES = [
 def test_a_refused_replacement_keeps_the_old_version(family, tmp_path, case):
     _, slots, old_pin, new_pin, how, error, words = case
     handle = attach(
-        family.fresh(), max_loras=slots, max_lora_rank=8, moe_backend="reference",
+        family.fresh(), num_slots=slots, max_rank=8, moe_backend="reference",
         load_timeout_s=0.3,
     )  # fmt: skip
     handle.load_adapter(family.dirs["fused-r4-attn"], name="a", pin=old_pin)
@@ -156,7 +156,7 @@ PINS = [
 @pytest.mark.parametrize("case", PINS, ids=[c[0] for c in PINS])
 def test_pins_of_replacements_and_unpin(family, case, caplog):
     _, first, again, pinned = case
-    handle = attach(family.fresh(), max_loras=2, max_lora_rank=8, moe_backend="reference")
+    handle = attach(family.fresh(), num_slots=2, max_rank=8, moe_backend="reference")
     handle.load_adapter(family.dirs["fused-r8"], name="a", pin=first)
     with caplog.at_level("INFO", logger="moelora.hf"):
         handle.load_adapter(family.dirs["fused-r2"], name="a", pin=again)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import PAD, alone, build_family, left_padded, prompts
+from hf_models import alone, assert_equals_alone, build_family, mixed_batch
 
 from moelora.compare import assert_close
 from moelora.hf import attach
@@ -22,22 +22,13 @@ def family(request, tmp_path_factory):
 
 def test_triton_backend_mixed_batch_equals_peft(family, seed):
     model = family.fresh()
-    handle = attach(model, max_loras=4, max_lora_rank=8, moe_backend="triton")
+    handle = attach(model, num_slots=4, max_rank=8, moe_backend="triton")
     assert handle.backend_name == "triton"
     for name, path in family.dirs.items():
         handle.load_adapter(path, name=name, **family.load_kwargs)
-    rows = prompts(len(ROWS), model.config.vocab_size, torch.Generator().manual_seed(seed))
-    ids, mask = left_padded(rows)
-    out = handle.generate(
-        ids, adapter_names=ROWS, attention_mask=mask, max_new_tokens=3, do_sample=False,
-        pad_token_id=PAD,
-    )  # fmt: skip
-    logits = handle(ids, adapter_names=ROWS, attention_mask=mask).logits
-    for row, (name, prompt) in enumerate(zip(ROWS, rows)):
-        want_tokens, want_logits = alone(family.truth(name), prompt, 3)
-        assert torch.equal(out[row, ids.shape[1] :], want_tokens), f"row {row} ({name})"
-        real = logits[row, ids.shape[1] - len(prompt) :]
-        assert_close(real, want_logits, torch.float32, what=f"row {row} ({name})")
+    batch = mixed_batch(handle, ROWS, 3, torch.Generator().manual_seed(seed))
+    for row, name in enumerate(ROWS):
+        assert_equals_alone(family.truth(name), batch[row], 3, f"row {row} ({name})")
 
 
 def test_torch_compile_keeps_one_node_per_layer(tmp_path, seed):
@@ -45,7 +36,7 @@ def test_torch_compile_keeps_one_node_per_layer(tmp_path, seed):
     logits equal to eager with adapters in the batch."""
     family = build_family("qwen3_moe", tmp_path, seed=seed % 1000)
     model = family.fresh()
-    handle = attach(model, max_loras=4, max_lora_rank=8, moe_backend="reference")
+    handle = attach(model, num_slots=4, max_rank=8, moe_backend="reference")
     names = ["fused-r8", "fused-r2"]  # experts-only adapters
     for name in names:
         handle.load_adapter(family.dirs[name], name=name)

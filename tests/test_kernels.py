@@ -57,6 +57,22 @@ class Case:
     extra: dict = field(default_factory=dict)
 
 
+# Edges that several paths are checked on, spelled once; a case adds its path's knobs.
+SWIGLU_BIAS_FP16 = dict(act=A.SWIGLUOAI, bias=True, dtype=torch.float16)  # gpt-oss, 16-bit
+RANK_NOT_POW2 = dict(ranks=(24, 8), max_rank=24, slots=(1, 0, -1))  # BLOCK_R > R lanes
+MANY_SLOTS = dict(slots=tuple(range(-1, 9)), ranks=(16,) * 9, tokens=10)  # 9 slots and -1
+RANK_128 = dict(ranks=(128, 5, 64), max_rank=128)  # the widest rank
+WEIGHTS_ON_INPUT = dict(top_k=1, weights_on_input=True)  # Llama-4
+MULTI_BLOCK = dict(experts=2, top_k=1, tokens=40)  # an expert over several blocks
+THREE_LAUNCH = dict(tokens=300, top_k=8, experts=16, slots=(0, 1, 2, -1))  # P > single
+ONE_PAIR_DROP = dict(experts=32, tokens=2, drop_ids=True)  # P <= E/4 layout, dropped ids
+MASKED_TAILS = dict(hidden=48, inter=40, act=A.GELU)  # H, I not tile multiples
+BEYOND_BANK = dict(slots=(0, 5, -1, 1, 3))  # slots >= L: no adapter, as slot -1
+# knob groups of the paths (TileConfig fields; `extra` keys: test_forward_matches_reference)
+IN_REDUCE = dict(lora_delta=True, delta_in_reduce=True)  # the down delta added by the reduce
+SHRINK_EXPAND = dict(lora_delta=True, shrink_expand=True)  # the shrink writes the delta rows
+EXPAND_FIRST = dict(extra={"ef": True})
+
 CASES = [
     # every activation, mixed slots (one of them -1)
     *[Case(f"act-{a.value}", act=a) for a in Activation],
@@ -66,119 +82,58 @@ CASES = [
     Case("slot-minus1-only", slots=(-1,)),  # LoRA bank present, nobody uses it
     Case("no-lora-bank", ranks=None),  # base path
     Case("rank-below-R", ranks=(8, 4, 16), max_rank=16),  # zero-padded adapters
-    Case("rank-not-pow2", ranks=(24, 8), max_rank=24, slots=(1, 0, -1)),  # BLOCK_R > R lanes
+    Case("rank-not-pow2", **RANK_NOT_POW2),
     Case("T1", tokens=1, slots=(2,)),  # decode
     Case("T-lt-block", tokens=3, slots=(0, 1, 2)),
     Case("K-eq-E", experts=4, top_k=4),
     Case("empty-experts", experts=16, top_k=2, tokens=2),  # most experts get no pair
-    Case("multi-block-expert", experts=2, top_k=1, tokens=40, slots=(0, 1, 2, -1, 1)),
-    Case("weights-on-input", top_k=1, weights_on_input=True, bias=True),  # Llama-4
-    Case("masked-tails", hidden=48, inter=40, act=A.GELU),  # H, I not tile multiples
+    Case("multi-block-expert", **MULTI_BLOCK, slots=(0, 1, 2, -1, 1)),
+    Case("weights-on-input", **WEIGHTS_ON_INPUT, bias=True),
+    Case("masked-tails", **MASKED_TAILS),
     Case("expert-parallel-drop", drop_ids=True),  # ids -1 / >= E contribute nothing
-    Case("many-slots", slots=tuple(range(-1, 9)), ranks=(16,) * 9, tokens=10),
-    Case("decode-one-pair-blocks-drop", experts=32, tokens=2, drop_ids=True),  # P <= E/4 layout
+    Case("many-slots", **MANY_SLOTS),
+    Case("decode-one-pair-blocks-drop", **ONE_PAIR_DROP),
     # shrink split-K: H = 96 -> 3 chunks of one 32-wide tile; I = 48 -> chunks 32 + masked 16
     Case("shrink-split-k", hidden=96, inter=48, split_k=4),
     Case("shrink-split-k-swigluoai-bias", act=A.SWIGLUOAI, bias=True, hidden=64, split_k=2),
     Case("shrink-split-k-more-than-tiles", act=A.RELU2_NO_MUL, split_k=8),  # 1 tile: no split
     # expand groups: one slot per dot (9 groups), 2 slots per dot with absent groups skipped
-    Case(
-        "expand-one-slot-per-dot",
-        slots=tuple(range(-1, 9)),
-        ranks=(16,) * 9,
-        tokens=10,
-        expand_lanes=16,
-    ),
+    Case("expand-one-slot-per-dot", **MANY_SLOTS, expand_lanes=16),
     Case("expand-two-slots-per-dot", slots=(5, -1, 0, 4), ranks=(8,) * 6, expand_lanes=32),
     # z in the sorted order, with and without TMA tile copies in the down GEMM
     Case("z-sorted", z_sorted=True),
     Case("z-sorted-split-k", z_sorted=True, hidden=96, inter=48, split_k=4),
     Case("down-tma", down_tma=True),
-    Case(
-        "down-tma-swigluoai-bias-fp16",
-        act=A.SWIGLUOAI,
-        bias=True,
-        dtype=torch.float16,
-        down_tma=True,
-    ),
+    Case("down-tma-swigluoai-bias-fp16", **SWIGLU_BIAS_FP16, down_tma=True),
     Case("down-tma-masked-tails", hidden=48, inter=48, act=A.GELU, down_tma=True),
-    Case("down-tma-decode-drop", experts=32, tokens=2, drop_ids=True, down_tma=True),
+    Case("down-tma-decode-drop", **ONE_PAIR_DROP, down_tma=True),
     Case("down-tma-no-lora", ranks=None, down_tma=True),
-    Case("down-tma-multi-block", experts=2, top_k=1, tokens=40, down_tma=True),
-    Case("slot-beyond-bank", slots=(0, 5, -1, 1, 3)),  # slots >= L: no adapter, as slot -1
+    Case("down-tma-multi-block", **MULTI_BLOCK, down_tma=True),
+    Case("slot-beyond-bank", **BEYOND_BANK),
     # P = 2400 > SINGLE_PROGRAM_PAIRS: alignment and shrink tiles in three launches
-    Case("three-launch-align", tokens=300, top_k=8, experts=16, slots=(0, 1, 2, -1)),
+    Case("three-launch-align", **THREE_LAUNCH),
     # shrink tiles: buckets of ~20 pairs -> two 16-row tiles each; 32-row tiles
     Case("shrink-two-tiles-per-bucket", experts=2, top_k=1, tokens=80, slots=(0, 1)),
     Case("shrink-tile-32-rows", experts=2, top_k=2, tokens=40, slots=(0, -1), extra={"tm": 32}),
     # LoRA expand over the shrink tiles (delta rows added in the GEMM epilogues)
     Case("delta-silu", lora_delta=True),
-    Case(
-        "delta-swigluoai-bias-fp16",
-        act=A.SWIGLUOAI,
-        bias=True,
-        dtype=torch.float16,
-        lora_delta=True,
-    ),
-    Case(
-        "delta-relu2-rank-not-pow2",
-        act=A.RELU2_NO_MUL,
-        ranks=(24, 8),
-        max_rank=24,
-        slots=(1, 0, -1),
-        lora_delta=True,
-    ),
-    Case("delta-weights-on-input", top_k=1, weights_on_input=True, bias=True, lora_delta=True),
-    Case(
-        "delta-many-slots-split-k",
-        slots=tuple(range(-1, 9)),
-        ranks=(16,) * 9,
-        tokens=10,
-        split_k=4,
-        lora_delta=True,
-    ),
+    Case("delta-swigluoai-bias-fp16", **SWIGLU_BIAS_FP16, lora_delta=True),
+    Case("delta-relu2-rank-not-pow2", act=A.RELU2_NO_MUL, **RANK_NOT_POW2, lora_delta=True),
+    Case("delta-weights-on-input", **WEIGHTS_ON_INPUT, bias=True, lora_delta=True),
+    Case("delta-many-slots-split-k", **MANY_SLOTS, split_k=4, lora_delta=True),
     Case("delta-masked-tails-drop", hidden=48, inter=40, drop_ids=True, lora_delta=True),
-    Case("delta-slot-beyond-bank", slots=(0, 5, -1, 1, 3), lora_delta=True),
-    Case(
-        "delta-down-tma-multi-block", experts=2, top_k=1, tokens=40, down_tma=True, lora_delta=True
-    ),
+    Case("delta-slot-beyond-bank", **BEYOND_BANK, lora_delta=True),
+    Case("delta-down-tma-multi-block", **MULTI_BLOCK, down_tma=True, lora_delta=True),
     Case("delta-shrink-two-tiles", experts=2, top_k=1, tokens=80, slots=(0, 1), lora_delta=True),
     # delta with the one-pair-per-block alignment (P <= E/4), and with three align launches
-    Case("delta-one-pair-blocks-drop", experts=32, tokens=2, drop_ids=True, lora_delta=True),
-    Case(
-        "delta-three-launch-align",
-        tokens=300,
-        top_k=8,
-        experts=16,
-        slots=(0, 1, 2, -1),
-        lora_delta=True,
-    ),
-    Case("delta-rank-128", ranks=(128, 5, 64), max_rank=128, lora_delta=True),  # widest rank
+    Case("delta-one-pair-blocks-drop", **ONE_PAIR_DROP, lora_delta=True),
+    Case("delta-three-launch-align", **THREE_LAUNCH, lora_delta=True),
+    Case("delta-rank-128", **RANK_128, lora_delta=True),
     # the down delta added (weighted) by the top-k reduce, the down GEMM LoRA-free
-    Case("delta-in-reduce", lora_delta=True, delta_in_reduce=True),
-    Case(
-        "delta-in-reduce-swigluoai-bias-fp16",
-        act=A.SWIGLUOAI,
-        bias=True,
-        dtype=torch.float16,
-        lora_delta=True,
-        delta_in_reduce=True,
-    ),
-    Case(
-        "delta-in-reduce-weights-on-input",
-        top_k=1,
-        weights_on_input=True,
-        bias=True,
-        lora_delta=True,
-        delta_in_reduce=True,
-    ),
-    Case(
-        "delta-in-reduce-drop-beyond-bank",
-        slots=(0, 5, -1, 1, 3),
-        drop_ids=True,
-        lora_delta=True,
-        delta_in_reduce=True,
-    ),
+    Case("delta-in-reduce", **IN_REDUCE),
+    Case("delta-in-reduce-swigluoai-bias-fp16", **SWIGLU_BIAS_FP16, **IN_REDUCE),
+    Case("delta-in-reduce-weights-on-input", **WEIGHTS_ON_INPUT, bias=True, **IN_REDUCE),
+    Case("delta-in-reduce-drop-beyond-bank", **BEYOND_BANK, drop_ids=True, **IN_REDUCE),
     # lora_stream: the down side on the DELTA path, its delta added by the reduce, with the
     # gate/up side expanding in the GEMM (or on the DELTA path too); the CPU runs in order
     Case("lora-stream", extra={"ls": True}),
@@ -190,20 +145,13 @@ CASES = [
         drop_ids=True,
         extra={"ls": True},
     ),
-    Case("lora-stream-weights-on-input", top_k=1, weights_on_input=True, extra={"ls": True}),
+    Case("lora-stream-weights-on-input", **WEIGHTS_ON_INPUT, extra={"ls": True}),
     Case("lora-stream-delta", lora_delta=True, extra={"ls": True}),
-    Case("lora-stream-rank-128", ranks=(128, 5, 64), max_rank=128, extra={"ls": True}),
+    Case("lora-stream-rank-128", **RANK_128, extra={"ls": True}),
     # the shrink programs expand their intermediate themselves (no delta launches)
-    Case("shrink-expand", lora_delta=True, shrink_expand=True),
+    Case("shrink-expand", **SHRINK_EXPAND),
     # split_k 4 over 3 K chunks (H = 96) must be ignored: the delta needs the whole K
-    Case(
-        "shrink-expand-split-ignored",
-        hidden=96,
-        inter=48,
-        split_k=4,
-        lora_delta=True,
-        shrink_expand=True,
-    ),
+    Case("shrink-expand-split-ignored", hidden=96, inter=48, split_k=4, **SHRINK_EXPAND),
     # N = 2 * 80 and 160 columns: several 64-column expand steps with a masked tail
     Case(
         "shrink-expand-n-steps-z-sorted",
@@ -211,71 +159,32 @@ CASES = [
         hidden=160,
         inter=80,
         z_sorted=True,
-        lora_delta=True,
-        shrink_expand=True,
+        **SHRINK_EXPAND,
     ),
-    Case(
-        "shrink-expand-swigluoai-bias-fp16",
-        act=A.SWIGLUOAI,
-        bias=True,
-        dtype=torch.float16,
-        lora_delta=True,
-        shrink_expand=True,
-    ),
-    Case(
-        "shrink-expand-relu2-rank-not-pow2",
-        act=A.RELU2_NO_MUL,
-        ranks=(24, 8),
-        max_rank=24,
-        slots=(1, 0, -1),
-        lora_delta=True,
-        shrink_expand=True,
-    ),
-    Case(
-        "shrink-expand-rank-128-one-part-per-prog",
-        ranks=(128, 5, 64),
-        max_rank=128,
-        lora_delta=True,
-        shrink_expand=True,
-    ),
+    Case("shrink-expand-swigluoai-bias-fp16", **SWIGLU_BIAS_FP16, **SHRINK_EXPAND),
+    Case("shrink-expand-relu2-rank-not-pow2", act=A.RELU2_NO_MUL, **RANK_NOT_POW2, **SHRINK_EXPAND),
+    Case("shrink-expand-rank-128-one-part-per-prog", **RANK_128, **SHRINK_EXPAND),
     Case(
         "shrink-expand-z-sorted-in-reduce",
         z_sorted=True,
         hidden=48,
         inter=40,
-        lora_delta=True,
-        shrink_expand=True,
+        **SHRINK_EXPAND,
         delta_in_reduce=True,
     ),
-    Case(
-        "shrink-expand-weights-on-input-drop",
-        top_k=1,
-        weights_on_input=True,
-        drop_ids=True,
-        lora_delta=True,
-        shrink_expand=True,
-    ),
-    Case(
-        "delta-in-reduce-many-tokens",
-        tokens=9,
-        slots=(2, -1, 0, 1),
-        hidden=48,
-        lora_delta=True,
-        delta_in_reduce=True,
-    ),
+    Case("shrink-expand-weights-on-input-drop", **WEIGHTS_ON_INPUT, drop_ids=True, **SHRINK_EXPAND),
+    Case("delta-in-reduce-many-tokens", tokens=9, slots=(2, -1, 0, 1), hidden=48, **IN_REDUCE),
     # the decode path (GEMV up with the z shrink by atomics, down with the top-k sum)
     *[Case(f"decode-act-{a.value}", act=a, decode=True) for a in Activation],
     Case("decode-T1", tokens=1, slots=(2,), decode=True),
-    Case(
-        "decode-swigluoai-bias-fp16", act=A.SWIGLUOAI, bias=True, dtype=torch.float16, decode=True
-    ),
-    Case("decode-weights-on-input", top_k=1, weights_on_input=True, bias=True, decode=True),
+    Case("decode-swigluoai-bias-fp16", **SWIGLU_BIAS_FP16, decode=True),
+    Case("decode-weights-on-input", **WEIGHTS_ON_INPUT, bias=True, decode=True),
     Case("decode-drop-ids", drop_ids=True, decode=True),  # ids -1 / >= E contribute nothing
-    Case("decode-rank-not-pow2", ranks=(24, 8), max_rank=24, slots=(1, 0, -1), decode=True),
+    Case("decode-rank-not-pow2", **RANK_NOT_POW2, decode=True),
     Case("decode-slot-minus1-only", slots=(-1,), decode=True),
-    Case("decode-slot-beyond-bank", slots=(0, 5, -1, 1, 3), decode=True),
+    Case("decode-slot-beyond-bank", **BEYOND_BANK, decode=True),
     Case("decode-no-lora-bank", ranks=None, bias=True, decode=True),
-    Case("decode-masked-tails", hidden=48, inter=40, act=A.GELU, decode=True),  # 2 K steps
+    Case("decode-masked-tails", **MASKED_TAILS, decode=True),  # 2 K steps
     Case("decode-K-eq-E-odd-K", experts=3, top_k=3, decode=True),  # K not a power of two
     # x shrink: 4 A rows per program, 2 K steps of 16 (H = 32), z zeroing spread thinner
     Case("decode-shrink-tiles", hidden=32, decode=True, extra={"ds": (4, 16)}),
@@ -285,9 +194,7 @@ CASES = [
         "decode-committed-tiles", act=A.SWIGLUOAI, bias=True, decode=True, extra={"cfg": "DECODE"}
     ),
     Case("decode-top-k-10", experts=12, top_k=10, tokens=2, decode=True),  # K > 8: narrower K step
-    Case(
-        "decode-rank-128", ranks=(128, 5, 64), max_rank=128, decode=True, extra={"ds": (16, 32)}
-    ),  # widest rank
+    Case("decode-rank-128", **RANK_128, decode=True, extra={"ds": (16, 32)}),
     Case(
         "decode-32-slots",
         slots=(-2, 0, 31, 33, 5, -1, 16),
@@ -302,13 +209,12 @@ CASES = [
     # pdl requested: the first weight step loads early (the PDL instructions themselves
     # cannot run in the interpreter); 2 K steps up and down, and a single one
     Case("decode-pdl-requested", act=A.SWIGLUOAI, bias=True, decode=True, extra={"pdl": True}),
-    Case("decode-pdl-2-steps", hidden=48, inter=40, act=A.GELU, decode=True, extra={"pdl": True}),
+    Case("decode-pdl-2-steps", **MASKED_TAILS, decode=True, extra={"pdl": True}),
     Case("decode-pdl-no-lora", ranks=None, hidden=48, decode=True, extra={"pdl": True}),
     Case("decode-pdl-drop-ids", drop_ids=True, decode=True, extra={"pdl": True}),
     Case(
         "decode-pdl-weights-on-input",
-        top_k=1,
-        weights_on_input=True,
+        **WEIGHTS_ON_INPUT,
         bias=True,
         decode=True,
         extra={"pdl": True},
@@ -316,76 +222,36 @@ CASES = [
     Case("decode-pdl-top-k-10", experts=12, top_k=10, tokens=2, decode=True, extra={"pdl": True}),
     # expand_first: the in-GEMM expand as a pipelined loop before the K loop (no group
     # skip: absent groups load nothing and add zeros)
-    Case("expand-first", extra={"ef": True}),
-    Case(
-        "expand-first-swigluoai-bias-fp16",
-        act=A.SWIGLUOAI,
-        bias=True,
-        dtype=torch.float16,
-        extra={"ef": True},
-    ),
-    Case("expand-first-relu2", act=A.RELU2_NO_MUL, extra={"ef": True}),
-    Case(
-        "expand-first-one-slot-per-dot",
-        slots=tuple(range(-1, 9)),
-        ranks=(16,) * 9,
-        tokens=10,
-        expand_lanes=16,
-        extra={"ef": True},
-    ),
+    Case("expand-first", **EXPAND_FIRST),
+    Case("expand-first-swigluoai-bias-fp16", **SWIGLU_BIAS_FP16, **EXPAND_FIRST),
+    Case("expand-first-relu2", act=A.RELU2_NO_MUL, **EXPAND_FIRST),
+    Case("expand-first-one-slot-per-dot", **MANY_SLOTS, expand_lanes=16, **EXPAND_FIRST),
     Case(
         "expand-first-absent-group",
         slots=(5, -1, 0, 4),
         ranks=(8,) * 6,
         expand_lanes=32,
-        extra={"ef": True},
+        **EXPAND_FIRST,
     ),
-    Case(
-        "expand-first-rank-not-pow2",
-        ranks=(24, 8),
-        max_rank=24,
-        slots=(1, 0, -1),
-        extra={"ef": True},
-    ),
+    Case("expand-first-rank-not-pow2", **RANK_NOT_POW2, **EXPAND_FIRST),
     Case(
         "expand-first-down-tma-multi-block",
-        experts=2,
-        top_k=1,
-        tokens=40,
+        **MULTI_BLOCK,
         slots=(0, 1, 2, -1, 1),
         down_tma=True,
-        extra={"ef": True},
+        **EXPAND_FIRST,
     ),
-    Case(
-        "expand-first-drop-slot-beyond-bank",
-        slots=(0, 5, -1, 1, 3),
-        drop_ids=True,
-        extra={"ef": True},
-    ),
-    Case(
-        "expand-first-weights-on-input",
-        top_k=1,
-        weights_on_input=True,
-        bias=True,
-        extra={"ef": True},
-    ),
+    Case("expand-first-drop-slot-beyond-bank", **BEYOND_BANK, drop_ids=True, **EXPAND_FIRST),
+    Case("expand-first-weights-on-input", **WEIGHTS_ON_INPUT, bias=True, **EXPAND_FIRST),
     # up_tma: w13 tiles by TMA descriptors (gate / up rows in two blocks; the interleaved
     # swigluoai layout falls back to pointer loads)
     Case("up-tma", extra={"ut": True}),
     Case("up-tma-relu2", act=A.RELU2_NO_MUL, extra={"ut": True}),
-    Case("up-tma-masked-tails", hidden=48, inter=40, act=A.GELU, extra={"ut": True}),
-    Case(
-        "up-tma-swigluoai-bias-fp16",
-        act=A.SWIGLUOAI,
-        bias=True,
-        dtype=torch.float16,
-        extra={"ut": True},
-    ),
+    Case("up-tma-masked-tails", **MASKED_TAILS, extra={"ut": True}),
+    Case("up-tma-swigluoai-bias-fp16", **SWIGLU_BIAS_FP16, extra={"ut": True}),
     Case(
         "up-tma-expand-first-multi-block",
-        experts=2,
-        top_k=1,
-        tokens=40,
+        **MULTI_BLOCK,
         slots=(0, 1, 2, -1, 1),
         extra={"ut": True, "ef": True},
     ),
@@ -404,37 +270,25 @@ CASES = [
     Case("atomic-reduce-drop-ids-fp16", drop_ids=True, dtype=torch.float16, extra={"ar": True}),
     Case(
         "atomic-reduce-weights-on-input-fp16",
-        top_k=1,
-        weights_on_input=True,
+        **WEIGHTS_ON_INPUT,
         dtype=torch.float16,
         extra={"ar": True},
     ),
     Case("atomic-reduce-no-lora-fp16", ranks=None, dtype=torch.float16, extra={"ar": True}),
     Case("atomic-reduce-delta-fp16", lora_delta=True, dtype=torch.float16, extra={"ar": True}),
-    Case(  # the knob is ignored here: the reduce pass adds the delta rows
-        "atomic-reduce-delta-in-reduce-fp16",
-        lora_delta=True,
-        delta_in_reduce=True,
-        dtype=torch.float16,
-        extra={"ar": True},
+    # the knob is ignored here: the reduce pass adds the delta rows
+    Case(
+        "atomic-reduce-delta-in-reduce-fp16", **IN_REDUCE, dtype=torch.float16, extra={"ar": True}
     ),
     Case(
         "atomic-reduce-swigluoai-down-tma-fp16",
-        act=A.SWIGLUOAI,
-        bias=True,
+        **SWIGLU_BIAS_FP16,
         down_tma=True,
         z_sorted=True,
-        dtype=torch.float16,
         extra={"ar": True, "ef": True},
     ),
     # pdl on the aligned path: no PDL in the interpreter, the launchers' plumbing runs
-    Case(
-        "aligned-pdl-requested",
-        bias=True,
-        lora_delta=True,
-        delta_in_reduce=True,
-        extra={"pdl": True},
-    ),
+    Case("aligned-pdl-requested", bias=True, **IN_REDUCE, extra={"pdl": True}),
 ]
 
 

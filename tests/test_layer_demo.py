@@ -46,7 +46,7 @@ def test_layer_runs_the_selected_backend_and_matches_reference(seed):
     experts = random_expert_weights(MODEL.shape, generator=gen)
     bank = random_lora_bank(MODEL.shape, 2, 4, generator=gen)
     layer = MoELoRALayer(
-        _deployment(lora=LoRAConfig(enabled=True, max_rank=4, max_loras=2), backend="reference"),
+        _deployment(lora=LoRAConfig(enabled=True, max_rank=4, num_slots=2), backend="reference"),
         experts,
     )
     assert layer.backend_name == "reference" and layer.selection.how == "explicit"
@@ -118,7 +118,7 @@ def test_plan_json_reports_config_errors_on_stdout(capsys):
 def _layer_and_batch(seed: int, **lora_kw):
     gen = torch.Generator().manual_seed(seed)
     experts = random_expert_weights(MODEL.shape, generator=gen)
-    lora_cfg = LoRAConfig(enabled=True, max_rank=4, max_loras=2, **lora_kw)
+    lora_cfg = LoRAConfig(enabled=True, max_rank=4, num_slots=2, **lora_kw)
     layer = MoELoRALayer(_deployment(lora=lora_cfg, backend="reference"), experts)
     bank = random_lora_bank(MODEL.shape, 2, 4, generator=gen)
     x, ids, wts = _batch(gen)

@@ -72,7 +72,7 @@ REFUSALS = [
     ("no-bank", "k", (2, 8), (12, 2), ["'k'", "lora_target_modules"]),
     ("wrong-in", "q", (2, 9), (12, 2), ["a [r, 8]"]),
     ("wrong-out", "q", (2, 8), (11, 2), ["b [12, r]"]),
-    ("rank-above-R", "q", (5, 8), (12, 5), ["rank 5", "max_lora_rank"]),
+    ("rank-above-R", "q", (5, 8), (12, 5), ["rank 5", "max_rank"]),
 ]
 
 

@@ -136,7 +136,7 @@ def test_deployment_derived_facts(knobs, i_p, e_l, mode, sharding):
     [
         (dict(tp=5), "tensor_parallel_size"),  # 768 % 5
         (dict(ep=3), "expert_parallel_size"),  # 128 % 3
-        (dict(tp=4, lora=True, fully_sharded=True, rank=6), "max_lora_rank"),  # A split on R
+        (dict(tp=4, lora=True, fully_sharded=True, rank=6), "max_rank"),  # A split on R
         (dict(device="cpu", cuda_graphs=True), "cuda_graphs"),
         (dict(backend=""), "moe_backend"),
         (dict(dtype="int8"), "dtype"),

@@ -60,7 +60,7 @@ def torchrun(args: list[str], cwd: Path = ROOT, printed: int = 0) -> subprocess.
     run prints, such a run is started once more, and that second run must exit 0."""
     env = os.environ | dict(GLOO_SOCKET_IFNAME="lo", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    for attempt in range(2 if printed else 1):
+    for _attempt in range(2 if printed else 1):
         done = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=180)  # fmt: skip
         teardown = TEARDOWN_ABORT in done.stderr and done.stdout.count("\n") >= printed
@@ -129,7 +129,7 @@ def test_plan_flags_describe_the_layout(bench) -> None:
     deployment = build_deployment(build_parser().parse_args(bench.plan_argv("tiny", layout, args)))
     p = deployment.parallel
     assert (p.tp, p.ep, p.fully_sharded_loras) == (2, 2, True)
-    assert (deployment.lora.max_rank, deployment.lora.max_loras) == (8, 3)
+    assert (deployment.lora.max_rank, deployment.lora.num_slots) == (8, 3)
     assert deployment.lora.add_inputs is ADD and deployment.backend == "reference"
     assert not deployment.cuda_graphs  # timed eagerly, planned eagerly
 

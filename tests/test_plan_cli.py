@@ -12,6 +12,7 @@ from oracle_doubles import LORA_ONLY, MIMIC
 from moelora import cli
 from moelora.backends import registry as registry_mod
 from moelora.backends.checks import CHECKS
+from moelora.commands.flag_terms import VLLM_LORA_FLAGS, in_flag_terms
 from moelora.presets import preset_dict
 
 
@@ -161,13 +162,28 @@ def test_local_device_by_default_works_without_a_gpu(capsys):
         (("--model", "qwen3-30b-a3b", "-tp", "0"), "tensor_parallel_size"),
         (("--model", "qwen3-30b-a3b", "-ep", "-2"), "expert_parallel_size"),
         (("--model", "tiny", "--device", "cpu", "--cuda-graphs"), "cuda_graphs"),
-        (("--model", "tiny", "--enable-lora", "--max-lora-rank", "0"), "max_lora_rank"),
+        (("--model", "tiny", "--enable-lora", "--max-lora-rank", "0"), "--max-lora-rank"),
+        (("--model", "tiny", "--enable-lora", "--max-loras", "0"), "--max-loras"),  # num_slots
     ],
 )  # fmt: skip
 def test_bad_configuration_exits_2_naming_the_key(capsys, argv, named):
     code, out, err = plan(capsys, *argv)
     assert code == 2 and out == ""
     assert f"'{named}'" in err
+
+
+@pytest.mark.parametrize(
+    "message, spoken",
+    [
+        ("config key 'num_slots' = 0", "config key '--max-loras' = 0"),  # the key
+        ("raise max_rank or use a lower-rank adapter",
+         "raise --max-lora-rank or use a lower-rank adapter"),  # a fix
+        ("lora.max_rank = 32: at most 16", "lora.max_rank = 32: at most 16"),  # a reason's field
+        ("max_ranks of num_slots_x", "max_ranks of num_slots_x"),  # longer words
+    ],
+)  # fmt: skip
+def test_errors_name_the_flags_the_user_typed(message, spoken):
+    assert in_flag_terms(message, VLLM_LORA_FLAGS) == spoken
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,7 @@ def test_attach_serves_the_checkpoints_experts(tmp_path, seed, config_says_fp8):
         peft_model = peft.PeftModel.from_pretrained(model, tmp_path / "a")
         lora_ref = peft_model(ids).logits
         model = peft_model.unload()
-    handle = attach(model, max_loras=2, max_lora_rank=8, moe_backend="reference")
+    handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
     layer = handle._bound[0][0]._moelora_key  # the experts bound: FP8 weights served
     from moelora.hf import experts
 

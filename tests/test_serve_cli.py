@@ -35,6 +35,9 @@ CASES = [
         ["--gpu-memory-utilization", "CPU"],
     ),
     ("no-tokenizer", None, ["MODEL_DIR", "tokenizer"]),
+    # the package names the keyword num_slots / max_rank; the user typed vLLM's flag
+    ("max-loras-zero", ["--max-loras", "0"], ["'--max-loras' = 0", "positive"]),
+    ("max-lora-rank-zero", ["--max-lora-rank", "0"], ["'--max-lora-rank' = 0", "positive"]),
 ]
 
 

@@ -41,7 +41,7 @@ def test_no_room_is_refused_naming_the_flag_and_the_numbers():
 @pytest.fixture(scope="module")
 def handle():
     base = toy.build_model("qwen3_moe", seed=7)
-    return attach(base, max_loras=1, max_lora_rank=4, moe_backend="reference")
+    return attach(base, num_slots=1, max_rank=4, moe_backend="reference")
 
 
 def test_measured_row_bytes_match_the_engines_allocation(handle):

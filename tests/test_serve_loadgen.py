@@ -44,7 +44,7 @@ def test_written_adapter_matches_peft_layout_and_loads(case, tmp_path, seed):
         k: peft[k] for k in ("r", "lora_alpha", "peft_type")
     }
     assert sorted(ours["target_parameters"]) == sorted(peft["target_parameters"])
-    handle = attach(base, max_loras=1, max_lora_rank=rank, moe_backend="reference")
+    handle = attach(base, num_slots=1, max_rank=rank, moe_backend="reference")
     handle.load_adapter(tmp_path / "ours", name="ours")
     assert handle.describe("ours")["rank"] == rank and handle.describe("ours")["experts"]
 

@@ -9,13 +9,7 @@ import time
 
 import pytest
 import torch
-from adapter_files import (
-    known_factors,
-    lora_config,
-    model_config,
-    per_expert_tensors,
-    write_adapter,
-)
+from adapter_files import model_config, write_random_adapter
 
 from moelora import moe_lora_reference, random_expert_weights
 from moelora.compare import assert_close
@@ -32,11 +26,7 @@ def adapters(tmp_path, seed) -> dict[str, Adapter]:
     """Five random non-zero adapters with different ranks (all below R except 'full')."""
     out = {}
     for k, (name, r) in enumerate([("a", 2), ("b", 3), ("c", 4), ("d", 5), ("full", R)]):
-        path = write_adapter(
-            tmp_path / name,
-            per_expert_tensors(known_factors(MC, r, seed=seed + k)),
-            lora_config(r, 2 * r),
-        )
+        path = write_random_adapter(tmp_path / name, MC, r, 2 * r, seed=seed + k)
         out[name] = load_adapter(path, MC, R)
     return out
 
@@ -150,8 +140,21 @@ def test_replace_with_one_slot_rewrites_it_when_no_forward_holds_it(adapters) ->
     assert m.loaded == {"x": 0} and _slot_equals(m, 0, adapters["b"])
     m.pin("x")  # a pinned adapter can still be replaced explicitly
     assert m.replace("x", adapters["c"]) == 0 and _slot_equals(m, 0, adapters["c"])
-    with pytest.raises(ConfigError, match="unpin or unload"):  # nothing can ever be evicted
+    with pytest.raises(ConfigError, match=r"unpin or unload.*raise num_slots"):  # no eviction
         m.load(adapters["d"], name="y")
+
+
+@pytest.mark.parametrize(
+    "sizes, named",
+    [
+        (dict(num_slots=0, max_rank=R), "'num_slots' = 0"),  # no slot for an adapter
+        (dict(num_slots=2, max_rank=0), "'max_rank' = 0"),  # no rank for a factor
+    ],
+    ids=["no-slot", "no-rank"],
+)
+def test_bad_sizes_are_refused_naming_the_keyword_passed(sizes, named) -> None:
+    with pytest.raises(ConfigError, match=named):
+        SlotManager(MC, dtype=torch.float32, **sizes)
 
 
 def test_unload_zeroes_and_frees_the_slot(adapters) -> None:
@@ -186,8 +189,7 @@ def test_lru_eviction_skips_pinned_and_recently_used(adapters) -> None:
 
 def test_layers_an_adapter_lacks_are_zero(tmp_path, adapters) -> None:
     """A slot reused by an adapter of layer 0 only: layer 1 rows of the old occupant vanish."""
-    factors = {k: v for k, v in known_factors(MC, 2, seed=9).items() if k[0] == 0}
-    path = write_adapter(tmp_path / "l0", per_expert_tensors(factors), lora_config(2, 2))
+    path = write_random_adapter(tmp_path / "l0", MC, 2, 2, seed=9, layers={0})
     m = SlotManager(MC, num_slots=1, max_rank=R, dtype=torch.float32)
     m.load(adapters["full"])
     m.load(path, name="layer0")

@@ -12,40 +12,23 @@ from contextlib import ExitStack
 
 import pytest
 import torch
-from adapter_files import (
-    known_factors,
-    lora_config,
-    model_config,
-    one_torch_thread,
-    per_expert_tensors,
-    write_adapter,
-)
+from adapter_files import bank_of, model_config, write_random_adapter
 
 from moelora import moe_lora_reference, random_expert_weights
 from moelora.errors import InputError
 from moelora.lora import Adapter, SlotManager, load_adapter
 from moelora.weights import LoRABank
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MC = model_config("qwen3_moe")
 R, SLOTS, T, STEPS, READERS = 8, 3, 12, 40, 2
 FIELDS = ("w13_a", "w13_b", "w2_a", "w2_b")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_torch_thread()
-
-
 def _expected_bank(behind: dict[str, tuple[int, Adapter]], layer: int) -> LoRABank:
     """The bank implied by name -> (slot, adapter), built from the adapters directly."""
-    bank = LoRABank.empty(MC.shape, SLOTS, R, dtype=torch.float32)
-    bank.ranks.zero_()  # empty slots, as the manager's
-    for slot, ad in behind.values():
-        lora, r = ad.layers[layer], ad.rank
-        bank.ranks[slot] = r
-        bank.w13_a[slot, :, :, :r], bank.w13_b[slot, :, :, :, :r] = lora.w13_a, lora.w13_b
-        bank.w2_a[slot, :, :r], bank.w2_b[slot, :, :, :r] = lora.w2_a, lora.w2_b
-    return bank
+    return bank_of(MC, dict(behind.values()), layer, SLOTS, R)
 
 
 def _adapter_at(assigned: list[tuple[int, str, Adapter]], name: str, version: int) -> Adapter:
@@ -56,11 +39,7 @@ def _adapter_at(assigned: list[tuple[int, str, Adapter]], name: str, version: in
 def test_forwards_under_leases_see_whole_slots_while_loading(tmp_path, seed) -> None:
     adapters = {}
     for k, r in enumerate([2, 3, 4, 5, 6, 8]):
-        path = write_adapter(
-            tmp_path / f"ad{k}",
-            per_expert_tensors(known_factors(MC, r, seed=seed + k)),
-            lora_config(r, r + 1),
-        )
+        path = write_random_adapter(tmp_path / f"ad{k}", MC, r, r + 1, seed=seed + k)
         adapters[f"ad{k}"] = load_adapter(path, MC, R)
     names = list(adapters)
     manager = SlotManager(MC, num_slots=SLOTS, max_rank=R, dtype=torch.float32)

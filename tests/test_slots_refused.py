@@ -10,19 +10,14 @@ import threading
 
 import pytest
 import torch
-from adapter_files import (
-    known_factors,
-    lora_config,
-    model_config,
-    one_torch_thread,
-    per_expert_tensors,
-    write_adapter,
-)
+from adapter_files import bank_of, model_config, write_random_adapter
 
 from moelora import moe_lora_reference, random_expert_weights
 from moelora.errors import AdapterError, AdapterProblems
 from moelora.lora import Adapter, LayerLoRA, SlotManager, load_adapter
 from moelora.weights import LoRABank
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MC = model_config("qwen3_moe")
 R, RANK, T = 8, 3, 12
@@ -32,15 +27,8 @@ ALL_FACTORS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_torch_thread()
-
-
 def _adapter(root, seed: int, name: str) -> Adapter:
-    path = write_adapter(
-        root / name, per_expert_tensors(known_factors(MC, RANK, seed=seed)), lora_config(RANK, 5)
-    )
+    path = write_random_adapter(root / name, MC, RANK, 5, seed=seed)
     return load_adapter(path, MC, R, name=name)
 
 
@@ -79,16 +67,9 @@ BAD = [
 ]  # fmt: skip
 
 
-def _bank(behind: dict[str, tuple[int, Adapter]], layer: int, slots: int) -> LoRABank:
+def _bank(behind: dict[str, tuple[int, Adapter]], layer: int, num_slots: int) -> LoRABank:
     """The bank name -> (slot, adapter) implies, built from the adapters, not the manager."""
-    bank = LoRABank.empty(MC.shape, slots, R, dtype=torch.float32)
-    bank.ranks.zero_()
-    for slot, ad in behind.values():
-        lora, r = ad.layers[layer], ad.rank
-        bank.ranks[slot] = r
-        bank.w13_a[slot, :, :, :r], bank.w13_b[slot, :, :, :, :r] = lora.w13_a, lora.w13_b
-        bank.w2_a[slot, :, :r], bank.w2_b[slot, :, :, :r] = lora.w2_a, lora.w2_b
-    return bank
+    return bank_of(MC, dict(behind.values()), layer, num_slots, R)
 
 
 def _serves(manager: SlotManager, good: dict[str, Adapter], gen: torch.Generator) -> None:

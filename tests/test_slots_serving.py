@@ -18,34 +18,22 @@ from collections import Counter
 
 import pytest
 import torch
-from adapter_files import (
-    known_factors,
-    lora_config,
-    model_config,
-    one_torch_thread,
-    per_expert_tensors,
-    write_adapter,
-)
+from adapter_files import bank_of, model_config, write_random_adapter
 
 from moelora import moe_lora_reference, random_expert_weights
 from moelora.errors import AdapterError, ConfigError, InputError
 from moelora.lora import Adapter, LoadOrigin, Placement, SlotManager, load_adapter
-from moelora.weights import LoRABank
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MC = model_config("qwen3_moe")
 R, T = 4, 8
 FIELDS = ("w13_a", "w13_b", "w2_a", "w2_b")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_torch_thread()
-
-
 def _write(root, k: int, seed: int):
     r = 1 + k % R
-    factors = known_factors(MC, r, seed=seed + k)
-    return write_adapter(root / f"ad{k}", per_expert_tensors(factors), lora_config(r, r + 1))
+    return write_random_adapter(root / f"ad{k}", MC, r, r + 1, seed=seed + k)
 
 
 @pytest.fixture
@@ -76,17 +64,9 @@ def load_lines():
     logger.setLevel(level)
 
 
-def _expected_bank(slot_of: dict, adapters: dict[str, Adapter], layer: int, slots: int):
+def _expected_bank(slot_of: dict, adapters: dict[str, Adapter], layer: int, num_slots: int):
     """The bank implied by name -> slot, built from the adapters directly."""
-    bank = LoRABank.empty(MC.shape, slots, R, dtype=torch.float32)
-    bank.ranks.zero_()  # empty slots, as the manager's
-    for name, slot in slot_of.items():
-        ad = adapters[name]
-        lora, r = ad.layers[layer], ad.rank
-        bank.ranks[slot] = r
-        bank.w13_a[slot, :, :, :r], bank.w13_b[slot, :, :, :, :r] = lora.w13_a, lora.w13_b
-        bank.w2_a[slot, :, :r], bank.w2_b[slot, :, :, :r] = lora.w2_a, lora.w2_b
-    return bank
+    return bank_of(MC, {s: adapters[n] for n, s in slot_of.items()}, layer, num_slots, R)
 
 
 def _holds(m: SlotManager, name: str, adapter: Adapter) -> bool:
@@ -125,7 +105,7 @@ def test_registered_names_load_on_demand_from_disk_then_host(dirs, load_lines) -
 # (id, names of the batch, error type, regex) -- each refused, changing nothing
 REFUSED = [
     ("unknown-name", ["n0", "ghost", None], InputError, "'ghost'.*register"),
-    ("more-names-than-slots", ["n0", "n1", "n2"], InputError, "3 distinct.*max_loras = 2"),
+    ("more-names-than-slots", ["n0", "n1", "n2"], InputError, "3 distinct.*num_slots = 2"),
     ("corrupt-registered-file", ["n0", "bad"], AdapterError, "truncated or corrupt"),
 ]
 
@@ -185,9 +165,7 @@ def test_registry_errors_and_lifecycle(dirs, tmp_path) -> None:
     with pytest.raises(AdapterError, match="no directory"):
         m.register("nowhere", tmp_path / "missing")
     other = model_config("qwen3_moe", hidden=48)
-    foreign = load_adapter(
-        write_adapter(tmp_path / "o", per_expert_tensors(known_factors(other, 2)),
-                      lora_config(2, 2)), other, R)  # fmt: skip
+    foreign = load_adapter(write_random_adapter(tmp_path / "o", other, 2, 2), other, R)
     with pytest.raises(AdapterError, match="an adapter loaded for"):
         m.register("foreign", foreign)
     for bad in (-1, True, 2.0):

@@ -130,7 +130,7 @@ def check_lora(cap: Capabilities, dep: Deployment) -> list[Reason]:
     if cap.max_rank is not None and rank > cap.max_rank:
         reasons.append(Reason("lora.max_rank", rank, f"at most {cap.max_rank}"))
     if cap.max_slots is not None and slots > cap.max_slots:
-        reasons.append(Reason("lora.max_loras", slots, f"at most {cap.max_slots}"))
+        reasons.append(Reason("lora.num_slots", slots, f"at most {cap.max_slots}"))
     reasons += _check_add_inputs(cap, dep)
     return reasons
 

@@ -271,7 +271,7 @@ def _attach(a, shape: Shape, model, attach, emit, sync):
         dirs[f"q{k}"] = write_adapter(root / f"q{k}", shape, a.rank, True, seed=100 + k)
     sync()
     t0 = time.perf_counter()
-    handle = attach(model, max_loras=len(dirs), max_lora_rank=a.rank)
+    handle = attach(model, num_slots=len(dirs), max_rank=a.rank)
     for name, path in dirs.items():
         handle.load_adapter(path, name=name)
     sync()

@@ -74,20 +74,22 @@ def reference_seconds(shape: MoEShape, tokens: int) -> float:
     return 2 * tokens * shape.top_k * expert_elements(shape) / REFERENCE_FLOP_S
 
 
-def bank_bytes(shape: MoEShape, slots: int, rank: int, element_bytes: int = 4) -> int:
+def bank_bytes(shape: MoEShape, num_slots: int, max_rank: int, element_bytes: int = 4) -> int:
     """One layer's slot bank: A13 [L, E, S, R, H], B13 [L, E, S, I, R], A2 [L, E, R, I],
     B2 [L, E, H, R]."""
     s, h, i = shape.activation.width_factor, shape.hidden_size, shape.intermediate_size
-    per_slot_expert = rank * (s * h + s * i + i + h)
-    return slots * shape.num_experts * per_slot_expert * element_bytes
+    per_slot_expert = max_rank * (s * h + s * i + i + h)
+    return num_slots * shape.num_experts * per_slot_expert * element_bytes
 
 
-def demo_cost(model: ModelConfig, tokens: int, adapters: int, rank: int, interpreted: bool) -> Cost:
+def demo_cost(
+    model: ModelConfig, tokens: int, num_slots: int, max_rank: int, interpreted: bool
+) -> Cost:
     """`moelora demo` in fp32: experts, every MoE layer's bank (and its adapter files), one
     forward and the reference twice (with and without LoRA)."""
     shape = model.shape
     weights = 4 * shape.num_experts * expert_elements(shape)
-    banks = len(model.moe_layers) * bank_bytes(shape, adapters, rank)
+    banks = len(model.moe_layers) * bank_bytes(shape, num_slots, max_rank)
     seconds = 2 * reference_seconds(shape, tokens)
     if interpreted:
         seconds += interpreter_seconds(shape, tokens)

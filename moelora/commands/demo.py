@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
     gen = torch.Generator().manual_seed(seed)
 
-    lora_cfg = LoRAConfig(enabled=True, max_rank=args.rank, max_loras=args.adapters)
+    lora_cfg = LoRAConfig(enabled=True, max_rank=args.rank, num_slots=args.adapters)
     deployment = Deployment(
         shape=shape,
         routing=model.routing,

@@ -34,6 +34,7 @@ from ..errors import (
     adapter_refusal,
 )
 from . import generate_inputs as inputs
+from .flag_terms import VLLM_LORA_FLAGS
 from .generate_check import CheckResult, check_row, verdict
 from .generate_report import Run, as_json, exit_code, rank_note, text
 from .hf_truth import measure_noise, peft_truth, runnable_implementation, set_implementation
@@ -80,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, flag_terms=VLLM_LORA_FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,8 +140,8 @@ def _attach(attach, model, args, adapters):
     try:
         return attach(
             model,
-            max_loras=args.max_loras or max(1, len(adapters)),
-            max_lora_rank=args.max_lora_rank,
+            num_slots=args.max_loras or max(1, len(adapters)),
+            max_rank=args.max_lora_rank,
             moe_backend=args.moe_backend,
         )
     except UnsupportedDeploymentError as err:

@@ -21,6 +21,7 @@ from ..device import LOCAL, TARGETS, counterpart, differences, fact_sources, pro
 from ..errors import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, MoeloraError, UnsupportedDeploymentError
 from ..oracle import EXPLICIT, Selection, default_registry, select
 from ..presets import PRESETS, resolve_model
+from .flag_terms import VLLM_LORA_FLAGS, in_flag_terms
 from .plan_text import render
 from .plan_validation import validation
 
@@ -134,7 +135,7 @@ def _lora(args: argparse.Namespace) -> LoRAConfig:
     return LoRAConfig(
         enabled=args.enable_lora,
         max_rank=args.max_lora_rank,
-        max_loras=args.max_loras,
+        num_slots=args.max_loras,
         targets=targets,
         add_inputs=AddInputs(args.lora_add_inputs),
     )
@@ -252,10 +253,11 @@ def run(args: argparse.Namespace) -> int:
         deployment = build_deployment(args)
         plan = resolve(deployment, args.device, notes(args, deployment))
     except MoeloraError as err:  # config errors and anything else moelora refuses on purpose
-        print(f"moelora plan: {err}", file=sys.stderr)
+        message = in_flag_terms(str(err), VLLM_LORA_FLAGS)
+        print(f"moelora plan: {message}", file=sys.stderr)
         if args.json:  # machines get an answer on stdout too
             error = {"accepted": False, "verdict": "ERROR", "exit_code": EXIT_USAGE}
-            print(json.dumps(error | {"error": str(err)}, indent=2))
+            print(json.dumps(error | {"error": message}, indent=2))
         return EXIT_USAGE
     print(json.dumps(plan, indent=2) if args.json else render(plan))
     for warning in plan["warnings"]:

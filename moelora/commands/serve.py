@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from .flag_terms import VLLM_LORA_FLAGS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -55,6 +57,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "fp16 or fp32")  # fmt: skip
     p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.set_defaults(flag_terms=VLLM_LORA_FLAGS)  # errors name --max-loras, not num_slots
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """moelora inside Hugging Face transformers: one model, many PEFT adapters, one mixed batch.
 
-    handle = moelora.hf.attach(model, max_loras=8, max_lora_rank=16)
+    handle = moelora.hf.attach(model, num_slots=8, max_rank=16)
     handle.load_adapter("path/to/peft-adapter", name="a")
     out = handle.generate(input_ids, adapter_names=["a", None], max_new_tokens=32)
 

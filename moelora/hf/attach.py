@@ -5,7 +5,7 @@ The model keeps its own routing, attention and everything else. Per MoE layer th
 binds a MoELoRALayer whose weights are views of the module's own expert tensors (no copy),
 all sharing one oracle verdict (asked once per layer type, logged once). Every nn.Linear
 and router an adapter may target gets a per-token LoRA hook (module_lora.py) and a bank in
-the slot manager. Legend: L slots (max_loras), R max rank (max_lora_rank).
+the slot manager. Legend: L slots (num_slots), R max rank (max_rank).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def attach(
     model: nn.Module,
     *,
-    max_loras: int,
-    max_lora_rank: int,
+    num_slots: int,
+    max_rank: int,
     moe_backend: str = "auto",
     fully_sharded_loras: bool = False,
     enforce_eager: bool | None = None,
@@ -52,12 +52,13 @@ def attach(
 ) -> MoELoRAModel:
     """Serve `model`'s routed experts with moelora; returns the handle (MoELoRAModel).
 
-    max_loras (L) adapters fit in the slots at once, each of rank <= max_lora_rank (R).
+    num_slots (L) adapters fit in the slots at once, each of rank <= max_rank (R) (vLLM's
+    --max-loras and --max-lora-rank).
     moe_backend: "auto" or a backend name; an explicit one is honoured or refused here,
     before anything is allocated. enforce_eager: True allows eager-only backends on a GPU;
     default: CUDA-graph safe backends on a GPU (vLLM's default), anything on a CPU.
     fully_sharded_loras: accepted for vLLM compatibility; a no-op in one process (tp = 1).
-    More adapters than max_loras may be loaded: the slots hold the most recently used, the
+    More adapters than num_slots may be loaded: the slots hold the most recently used, the
     others wait in host memory (max_cpu_loras bounds the pinned copies kept ready, vLLM's
     --max-cpu-loras) and are copied in when a call names them.
     max_graph_tokens: on a GPU (unless enforce_eager), each MoE layer replays a CUDA graph of
@@ -84,9 +85,7 @@ def attach(
         model_config,
         dtype=dtype,
         device=probe_device(device),
-        lora=LoRAConfig(
-            enabled=True, max_rank=max_lora_rank, max_loras=max_loras, targets=("experts",)
-        ),
+        lora=LoRAConfig(enabled=True, max_rank=max_rank, num_slots=num_slots, targets=("experts",)),
         cuda_graphs=device.type == "cuda" and not enforce_eager,
         backend=moe_backend,
     )
@@ -102,8 +101,8 @@ def attach(
     }
     manager = SlotManager(
         model_config,
-        max_loras,
-        max_lora_rank,
+        num_slots,
+        max_rank,
         device=device,
         dtype=dtype,
         load_timeout_s=load_timeout_s,

@@ -176,8 +176,8 @@ class Engine:
             return self._row_free()
         key = self.handle.slot_key(request.adapter)  # the version add() would hold
         held = {r.hold.key for r in self._rows.values()} - {None}
-        if key is not None and key not in held and len(held) >= self.handle.max_loras:
-            return f"every adapter slot ({self.handle.max_loras}) is held by running requests"
+        if key is not None and key not in held and len(held) >= self.handle.num_slots:
+            return f"every adapter slot ({self.handle.num_slots}) is held by running requests"
         return None
 
     def _row_free(self) -> str | None:

@@ -154,10 +154,10 @@ def _engine(handle, rows: int, length: int) -> Engine:
 
 def _refuse_too_many_adapters(handle, names: list[str | None]) -> None:
     keys = {handle.slot_key(n) for n in names} - {None}
-    if len(keys) > handle.max_loras:
+    if len(keys) > handle.num_slots:
         raise InputError(
             "adapter_names", f"{len(keys)} distinct adapters in one batch",
-            f"at most max_loras = {handle.max_loras} (one slot each): split the batch",
+            f"at most num_slots = {handle.num_slots} (one slot each): split the batch",
         )  # fmt: skip
 
 

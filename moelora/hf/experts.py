@@ -92,7 +92,7 @@ def experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weig
             "experts_implementation",
             NAME,
             f"an experts module bound by moelora.hf.attach ({type(self).__name__} is not)",
-            "call moelora.hf.attach(model, max_loras=..., max_lora_rank=...) before running it",
+            "call moelora.hf.attach(model, num_slots=..., max_rank=...) before running it",
         )
     return experts_op(hidden_states, top_k_index, top_k_weights, key)
 

@@ -4,7 +4,7 @@ experts, Linear modules and routers serve every row of a batch with its own adap
 Adapters are PEFT directories: the expert factors and the Linear modules' factors go into
 the slot banks of one SlotManager, in the same slot. Each load gets an internal version
 name, so a call holds the versions it started with (one lease over the call) while loads,
-replaces and unloads go on. Legend: B rows, L slots (max_loras), R max rank (max_lora_rank).
+replaces and unloads go on. Legend: B rows, L slots (num_slots), R max rank (max_rank).
 """
 
 from __future__ import annotations
@@ -88,14 +88,17 @@ class MoELoRAModel:
 
     @property
     def backend_name(self) -> str:
+        """The backend the oracle selected for every MoE layer of the model."""
         return self.selection.name
 
     @property
-    def max_loras(self) -> int:
+    def num_slots(self) -> int:
+        """L: the adapters the device's slots hold at once (vLLM's --max-loras)."""
         return self._manager.num_slots
 
     @property
-    def max_lora_rank(self) -> int:
+    def max_rank(self) -> int:
+        """R: the largest adapter rank the banks hold (vLLM's --max-lora-rank)."""
         return self._manager.max_rank
 
     @property
@@ -144,7 +147,7 @@ class MoELoRAModel:
             adapter = load_adapter(
                 root,
                 self.model_config,
-                self.max_lora_rank,
+                self.max_rank,
                 name=internal,
                 fused_orientation=fused_orientation,
                 serves_non_expert=True,

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-_COMMON = dict(
+# The config keys every tiny family shares (the tests build their one-block models from them
+# too), and DeepSeek's multi-head latent attention at the same tiny size.
+COMMON = dict(
     vocab_size=96,
     hidden_size=32,
     num_attention_heads=4,
@@ -28,7 +30,7 @@ _COMMON = dict(
     eos_token_id=None,
     tie_word_embeddings=False,
 )
-_MLA = dict(q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+MLA = dict(q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
 
 # model_type -> config kwargs of a tiny model with two MoE layers. I = 12, H = 32: the fused
 # factors of PEFT files read unambiguously (H != I, H != 2I).
@@ -51,7 +53,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(
         num_hidden_layers=3, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-        n_shared_experts=1, first_k_dense_replace=1, intermediate_size=40, head_dim=4, num_key_value_heads=4, **_MLA,
+        n_shared_experts=1, first_k_dense_replace=1, intermediate_size=40, head_dim=4, num_key_value_heads=4, **MLA,
     ),
     "gpt_oss": dict(
         num_hidden_layers=2, intermediate_size=12, num_local_experts=6, num_experts_per_tok=2,
@@ -83,7 +85,7 @@ def build_model(
 
     if model_type not in FAMILIES:
         raise KeyError(f"{model_type!r}: not one of {sorted(FAMILIES)}")
-    kwargs = {**_COMMON, **FAMILIES[model_type], **overrides}
+    kwargs = {**COMMON, **FAMILIES[model_type], **overrides}
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

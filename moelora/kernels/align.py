@@ -266,59 +266,69 @@ def align_pairs(
     has_slots = token_slots is not None and num_slots > 0
     tiles = has_slots and lora_tile_m > 0
     decode = launch.mode is AlignMode.ONE_PAIR
+    lora_tiles = num_lora_tiles = None
     if tiles:
         max_tiles = (
             num_pairs if decode else max_lora_tiles(num_pairs, num_experts, num_slots, lora_tile_m)
         )
         lora_tiles = torch.empty(max_tiles, 4, dtype=torch.int32, device=device)
         num_lora_tiles = torch.empty(1, dtype=torch.int32, device=device)
-    else:
-        lora_tiles = num_lora_tiles = None
-    tile_args = dict(
-        lora_tiles_ptr=lora_tiles if tiles else num_padded,
-        num_lora_tiles_ptr=num_lora_tiles if tiles else num_padded,
-        TILES=tiles,
-    )
-    if decode:
-        return _one_pair_per_block(
-            ids, token_slots if has_slots else ids, num_experts, num_slots if has_slots else 0,
-            num_pairs, block_m, num_padded, tile_args, lora_tiles, num_lora_tiles,
-        )  # fmt: skip
-    cap = max_padded_pairs(num_pairs, num_experts, block_m)
-    single = launch.mode is AlignMode.SINGLE
-    sorted_pair_ids = torch.empty(cap, dtype=torch.int32, device=device)
-    block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
-    bins = num_slots + 1 if has_slots else 1
-    counts = (torch.empty if single else torch.zeros)(
-        num_experts * bins, dtype=torch.int32, device=device
-    )
-    key_start = torch.empty_like(counts)
-    tile_start = torch.empty_like(counts) if tiles else counts
-    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    block_s = triton.next_power_of_2(bins)
-    args = dict(
+    # the arguments both alignment kernels take
+    common = dict(
         topk_ids_ptr=ids,
         slots_ptr=token_slots if has_slots else ids,
-        counts_ptr=counts,
-        rank_ptr=rank,
-        key_start_ptr=key_start,
-        tile_start_ptr=tile_start,
-        sorted_pair_ids_ptr=sorted_pair_ids,
-        block_experts_ptr=block_experts,
         num_padded_ptr=num_padded,
+        lora_tiles_ptr=lora_tiles if tiles else num_padded,
+        num_lora_tiles_ptr=num_lora_tiles if tiles else num_padded,
         num_pairs=num_pairs,
         top_k=top_k,
         num_experts=num_experts,
         num_slots=num_slots if has_slots else 0,
+        TILES=tiles,
+        BLOCK_M=block_m,
+    )
+    if decode:
+        sorted_pair_ids, block_experts = _one_pair_per_block(common)
+        tile_m = 1 if tiles else 0
+    else:
+        sorted_pair_ids, block_experts = _sort_pairs(common, lora_tile_m, launch, pdl)
+        tile_m = lora_tile_m if tiles else 0
+    return AlignedPairs(
+        sorted_pair_ids, block_experts, num_padded, block_m, lora_tiles, num_lora_tiles, tile_m
+    )
+
+
+def _sort_pairs(
+    common: dict, lora_tile_m: int, launch: AlignLaunch, pdl: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sort (module docstring) in one launch or three, as `launch` says; common: the
+    arguments both alignment kernels take. -> (sorted_pair_ids, block_experts)."""
+    num_pairs, num_experts, block_m = common["num_pairs"], common["num_experts"], common["BLOCK_M"]
+    device = common["topk_ids_ptr"].device
+    cap = max_padded_pairs(num_pairs, num_experts, block_m)
+    single = launch.mode is AlignMode.SINGLE
+    sorted_pair_ids = torch.empty(cap, dtype=torch.int32, device=device)
+    block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
+    bins = common["num_slots"] + 1  # num_slots is 0 without slots: one bin per expert
+    counts = (torch.empty if single else torch.zeros)(
+        num_experts * bins, dtype=torch.int32, device=device
+    )
+    block_s = triton.next_power_of_2(bins)
+    args = dict(
+        **common,
+        counts_ptr=counts,
+        rank_ptr=torch.empty(num_pairs, dtype=torch.int32, device=device),
+        key_start_ptr=torch.empty_like(counts),
+        tile_start_ptr=torch.empty_like(counts) if common["TILES"] else counts,
+        sorted_pair_ids_ptr=sorted_pair_ids,
+        block_experts_ptr=block_experts,
         num_blocks=block_experts.shape[0],
-        HAS_SLOTS=has_slots,
+        HAS_SLOTS=bins > 1,
         TILE_M=max(1, lora_tile_m),
-        **tile_args,
         BLOCK_P=launch.block_p,
         # experts per OFFSETS step: ~4K counters in registers, at most 128 experts
         BLOCK_E=max(1, min(128, 4096 // block_s)),
         BLOCK_S=block_s,
-        BLOCK_M=block_m,
         PDL=pdl,
         num_warps=launch.num_warps,
     )
@@ -333,37 +343,21 @@ def align_pairs(
         offsets_args = {**args, "num_warps": launch.offsets_warps, "launch_pdl": pdl}
         _align_kernel[(1,)](**offsets_args, **{**phases, "OFFSETS": True})
         _align_kernel[grid](**args, launch_pdl=pdl, **{**phases, "SCATTER": True})
-    return AlignedPairs(
-        sorted_pair_ids, block_experts, num_padded, block_m, lora_tiles, num_lora_tiles,
-        lora_tile_m if tiles else 0,
-    )  # fmt: skip
+    return sorted_pair_ids, block_experts
 
 
-def _one_pair_per_block(
-    ids, slots, num_experts, num_slots, num_pairs, block_m, num_padded, tile_args, lora_tiles,
-    num_lora_tiles,
-) -> AlignedPairs:  # fmt: skip
+def _one_pair_per_block(common: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode layout (P <= E/4: pairs rarely share an expert): block b holds pair b alone.
     One launch instead of the sort; a repeated expert is read twice, which costs less than
-    the sort at this size (vLLM's "naive" assignment, vllm_spec.md 4.1)."""
-    device = ids.device
-    sorted_pair_ids = torch.empty(num_pairs * block_m, dtype=torch.int32, device=device)
+    the sort at this size (vLLM's "naive" assignment, vllm_spec.md 4.1). common: the
+    arguments both alignment kernels take. -> (sorted_pair_ids, block_experts)."""
+    num_pairs, device = common["num_pairs"], common["topk_ids_ptr"].device
+    sorted_pair_ids = torch.empty(num_pairs * common["BLOCK_M"], dtype=torch.int32, device=device)
     block_experts = torch.empty(num_pairs, dtype=torch.int32, device=device)
     _one_pair_kernel[(1,)](
-        topk_ids_ptr=ids,
-        slots_ptr=slots,
+        **common,
         sorted_pair_ids_ptr=sorted_pair_ids,
         block_experts_ptr=block_experts,
-        num_padded_ptr=num_padded,
-        num_pairs=num_pairs,
-        top_k=ids.shape[1],
-        num_experts=num_experts,
-        num_slots=num_slots,
         BLOCK_P=triton.next_power_of_2(num_pairs),
-        BLOCK_M=block_m,
-        **tile_args,
     )
-    tile_m = 1 if lora_tiles is not None else 0
-    return AlignedPairs(
-        sorted_pair_ids, block_experts, num_padded, block_m, lora_tiles, num_lora_tiles, tile_m
-    )
+    return sorted_pair_ids, block_experts

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_shape, workspace
+from .output import store_y
 from .pdl import chain_point
 
 
@@ -63,9 +64,7 @@ def _finish_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
-    if ADD:
-        acc += tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    store_y(y_ptr + offs, acc, mask, ADD)
 
 
 def finish_sum(

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ..tiling.geometry import rank_block
 from .checks import check_dtype_match, check_shape, workspace
+from .launch_args import strides
 from .pdl import chain_point
 from .ranks import slot_ranks
 
@@ -154,16 +155,9 @@ def decode_shrink(
         ranks_ptr=slot_ranks(lora_a, ranks, 3),
         rank_offset=rank_offset,
         hidden=hidden,
-        stride_xm=x.stride(0),
-        stride_xk=x.stride(1),
-        stride_al=lora_a.stride(0),
-        stride_ae=lora_a.stride(1),
-        stride_as=lora_a.stride(2),
-        stride_ar=lora_a.stride(3),
-        stride_ak=lora_a.stride(4),
-        stride_im=inter.stride(0),
-        stride_is=inter.stride(1),
-        stride_ir=inter.stride(2),
+        **strides("x", x, "mk"),
+        **strides("a", lora_a, "lesrk"),
+        **strides("i", inter, "msr"),
         z_size=z_inter.numel(),
         z_per_prog=z_per_prog,
         BLOCK_R=block_r,

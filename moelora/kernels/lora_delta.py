@@ -28,6 +28,7 @@ from ..errors import InputError
 from ..tiling.geometry import rank_block
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
+from .launch_args import lora_tile_args, strides, with_parts
 from .pdl import chain_point
 from .ranks import slot_ranks
 from .tiles import RANK_STEP, expand_dot, lora_tile
@@ -146,7 +147,7 @@ def lora_delta(
     (w2_b, S = 1), aligned with its LoRA tiles; ranks [L] int32 (LoRABank.ranks; None: every
     slot at R): a slot's expand stops at its real rank. Returns delta [P, S, N] in `dtype`,
     rows of pairs without an adapter unwritten."""
-    b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
+    b5 = with_parts(lora_b)
     _, _, parts, n_size, rank = b5.shape
     num_pairs = inter.shape[0]
     check_shape("LoRA intermediate", inter, (num_pairs, parts, rank))
@@ -159,24 +160,13 @@ def lora_delta(
         inter_ptr=inter,
         b_ptr=b5,
         delta_ptr=delta,
-        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
-        tiles_ptr=aligned.lora_tiles,
-        num_tiles_ptr=aligned.num_lora_tiles,
+        **lora_tile_args(aligned),
         ranks_ptr=slot_ranks(b5, ranks, 4),
         max_rank=rank,
         n_size=n_size,
-        stride_im=inter.stride(0),
-        stride_is=inter.stride(1),
-        stride_ir=inter.stride(2),
-        stride_bl=b5.stride(0),
-        stride_be=b5.stride(1),
-        stride_bs=b5.stride(2),
-        stride_bn=b5.stride(3),
-        stride_br=b5.stride(4),
-        stride_dm=delta.stride(0),
-        stride_ds=delta.stride(1),
-        stride_dn=delta.stride(2),
-        BLOCK_M=max(16, triton.next_power_of_2(aligned.lora_tile_m)),
+        **strides("i", inter, "msr"),
+        **strides("b", b5, "lesnr"),
+        **strides("d", delta, "msn"),
         BLOCK_N=BLOCK_N,
         BLOCK_R=min(DELTA_BLOCK_R, rank_block(rank)),
         UPCAST=upcast,

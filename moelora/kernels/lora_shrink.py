@@ -33,6 +33,7 @@ from ..tiling.geometry import (
 )
 from .align import AlignedPairs
 from .checks import check_dtype_match, check_shape, precision_flags, workspace
+from .launch_args import lora_tile_args, strides, with_parts
 from .lora_delta import expand_tile
 from .pdl import chain_point
 from .ranks import slot_ranks
@@ -280,7 +281,7 @@ def lora_shrink(
         raise InputError(
             "aligned", "pairs aligned without LoRA tiles", "align_pairs(..., lora_tile_m > 0)"
         )
-    a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
+    a5 = with_parts(lora_a)
     _, _, parts, rank, k_dim = a5.shape
     check_shape("lora A", a5, (None, None, parts, rank, inp.shape[1]))
     check_dtype_match("lora A", a5, inp)
@@ -298,7 +299,7 @@ def lora_shrink(
             "out", "given with expand_b", "out=None (the expanded delta is a new tensor)"
         )
     if expand_b is not None:
-        b5 = expand_b if expand_b.dim() == 5 else expand_b.unsqueeze(2)
+        b5 = with_parts(expand_b)
         check_shape("lora B", b5, (a5.shape[0], a5.shape[1], parts, None, rank))
         check_dtype_match("lora B", b5, inp)
         split_k = 1
@@ -325,9 +326,7 @@ def lora_shrink(
         in_ptr=inp,
         a_ptr=a5,
         inter_ptr=out,
-        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
-        tiles_ptr=aligned.lora_tiles,
-        num_tiles_ptr=aligned.num_lora_tiles,
+        **lora_tile_args(aligned),
         row_div=top_k if rows == "tokens" else 1,
         parts=parts,
         part_groups=part_groups,
@@ -337,28 +336,14 @@ def lora_shrink(
         num_slots=a5.shape[0],
         k_dim=k_dim,
         k_chunk=k_chunk,
-        stride_im=inp.stride(0),
-        stride_ik=inp.stride(1),
-        stride_al=a5.stride(0),
-        stride_ae=a5.stride(1),
-        stride_as=a5.stride(2),
-        stride_ar=a5.stride(3),
-        stride_ak=a5.stride(4),
-        stride_om=out.stride(0),
-        stride_os=out.stride(1),
-        stride_or=out.stride(2),
+        **strides("i", inp, "mk"),
+        **strides("a", a5, "lesrk"),
+        **strides("o", out, "msr"),
         b_ptr=b5 if b5 is not None else a5,
         delta_ptr=delta if delta is not None else out,
         n_size=b5.shape[3] if b5 is not None else 0,
-        stride_bl=b5.stride(0) if b5 is not None else 0,
-        stride_be=b5.stride(1) if b5 is not None else 0,
-        stride_bs=b5.stride(2) if b5 is not None else 0,
-        stride_bn=b5.stride(3) if b5 is not None else 0,
-        stride_br=b5.stride(4) if b5 is not None else 0,
-        stride_dm=delta.stride(0) if delta is not None else 0,
-        stride_ds=delta.stride(1) if delta is not None else 0,
-        stride_dn=delta.stride(2) if delta is not None else 0,
-        BLOCK_M=max(16, triton.next_power_of_2(aligned.lora_tile_m)),
+        **strides("b", b5, "lesnr"),
+        **strides("d", delta, "msn"),
         BLOCK_K=block_k,
         BLOCK_R=block_r,
         PARTS_PER_PROG=per_prog,

@@ -70,6 +70,18 @@ class _Layer:
     def comm(self) -> LoRAComm | None:
         return self.call.lora_comm
 
+    def up_args(self) -> dict:
+        """What both up kernels (expert_up, decode_up) take from the layer alike: the
+        activation with its constants, the routing weights where they scale the input
+        (else None), the token slots."""
+        return {
+            "activation": self.shape.activation,
+            "alpha": self.shape.swiglu_alpha,
+            "limit": self.shape.swiglu_limit,
+            "topk_weights": self.call.topk_weights if self.call.weights_on_input else None,
+            "token_slots": self.slots,
+        }
+
     def scales(self, name: str) -> dict:
         """The GEMM launcher's FP8 arguments for weight `name` ("w13" / "w2"): its block
         scales and the block, or nothing for serving-dtype experts."""
@@ -108,7 +120,7 @@ def forward(
 
 def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     """align -> (shrink x) -> up GEMM -> (shrink z) -> down GEMM -> top-k sum."""
-    lora, experts, shape = c.lora, c.experts, c.shape
+    lora, experts = c.lora, c.experts
     num_experts, top_k = experts.w13.shape[0], c.call.topk_ids.shape[1]
     aligned = align_pairs(
         c.call.topk_ids,
@@ -141,12 +153,8 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         experts.b13,
         aligned,
         plan.up,
-        activation=shape.activation,
         top_k=top_k,
-        alpha=shape.swiglu_alpha,
-        limit=shape.swiglu_limit,
-        topk_weights=c.call.topk_weights if c.call.weights_on_input else None,
-        token_slots=c.slots,
+        **c.up_args(),
         inter=inter13,
         lora_b=lora.w13_b if lora is not None else None,
         delta=delta13,
@@ -281,7 +289,7 @@ def _lora_side(
 
 def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
     """(shrink x and zero the z shrink) -> up GEMV (+ z shrink) -> down GEMV with the sum."""
-    lora, experts, shape = c.lora, c.experts, c.shape
+    lora, experts = c.lora, c.experts
     inter13 = z_inter = None
     if lora is not None:
         rows_per_prog, block_k = plan.tiles.decode_shrink
@@ -305,11 +313,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         experts.w13,
         experts.b13,
         c.call.topk_ids,
-        activation=shape.activation,
-        alpha=shape.swiglu_alpha,
-        limit=shape.swiglu_limit,
-        topk_weights=c.call.topk_weights if c.call.weights_on_input else None,
-        token_slots=c.slots,
+        **c.up_args(),
         inter=inter13,
         lora_b=lora.w13_b if lora is not None else None,
         lora_a2=lora.w2_a if lora is not None else None,

@@ -20,6 +20,8 @@ import triton.language as tl
 
 from ..errors import InputError
 from .checks import check_shape, workspace
+from .launch_args import strides
+from .output import store_y
 from .pdl import chain_point
 
 
@@ -84,9 +86,7 @@ def _topk_reduce_kernel(
                 d = d * g.to(tl.float32)[:, None]
             acc += d
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
-    if ADD:
-        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    store_y(y_ptrs, acc, mask, ADD)
 
 
 def topk_reduce(
@@ -142,14 +142,10 @@ def topk_reduce(
         num_experts=num_experts,
         num_slots=num_slots,
         hidden=hidden,
-        stride_om=o.stride(0),
-        stride_on=o.stride(1),
-        stride_im=topk_ids.stride(0),
-        stride_ik=topk_ids.stride(1),
-        stride_ym=out.stride(0),
-        stride_yn=out.stride(1),
-        stride_dm=delta.stride(0) if has_delta else 0,
-        stride_dn=delta.stride(1) if has_delta else 0,
+        **strides("o", o, "mn"),
+        **strides("i", topk_ids, "mk"),
+        **strides("y", out, "mn"),
+        **strides("d", delta, "mn"),
         ADD=add,
         HAS_DELTA=has_delta,
         MUL_WEIGHT=has_delta and topk_weights is not None,

@@ -39,7 +39,7 @@ def check_fits(adapter: Adapter, model_config: ModelConfig, max_rank: int) -> No
             "<rank>",
             f"rank {adapter.rank}",
             f"at most R = {max_rank}",
-            "raise max_lora_rank",
+            "raise max_rank",
         )
     extra = set(adapter.layers) - set(model_config.moe_layers)
     if extra:

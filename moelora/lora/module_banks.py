@@ -86,7 +86,7 @@ class ModuleBanks:
                     path,
                     f"rank {lora.rank}",
                     f"rank at most max_rank R = {self.max_rank}",
-                    "raise max_lora_rank or use a lower-rank adapter",
+                    "raise max_rank or use a lower-rank adapter",
                 )
 
     def write(self, slot: int, modules: Mapping[str, ModuleLoRA]) -> None:

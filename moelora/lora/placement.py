@@ -47,11 +47,11 @@ def choose_slot(
     candidates = [n for n in slot_of if n not in spared]
     if not candidates and len(mapped) == num_slots and own is None:
         raise ConfigError(
-            "max_loras",
+            "num_slots",
             num_slots,
             f"a free slot or an unpinned adapter to evict ({len(pinned)} pinned"
             + (f", {len(keep)} named by this batch)" if keep else ")"),
-            "unpin or unload an adapter, or raise max_loras",
+            "unpin or unload an adapter, or raise num_slots",
         )
     evictable = [n for n in candidates if slot_of[n] not in busy]
     if not evictable:

@@ -71,9 +71,9 @@ class SlotManager:
         module_shapes: Mapping[str, ModuleShape] | None = None,
     ) -> None:
         if num_slots < 1:
-            raise ConfigError("max_loras", num_slots, "a positive integer")
+            raise ConfigError("num_slots", num_slots, "a positive integer")
         if max_rank < 1:
-            raise ConfigError("max_lora_rank", max_rank, "a positive integer")
+            raise ConfigError("max_rank", max_rank, "a positive integer")
         if not load_timeout_s >= 0:
             raise ConfigError("load_timeout_s", load_timeout_s, "seconds >= 0")
         max_cpu_loras = num_slots if max_cpu_loras is None else max_cpu_loras
@@ -319,7 +319,7 @@ class SlotManager:
             raise InputError(
                 "adapter names",
                 f"{len(wanted)} distinct adapters in one batch",
-                f"at most max_loras = {self.num_slots} (one slot each): split the batch",
+                f"at most num_slots = {self.num_slots} (one slot each): split the batch",
             )
 
     def _take(self, names, wanted: frozenset[str], loaded: int):
@@ -457,7 +457,7 @@ class SlotManager:
                     f"still leased after {self.load_timeout_s} s (slot -> leases "
                     f"{dict(sorted(busy.items()))})",
                     "a free slot or an unpinned adapter's slot no forward holds; end the "
-                    "reading() blocks sooner, raise load_timeout_s or raise max_loras",
+                    "reading() blocks sooner, raise load_timeout_s or raise num_slots",
                 )
             self._cond.wait(
                 min(remaining, _EVENT_POLL_S) if self._leases.has_pending else remaining

@@ -167,5 +167,5 @@ def check_rank(file: str, key: str, rank: int, max_rank: int) -> None:
             key,
             f"rank {rank}",
             f"rank at most max_rank R = {max_rank}",
-            "raise max_lora_rank or use a lower-rank adapter",
+            "raise max_rank or use a lower-rank adapter",
         )

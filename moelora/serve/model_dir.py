@@ -73,7 +73,7 @@ def preflight(settings: ServeSettings) -> str:
         lora=LoRAConfig(
             enabled=True,
             max_rank=settings.max_lora_rank,
-            max_loras=settings.max_loras,
+            num_slots=settings.max_loras,
             targets=("experts",),
         ),
         cuda_graphs=device == "cuda" and not settings.enforce_eager,
@@ -104,8 +104,8 @@ def load(settings: ServeSettings, model=None):
         model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
     handle = attach(
         model.to(device).eval(),
-        max_loras=settings.max_loras,
-        max_lora_rank=settings.max_lora_rank,
+        num_slots=settings.max_loras,
+        max_rank=settings.max_lora_rank,
         moe_backend=settings.moe_backend,
         enforce_eager=settings.enforce_eager,
         max_cpu_loras=settings.max_cpu_loras,

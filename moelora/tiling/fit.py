@@ -20,10 +20,10 @@ from .geometry import (
     EXPAND_BLOCK_N,
     SHRINK_STAGES,
     expand_dot_lanes,
-    next_pow2,
     rank_block,
     shrink_parts_per_program,
     shrink_rank_block,
+    shrink_tile_rows,
 )
 
 MARGIN = 1024  # bytes kept free per block: barriers and small scratch besides the phases
@@ -51,7 +51,7 @@ def expand_bytes(
 
 def shrink_bytes(cfg: TileConfig, parts: int, elem: int, rank: int) -> int:
     """Shared memory of the LoRA shrink of `parts` parts at `rank` (docs/kernels.md)."""
-    block_m = max(16, next_pow2(cfg.shrink_block_m))
+    block_m = shrink_tile_rows(cfg.shrink_block_m)
     block_r = shrink_rank_block(parts, rank, whole=cfg.lora_delta and cfg.shrink_expand)
     lanes = shrink_parts_per_program(parts, block_r) * block_r  # as lora_shrink packs
     copies = SHRINK_STAGES - 1 if elem == 4 else SHRINK_STAGES

@@ -28,6 +28,13 @@ def rank_block(rank: int) -> int:
     return max(16, next_pow2(max(1, rank)))
 
 
+def shrink_tile_rows(tile_m: int) -> int:
+    """BLOCK_M of the kernels over the LoRA shrink tiles (the shrink, the delta expand): a
+    tile's at most `tile_m` rows (>= 1) padded to a power of two, at least 16 (the smallest
+    dot)."""
+    return max(16, next_pow2(tile_m))
+
+
 # fp32 accumulator lanes per row of one LoRA shrink program (both parts' rank chunks)
 SHRINK_LANES = 64
 

@@ -47,7 +47,7 @@ def build(device: str, backend: str, folder: Path, seed: int):
     sizes = CUDA_SIZES if device == "cuda" else {}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = toy.build_model("qwen3_moe", seed=seed, dtype=dtype, device=device, **sizes)
-    handle = attach(model, max_loras=4, max_lora_rank=16, moe_backend=backend)
+    handle = attach(model, num_slots=4, max_rank=16, moe_backend=backend)
     specs = toy.demo_adapters(model)
     for i, name in enumerate(ADAPTERS):
         toy.write_peft_adapter(model, folder / name, seed=seed + i + 1, **specs[name])
