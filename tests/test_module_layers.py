@@ -141,3 +141,29 @@ def test_no_import_circles() -> None:
     imports the layer) is imported by nothing below it, not even for annotations; the HF
     key table returns plain values, so config.py imports it and not the other way."""
     assert _import_cycles() == []
+
+
+def test_serving_sits_on_top() -> None:
+    """Only the commands import serve/; serve/ never imports the commands; only serve/app.py
+    and serve/launch.py (which starts it) import the HTTP stack (the `serve` extra)."""
+    serve, commands = PACKAGE / "serve", PACKAGE / "commands"
+    bad = []
+    for path in _files(PACKAGE):
+        names = _imports(path)
+        inside_serve = serve in path.parents
+        if not inside_serve and commands not in path.parents:
+            bad += [
+                f"{path.relative_to(ROOT)} imports {n}"
+                for n in names
+                if n.startswith("moelora.serve")
+            ]
+        if inside_serve:
+            bad += [
+                f"{path.relative_to(ROOT)} imports {n}"
+                for n in names
+                if n.startswith("moelora.commands")
+            ]
+        http = [n for n in names if n.split(".")[0] in ("fastapi", "starlette", "uvicorn")]
+        if http and path not in (serve / "app.py", serve / "launch.py"):
+            bad.append(f"{path.relative_to(ROOT)} imports {http}")
+    assert not bad, bad
