@@ -1,7 +1,10 @@
-"""The triton backend on block-scaled FP8 experts, under the interpreter on tiny shapes,
-against the reference on the dequantized experts (the FP8 row of the tolerance table);
-scale blocks small enough that every GEMM crosses several of them along N and K, with
-per-block magnitudes spread over 100x so that a scale read from the wrong block fails."""
+"""The triton backend on block-scaled FP8 experts (W8A8), under the interpreter on tiny
+shapes, against the reference on the dequantized experts, which quantizes each base GEMM
+input per token and group as the kernels must; scale blocks small enough that every GEMM
+crosses several of them along N and K, with per-block magnitudes spread over 100x so that
+a scale read from the wrong block fails; a kernel that skipped the activation quantization
+(the weight-only product) fails; the kernels' quantization equals the reference's bit for
+bit."""
 
 from __future__ import annotations
 
@@ -9,12 +12,16 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moelora import MoEShape, random_expert_weights, random_lora_bank
 from moelora.backends.triton import BACKEND, forward_plan
 from moelora.call import MoECall
-from moelora.compare import assert_close
+from moelora.compare import assert_close, compare
 from moelora.errors import InputError
+from moelora.kernels.tiles import quantize_rows
+from moelora.quant.activation_quant import quantize_activations
 from moelora.quant.formats import QuantConfig, Quantization
 from moelora.quant.fp8_experts import quantize_experts
 from moelora.reference import reference_forward
@@ -32,7 +39,10 @@ def _spread(w: torch.Tensor, block: tuple[int, int], g: torch.Generator) -> torc
     return w * full
 
 
-def _problem(shape: MoEShape, quant: QuantConfig, tokens: int, slots: list[int], seed: int):
+def _problem(
+    shape: MoEShape, quant: QuantConfig, tokens: int, slots: list[int], seed: int,
+    weights_on_input: bool = False,
+):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     full = random_expert_weights(shape, generator=g, dtype=torch.float32)
     full = dataclasses.replace(
@@ -43,47 +53,102 @@ def _problem(shape: MoEShape, quant: QuantConfig, tokens: int, slots: list[int],
     x = torch.randn(tokens, shape.hidden_size, generator=g).to(shape.dtype)
     wts, ids = torch.randn(tokens, shape.num_experts, generator=g).softmax(-1).topk(shape.top_k)
     token_slots = torch.tensor(slots, dtype=torch.int32)
-    return MoECall(x, ids.int(), wts.float(), token_slots, lora), fp8
+    call = MoECall(x, ids.int(), wts.float(), token_slots, lora, weights_on_input)
+    return call, fp8
 
 
-def _shape(act: str, dtype: torch.dtype, h: int = 96, i: int = 80, bias: bool = False):
-    return MoEShape(4, 2, h, i, act, has_bias=bias, dtype=dtype)
+def _shape(
+    act: str, dtype: torch.dtype, h: int = 96, i: int = 80, bias: bool = False, top_k: int = 2
+):
+    return MoEShape(4, top_k, h, i, act, has_bias=bias, dtype=dtype)
+
+
+# fp32 inputs run exact fp32 sums, and the kernels quantize exactly as the reference: what
+# is left is a GEMM input z summed in another order, whose e4m3 rounding can flip at a tie
+# (one step, 2^-4 of an element: ~3e-3 of y at these shapes). The weight-only product (no
+# activation quantization) is 2-5e-2 away, a scale from a wrong block far more.
+W8A8_FP32 = 5e-3
+
+
+def _tol(shape: MoEShape) -> float | None:
+    """fp32: W8A8_FP32; 16-bit inputs: the FP8 row of the table (None)."""
+    return W8A8_FP32 if shape.dtype == torch.float32 else None
 
 
 B32 = QuantConfig(Quantization.FP8_BLOCK, (32, 32))
-# (id, shape, format, slots per token) - which edge each covers
+# (id, shape, format, slots per token, weights_on_input) - which edge each covers
 CASES = [
-    ("silu_fp32_lora", _shape("silu", torch.float32), B32, [0, 1, -1, 0, 1]),
-    ("silu_bf16_lora", _shape("silu", torch.bfloat16), B32, [1, -1, 0, 0, 1]),
-    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), B32, [0, -1, 1]),
+    ("silu_fp32_lora", _shape("silu", torch.float32), B32, [0, 1, -1, 0, 1], False),
+    ("silu_bf16_lora", _shape("silu", torch.bfloat16), B32, [1, -1, 0, 0, 1], False),
+    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), B32, [0, -1, 1], False),
     # interleaved gate / up rows read their own scale rows; biases in the epilogue
-    ("relu2_nongated", _shape("relu2_no_mul", torch.float16), B32, [0, 1, -1, 1]),
-    ("partial_blocks", _shape("silu", torch.float32, h=72, i=40), B32, [0, -1, 1, 0, 0, 1]),
-    # H, I not multiples of the block: the last scale blocks are partial
+    ("relu2_nongated", _shape("relu2_no_mul", torch.float16), B32, [0, 1, -1, 1], False),
+    ("partial_blocks", _shape("silu", torch.float32, h=72, i=40), B32, [0, -1, 1, 0, 0, 1],
+     False),  # H, I not multiples of the block: the last groups and scale blocks are partial
     ("block_128_x_64", _shape("silu", torch.float32, h=160, i=128),
-     QuantConfig(Quantization.FP8_BLOCK, (128, 64)), [0, 1, -1]),  # BLOCK_K fitted to 64
-    ("base_only", _shape("silu", torch.float32), B32, [-1, -1, -1]),
+     QuantConfig(Quantization.FP8_BLOCK, (128, 64)), [0, 1, -1], False),  # BLOCK_K fitted to 64
+    ("weights_on_input", _shape("silu", torch.float32, bias=True, top_k=1), B32,
+     [0, -1, 1, 1], True),  # Llama-4: the reference quantizes the weighted x
+    ("base_only", _shape("silu", torch.float32), B32, [-1, -1, -1], False),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name,shape,quant,slots", CASES, ids=[c[0] for c in CASES])
-def test_triton_fp8_block_matches_dequantized_reference(name, shape, quant, slots, seed) -> None:
-    call, fp8 = _problem(shape, quant, len(slots), slots, seed)
+@pytest.mark.parametrize("name,shape,quant,slots,on_input", CASES, ids=[c[0] for c in CASES])
+def test_triton_fp8_block_matches_dequantized_reference(
+    name, shape, quant, slots, on_input, seed
+) -> None:
+    call, fp8 = _problem(shape, quant, len(slots), slots, seed, on_input)
     out = BACKEND.forward(call, fp8, shape)
     ref = reference_forward(call, fp8.dequantize(), shape)
-    # fp32 inputs run exact dots: the fp32 row proves the scale indexing; others the FP8 row
-    tol = 1e-5 if shape.dtype == torch.float32 else None
-    assert_close(out, ref, FP8, tol=tol, what=name)
+    assert_close(out, ref, FP8, tol=_tol(shape), what=name)
 
 
-def test_fp8_plan_has_no_tma_and_steps_inside_a_block(seed) -> None:
+# (id, decode path) - both paths must quantize the GEMM inputs
+SKIP_CASES = [("aligned", False), ("decode", True)]
+
+
+@pytest.mark.parametrize("name,decode", SKIP_CASES, ids=[c[0] for c in SKIP_CASES])
+def test_kernels_that_skipped_the_activation_quantization_would_fail(name, decode, seed) -> None:
+    """The weight-only product (e4m3 weights, full-precision inputs: what these kernels
+    computed before W8A8) is far outside the tolerance the kernels meet."""
+    from moelora.backends.triton import fused_moe_lora
+
+    shape = _shape("silu", torch.float32)
+    call, fp8 = _problem(shape, B32, 6, [0, 1, -1, 0, 1, -1], seed)
+    out = fused_moe_lora(call, fp8, shape, config=DECODE if decode else None)
+    dequantized = fp8.dequantize()
+    assert_close(out, reference_forward(call, dequantized, shape), FP8, tol=W8A8_FP32, what=name)
+    weight_only = dataclasses.replace(dequantized, quantization=QuantConfig())
+    skipped = compare(out, reference_forward(call, weight_only, shape), tol=W8A8_FP32)
+    assert skipped.rel_err > 2 * W8A8_FP32, skipped
+
+
+@pytest.mark.parametrize("block_k", [128, 16], ids=["wider", "narrower"])
+def test_fp8_plan_has_no_tma_and_steps_one_block(block_k, seed) -> None:
     shape = _shape("silu", torch.bfloat16)
     call, fp8 = _problem(shape, B32, 1, [0], seed)
-    tiles = GemmTiles(block_n=64, block_k=128)
-    cfg = TileConfig(16, tiles, tiles, decode=True, up_tma=True, down_tma=True)
-    plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=cfg)
-    assert plan.decode and not plan.up.tma and not plan.down.tma
-    assert plan.up.tiles.block_k == 32 and plan.down.tiles.block_k == 32
+    tiles = GemmTiles(block_n=64, block_k=block_k)
+    for decode in (False, True):
+        cfg = TileConfig(16, tiles, tiles, decode=decode, up_tma=True, down_tma=True)
+        plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=cfg)
+        assert plan.decode == decode and not plan.up.tma and not plan.down.tma
+        assert plan.up.tiles.block_k == 32 and plan.down.tiles.block_k == 32
+
+
+# (id, block) - K sides the K loop cannot step by
+REFUSED_BLOCKS = [("k16", (32, 16)), ("k48", (32, 48)), ("k512", (128, 512))]
+
+
+@pytest.mark.parametrize("name,block", REFUSED_BLOCKS, ids=[c[0] for c in REFUSED_BLOCKS])
+def test_scale_block_the_kernels_cannot_step_by_is_refused(name, block) -> None:
+    from moelora.errors import ConfigError
+    from moelora.tiling.quantized import fit_to_fp8_blocks
+
+    tiles = GemmTiles(64, 64)
+    with pytest.raises(ConfigError) as err:
+        fit_to_fp8_blocks(TileConfig(16, tiles, tiles), block)
+    assert err.value.key == "quantization_config.weight_block_size"
+    assert err.value.value == list(block) and "re-quantize" in str(err.value)
 
 
 DECODE = TileConfig(16, GemmTiles(16, 32), GemmTiles(16, 32), decode=True)
@@ -104,7 +169,7 @@ def test_decode_path_on_fp8_rows(name, shape, slots, early, seed) -> None:
     cfg = dataclasses.replace(DECODE, pdl=early)
     out = fused_moe_lora(call, fp8, shape, config=cfg)
     ref = reference_forward(call, fp8.dequantize(), shape)
-    assert_close(out, ref, FP8, tol=1e-5, what=name)
+    assert_close(out, ref, FP8, tol=_tol(shape), what=name)
 
 
 def test_triton_refuses_per_channel_fp8(seed) -> None:
@@ -152,7 +217,7 @@ def test_layer_runs_fp8_experts_and_base_rows_ignore_loaded_adapters(seed) -> No
     base = call.token_slots < 0
     assert torch.equal(loaded[base], unloaded[base])
     ref = reference_forward(call, fp8.dequantize(), shape)
-    assert_close(loaded, ref, FP8, tol=1e-5, what="layer")
+    assert_close(loaded, ref, FP8, tol=W8A8_FP32, what="layer")
     assert not torch.equal(loaded[~base], unloaded[~base])  # the adapters did act
 
 
@@ -165,3 +230,41 @@ def test_layer_refuses_experts_not_in_its_format(seed) -> None:
     other_block = QuantConfig(Quantization.FP8_BLOCK, (64, 64))
     with pytest.raises(InputError):
         _layer(shape, other_block)(fp8)  # scales of another block size
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, COLS: tl.constexpr, GROUP: tl.constexpr):
+    """Row program_id(0)'s group program_id(1) through tiles.quantize_rows."""
+    offs_m = tl.program_id(0) + tl.zeros([1], tl.int32)
+    offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    q, s = quantize_rows(tl.load(x_ptr + offs_m[:, None] * COLS + offs_k[None, :]))
+    tl.store(q_ptr + offs_m[:, None] * COLS + offs_k[None, :], q)
+    tl.store(s_ptr + offs_m[:, None] * (COLS // GROUP) + tl.program_id(1), s)
+
+
+def _rows_with_ties(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """x [rows, cols] fp32: random rows over 6 decades, one of them with amax 448 (scale 1)
+    holding the midpoints between e4m3 neighbours (ties, subnormal ones too), one of zeros."""
+    x = torch.randn(rows, cols, generator=g) * 10 ** (torch.rand(rows, 1, generator=g) * 6 - 3)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0..448
+    ties = (grid[:-1] + grid[1:]) / 2
+    pick = ties[torch.randint(0, ties.numel(), (cols,), generator=g)]
+    x[0] = pick * torch.where(torch.rand(cols, generator=g) < 0.5, -1.0, 1.0)
+    x[0, 0] = 448.0
+    x[1] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_quantization_equals_the_reference_bit_for_bit(dtype, seed) -> None:
+    """tiles.quantize_rows (every FP8 kernel's quantization) against
+    quant.activation_quant: the same e4m3 bits and fp32 scales, ties and zeros included
+    (the interpreter's own e4m3 conversion would fail this: tiles.E4M3_BY_GRID)."""
+    rows, cols, group = 6, 128, 32
+    x = _rows_with_ties(rows, cols, torch.Generator().manual_seed(seed)).to(dtype)
+    q = torch.empty(rows, cols, dtype=FP8)
+    s = torch.empty(rows, cols // group)
+    _quantize_kernel[(rows, cols // group)](x, q, s, COLS=cols, GROUP=group)
+    q_ref, s_ref = quantize_activations(x, group)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

@@ -83,10 +83,12 @@ CAPABILITIES = Capabilities(
     # Routing happens before the backend; weights_on_input (Llama-4) is fused in the up GEMM.
     routing_methods=ALL_ROUTING,
     expert_bias=True,
-    # Block-scaled e4m3 experts (weight-only): the GEMMs and the decode GEMVs load e4m3
-    # tiles, convert them exactly and scale each K step's sum by its block scales (e4m3
-    # conversions need sm89+); the LoRA seams are the bf16 ones. Per-channel W8A8
-    # (run-time activation quantization) is not implemented here: the reference has it.
+    # Block-scaled e4m3 experts, W8A8: each K step of the GEMMs quantizes its input rows per
+    # token and group (the block's K side) in registers and runs an FP8 dot (e4m3 MMA:
+    # sm89+), scaled by both sides' scales; the decode GEMVs compute the same products in
+    # fp32. The LoRA seams are the bf16 ones (unquantized x and z). Per-channel W8A8 (a
+    # whole-row activation scale, which spans every K step) is not implemented here: the
+    # reference has it.
     quantizations={Quantization.NONE: None, Quantization.FP8_BLOCK: (8, 9)},
     # The kernels run whatever shard they are given: TP = I_p-sized w13/w2 shards and a
     # partial y (the caller all-reduces); EP = local experts, ids outside [0, E_l) dropped.
@@ -209,7 +211,13 @@ def forward_plan(
             picked, shape.activation.width_factor, x.dtype, limits, rank=rank, num_slots=slots
         )
     if isinstance(experts, FP8ExpertWeights):  # a correctness fit: explicit configs too
-        cfg = fit_to_fp8_blocks(cfg, experts.quant.block)
+        cfg = fit_to_fp8_blocks(
+            cfg,
+            experts.quant.block,
+            parts=shape.activation.width_factor,
+            x_elem=x.dtype.itemsize,
+            shared_memory=limits.shared_memory if limits is not None else None,
+        )
     return plan_forward(
         cfg,
         lora=use_lora,

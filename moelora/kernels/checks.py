@@ -51,8 +51,8 @@ def check_dtype_match(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
 def check_fp8_weight(
     name: str, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], block_k: int
 ) -> None:
-    """An e4m3 weight [E, N, K] with block scales [E, ceil(N / bn), ceil(K / bk)] whose K
-    blocks each hold whole BLOCK_K steps (the K loop reads one scale per step)."""
+    """An e4m3 weight [E, N, K] with block scales [E, ceil(N / bn), ceil(K / bk)], its K
+    loop one step per K block (W8A8: a step quantizes one activation group, bk columns)."""
     if scale is None:
         raise InputError(f"{name} scale", None, f"the block scales of the e4m3 {name}")
     e, n, k = w.shape
@@ -60,8 +60,10 @@ def check_fp8_weight(
     check_shape(f"{name} scale", scale, (e, -(-n // bn), -(-k // bk)))
     if scale.dtype != torch.float32 or scale.device != w.device:
         raise InputError(f"{name} scale", f"{scale.dtype} on {scale.device}", f"fp32 on {w.device}")
-    if bk % block_k:
-        raise InputError("BLOCK_K", block_k, f"a divisor of the scale block's K side {bk}")
+    if block_k != bk:
+        raise InputError(
+            "BLOCK_K", block_k, f"the scale block's K side {bk} (tiling/quantized.py fits it)"
+        )
 
 
 def check_weight_dtype(name: str, w: torch.Tensor, x: torch.Tensor, fp8: bool) -> None:

@@ -33,7 +33,7 @@ from .checks import (
 )
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scaled
+from .tiles import block_scaled, gemv_operand
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -108,7 +108,8 @@ def _decode_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
         + offs_k[None, None, :] * stride_wk
     )
-    # W_FP8: e4m3 rows; each K step (inside one scale block) times its rows' block scales
+    # W_FP8 (W8A8): e4m3 rows; each K step (one scale block along K) quantizes each pair's
+    # z group and scales the row sums by the group's scale and the rows' block scales
     s_ptrs = (
         ws_ptr
         + expert[:, None] * stride_se
@@ -146,16 +147,18 @@ def _decode_down_kernel(
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     if EARLY:  # the first step, from the tile loaded early (the loop starts at the second)
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        zt, sa = gemv_operand(zt, W_FP8)
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
-        acc += block_scaled(d, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
+        acc += block_scaled(d, sa, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        zt, sa = gemv_operand(zt, W_FP8)
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
-        acc += block_scaled(d, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
+        acc += block_scaled(d, sa, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:  # zeros when the token has no adapter
@@ -198,7 +201,8 @@ def decode_down(
     scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """z [P, I] (decode_up), w2 [E, H, I] (z's dtype, or e4m3 with w_scale: fp32 block
-    scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk]), b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
+    scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk]; then W8A8, a step
+    of bk columns per pair, as decode_up), b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
     lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R); topk_weights [T, K]
     (None: applied to the input). Returns y [T, H] in z's dtype (into
@@ -232,6 +236,8 @@ def decode_down(
     # a step's tile is [K, BLOCK_N, BLOCK_K] fp32 in registers: large top-k (K > 8) gets a
     # narrower K step so the tile stays at the 8 x 16 x 128 elements tried for K = 8
     block_k = max(16, min(tiles.block_k, MAX_TILE // (block_j * block_n)))
+    if fp8:  # W8A8: a step is one activation group (the scale block's K side)
+        block_k = scale_block[1]
     if fp8:
         check_fp8_weight("w2", w2, w_scale, scale_block, block_k)
     dummy = z  # never read: its constexpr flag is off

@@ -37,7 +37,7 @@ from .checks import (
 )
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scaled
+from .tiles import block_scaled, gemv_operand
 
 
 @triton.jit
@@ -130,7 +130,8 @@ def _decode_up_kernel(
     w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
     wg_ptrs = w_base + gate_rows[:, None] * stride_wn
     wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
-    # W_FP8: e4m3 rows; each K step (inside one scale block) times its rows' block scales
+    # W_FP8 (W8A8): e4m3 rows; each K step (one scale block along K) quantizes the x group
+    # and scales its row sums by the group's scale and the rows' block scales
     sg_ptrs = ws_ptr + expert * stride_se + (gate_rows // SCALE_N) * stride_sn
     su_ptrs = ws_ptr + expert * stride_se + ((gate_rows + up_offset) // SCALE_N) * stride_sn
     if EARLY:  # the first K step's weight tiles, loaded before the chain point: they stream
@@ -176,22 +177,24 @@ def _decode_up_kernel(
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if EARLY:  # the first step, from the tiles loaded early (the loop starts at the second)
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        xv, sa = gemv_operand(xv, W_FP8)
         d_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
-        acc_g += block_scaled(d_g, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
+        acc_g += block_scaled(d_g, sa, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
             d_u = tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
-            acc_u += block_scaled(d_u, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
+            acc_u += block_scaled(d_u, sa, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        xv, sa = gemv_operand(xv, W_FP8)
         d_g = _rows_dot(wg_ptrs, xv, k_ok[None, :])
-        acc_g += block_scaled(d_g, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
+        acc_g += block_scaled(d_g, sa, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
             d_u = _rows_dot(wu_ptrs, xv, k_ok[None, :])
-            acc_u += block_scaled(d_u, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
+            acc_u += block_scaled(d_u, sa, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -244,7 +247,8 @@ def decode_up(
     scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
-    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
+    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]; then W8A8 with BLOCK_K ==
+    bk: each step's x group quantized as the GEMMs do, products summed in fp32), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
     added; lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R): the LoRA terms stop

@@ -39,6 +39,7 @@ from .tiles import (
     grouped_pid,
     lora_expand,
     mma,
+    quantize_rows,
     tail_variants,
     z_rows,
 )
@@ -179,18 +180,19 @@ def _expert_down_kernel(
                             w = tl.load(
                                 w_ptrs, mask=((k0 + offs_k) < inter_size)[:, None], other=0.0
                             )
-                        if UPCAST:
-                            zt = zt.to(tl.float32)
-                            w = w.to(tl.float32)
-                        if W_FP8:  # e4m3 tiles, each K step inside one scale block
+                        if W_FP8:  # W8A8: each z row's group quantized, an FP8 dot
                             s_ptrs = (
                                 ws_ptr
                                 + expert * stride_se
                                 + (k0 // SCALE_K) * stride_sk
                                 + (tl.where(n_mask, offs_n, 0) // SCALE_N) * stride_sn
                             )
-                            acc = fp8_mma(zt, w, acc, s_ptrs, n_mask, IEEE)
+                            a8, sa = quantize_rows(zt)
+                            acc = fp8_mma(a8, sa, w, acc, s_ptrs, n_mask)
                         else:
+                            if UPCAST:
+                                zt = zt.to(tl.float32)
+                                w = w.to(tl.float32)
                             acc = mma(zt, w, acc, IEEE)
                         z_ptrs += BLOCK_K * stride_zk
                         w_ptrs += BLOCK_K * stride_wk
@@ -304,8 +306,9 @@ def expert_down(
     with sum_into (fp32 [T, H], T = P / top_k), each pair's row is atomically added into
     its token's row there instead (the top-k reduce, kernels/atomic_reduce.py) and
     sum_into is returned. gemm: the tiles and knobs (tiling.plan.GemmPlan). w_scale: w2
-    is e4m3 with fp32 block scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk],
-    dequantized in the K loop (no TMA then)."""
+    is e4m3 with fp32 block scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk];
+    then W8A8 (no TMA): BLOCK_K == bk, each K step quantizes its z rows per token in
+    registers and runs an FP8 dot."""
     block_n, block_k, z_sorted = gemm.tiles.block_n, gemm.tiles.block_k, gemm.z_sorted
     inter_size = z.shape[1]
     if not z_sorted:

@@ -41,6 +41,7 @@ from .tiles import (
     grouped_pid,
     lora_expand,
     mma,
+    quantize_rows,
     tail_variants,
     z_rows,
 )
@@ -177,16 +178,17 @@ def _expert_up_kernel(
                             wg = wg.reshape(BLOCK_N, BLOCK_K).trans()
                         else:
                             wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-                        if UPCAST:
-                            xt = xt.to(tl.float32)
-                            wg = wg.to(tl.float32)
-                        # W_FP8: e4m3 tiles, each K step inside one scale block; the
-                        # gate and up rows read their own blocks' scales
+                        # W_FP8 (W8A8): each row's x group (BLOCK_K == the scale block's K
+                        # side) quantized in registers, FP8 dots scaled by both sides' scales
                         s_base = ws_ptr + expert * stride_se + (k0 // SCALE_K) * stride_sk
                         if W_FP8:
+                            a8, sa = quantize_rows(xt)
                             sg_ptrs = s_base + (gate_rows // SCALE_N) * stride_sn
-                            acc_g = fp8_mma(xt, wg, acc_g, sg_ptrs, n_mask, IEEE)
+                            acc_g = fp8_mma(a8, sa, wg, acc_g, sg_ptrs, n_mask)
                         else:
+                            if UPCAST:
+                                xt = xt.to(tl.float32)
+                                wg = wg.to(tl.float32)
                             acc_g = mma(xt, wg, acc_g, IEEE)
                         if GATED:
                             if W_TMA:  # up rows: a block of I rows after the gate rows
@@ -196,12 +198,12 @@ def _expert_up_kernel(
                                 wu = wu.reshape(BLOCK_N, BLOCK_K).trans()
                             else:
                                 wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-                            if UPCAST:
-                                wu = wu.to(tl.float32)
                             if W_FP8:
                                 su_ptrs = s_base + ((gate_rows + up_offset) // SCALE_N) * stride_sn
-                                acc_u = fp8_mma(xt, wu, acc_u, su_ptrs, n_mask, IEEE)
+                                acc_u = fp8_mma(a8, sa, wu, acc_u, su_ptrs, n_mask)
                             else:
+                                if UPCAST:
+                                    wu = wu.to(tl.float32)
                                 acc_u = mma(xt, wu, acc_u, IEEE)
                         x_ptrs += BLOCK_K * stride_xk
                         wg_ptrs += BLOCK_K * stride_wk
@@ -310,7 +312,8 @@ def expert_up(
     scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
-    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk], dequantized in the K loop),
+    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]; then W8A8: BLOCK_K == bk,
+    each K step quantizes its x rows per token in registers and runs FP8 dots),
     b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R], or instead of inter the expanded delta
     [P, S, I] (lora_delta; lora_b still gives the slot count); topk_weights [T, K] only for

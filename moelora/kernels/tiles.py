@@ -6,9 +6,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..device import triton_interpreted
+from ..quant.activation_quant import MIN_SCALE as _MIN_SCALE
+from ..quant.formats import FP8_E4M3_MAX as _E4M3_MAX
 from ..tiling.geometry import RANK_STEP as _STEP
 
 RANK_STEP = tl.constexpr(_STEP)  # a jit function reads only constexpr globals
+E4M3_MAX = tl.constexpr(_E4M3_MAX)
+MIN_SCALE = tl.constexpr(_MIN_SCALE)
+# Triton's interpreter converts fp32 to e4m3 wrongly (3.9: ties round up, and a mantissa
+# carry is dropped instead of raising the exponent: 124.6 -> 64), so interpreted kernels
+# first round to the e4m3 grid in fp32 (exact, ties to even), which its conversion keeps.
+# GPUs convert with cvt.rn.satfinite (round to nearest even) as torch does.
+E4M3_BY_GRID = tl.constexpr(triton_interpreted())
 
 
 @triton.jit
@@ -81,23 +91,64 @@ def mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def block_scaled(d, s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
-    """A decode GEMV's K step sums d (fp32, the shape of mask) times its rows' block scales
-    at s_ptrs (W_FP8: e4m3 weights, the step inside one scale block); d as is otherwise.
-    Both branches return d's type: a compiled kernel needs one return type."""
+def _e4m3_grid(v):
+    """v fp32 with |v| <= 448 -> the nearest e4m3 value (ties to even), in fp32: v in units
+    of its e4m3 step (2^(e - 3) for an exponent e >= -6, 2^-9 below: the subnormals), rounded
+    to an integer by the fp32 add of 1.5 * 2^23 (exact: the step count is below 2^4)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    steps = v / step
+    return ((steps + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def quantize_rows(t):
+    """t [..., G] (each row one activation group of G columns) -> (e4m3 [..., G], fp32
+    scales [..., 1]) as quant/activation_quant.py computes them: scale = max(amax,
+    MIN_SCALE) / 448, q = (t / scale) clamped to +-448, rounded to nearest even. Masked
+    columns must hold zeros (they leave the amax as it is)."""
+    t = t.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(t), axis=-1, keep_dims=True), MIN_SCALE) / E4M3_MAX
+    q = tl.clamp(t / scale, -E4M3_MAX, E4M3_MAX)
+    if E4M3_BY_GRID:
+        q = _e4m3_grid(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def gemv_operand(v, W_FP8: tl.constexpr):
+    """A decode GEMV step's input v [..., BLOCK_K] (fp32, one activation group per row under
+    W_FP8) -> (what the weights multiply, its scales [..., 1]): W_FP8, v quantized
+    (quantize_rows) back in fp32 and its scales; else v as is (the second value unused)."""
+    s = v
     if W_FP8:
-        d = d * tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0)
+        q, s = quantize_rows(v)
+        v = q.to(tl.float32)
+    return v, s
+
+
+@triton.jit
+def block_scaled(d, sa, s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
+    """A decode GEMV's K step sums d (fp32, the shape of mask) times the input's scales sa
+    (gemv_operand) and its rows' block scales at s_ptrs (W_FP8: e4m3 weights, the step one
+    scale block along K); d as is otherwise."""
+    if W_FP8:
+        d = d * (sa * tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0))
     return d
 
 
 @triton.jit
-def fp8_mma(a, w, acc, s_ptrs, n_mask, IEEE: tl.constexpr):
-    """acc += (a @ w) * s: w [BLOCK_K, BLOCK_N] an e4m3 tile inside one scale block along
-    K, s [BLOCK_N] its columns' block scales (s_ptrs). e4m3 converts exactly to a's dtype
-    (bf16 / fp16 / fp32), so the dot sees the stored values and the scale acts in fp32."""
-    s = tl.load(s_ptrs, mask=n_mask, other=0.0)
-    part = mma(a, w.to(a.dtype), tl.zeros_like(acc), IEEE)
-    return acc + part * s[None, :]
+def fp8_mma(a8, sa, w, acc, s_ptrs, n_mask):
+    """acc += (a8 @ w) * (sa sw), vLLM's block-FP8 step: a8 [M, BLOCK_K] e4m3, one
+    activation group per row, with its scales sa [M, 1] (quantize_rows); w [BLOCK_K,
+    BLOCK_N] an e4m3 tile inside one scale block along K, sw [BLOCK_N] its columns' block
+    scales (s_ptrs). The dot runs on the FP8 tensor cores into a fresh fp32 accumulator
+    (one K block: its limited-precision accumulation spans one block's products); the
+    scales act in fp32."""
+    sw = tl.load(s_ptrs, mask=n_mask, other=0.0)
+    part = tl.dot(a8, w)
+    return acc + part * (sa * sw[None, :])
 
 
 def tail_variants(half_tail: bool, block_m: int) -> int:

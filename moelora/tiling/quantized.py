@@ -1,29 +1,71 @@
-"""What block-scaled FP8 experts ask of a tile config: no TMA weight tiles (their boxes
-are sized for 2-byte elements) and BLOCK_K steps that never straddle a scale block along K
-(the K loops, GEMM and decode GEMV alike, read one scale per step)."""
+"""What block-scaled FP8 experts (W8A8) ask of a tile config: no TMA weight tiles (their
+boxes are sized for 2-byte elements), and BLOCK_K equal to the scale block's K side in
+every K loop, GEMM and decode GEMV alike: a step quantizes one activation group per row
+(the amax spans exactly its columns) and reads one weight scale per column. The pipeline's
+stages are refitted to the shared memory for the e4m3 weight tiles."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from ..errors import ConfigError
 from .config import GemmTiles, TileConfig
+from .fit import MARGIN
+
+# A K step of the FP8 dot: Hopper's e4m3 MMA takes K in steps of 32; a [BLOCK_M, 256] x tile
+# is the widest the fit below keeps in shared memory at BLOCK_M 128.
+MIN_STEP, MAX_STEP = 32, 256
 
 
-def _step_in_block(tiles: GemmTiles, block_k: int) -> GemmTiles:
-    """tiles with BLOCK_K halved until it divides the scale block's K side (>= 16)."""
-    step = tiles.block_k
-    while block_k % step and step > 16:
-        step //= 2
-    return dataclasses.replace(tiles, block_k=step)
+def fp8_stage_bytes(block_m: int, tiles: GemmTiles, parts: int, x_elem: int) -> int:
+    """Shared memory of one FP8 GEMM pipeline stage, as a bound: the x (or z) tile in the
+    serving dtype, `parts` e4m3 weight tiles, and the quantized e4m3 operand of the dot."""
+    k = tiles.block_k
+    return block_m * k * x_elem + parts * k * tiles.block_n + block_m * k
 
 
-def fit_to_fp8_blocks(cfg: TileConfig, scale_block: tuple[int, int]) -> TileConfig:
-    """cfg for e4m3 experts with block scales of scale_block [bn, bk] (unchanged otherwise)."""
+def _step_is_block(
+    block_m: int, tiles: GemmTiles, block_k: int, parts: int, x_elem: int, limit: int | None
+) -> GemmTiles:
+    """tiles with BLOCK_K = block_k and, under a shared-memory `limit`, fewer stages (down
+    to 1) until the pipeline fits (the decode GEMVs hold no pipeline in shared memory)."""
+    tiles = dataclasses.replace(tiles, block_k=block_k)
+    while (
+        limit is not None
+        and tiles.num_stages > 1
+        and tiles.num_stages * fp8_stage_bytes(block_m, tiles, parts, x_elem) > limit - MARGIN
+    ):
+        tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
+    return tiles
+
+
+def fit_to_fp8_blocks(
+    cfg: TileConfig,
+    scale_block: tuple[int, int],
+    *,
+    parts: int = 2,
+    x_elem: int = 2,
+    shared_memory: int | None = None,
+) -> TileConfig:
+    """cfg for e4m3 experts with block scales of scale_block [bn, bk] (W8A8): BLOCK_K = bk,
+    no TMA; parts: w13's row parts per program (2 gated), x_elem: the serving dtype's bytes,
+    shared_memory: the GPU's per-block bytes (None: no fit, the interpreter). A bk the K loop
+    cannot step by is refused, naming the checkpoint's key."""
     bk = scale_block[1]
+    if bk & (bk - 1) or not MIN_STEP <= bk <= MAX_STEP:
+        raise ConfigError(
+            "quantization_config.weight_block_size",
+            list(scale_block),
+            f"a K side (second value) that is a power of two in [{MIN_STEP}, {MAX_STEP}] "
+            "(the triton kernels step K by one scale block)",
+            "serve this checkpoint with the reference backend, or re-quantize it with "
+            "128x128 blocks",
+        )
+    limit = None if cfg.decode else shared_memory
     return dataclasses.replace(
         cfg,
         up_tma=False,
         down_tma=False,
-        up=_step_in_block(cfg.up, bk),
-        down=_step_in_block(cfg.down, bk),
+        up=_step_is_block(cfg.block_m, cfg.up, bk, parts, x_elem, limit),
+        down=_step_is_block(cfg.block_m, cfg.down, bk, 1, x_elem, limit),
     )
