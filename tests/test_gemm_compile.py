@@ -51,6 +51,7 @@ class Variant(NamedTuple):
 
 
 NO_LORA = dict(HAS_LORA=False, BLOCK_L=1, SLOTS_PER_DOT=1)  # one (unused) slot per dot
+FP8_STEP = dict(W_FP8=True, BLOCK_K=128)  # BLOCK_K fitted to the 128x128 blocks' K side
 VARIANTS = {
     ("up", "default"): Variant({}, {}),
     ("up", "half-tail"): Variant(dict(half_tail=1), dict(TAIL_VARIANTS=2)),
@@ -108,16 +109,17 @@ VARIANTS = {
         dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True),
         dtype="fp32",
     ),
-    # block-scaled e4m3 experts: each K step's e4m3 tile converted to bf16 for the MMA
-    ("up", "fp8-block"): Variant({}, dict(W_FP8=True), fp8=True),
+    # block-scaled e4m3 experts (W8A8): a K step is one 128-column scale block, its input
+    # rows quantized in registers and multiplied on the FP8 tensor cores
+    ("up", "fp8-block"): Variant({}, FP8_STEP, fp8=True),
     ("up", "fp8-block-half-tail-expand-first"): Variant(
         dict(half_tail=1, expand_first=True),
-        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, W_FP8=True),
+        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, **FP8_STEP),
         fp8=True,
     ),
-    ("down", "fp8-block"): Variant({}, dict(W_FP8=True), fp8=True),
+    ("down", "fp8-block"): Variant({}, FP8_STEP, fp8=True),
     ("down", "fp8-block-atomic-no-lora"): Variant(
-        dict(atomic_reduce=True), dict(ATOMIC=True, W_FP8=True, **NO_LORA), lora=False, fp8=True
+        dict(atomic_reduce=True), dict(ATOMIC=True, **FP8_STEP, **NO_LORA), lora=False, fp8=True
     ),
 }
 
@@ -144,6 +146,7 @@ def _compile(name: str, variant: Variant) -> dict:
         return {**got, "error": f"{type(err).__name__}: {str(err)[-600:]}"}
     reductions = FP32_REDUCTION.findall(ptx)
     got["wgmma"] = ptx.count("wgmma.mma_async")
+    got["wgmma_e4m3"] = len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx))
     got["red"], got["red_v4"] = len(reductions), reductions.count(".v4")
     return got
 
@@ -173,6 +176,18 @@ def test_gemm_variant_compiles_to_hopper_mma(compiled, key) -> None:
         assert got["wgmma"] == 0  # exact fp32 dots: no tf32 MMA
     else:
         assert got["wgmma"] > 0  # the dots became wgmma instructions
+
+
+@pytest.mark.parametrize("key", KEYS, ids=str)
+def test_fp8_variants_multiply_on_the_fp8_tensor_cores(compiled, key) -> None:
+    """W8A8: the base GEMM's dots are e4m3 x e4m3 wgmma (the quantized rows times the e4m3
+    weights), and only in the FP8 variants."""
+    got = compiled[key]
+    assert "error" not in got, got["error"]
+    if "fp8" in key:
+        assert got["wgmma_e4m3"] > 0
+    else:
+        assert got["wgmma_e4m3"] == 0
 
 
 def test_atomic_reduce_compiles_to_fp32_reductions(compiled) -> None:

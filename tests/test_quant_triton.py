@@ -242,6 +242,31 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, COLS: tl.constexpr, GROUP: tl.constexp
     tl.store(s_ptr + offs_m[:, None] * (COLS // GROUP) + tl.program_id(1), s)
 
 
+H200_SHARED = 232448  # bytes of shared memory per block on an H200 (sm_90)
+# (id, BLOCK_M, up tiles, down tiles, expected stages up / down) - the FP8 pipeline refit;
+# the bytes were measured in Triton's sm_90 compiles (fp8_pipeline_bytes)
+STAGE_CASES = [
+    ("bm128_4_stages_too_many", 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), 3, 3),
+    ("bm64_4_stages_fit", 64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4), 4, 4),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,block_m,up,down,up_stages,down_stages", STAGE_CASES, ids=[c[0] for c in STAGE_CASES]
+)
+def test_fp8_pipeline_is_refitted_to_shared_memory(
+    name, block_m, up, down, up_stages, down_stages
+) -> None:
+    from moelora.tiling.quantized import fit_to_fp8_blocks, fp8_pipeline_bytes
+
+    block = QuantConfig(Quantization.FP8_BLOCK).block
+    cfg = TileConfig(block_m, up, down)
+    fitted = fit_to_fp8_blocks(cfg, block, parts=2, x_elem=2, shared_memory=H200_SHARED)
+    assert (fitted.up.num_stages, fitted.down.num_stages) == (up_stages, down_stages), name
+    assert fp8_pipeline_bytes(block_m, fitted.up, 2, 2) < H200_SHARED
+    assert fit_to_fp8_blocks(cfg, block).up.num_stages == up.num_stages  # no GPU: no refit
+
+
 def _rows_with_ties(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
     """x [rows, cols] fp32: random rows over 6 decades, one of them with amax 448 (scale 1)
     holding the midpoints between e4m3 neighbours (ties, subnormal ones too), one of zeros."""
