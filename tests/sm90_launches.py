@@ -117,7 +117,7 @@ def launch_source(fn, kwargs: dict):
     backend = make_backend(GPUTarget(*SM90))
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        value = kwargs[name]
+        value = kwargs[name] if name in kwargs else fn.params[i].default  # a defaulted one
         if fn.params[i].is_constexpr:
             signature[name], constexprs[name] = "constexpr", value
             continue

@@ -30,7 +30,7 @@ BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEI
                Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, W_TMA=False, BLOCK_M=128,
                BLOCK_N=128,
                BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8, UPCAST=False, IEEE=False,
-               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128)  # fmt: skip
+               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128, X_QUANTIZED=False)  # fmt: skip
 BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=False,
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
@@ -117,6 +117,9 @@ VARIANTS = {
         dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, **FP8_STEP),
         fp8=True,
     ),
+    ("up", "fp8-block-quantize-x"): Variant(  # x quantized before the GEMM (quant_rows)
+        dict(quantize_x=True), dict(X_QUANTIZED=True, **FP8_STEP), fp8=True
+    ),
     ("down", "fp8-block"): Variant({}, FP8_STEP, fp8=True),
     ("down", "fp8-block-atomic-no-lora"): Variant(
         dict(atomic_reduce=True), dict(ATOMIC=True, **FP8_STEP, **NO_LORA), lora=False, fp8=True
@@ -139,7 +142,8 @@ def _compile(name: str, variant: Variant) -> dict:
     rank = RANK if variant.lora else 0
     launches = forward_launches(cfg, dtype[variant.dtype], rank, SLOTS, bias=True, fp8=variant.fp8)
     fn, kwargs = next(launch for launch in launches if launch[0].__name__ == KERNELS[name][0])
-    got = {"constexprs": {p.name: kwargs[p.name] for p in fn.params if p.is_constexpr}}
+    constexprs = {p.name: kwargs.get(p.name, p.default) for p in fn.params if p.is_constexpr}
+    got = {"constexprs": constexprs}
     try:
         ptx = compiled_launch(fn, kwargs).asm["ptx"]
     except Exception as err:  # reported, the test fails with it

@@ -251,6 +251,17 @@ STAGE_CASES = [
 ]  # fmt: skip
 
 
+def test_quantize_x_pipeline_keeps_its_stages() -> None:
+    """x quantized before the GEMM: e4m3 x tiles, 4 stages of the BLOCK_M 128 tiles fit
+    (196608 bytes in the sm_90 compile, which fp8_pipeline_bytes models)."""
+    from moelora.tiling.quantized import fit_to_fp8_blocks, fp8_pipeline_bytes
+
+    cfg = TileConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), quantize_x=True)
+    fitted = fit_to_fp8_blocks(cfg, (128, 128), shared_memory=H200_SHARED)
+    assert fitted.up.num_stages == 4 and fitted.down.num_stages == 3
+    assert fp8_pipeline_bytes(128, fitted.up, 2, 2, quantized_x=True) == 196608
+
+
 @pytest.mark.parametrize(
     "name,block_m,up,down,up_stages,down_stages", STAGE_CASES, ids=[c[0] for c in STAGE_CASES]
 )
@@ -293,3 +304,62 @@ def test_kernel_quantization_equals_the_reference_bit_for_bit(dtype, seed) -> No
     q_ref, s_ref = quantize_activations(x, group)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+# (id, rows, columns, group) - quant_rows' edges
+QUANT_ROWS_CASES = [
+    ("partial_group_and_block", 37, 72, 32),  # 72 = 2 groups + 8 columns; 37 rows: 2 programs
+    ("one_group_128", 5, 128, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "name,rows,cols,group", QUANT_ROWS_CASES, ids=[c[0] for c in QUANT_ROWS_CASES]
+)
+def test_quant_rows_equals_the_reference_bit_for_bit(name, rows, cols, group, dtype, seed) -> None:
+    from moelora.kernels.quant_rows import quant_rows
+
+    x = _rows_with_ties(rows, cols, torch.Generator().manual_seed(seed)).to(dtype)
+    q, s = quant_rows(x, group)
+    q_ref, s_ref = quantize_activations(x, group)
+    assert torch.equal(s, s_ref), name
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), name
+
+
+QUANTIZE_X = TileConfig(16, GemmTiles(32, 32), GemmTiles(32, 32), quantize_x=True)
+# (id, shape, slots, weights_on_input) - the up GEMM reading x quantized before it
+QUANTIZE_X_CASES = [
+    ("silu_lora", _shape("silu", torch.float32), [0, 1, -1, 0, 1], False),
+    ("bf16_partial", _shape("silu", torch.bfloat16, h=72, i=40), [1, -1, 0], False),
+    ("weights_on_input", _shape("silu", torch.float32, top_k=1), [0, -1, 1], True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,shape,slots,on_input", QUANTIZE_X_CASES, ids=[c[0] for c in QUANTIZE_X_CASES]
+)
+def test_x_quantized_before_the_gemm_gives_the_same_products(
+    name, shape, slots, on_input, seed
+) -> None:
+    """TileConfig.quantize_x: the reference's result, and bit for bit the in-GEMM
+    quantization's (the same e4m3 values and scales, stored in between)."""
+    from moelora.backends.triton import fused_moe_lora
+
+    call, fp8 = _problem(shape, B32, len(slots), slots, seed, on_input)
+    plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=QUANTIZE_X)
+    assert plan.quantize_x
+    out = fused_moe_lora(call, fp8, shape, config=QUANTIZE_X)
+    ref = reference_forward(call, fp8.dequantize(), shape)
+    assert_close(out, ref, FP8, tol=_tol(shape), what=name)
+    in_gemm = dataclasses.replace(QUANTIZE_X, quantize_x=False)
+    assert torch.equal(out, fused_moe_lora(call, fp8, shape, config=in_gemm)), name
+
+
+def test_quantize_x_is_off_for_serving_dtype_experts(seed) -> None:
+    shape = _shape("silu", torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    experts = random_expert_weights(shape, generator=g, dtype=torch.float32)
+    call, _ = _problem(shape, B32, 2, [0, -1], seed)
+    plan = forward_plan(call.x, call.topk_ids, experts, call.lora, shape, config=QUANTIZE_X)
+    assert not plan.quantize_x

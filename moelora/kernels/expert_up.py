@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..activations import Activation
+from ..errors import InputError
 from ..tiling.geometry import next_pow2
 from ..tiling.plan import GemmPlan
 from .activation import act_code, apply_act
@@ -121,6 +122,15 @@ def _expert_up_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    # W8A8 with x quantized before the GEMM (quant_rows.py): e4m3 xq [T, H] and its group
+    # scales xs [T, G]. Defaults: launches without them (every other path) stay as they were.
+    xq_ptr=None,
+    xs_ptr=None,
+    stride_qm=0,
+    stride_qk=0,
+    stride_sm=0,
+    stride_sg=0,
+    X_QUANTIZED: tl.constexpr = False,
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(inter_size, BLOCK_N)
@@ -159,6 +169,9 @@ def _expert_up_kernel(
             gate_rows = tl.where(n_mask, offs_n, 0) * row_step
             offs_k = tl.arange(0, BLOCK_K)
             x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            if X_QUANTIZED:
+                xq_ptrs = xq_ptr + token[:, None] * stride_qm + offs_k[None, :] * stride_qk
+                xs_ptrs = xs_ptr + token * stride_sm
             w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
             wg_ptrs = w_base + gate_rows[None, :] * stride_wn
             wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
@@ -170,7 +183,18 @@ def _expert_up_kernel(
                 if (phase == 0) != EXPAND_FIRST:
                     for k0 in range(0, hidden, BLOCK_K):
                         k_mask = (k0 + offs_k) < hidden
-                        xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+                        if X_QUANTIZED:  # the step's e4m3 group and its scales, as stored
+                            a8 = tl.load(
+                                xq_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
+                            )
+                            sa = tl.load(
+                                xs_ptrs + (k0 // SCALE_K) * stride_sg, mask=row_valid, other=0.0
+                            )[:, None]
+                            xq_ptrs += BLOCK_K * stride_qk
+                        else:
+                            xt = tl.load(
+                                x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
+                            )
                         # W_TMA: w13 tiles by TMA; the gate box of a last, partial N tile
                         # reaches into the up rows (or past w13: zeros), columns n_mask drops
                         if W_TMA:
@@ -182,7 +206,8 @@ def _expert_up_kernel(
                         # side) quantized in registers, FP8 dots scaled by both sides' scales
                         s_base = ws_ptr + expert * stride_se + (k0 // SCALE_K) * stride_sk
                         if W_FP8:
-                            a8, sa = quantize_rows(xt)
+                            if not X_QUANTIZED:
+                                a8, sa = quantize_rows(xt)
                             sg_ptrs = s_base + (gate_rows // SCALE_N) * stride_sn
                             acc_g = fp8_mma(a8, sa, wg, acc_g, sg_ptrs, n_mask)
                         else:
@@ -310,6 +335,7 @@ def expert_up(
     pdl: bool = False,
     w_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
     [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]; then W8A8: BLOCK_K == bk,
@@ -322,7 +348,8 @@ def expert_up(
     [P_pad, I] with a pair's row at its place in aligned.sorted_pair_ids (each block's rows
     contiguous, for the down GEMM's tile loads), padding rows unwritten. gemm.tma: w13's
     tiles copied by the TMA where the layout allows (gate and up rows in two blocks, not
-    interleaved; aligned strides)."""
+    interleaved; aligned strides). x_quant (e4m3 w13 only): x quantized before the GEMM,
+    (e4m3 [T, H], fp32 scales [T, ceil(H / bk)]) from quant_rows, read instead of x."""
     block_n, block_k, z_sorted = gemm.tiles.block_n, gemm.tiles.block_k, gemm.z_sorted
     num_tokens, hidden = x.shape
     parts = activation.width_factor
@@ -335,6 +362,7 @@ def expert_up(
         check_fp8_weight("w13", w13, w_scale, scale_block, block_k)
     if b13 is not None:
         check_shape("b13", b13, (num_experts, rows))
+    quantized = _quantized_x_args(x, x_quant, fp8, scale_block[1])
     has_lora = lora_b is not None
     if has_lora:
         check_shape("lora w13_b", lora_b, (None, num_experts, parts, inter_size, None))
@@ -434,5 +462,30 @@ def expert_up(
         num_stages=gemm.tiles.num_stages,
         PDL=pdl,
         launch_pdl=pdl,
+        **quantized,
     )
     return out
+
+
+def _quantized_x_args(
+    x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None, fp8: bool, group: int
+) -> dict:
+    """The kernel's pre-quantized x arguments: none without x_quant (their defaults)."""
+    if x_quant is None:
+        return {}
+    if not fp8:
+        raise InputError("x_quant", "given with serving-dtype w13", "e4m3 w13 with w_scale")
+    xq, xs = x_quant
+    check_shape("x_quant values", xq, tuple(x.shape))
+    check_shape("x_quant scales", xs, (x.shape[0], -(-x.shape[1] // group)))
+    if xq.dtype != torch.float8_e4m3fn or xs.dtype != torch.float32:
+        raise InputError("x_quant", f"({xq.dtype}, {xs.dtype})", "(float8_e4m3fn, float32)")
+    return dict(
+        xq_ptr=xq,
+        xs_ptr=xs,
+        stride_qm=xq.stride(0),
+        stride_qk=xq.stride(1),
+        stride_sm=xs.stride(0),
+        stride_sg=xs.stride(1),
+        X_QUANTIZED=True,
+    )

@@ -92,14 +92,16 @@ def mma(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _e4m3_grid(v):
-    """v fp32 with |v| <= 448 -> the nearest e4m3 value (ties to even), in fp32: v in units
-    of its e4m3 step (2^(e - 3) for an exponent e >= -6, 2^-9 below: the subnormals), rounded
-    to an integer by the fp32 add of 1.5 * 2^23 (exact: the step count is below 2^4)."""
+    """v fp32 with |v| <= 448 -> the nearest e4m3 value (ties to even), in fp32: |v| in
+    units of its e4m3 step (2^(e - 3) for an exponent e >= -6, 2^-9 below: the subnormals),
+    rounded to an integer by the fp32 add of 2^23 (exact: the step count is below 2^4), with
+    v's sign (a negative value rounding to zero gives -0, as the conversion does)."""
     bits = v.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    steps = v / step
-    return ((steps + 12582912.0) - 12582912.0) * step
+    steps = tl.abs(v) / step
+    r = ((steps + 8388608.0) - 8388608.0) * step
+    return tl.where(bits < 0, -r, r)
 
 
 @triton.jit

@@ -17,18 +17,30 @@ from .fit import MARGIN
 MIN_STEP, MAX_STEP = 32, 256
 
 
-def fp8_pipeline_bytes(block_m: int, tiles: GemmTiles, parts: int, x_elem: int) -> int:
+def fp8_pipeline_bytes(
+    block_m: int, tiles: GemmTiles, parts: int, x_elem: int, quantized_x: bool = False
+) -> int:
     """Shared memory of an FP8 GEMM's K loop, as Triton's sm_90 compile allocates it
-    (measured on the up and down GEMMs at BLOCK_M 64 and 128, 2-4 stages: exact): one
-    x (or z) tile in the serving dtype and `parts` e4m3 weight tiles per stage but the
-    last, plus an x tile and its e4m3 quantization outside the ring."""
+    (measured on the up and down GEMMs at BLOCK_M 64 and 128, 2-4 stages: exact). Inputs
+    quantized in the loop: one x (or z) tile in the serving dtype and `parts` e4m3 weight
+    tiles per stage but the last, plus an x tile and its e4m3 quantization outside the
+    ring. quantized_x (TileConfig.quantize_x, the up GEMM): an e4m3 x tile and the weight
+    tiles per stage."""
     k = tiles.block_k
+    if quantized_x:
+        return tiles.num_stages * (block_m * k + parts * k * tiles.block_n)
     stage = block_m * k * x_elem + parts * k * tiles.block_n
     return (tiles.num_stages - 1) * stage + block_m * k * (x_elem + 1)
 
 
 def _step_is_block(
-    block_m: int, tiles: GemmTiles, block_k: int, parts: int, x_elem: int, limit: int | None
+    block_m: int,
+    tiles: GemmTiles,
+    block_k: int,
+    parts: int,
+    x_elem: int,
+    limit: int | None,
+    quantized_x: bool = False,
 ) -> GemmTiles:
     """tiles with BLOCK_K = block_k and, under a shared-memory `limit`, fewer stages (down
     to 1) until the pipeline fits (the decode GEMVs hold no pipeline in shared memory)."""
@@ -36,7 +48,7 @@ def _step_is_block(
     while (
         limit is not None
         and tiles.num_stages > 1
-        and fp8_pipeline_bytes(block_m, tiles, parts, x_elem) > limit - MARGIN
+        and fp8_pipeline_bytes(block_m, tiles, parts, x_elem, quantized_x) > limit - MARGIN
     ):
         tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
     return tiles
@@ -69,6 +81,6 @@ def fit_to_fp8_blocks(
         cfg,
         up_tma=False,
         down_tma=False,
-        up=_step_is_block(cfg.block_m, cfg.up, bk, parts, x_elem, limit),
+        up=_step_is_block(cfg.block_m, cfg.up, bk, parts, x_elem, limit, cfg.quantize_x),
         down=_step_is_block(cfg.block_m, cfg.down, bk, 1, x_elem, limit),
     )
