@@ -4,7 +4,7 @@ input per token and group as the kernels must; scale blocks small enough that ev
 crosses several of them along N and K, with per-block magnitudes spread over 100x so that
 a scale read from the wrong block fails; a kernel that skipped the activation quantization
 (the weight-only product) fails; the kernels' quantization equals the reference's bit for
-bit."""
+bit. Per-channel experts (whole-row activation scales) the same way."""
 
 from __future__ import annotations
 
@@ -45,8 +45,10 @@ def _problem(
 ):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     full = random_expert_weights(shape, generator=g, dtype=torch.float32)
+    # magnitudes spread per scale block, per row for per-channel scales
+    spread = quant.block if quant.method is Quantization.FP8_BLOCK else (1, 1 << 20)
     full = dataclasses.replace(
-        full, w13=_spread(full.w13, quant.block, g), w2=_spread(full.w2, quant.block, g)
+        full, w13=_spread(full.w13, spread, g), w2=_spread(full.w2, spread, g)
     )
     fp8 = quantize_experts(full, quant)
     lora = random_lora_bank(shape, 2, 16, ranks=[16, 8], generator=g)
@@ -76,6 +78,7 @@ def _tol(shape: MoEShape) -> float | None:
 
 
 B32 = QuantConfig(Quantization.FP8_BLOCK, (32, 32))
+CHANNEL = QuantConfig(Quantization.FP8_CHANNEL)  # whole-row activation scales over K
 # (id, shape, format, slots per token, weights_on_input) - which edge each covers
 CASES = [
     ("silu_fp32_lora", _shape("silu", torch.float32), B32, [0, 1, -1, 0, 1], False),
@@ -90,6 +93,13 @@ CASES = [
     ("weights_on_input", _shape("silu", torch.float32, bias=True, top_k=1), B32,
      [0, -1, 1, 1], True),  # Llama-4: the reference quantizes the weighted x
     ("base_only", _shape("silu", torch.float32), B32, [-1, -1, -1], False),
+    ("channel_fp32_lora", _shape("silu", torch.float32), CHANNEL, [0, 1, -1, 0, 1], False),
+    ("channel_bf16_partial", _shape("silu", torch.bfloat16, h=72, i=40), CHANNEL,
+     [1, -1, 0, 0], False),  # a row's scale over 72 columns: 3 K steps, the last partial
+    ("channel_swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), CHANNEL,
+     [0, -1, 1], False),
+    ("channel_weights_on_input", _shape("silu", torch.float32, top_k=1), CHANNEL,
+     [0, -1, 1, 1], True),
 ]  # fmt: skip
 
 
@@ -103,24 +113,34 @@ def test_triton_fp8_block_matches_dequantized_reference(
     assert_close(out, ref, FP8, tol=_tol(shape), what=name)
 
 
-# (id, decode path) - both paths must quantize the GEMM inputs
-SKIP_CASES = [("aligned", False), ("decode", True)]
+# (id, format, decode path) - both paths must quantize the GEMM inputs, by the format's groups
+SKIP_CASES = [
+    ("block_aligned", B32, False),
+    ("block_decode", B32, True),
+    ("channel_aligned", CHANNEL, False),
+    ("channel_decode", CHANNEL, True),
+]
 
 
-@pytest.mark.parametrize("name,decode", SKIP_CASES, ids=[c[0] for c in SKIP_CASES])
-def test_kernels_that_skipped_the_activation_quantization_would_fail(name, decode, seed) -> None:
+@pytest.mark.parametrize("name,quant,decode", SKIP_CASES, ids=[c[0] for c in SKIP_CASES])
+def test_kernels_that_skipped_the_activation_quantization_would_fail(
+    name, quant, decode, seed
+) -> None:
     """The weight-only product (e4m3 weights, full-precision inputs: what these kernels
-    computed before W8A8) is far outside the tolerance the kernels meet."""
+    computed before W8A8) is far outside the tolerance the kernels meet; so is, for
+    per-channel scales, quantizing by 32-column groups instead of whole rows."""
     from moelora.backends.triton import fused_moe_lora
 
     shape = _shape("silu", torch.float32)
-    call, fp8 = _problem(shape, B32, 6, [0, 1, -1, 0, 1, -1], seed)
+    call, fp8 = _problem(shape, quant, 6, [0, 1, -1, 0, 1, -1], seed)
     out = fused_moe_lora(call, fp8, shape, config=DECODE if decode else None)
     dequantized = fp8.dequantize()
     assert_close(out, reference_forward(call, dequantized, shape), FP8, tol=W8A8_FP32, what=name)
-    weight_only = dataclasses.replace(dequantized, quantization=QuantConfig())
-    skipped = compare(out, reference_forward(call, weight_only, shape), tol=W8A8_FP32)
-    assert skipped.rel_err > 2 * W8A8_FP32, skipped
+    wrong = [QuantConfig()] + ([B32] if quant is CHANNEL else [])
+    for other in wrong:
+        ref = reference_forward(call, dataclasses.replace(dequantized, quantization=other), shape)
+        skipped = compare(out, ref, tol=W8A8_FP32)
+        assert skipped.rel_err > 2 * W8A8_FP32, (other, skipped)
 
 
 @pytest.mark.parametrize("block_k", [128, 16], ids=["wider", "narrower"])
@@ -142,47 +162,39 @@ REFUSED_BLOCKS = [("k16", (32, 16)), ("k48", (32, 48)), ("k512", (128, 512))]
 @pytest.mark.parametrize("name,block", REFUSED_BLOCKS, ids=[c[0] for c in REFUSED_BLOCKS])
 def test_scale_block_the_kernels_cannot_step_by_is_refused(name, block) -> None:
     from moelora.errors import ConfigError
-    from moelora.tiling.quantized import fit_to_fp8_blocks
+    from moelora.tiling.quantized import fit_to_fp8
 
     tiles = GemmTiles(64, 64)
     with pytest.raises(ConfigError) as err:
-        fit_to_fp8_blocks(TileConfig(16, tiles, tiles), block)
+        fit_to_fp8(TileConfig(16, tiles, tiles), QuantConfig(Quantization.FP8_BLOCK, block))
     assert err.value.key == "quantization_config.weight_block_size"
     assert err.value.value == list(block) and "re-quantize" in str(err.value)
 
 
 DECODE = TileConfig(16, GemmTiles(16, 32), GemmTiles(16, 32), decode=True)
-# (id, shape, slots, early loads) - the decode GEMVs on FP8 rows
+# (id, shape, format, slots, early loads) - the decode GEMVs on FP8 rows
 DECODE_CASES = [
-    ("silu_lora", _shape("silu", torch.float32), [0, -1, 1], False),
-    ("silu_early", _shape("silu", torch.float32), [1, 0], True),  # the first step loaded early
-    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), [0, -1], False),
-    ("relu2_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), [-1, 1, 0], True),
+    ("silu_lora", _shape("silu", torch.float32), B32, [0, -1, 1], False),
+    ("silu_early", _shape("silu", torch.float32), B32, [1, 0], True),  # first step loaded early
+    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), B32, [0, -1], False),
+    ("relu2_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), B32, [-1, 1, 0], True),
+    ("channel_early", _shape("silu", torch.float32), CHANNEL, [1, -1, 0], True),
+    ("channel_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), CHANNEL, [0, 1],
+     False),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name,shape,slots,early", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
-def test_decode_path_on_fp8_rows(name, shape, slots, early, seed) -> None:
+@pytest.mark.parametrize(
+    "name,shape,quant,slots,early", DECODE_CASES, ids=[c[0] for c in DECODE_CASES]
+)
+def test_decode_path_on_fp8_rows(name, shape, quant, slots, early, seed) -> None:
     from moelora.backends.triton import fused_moe_lora
 
-    call, fp8 = _problem(shape, B32, len(slots), slots, seed)
+    call, fp8 = _problem(shape, quant, len(slots), slots, seed)
     cfg = dataclasses.replace(DECODE, pdl=early)
     out = fused_moe_lora(call, fp8, shape, config=cfg)
     ref = reference_forward(call, fp8.dequantize(), shape)
     assert_close(out, ref, FP8, tol=_tol(shape), what=name)
-
-
-def test_triton_refuses_per_channel_fp8(seed) -> None:
-    shape = _shape("silu", torch.float32)
-    call, _ = _problem(shape, B32, 2, [0, 1], seed)
-    g = torch.Generator().manual_seed(seed)
-    channel = quantize_experts(
-        random_expert_weights(shape, generator=g, dtype=torch.float32),
-        QuantConfig(Quantization.FP8_CHANNEL),
-    )
-    with pytest.raises(InputError) as err:
-        BACKEND.forward(call, channel, shape)
-    assert "fp8_channel" in str(err.value)
 
 
 def _layer(shape: MoEShape, quant: QuantConfig):
@@ -203,12 +215,13 @@ def _layer(shape: MoEShape, quant: QuantConfig):
     return lambda experts: MoELoRALayer(dep, experts)
 
 
-def test_layer_runs_fp8_experts_and_base_rows_ignore_loaded_adapters(seed) -> None:
+@pytest.mark.parametrize("quant", [B32, CHANNEL], ids=["block", "channel"])
+def test_layer_runs_fp8_experts_and_base_rows_ignore_loaded_adapters(quant, seed) -> None:
     """vLLM #42008: base rows must not move when adapters are loaded. The same bank shape
     and tile rank, empty (rank 0) or loaded: slot -1 rows bit-identical."""
     shape = _shape("silu", torch.float32)
-    call, fp8 = _problem(shape, B32, 6, [0, -1, 1, -1, 0, -1], seed)
-    layer = _layer(shape, B32)(fp8)
+    call, fp8 = _problem(shape, quant, 6, [0, -1, 1, -1, 0, -1], seed)
+    layer = _layer(shape, quant)(fp8)
     loaded = layer.forward(call.x, call.topk_ids, call.topk_weights, call.token_slots, call.lora)
     empty = dataclasses.replace(
         call.lora, ranks=torch.zeros(2, dtype=torch.int32), tile_rank=call.lora.tile_rank
@@ -254,10 +267,10 @@ STAGE_CASES = [
 def test_quantize_x_pipeline_keeps_its_stages() -> None:
     """x quantized before the GEMM: e4m3 x tiles, 4 stages of the BLOCK_M 128 tiles fit
     (196608 bytes in the sm_90 compile, which fp8_pipeline_bytes models)."""
-    from moelora.tiling.quantized import fit_to_fp8_blocks, fp8_pipeline_bytes
+    from moelora.tiling.quantized import fit_to_fp8, fp8_pipeline_bytes
 
     cfg = TileConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), quantize_x=True)
-    fitted = fit_to_fp8_blocks(cfg, (128, 128), shared_memory=H200_SHARED)
+    fitted = fit_to_fp8(cfg, QuantConfig(Quantization.FP8_BLOCK), shared_memory=H200_SHARED)
     assert fitted.up.num_stages == 4 and fitted.down.num_stages == 3
     assert fp8_pipeline_bytes(128, fitted.up, 2, 2, quantized_x=True) == 196608
 
@@ -268,14 +281,14 @@ def test_quantize_x_pipeline_keeps_its_stages() -> None:
 def test_fp8_pipeline_is_refitted_to_shared_memory(
     name, block_m, up, down, up_stages, down_stages
 ) -> None:
-    from moelora.tiling.quantized import fit_to_fp8_blocks, fp8_pipeline_bytes
+    from moelora.tiling.quantized import fit_to_fp8, fp8_pipeline_bytes
 
-    block = QuantConfig(Quantization.FP8_BLOCK).block
+    quant = QuantConfig(Quantization.FP8_BLOCK)
     cfg = TileConfig(block_m, up, down)
-    fitted = fit_to_fp8_blocks(cfg, block, parts=2, x_elem=2, shared_memory=H200_SHARED)
+    fitted = fit_to_fp8(cfg, quant, parts=2, x_elem=2, shared_memory=H200_SHARED)
     assert (fitted.up.num_stages, fitted.down.num_stages) == (up_stages, down_stages), name
     assert fp8_pipeline_bytes(block_m, fitted.up, 2, 2) < H200_SHARED
-    assert fit_to_fp8_blocks(cfg, block).up.num_stages == up.num_stages  # no GPU: no refit
+    assert fit_to_fp8(cfg, quant).up.num_stages == up.num_stages  # no GPU: no refit
 
 
 def _rows_with_ties(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
@@ -356,10 +369,13 @@ def test_x_quantized_before_the_gemm_gives_the_same_products(
     assert torch.equal(out, fused_moe_lora(call, fp8, shape, config=in_gemm)), name
 
 
-def test_quantize_x_is_off_for_serving_dtype_experts(seed) -> None:
+def test_quantize_x_is_off_for_serving_dtype_and_per_channel_experts(seed) -> None:
+    """x quantized before the GEMM has the block's groups: neither serving-dtype experts
+    nor per-channel ones (a whole-row scale) take it."""
     shape = _shape("silu", torch.float32)
     g = torch.Generator().manual_seed(seed)
     experts = random_expert_weights(shape, generator=g, dtype=torch.float32)
-    call, _ = _problem(shape, B32, 2, [0, -1], seed)
-    plan = forward_plan(call.x, call.topk_ids, experts, call.lora, shape, config=QUANTIZE_X)
-    assert not plan.quantize_x
+    call, channel = _problem(shape, CHANNEL, 2, [0, -1], seed)
+    for weights in (experts, channel):
+        plan = forward_plan(call.x, call.topk_ids, weights, call.lora, shape, config=QUANTIZE_X)
+        assert not plan.quantize_x

@@ -33,11 +33,12 @@ from .checks import (
     check_fp8_weight,
     check_shape,
     check_weight_dtype,
+    fp8_scale_args,
     workspace,
 )
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scaled, gemv_operand
+from .tiles import block_scaled, gemv_operand, row_scales
 
 
 @triton.jit
@@ -112,6 +113,7 @@ def _decode_up_kernel(
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
+    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel scales, whole-row x scales
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -173,11 +175,14 @@ def _decode_up_kernel(
         )
         a2 = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
     x_ptrs = x_ptr + token * stride_xm + offs_k * stride_xk
+    sa_row = 1.0  # ACT_ROW: the row's scale over all of its columns, from a pass before
+    if ACT_ROW:
+        sa_row = row_scales(x_ptrs, offs_k >= 0, hidden, stride_xk, offs_k)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if EARLY:  # the first step, from the tiles loaded early (the loop starts at the second)
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        xv, sa = gemv_operand(xv, W_FP8)
+        xv, sa = gemv_operand(xv, sa_row, W_FP8, ACT_ROW)
         d_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
         acc_g += block_scaled(d_g, sa, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
@@ -189,7 +194,7 @@ def _decode_up_kernel(
     for k0 in range(BLOCK_K if EARLY else 0, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        xv, sa = gemv_operand(xv, W_FP8)
+        xv, sa = gemv_operand(xv, sa_row, W_FP8, ACT_ROW)
         d_g = _rows_dot(wg_ptrs, xv, k_ok[None, :])
         acc_g += block_scaled(d_g, sa, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
@@ -288,7 +293,6 @@ def decode_up(
     _decode_up_kernel[grid](
         x_ptr=x,
         w_ptr=w13,
-        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b13 if b13 is not None else dummy,
         z_ptr=z,
         topk_ids_ptr=topk_ids,
@@ -315,9 +319,6 @@ def decode_up(
         stride_we=w13.stride(0),
         stride_wn=w13.stride(1),
         stride_wk=w13.stride(2),
-        stride_se=w_scale.stride(0) if fp8 else 0,
-        stride_sn=w_scale.stride(1) if fp8 else 0,
-        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b13.stride(0) if b13 is not None else 0,
         stride_bn=b13.stride(1) if b13 is not None else 0,
         stride_zm=z.stride(0),
@@ -341,9 +342,6 @@ def decode_up(
         HAS_BIAS=b13 is not None,
         HAS_LORA=has_lora,
         WEIGHT_INPUT=topk_weights is not None,
-        W_FP8=fp8,
-        SCALE_N=scale_block[0],
-        SCALE_K=scale_block[1],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(max(rank, z_rank))),
@@ -352,5 +350,6 @@ def decode_up(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         launch_pdl=pdl and chained,
+        **fp8_scale_args(w_scale, scale_block, block_k, dummy),
     )
     return z

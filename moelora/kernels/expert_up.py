@@ -29,6 +29,7 @@ from .checks import (
     check_fp8_weight,
     check_shape,
     check_weight_dtype,
+    fp8_scale_args,
     precision_flags,
     tma_box_ok,
     workspace,
@@ -42,7 +43,8 @@ from .tiles import (
     grouped_pid,
     lora_expand,
     mma,
-    quantize_rows,
+    row_scales,
+    step_operand,
     tail_variants,
     z_rows,
 )
@@ -131,6 +133,7 @@ def _expert_up_kernel(
     stride_sm=0,
     stride_sg=0,
     X_QUANTIZED: tl.constexpr = False,
+    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel w13 scales, whole-row x scales
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(inter_size, BLOCK_N)
@@ -172,6 +175,9 @@ def _expert_up_kernel(
             if X_QUANTIZED:
                 xq_ptrs = xq_ptr + token[:, None] * stride_qm + offs_k[None, :] * stride_qk
                 xs_ptrs = xs_ptr + token * stride_sm
+            sa_row = 1.0  # ACT_ROW: each row's scale over all of H, from a pass before the loop
+            if ACT_ROW:
+                sa_row = row_scales(x_ptrs, row_valid[:, None], hidden, stride_xk, offs_k)
             w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
             wg_ptrs = w_base + gate_rows[None, :] * stride_wn
             wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
@@ -207,7 +213,7 @@ def _expert_up_kernel(
                         s_base = ws_ptr + expert * stride_se + (k0 // SCALE_K) * stride_sk
                         if W_FP8:
                             if not X_QUANTIZED:
-                                a8, sa = quantize_rows(xt)
+                                a8, sa = step_operand(xt, sa_row, ACT_ROW)
                             sg_ptrs = s_base + (gate_rows // SCALE_N) * stride_sn
                             acc_g = fp8_mma(a8, sa, wg, acc_g, sg_ptrs, n_mask)
                         else:
@@ -339,7 +345,8 @@ def expert_up(
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
     [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]; then W8A8: BLOCK_K == bk,
-    each K step quantizes its x rows per token in registers and runs FP8 dots),
+    each K step quantizes its x rows per token in registers and runs FP8 dots; or
+    per-channel scales [E, S*I]: the same with each row's scale over all of H),
     b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R], or instead of inter the expanded delta
     [P, S, I] (lora_delta; lora_b still gives the slot count); topk_weights [T, K] only for
@@ -360,6 +367,8 @@ def expert_up(
     check_weight_dtype("w13", w13, x, fp8)
     if fp8:
         check_fp8_weight("w13", w13, w_scale, scale_block, block_k)
+        if x_quant is not None and w_scale.dim() == 2:
+            raise InputError("x_quant", "given with per-channel scales", "block-scaled w13")
     if b13 is not None:
         check_shape("b13", b13, (num_experts, rows))
     quantized = _quantized_x_args(x, x_quant, fp8, scale_block[1])
@@ -390,7 +399,6 @@ def expert_up(
         x_ptr=x,
         w_ptr=w13,
         w_desc=w_desc,
-        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b13 if b13 is not None else dummy,
         z_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
@@ -417,9 +425,6 @@ def expert_up(
         stride_we=w13.stride(0),
         stride_wn=w13.stride(1),
         stride_wk=w13.stride(2),
-        stride_se=w_scale.stride(0) if fp8 else 0,
-        stride_sn=w_scale.stride(1) if fp8 else 0,
-        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b13.stride(0) if b13 is not None else 0,
         stride_bn=b13.stride(1) if b13 is not None else 0,
         stride_zm=out.stride(0),
@@ -446,9 +451,6 @@ def expert_up(
         EXPAND_FIRST=gemm.expand_first and has_lora and delta is None,
         TAIL_VARIANTS=tail_variants(gemm.half_tail, aligned.block_m),
         W_TMA=use_tma,
-        W_FP8=fp8,
-        SCALE_N=scale_block[0],
-        SCALE_K=scale_block[1],
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -462,6 +464,7 @@ def expert_up(
         num_stages=gemm.tiles.num_stages,
         PDL=pdl,
         launch_pdl=pdl,
+        **fp8_scale_args(w_scale, scale_block, block_k, dummy),
         **quantized,
     )
     return out

@@ -105,27 +105,61 @@ def _e4m3_grid(v):
 
 
 @triton.jit
-def quantize_rows(t):
-    """t [..., G] (each row one activation group of G columns) -> (e4m3 [..., G], fp32
-    scales [..., 1]) as quant/activation_quant.py computes them: scale = max(amax,
-    MIN_SCALE) / 448, q = (t / scale) clamped to +-448, rounded to nearest even. Masked
-    columns must hold zeros (they leave the amax as it is)."""
-    t = t.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(t), axis=-1, keep_dims=True), MIN_SCALE) / E4M3_MAX
-    q = tl.clamp(t / scale, -E4M3_MAX, E4M3_MAX)
+def quantize_by(t, scale):
+    """t [..., G] quantized to e4m3 with the fp32 scales [..., 1]: (t / scale) clamped to
+    +-448, rounded to nearest even (quant/activation_quant.py)."""
+    q = tl.clamp(t.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
     if E4M3_BY_GRID:
         q = _e4m3_grid(q)
-    return q.to(tl.float8e4nv), scale
+    return q.to(tl.float8e4nv)
 
 
 @triton.jit
-def gemv_operand(v, W_FP8: tl.constexpr):
-    """A decode GEMV step's input v [..., BLOCK_K] (fp32, one activation group per row under
-    W_FP8) -> (what the weights multiply, its scales [..., 1]): W_FP8, v quantized
-    (quantize_rows) back in fp32 and its scales; else v as is (the second value unused)."""
+def quantize_rows(t):
+    """t [..., G] (each row one activation group of G columns) -> (e4m3 [..., G], fp32
+    scales [..., 1]) as quant/activation_quant.py computes them: scale = max(amax,
+    MIN_SCALE) / 448, then quantize_by. Masked columns must hold zeros (they leave the
+    amax as it is)."""
+    t = t.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(t), axis=-1, keep_dims=True), MIN_SCALE) / E4M3_MAX
+    return quantize_by(t, scale), scale
+
+
+@triton.jit
+def row_scales(ptrs, rows_ok, width, stride_k, offs_k):
+    """FP8_CHANNEL: the activation scale of whole rows, fp32 [..., 1] = max(amax over the
+    `width` columns, MIN_SCALE) / 448, from a pass over them before the K loop: ptrs [...,
+    BLOCK_K] the rows' first tile (offs_k its columns), rows_ok the rows to read
+    (broadcast against the tile; others give MIN_SCALE / 448)."""
+    amax = tl.max(tl.zeros(ptrs.shape, tl.float32), axis=-1, keep_dims=True)
+    for k0 in range(0, width, offs_k.shape[0]):
+        mask = rows_ok & ((k0 + offs_k) < width)
+        t = tl.load(ptrs + k0 * stride_k, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(t), axis=-1, keep_dims=True))
+    return tl.maximum(amax, MIN_SCALE) / E4M3_MAX
+
+
+@triton.jit
+def step_operand(t, row_scale, ACT_ROW: tl.constexpr):
+    """A K step's input tile t [..., BLOCK_K] -> (e4m3 tile, its scales [..., 1]): quantized
+    by the whole-row scales row_scale (ACT_ROW: FP8_CHANNEL, row_scales) or by its own
+    groups (quantize_rows: FP8_BLOCK, the step one group)."""
+    if ACT_ROW:
+        q = quantize_by(t, row_scale)
+        s = row_scale
+    else:
+        q, s = quantize_rows(t)
+    return q, s
+
+
+@triton.jit
+def gemv_operand(v, row_scale, W_FP8: tl.constexpr, ACT_ROW: tl.constexpr):
+    """A decode GEMV step's input v [..., BLOCK_K] (fp32) -> (what the weights multiply,
+    its scales [..., 1]): W_FP8, v quantized (step_operand) back in fp32 and its scales;
+    else v as is (the second value unused)."""
     s = v
     if W_FP8:
-        q, s = quantize_rows(v)
+        q, s = step_operand(v, row_scale, ACT_ROW)
         v = q.to(tl.float32)
     return v, s
 

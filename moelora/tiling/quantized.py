@@ -1,5 +1,5 @@
-"""What block-scaled FP8 experts (W8A8) ask of a tile config: no TMA weight tiles (their
-boxes are sized for 2-byte elements), and BLOCK_K equal to the scale block's K side in
+"""What FP8 experts (W8A8) ask of a tile config: no TMA weight tiles (their boxes are
+sized for 2-byte elements); for block scales, BLOCK_K equal to the scale block's K side in
 every K loop, GEMM and decode GEMV alike: a step quantizes one activation group per row
 (the amax spans exactly its columns) and reads one weight scale per column. The pipeline's
 stages are refitted to the shared memory for the e4m3 weight tiles."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
+from ..quant.formats import QuantConfig
 from .config import GemmTiles, TileConfig
 from .fit import MARGIN
 
@@ -54,33 +55,38 @@ def _step_is_block(
     return tiles
 
 
-def fit_to_fp8_blocks(
+def fit_to_fp8(
     cfg: TileConfig,
-    scale_block: tuple[int, int],
+    quant: QuantConfig,
     *,
     parts: int = 2,
     x_elem: int = 2,
     shared_memory: int | None = None,
 ) -> TileConfig:
-    """cfg for e4m3 experts with block scales of scale_block [bn, bk] (W8A8): BLOCK_K = bk,
-    no TMA; parts: w13's row parts per program (2 gated), x_elem: the serving dtype's bytes,
-    shared_memory: the GPU's per-block bytes (None: no fit, the interpreter). A bk the K loop
-    cannot step by is refused, naming the checkpoint's key."""
-    bk = scale_block[1]
-    if bk & (bk - 1) or not MIN_STEP <= bk <= MAX_STEP:
+    """cfg for e4m3 experts in `quant`'s format (W8A8): no TMA; FP8_BLOCK: BLOCK_K = bk (a
+    bk the K loop cannot step by is refused, naming the checkpoint's key); FP8_CHANNEL: the
+    picked BLOCK_K (the activation scale spans the row) and no quantize_x (its groups are
+    the block's). parts: w13's row parts per program (2 gated), x_elem: the serving dtype's
+    bytes, shared_memory: the GPU's per-block bytes (None: no refit, the interpreter)."""
+    group = quant.activation_group
+    if group is not None and (group & (group - 1) or not MIN_STEP <= group <= MAX_STEP):
         raise ConfigError(
             "quantization_config.weight_block_size",
-            list(scale_block),
+            list(quant.block),
             f"a K side (second value) that is a power of two in [{MIN_STEP}, {MAX_STEP}] "
             "(the triton kernels step K by one scale block)",
             "serve this checkpoint with the reference backend, or re-quantize it with "
             "128x128 blocks",
         )
+    quantize_x = cfg.quantize_x and group is not None
     limit = None if cfg.decode else shared_memory
     return dataclasses.replace(
         cfg,
         up_tma=False,
         down_tma=False,
-        up=_step_is_block(cfg.block_m, cfg.up, bk, parts, x_elem, limit, cfg.quantize_x),
-        down=_step_is_block(cfg.block_m, cfg.down, bk, 1, x_elem, limit),
+        quantize_x=quantize_x,
+        up=_step_is_block(
+            cfg.block_m, cfg.up, group or cfg.up.block_k, parts, x_elem, limit, quantize_x
+        ),
+        down=_step_is_block(cfg.block_m, cfg.down, group or cfg.down.block_k, 1, x_elem, limit),
     )
