@@ -65,10 +65,11 @@ VALIDATED_ON = (
                "h200_13bc0fd_fp8_validate.log in benchmarks/results/h200_validate.txt",
                frozenset({Quantization.FP8_BLOCK})),
     Validation("cpu", "cpu", None, frozenset({torch.float16, torch.float32}), "every commit",
-               "the test suite under TRITON_INTERPRET=1 against the reference (FP8 block "
-               "experts: against the reference on their dequantization)",
+               "the test suite under TRITON_INTERPRET=1 against the reference (FP8 "
+               "experts, block and per-channel: against the reference on their "
+               "dequantization)",
                "tests/test_kernels.py, tests/test_parallel.py, tests/test_quant_triton.py",
-               frozenset({Quantization.NONE, Quantization.FP8_BLOCK})),
+               frozenset(Quantization)),
 )  # fmt: skip
 
 

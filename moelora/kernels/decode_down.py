@@ -206,8 +206,8 @@ def decode_down(
     scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """z [P, I] (decode_up), w2 [E, H, I] (z's dtype, or e4m3 with w_scale: fp32 block
-    scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk]; then W8A8, a step
-    of bk columns per pair, as decode_up), b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
+    scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk], or per-channel
+    [E, H]; then W8A8 as decode_up: a step of bk columns, or whole-row scales per pair), b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
     lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R); topk_weights [T, K]
     (None: applied to the input). Returns y [T, H] in z's dtype (into

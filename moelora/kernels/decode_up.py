@@ -252,8 +252,9 @@ def decode_up(
     scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
-    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]; then W8A8 with BLOCK_K ==
-    bk: each step's x group quantized as the GEMMs do, products summed in fp32), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
+    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk], or per-channel [E, S*I];
+    then W8A8 as the GEMMs quantize: each step's x group (BLOCK_K == bk), or the row by its
+    whole-row scale; products summed in fp32), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
     added; lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R): the LoRA terms stop
