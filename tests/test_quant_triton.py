@@ -20,7 +20,7 @@ from moelora.backends.triton import BACKEND, forward_plan
 from moelora.call import MoECall
 from moelora.compare import assert_close, compare
 from moelora.errors import InputError
-from moelora.kernels.tiles import quantize_rows
+from moelora.kernels.fp8_tiles import quantize_rows
 from moelora.quant.activation_quant import quantize_activations
 from moelora.quant.formats import QuantConfig, Quantization
 from moelora.quant.fp8_experts import quantize_experts
@@ -247,7 +247,7 @@ def test_layer_refuses_experts_not_in_its_format(seed) -> None:
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, COLS: tl.constexpr, GROUP: tl.constexpr):
-    """Row program_id(0)'s group program_id(1) through tiles.quantize_rows."""
+    """Row program_id(0)'s group program_id(1) through fp8_tiles.quantize_rows."""
     offs_m = tl.program_id(0) + tl.zeros([1], tl.int32)
     offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     q, s = quantize_rows(tl.load(x_ptr + offs_m[:, None] * COLS + offs_k[None, :]))
@@ -306,9 +306,9 @@ def _rows_with_ties(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_quantization_equals_the_reference_bit_for_bit(dtype, seed) -> None:
-    """tiles.quantize_rows (every FP8 kernel's quantization) against
+    """fp8_tiles.quantize_rows (every FP8 kernel's quantization) against
     quant.activation_quant: the same e4m3 bits and fp32 scales, ties and zeros included
-    (the interpreter's own e4m3 conversion would fail this: tiles.E4M3_BY_GRID)."""
+    (the interpreter's own e4m3 conversion would fail this: fp8_tiles.E4M3_BY_GRID)."""
     rows, cols, group = 6, 128, 32
     x = _rows_with_ties(rows, cols, torch.Generator().manual_seed(seed)).to(dtype)
     q = torch.empty(rows, cols, dtype=FP8)

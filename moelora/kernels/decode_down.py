@@ -32,9 +32,9 @@ from .checks import (
     fp8_scale_args,
     workspace,
 )
+from .fp8_tiles import block_scaled, gemv_operand, row_scales
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scaled, gemv_operand, row_scales
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 

@@ -36,9 +36,9 @@ from .checks import (
     fp8_scale_args,
     workspace,
 )
+from .fp8_tiles import block_scaled, gemv_operand, row_scales
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scaled, gemv_operand, row_scales
 
 
 @triton.jit

@@ -34,17 +34,15 @@ from .checks import (
     tma_box_ok,
     workspace,
 )
+from .fp8_tiles import fp8_mma, row_scales, step_operand
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
     add_delta,
     block_rows,
-    fp8_mma,
     grouped_pid,
     lora_expand,
     mma,
-    row_scales,
-    step_operand,
     tail_variants,
     z_rows,
 )

@@ -1,7 +1,7 @@
 """Per-token-group FP8 quantization of the up GEMM's input, once per token before the GEMM
 (TileConfig.quantize_x): the up GEMM then loads e4m3 tiles and their scales instead of
 quantizing each x tile again in every one of its N tiles. The arithmetic is the one every
-FP8 kernel shares (tiles.quantize_rows), so the GEMM's products are the same either way.
+FP8 kernel shares (fp8_tiles.quantize_rows), so the GEMM's products are the same either way.
 
 Legend: T tokens, H hidden, G = ceil(H / group) groups per row.
 """
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_shape
-from .tiles import quantize_rows
+from .fp8_tiles import quantize_rows
 
 # rows per program: a [32, group] tile (4K values at group 128); not tuned (a pass over x
 # is small beside the GEMM that follows it)

@@ -4,7 +4,7 @@ Each base GEMM input row (a token's x before gate/up, its activation output z be
 is quantized to e4m3 per group of columns: FP8_BLOCK groups of the block's K side (128),
 FP8_CHANNEL the whole row. A group's scale is fp32 amax / 448 and its values are
 (v / scale) clamped to +-448, rounded to nearest even. The triton kernels do the same fp32
-arithmetic in registers (kernels/tiles.py: quantize_rows). The LoRA branch never sees
+arithmetic in registers (kernels/fp8_tiles.py: quantize_rows). The LoRA branch never sees
 this: it reads the unquantized row (vLLM #42007 fed it the quantized one).
 
 Legend: N rows, K columns, G = ceil(K / group) groups per row.
