@@ -143,6 +143,35 @@ def test_kernels_that_skipped_the_activation_quantization_would_fail(
         assert skipped.rel_err > 2 * W8A8_FP32, (other, skipped)
 
 
+# (id, format, decode path) - the gate/up LoRA seam on each path
+SEAM_CASES = [
+    ("block_aligned", B32, False),
+    ("block_decode", B32, True),
+    ("channel_aligned", CHANNEL, False),
+]
+
+
+@pytest.mark.parametrize("name,quant,decode", SEAM_CASES, ids=[c[0] for c in SEAM_CASES])
+def test_lora_branch_reads_the_unquantized_x(name, quant, decode, seed) -> None:
+    """vLLM #42007 in the kernels: with LoRA B factors 30x larger the delta dominates, so
+    a kernel whose gate/up LoRA read the quantized x would match the reference run on
+    x = q(x) (its base GEMM sees the same q(x): quantizing grid values again is exact)
+    and miss the true one."""
+    from moelora.backends.triton import fused_moe_lora
+    from moelora.quant.activation_quant import base_gemm_input
+
+    shape = _shape("silu", torch.float32)
+    call, fp8 = _problem(shape, quant, 5, [0, 1, 0, 1, 0], seed)
+    lora = dataclasses.replace(call.lora, w13_b=call.lora.w13_b * 30, w2_b=call.lora.w2_b * 30)
+    call = dataclasses.replace(call, lora=lora)
+    out = fused_moe_lora(call, fp8, shape, config=DECODE if decode else None)
+    dequantized = fp8.dequantize()
+    assert_close(out, reference_forward(call, dequantized, shape), FP8, tol=W8A8_FP32, what=name)
+    quantized_x = dataclasses.replace(call, x=base_gemm_input(quant, call.x.float()))
+    wrong = compare(out, reference_forward(quantized_x, dequantized, shape), tol=W8A8_FP32)
+    assert wrong.rel_err > 2 * W8A8_FP32, wrong
+
+
 @pytest.mark.parametrize("block_k", [128, 16], ids=["wider", "narrower"])
 def test_fp8_plan_has_no_tma_and_steps_one_block(block_k, seed) -> None:
     shape = _shape("silu", torch.bfloat16)
