@@ -39,10 +39,19 @@ def _e4m3_grid(v):
 
 
 @triton.jit
+def _scale_of(amax):
+    """fp32 activation scales max(amax, MIN_SCALE) / 448. Divisions here round to nearest
+    (div_rn): Triton's `/` compiles to an approximate division on GPUs (div.full.f32), and
+    the quantization must be the reference's bit for bit."""
+    return tl.math.div_rn(tl.maximum(amax, MIN_SCALE), tl.zeros_like(amax) + E4M3_MAX)
+
+
+@triton.jit
 def quantize_by(t, scale):
     """t [..., G] quantized to e4m3 with the fp32 scales [..., 1]: (t / scale) clamped to
     +-448, rounded to nearest even (quant/activation_quant.py)."""
-    q = tl.clamp(t.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
+    t, scale = tl.broadcast(t.to(tl.float32), scale)
+    q = tl.clamp(tl.math.div_rn(t, scale), -E4M3_MAX, E4M3_MAX)
     if E4M3_BY_GRID:
         q = _e4m3_grid(q)
     return q.to(tl.float8e4nv)
@@ -55,7 +64,7 @@ def quantize_rows(t):
     MIN_SCALE) / 448, then quantize_by. Masked columns must hold zeros (they leave the
     amax as it is)."""
     t = t.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(t), axis=-1, keep_dims=True), MIN_SCALE) / E4M3_MAX
+    scale = _scale_of(tl.max(tl.abs(t), axis=-1, keep_dims=True))
     return quantize_by(t, scale), scale
 
 
@@ -70,7 +79,7 @@ def row_scales(ptrs, rows_ok, width, stride_k, offs_k):
         mask = rows_ok & ((k0 + offs_k) < width)
         t = tl.load(ptrs + k0 * stride_k, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(t), axis=-1, keep_dims=True))
-    return tl.maximum(amax, MIN_SCALE) / E4M3_MAX
+    return _scale_of(amax)
 
 
 @triton.jit
