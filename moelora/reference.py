@@ -73,9 +73,9 @@ def reference_forward(call: MoECall, experts: ExpertWeights, shape: MoEShape) ->
     Expert ids outside [0, E) contribute nothing (expert parallel); tokens with slot -1 (or
     no slots at all) run the base model. call.weights_on_input: Llama-4 routing, the weight
     scales the expert input, not its output. call.lora_comm: fully sharded LoRA only (the
-    bank holds this process's shards; see LoRAComm). experts.quantization: a W8A8 format's
-    base GEMMs multiply per-token quantized inputs (quant/activation_quant.py) while the
-    LoRA branch reads them unquantized. The (expert, slot) groups are visited in the same
+    bank holds this process's shards; see LoRAComm). experts.quantization: an FP8 format's
+    base GEMMs multiply inputs quantized per token and group (quant/activation_quant.py)
+    while the LoRA branch reads them unquantized. The (expert, slot) groups are visited in the same
     order on every process of the TP group, so the collectives match up.
     """
     x, topk_ids, topk_weights = call.x, call.topk_ids, call.topk_weights

@@ -11,7 +11,9 @@ import torch
 
 from .config import MoEShape
 from .errors import InputError
-from .quant.formats import Quantization
+from .quant.formats import QuantConfig
+
+FULL_PRECISION = QuantConfig()  # experts in the serving dtype
 
 
 @dataclass
@@ -20,15 +22,15 @@ class ExpertWeights:
     w2 [E, H, I], optional b13 [E, S*I] and b2 [E, H].
 
     quantization: the format these weights were dequantized from (FP8ExpertWeights.dequantize);
-    under a W8A8 format the reference quantizes each base GEMM's input per token, as the
-    kernels do. NONE: full-precision weights.
+    under a W8A8 format the reference quantizes each base GEMM's input per token and group,
+    as the kernels do. The default (NONE): full-precision weights.
     """
 
     w13: torch.Tensor
     w2: torch.Tensor
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
-    quantization: Quantization = Quantization.NONE
+    quantization: QuantConfig = FULL_PRECISION
 
 
 @dataclass

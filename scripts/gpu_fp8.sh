@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One GPU call: issue 26's FP8 experts (128x128 block scales, weight-only, bf16 LoRA) on the
-# Qwen3-30B-A3B and DeepSeek-V3 layers. In order, so that a call cut short keeps what
-# matters most: GPU and versions; `moelora validate --quantization fp8` (T 1..16384, +LoRA,
-# CUDA graphs, ranks 8-128, the LoRA-free path) against the reference on the dequantized
-# experts; `moelora bench --suite fp8-qwen3` and `fp8-deepseek-v3` (bf16 and FP8 rows of the same layer, T by T, the
+# One GPU call: issue 26's FP8 experts (128x128 block scales, W8A8: activations quantized per
+# token and 128-column group, bf16 LoRA) on the Qwen3-30B-A3B and DeepSeek-V3 layers. In
+# order, so that a call cut short keeps what matters most: GPU and versions; `moelora
+# validate --quantization fp8` (T 1..16384, +LoRA, CUDA graphs, ranks 8-128, the LoRA-free
+# path) against the reference (W8A8 on the dequantized experts); `moelora bench --suite fp8-qwen3` and `fp8-deepseek-v3` (bf16 and FP8 rows of the same layer, T by T, the
 # floor counting one byte per FP8 weight plus its scales; JSON rewritten after every case).
 # Logs and JSON go to $OUT (or ./out): gpu.txt, validate_fp8.log, and per layer
 # fp8_bench_{qwen3,deepseek-v3}.json + bench_{qwen3,deepseek-v3}.log.

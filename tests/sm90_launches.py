@@ -40,12 +40,12 @@ def _recorded():
 
 
 def forward_launches(
-    cfg, dtype: torch.dtype, rank: int, num_slots: int, *, bias: bool = False, fp8: bool = False
+    cfg, dtype: torch.dtype, rank: int, num_slots: int, *, bias: bool = False, fp8: str = ""
 ) -> list[tuple]:
     """[(kernel, kwargs)] of one fused_moe_lora call with `cfg`: a Qwen3-30B-A3B layer
     (H 2048, I 768, K 8) cut to 8 experts, 512 tokens (4096 pairs), LoRA on with every
-    token on slot 0 (rank 0: LoRA-free), the expert biases with `bias`, block-scaled e4m3
-    experts (128x128) with `fp8`. The compiled code
+    token on slot 0 (rank 0: LoRA-free), the expert biases with `bias`, e4m3 experts in
+    the format `fp8` names (fp8_block: 128x128 blocks; "": the serving dtype). The compiled code
     does not depend on those sizes beyond their divisibility."""
     from moelora.activations import Activation
     from moelora.backends.triton import fused_moe_lora
@@ -61,7 +61,7 @@ def forward_launches(
         from moelora.quant.formats import QuantConfig, Quantization
         from moelora.quant.fp8_experts import FP8ExpertWeights, scale_shape
 
-        quant, e4m3 = QuantConfig(Quantization.FP8_BLOCK), torch.float8_e4m3fn
+        quant, e4m3 = QuantConfig(Quantization(fp8)), torch.float8_e4m3fn
         w13, w2 = w13.to(e4m3), w2.to(e4m3)
         s13 = torch.ones(scale_shape(quant, experts, 2 * inter, hidden))
         s2 = torch.ones(scale_shape(quant, experts, hidden, inter))
@@ -95,7 +95,7 @@ def launch_source(fn, kwargs: dict):
     backend = make_backend(GPUTarget(*SM90))
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        value = kwargs[name]
+        value = kwargs[name] if name in kwargs else fn.params[i].default  # a defaulted one
         if fn.params[i].is_constexpr:
             signature[name], constexprs[name] = "constexpr", value
             continue

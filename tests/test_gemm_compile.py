@@ -30,12 +30,13 @@ BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEI
                Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, W_TMA=False, BLOCK_M=128,
                BLOCK_N=128,
                BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8, UPCAST=False, IEEE=False,
-               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128)  # fmt: skip
+               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128, X_QUANTIZED=False,
+               ACT_ROW=False)  # fmt: skip
 BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=False,
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
                  UPCAST=False, IEEE=False, PDL=False, W_FP8=False, SCALE_N=128,
-                 SCALE_K=128)  # fmt: skip
+                 SCALE_K=128, ACT_ROW=False)  # fmt: skip
 KERNELS = {"up": ("_expert_up_kernel", BASE_UP), "down": ("_expert_down_kernel", BASE_DOWN)}
 
 
@@ -47,10 +48,12 @@ class Variant(NamedTuple):
     changes: dict
     dtype: str = "bf16"
     lora: bool = True
-    fp8: bool = False  # block-scaled e4m3 experts (128x128)
+    fp8: str = ""  # e4m3 experts in this format (fp8_block: 128x128); "": the serving dtype
 
 
 NO_LORA = dict(HAS_LORA=False, BLOCK_L=1, SLOTS_PER_DOT=1)  # one (unused) slot per dot
+FP8_STEP = dict(W_FP8=True, BLOCK_K=128)  # BLOCK_K fitted to the 128x128 blocks' K side
+FP8_CHANNEL = dict(W_FP8=True, SCALE_N=1, SCALE_K=64, ACT_ROW=True)  # the picked BLOCK_K 64
 VARIANTS = {
     ("up", "default"): Variant({}, {}),
     ("up", "half-tail"): Variant(dict(half_tail=1), dict(TAIL_VARIANTS=2)),
@@ -108,16 +111,26 @@ VARIANTS = {
         dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, IEEE=True),
         dtype="fp32",
     ),
-    # block-scaled e4m3 experts: each K step's e4m3 tile converted to bf16 for the MMA
-    ("up", "fp8-block"): Variant({}, dict(W_FP8=True), fp8=True),
+    # block-scaled e4m3 experts (W8A8): a K step is one 128-column scale block, its input
+    # rows quantized in registers and multiplied on the FP8 tensor cores
+    ("up", "fp8-block"): Variant({}, FP8_STEP, fp8="fp8_block"),
     ("up", "fp8-block-half-tail-expand-first"): Variant(
         dict(half_tail=1, expand_first=True),
-        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, W_FP8=True),
-        fp8=True,
+        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, **FP8_STEP),
+        fp8="fp8_block",
     ),
-    ("down", "fp8-block"): Variant({}, dict(W_FP8=True), fp8=True),
+    ("up", "fp8-block-quantize-x"): Variant(  # x quantized before the GEMM (quant_rows)
+        dict(quantize_x=True), dict(X_QUANTIZED=True, **FP8_STEP), fp8="fp8_block"
+    ),
+    ("down", "fp8-block"): Variant({}, FP8_STEP, fp8="fp8_block"),
+    # per-channel e4m3 experts: each row's activation scale from a pass over it first
+    ("up", "fp8-channel"): Variant({}, FP8_CHANNEL, fp8="fp8_channel"),
+    ("down", "fp8-channel"): Variant({}, FP8_CHANNEL, fp8="fp8_channel"),
     ("down", "fp8-block-atomic-no-lora"): Variant(
-        dict(atomic_reduce=True), dict(ATOMIC=True, W_FP8=True, **NO_LORA), lora=False, fp8=True
+        dict(atomic_reduce=True),
+        dict(ATOMIC=True, **FP8_STEP, **NO_LORA),
+        lora=False,
+        fp8="fp8_block",
     ),
 }
 
@@ -137,13 +150,15 @@ def _compile(name: str, variant: Variant) -> dict:
     rank = RANK if variant.lora else 0
     launches = forward_launches(cfg, dtype[variant.dtype], rank, SLOTS, bias=True, fp8=variant.fp8)
     fn, kwargs = next(launch for launch in launches if launch[0].__name__ == KERNELS[name][0])
-    got = {"constexprs": {p.name: kwargs[p.name] for p in fn.params if p.is_constexpr}}
+    constexprs = {p.name: kwargs.get(p.name, p.default) for p in fn.params if p.is_constexpr}
+    got = {"constexprs": constexprs}
     try:
         ptx = compiled_launch(fn, kwargs).asm["ptx"]
     except Exception as err:  # reported, the test fails with it
         return {**got, "error": f"{type(err).__name__}: {str(err)[-600:]}"}
     reductions = FP32_REDUCTION.findall(ptx)
     got["wgmma"] = ptx.count("wgmma.mma_async")
+    got["wgmma_e4m3"] = len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx))
     got["red"], got["red_v4"] = len(reductions), reductions.count(".v4")
     return got
 
@@ -173,6 +188,18 @@ def test_gemm_variant_compiles_to_hopper_mma(compiled, key) -> None:
         assert got["wgmma"] == 0  # exact fp32 dots: no tf32 MMA
     else:
         assert got["wgmma"] > 0  # the dots became wgmma instructions
+
+
+@pytest.mark.parametrize("key", KEYS, ids=str)
+def test_fp8_variants_multiply_on_the_fp8_tensor_cores(compiled, key) -> None:
+    """W8A8: the base GEMM's dots are e4m3 x e4m3 wgmma (the quantized rows times the e4m3
+    weights), and only in the FP8 variants."""
+    got = compiled[key]
+    assert "error" not in got, got["error"]
+    if "fp8" in key:
+        assert got["wgmma_e4m3"] > 0
+    else:
+        assert got["wgmma_e4m3"] == 0
 
 
 def test_atomic_reduce_compiles_to_fp32_reductions(compiled) -> None:

@@ -1,9 +1,12 @@
 """moelora.hf.attach on an FP8 checkpoint (block-scaled e4m3 experts, as transformers and the
 published -FP8 checkpoints store them). transformers on a CPU loads the experts dequantized
-to bf16 and drops the quantization_config: attach then serves the bf16 experts it holds.
-Where the config still says FP8 but the experts were dequantized (a GPU below sm89), attach
-serves the checkpoint's e4m3 experts and scales read from its files. Either way every row
-(base and adapters) equals transformers + PEFT on the weights transformers loaded."""
+to bf16 and drops the quantization_config: attach then serves the bf16 experts it holds, and
+every row (base and adapters) equals transformers + PEFT on them. Where the config still
+says FP8 but the experts were dequantized (a GPU below sm89), attach serves the
+checkpoint's e4m3 experts and scales read from its files, W8A8 as transformers runs them on
+a GPU that keeps them: every row equals transformers + PEFT with the experts' base GEMMs
+fed quantized inputs (the LoRA part, PEFT's merged weight minus the base, the unquantized
+ones)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,48 @@ def _exact_experts(model, root) -> None:
             layer.mlp.experts.down_proj.copy_(exact.w2)
 
 
+TRUTH = "moelora_test_w8a8"  # the experts implementation of the W8A8 truth
+
+
+def _w8a8_experts(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' eager experts loop with W8A8 base GEMMs: each base GEMM input quantized
+    by the format's groups (quant.activation_quant, checked against an fp64 loop in
+    test_quant_reference), the LoRA part (PEFT's merged weight minus the base weight
+    stored in `_truth_base`) on the unquantized rows."""
+    from moelora.quant.activation_quant import base_gemm_input
+
+    quant, (w13, w2) = self._truth_quant, self._truth_base
+    out = torch.zeros_like(hidden_states)
+    for e in range(w13.shape[0]):
+        tok, pos = torch.where(top_k_index == e)
+        if tok.numel() == 0:
+            continue
+
+        def linear(v, merged, base):
+            return base_gemm_input(quant, v) @ base.t() + v @ (merged - base).t()
+
+        gate, up = linear(hidden_states[tok], self.gate_up_proj[e], w13[e]).chunk(2, dim=-1)
+        o = linear(self.act_fn(gate) * up, self.down_proj[e], w2[e])
+        out.index_add_(0, tok, o * top_k_weights[tok, pos, None])
+    return out
+
+
+def _use_w8a8_truth(model) -> None:
+    """The model's experts run _w8a8_experts on their present (base) weights."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(TRUTH, _w8a8_experts)
+    quant = from_hf(model.config.to_dict(), "hf-fp8").quantization
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts._truth_quant = quant
+        experts._truth_base = (
+            experts.gate_up_proj.detach().clone(),
+            experts.down_proj.detach().clone(),
+        )
+    model.set_experts_implementation(TRUTH)
+
+
 def _fp8_checkpoint(tmp_path, seed: int):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -65,6 +110,7 @@ def test_attach_serves_the_checkpoints_experts(tmp_path, seed, config_says_fp8):
     if config_says_fp8:  # as a GPU below sm89 keeps it
         model.config.quantization_config = dict(BLOCK_QC)
         _exact_experts(model, tmp_path / "model")
+        _use_w8a8_truth(model)
     assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float32  # dequantized
     toy.write_peft_adapter(model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
                            target_parameters=toy.expert_parameters(model),

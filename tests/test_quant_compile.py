@@ -1,4 +1,4 @@
-"""The decode GEMVs on block-scaled e4m3 rows compile for sm_90 without a GPU (the GEMM
+"""The decode GEMVs on e4m3 rows (block and per-channel scales) compile for sm_90 without a GPU (the GEMM
 kernels' FP8 variants: tests/test_gemm_compile.py). The interpreter converts e4m3 and
 returns any type from a constexpr branch; the compiler is stricter, so a kernel that
 passes every interpreted test can still fail on the GPU: this file, run as a script with
@@ -15,11 +15,15 @@ from sm90_child import run_compile_child
 E4M3_PTRS = {"w_ptr"}
 BF16_PTRS = {"x_ptr", "b_ptr", "z_ptr", "lora_b_ptr", "lora_a2_ptr", "y_ptr"}
 I32_PTRS = {"topk_ids_ptr", "slots_ptr", "ranks_ptr"}
-FP8 = dict(W_FP8=True, SCALE_N=128, SCALE_K=128)
+# the scale constexprs of each format (kernels/checks.py: fp8_scale_args)
+FORMATS = {
+    "block": dict(W_FP8=True, SCALE_N=128, SCALE_K=128, ACT_ROW=False),
+    "channel": dict(W_FP8=True, SCALE_N=1, SCALE_K=128, ACT_ROW=True),  # whole-row scales
+}
 UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, WEIGHT_INPUT=False, BLOCK_N=16,
-          BLOCK_K=128, BLOCK_R=16, EARLY=True, **FP8)  # fmt: skip
+          BLOCK_K=128, BLOCK_R=16, EARLY=True)  # fmt: skip
 DOWN = dict(HAS_BIAS=True, HAS_LORA=True, MUL_WEIGHT=True, ADD=False, BLOCK_J=8, BLOCK_N=16,
-            BLOCK_K=128, BLOCK_R=16, EARLY=True, **FP8)  # fmt: skip
+            BLOCK_K=128, BLOCK_R=16, EARLY=True)  # fmt: skip
 CASES = ["up", "down"]
 
 
@@ -55,7 +59,10 @@ def compiled() -> dict:
     return run_compile_child(__file__, timeout=600)
 
 
-@pytest.mark.parametrize("key", [f"{n}/{pdl}" for n in CASES for pdl in (False, True)])
+KEYS = [f"{n}/{f}/{pdl}" for n in CASES for f in FORMATS for pdl in (False, True)]
+
+
+@pytest.mark.parametrize("key", KEYS)
 def test_decode_gemv_on_e4m3_rows_compiles_for_sm90(compiled, key) -> None:
     got = compiled[key]
     assert "error" not in got, got["error"]
@@ -69,8 +76,9 @@ if __name__ == "__main__":
 
     kernels = {"up": (_decode_up_kernel, UP), "down": (_decode_down_kernel, DOWN)}
     out = {
-        f"{name}/{pdl}": _compile(fn, {**consts, "PDL": pdl})
+        f"{name}/{fmt}/{pdl}": _compile(fn, {**consts, **scales, "PDL": pdl})
         for name, (fn, consts) in kernels.items()
+        for fmt, scales in FORMATS.items()
         for pdl in (False, True)
     }
     out["moelora"] = os.path.abspath(moelora.__file__)

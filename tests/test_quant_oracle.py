@@ -63,7 +63,7 @@ CHANNEL = QuantConfig(Quantization.FP8_CHANNEL)
 # (id, format, device, explicit backend lacking it, the field it is refused on)
 REFUSALS = [
     ("grouped_mm_block", BLOCK, "h200", "grouped_mm", "quantization"),
-    ("triton_channel", CHANNEL, "h200", "triton", "quantization"),  # W8A8: reference only
+    ("triton_channel_sm80", CHANNEL, "a100", "triton", "device.compute_capability"),
     ("triton_block_sm80", BLOCK, "a100", "triton", "device.compute_capability"),
 ]
 
@@ -80,7 +80,8 @@ def test_explicit_backend_lacking_fp8_is_refused_naming_the_field(
 # (id, format, device, cuda graphs, the backend auto picks)
 AUTO = [
     ("block_h200_graphs", BLOCK, "h200", True, "triton"),
-    ("channel_eager", CHANNEL, "h200", False, "reference"),
+    ("channel_h200_graphs", CHANNEL, "h200", True, "triton"),
+    ("channel_a100_eager", CHANNEL, "a100", False, "reference"),  # e4m3 MMA needs sm89
     ("block_a100_eager", BLOCK, "a100", False, "reference"),  # no e4m3 conversion on sm80
 ]
 
@@ -117,14 +118,14 @@ def test_plan_reads_the_format(name, qc, flag, method, block, tmp_path, capsys) 
     plan = json.loads(capsys.readouterr().out)
     assert plan["deployment"]["quantization"] == method
     assert plan["deployment"]["quantization_block"] == block
-    assert code == 0 and plan["selected"] == ("reference" if method == "fp8_channel" else "triton")
+    assert code == 0 and plan["selected"] == "triton"  # both FP8 formats run there
 
 
 def test_plan_refuses_an_explicit_backend_and_a_bad_format(tmp_path, capsys) -> None:
     model = _model_dir(tmp_path, {"quant_method": "fp8"})
-    code = cli.main(["plan", "--model", model, "--device", "h200", "--moe-backend", "triton"])
+    code = cli.main(["plan", "--model", model, "--device", "h200", "--moe-backend", "grouped_mm"])
     out = capsys.readouterr().out
-    assert code == 3 and "quantization = fp8_channel: needs one of fp8_block, none" in out
+    assert code == 3 and "quantization = fp8_channel: needs one of none" in out
     e5m2 = _model_dir(tmp_path, {"quant_method": "fp8", "fmt": "e5m2"})
     assert cli.main(["plan", "--model", e5m2]) == 2
     assert "quantization_config.fmt" in capsys.readouterr().err
@@ -138,6 +139,7 @@ def test_fp8_is_not_reported_validated_where_no_fp8_run_was(tmp_path) -> None:
     h200 = validation_status(triton, _dep(BLOCK, "h200"))
     assert h200.validated and all("--quantization fp8" in r.result for r in h200.runs)
     assert validation_status(triton, _dep(BLOCK, "b200")).level == "not_validated"
+    assert validation_status(triton, _dep(CHANNEL, "h200")).level == "not_validated"
     assert validation_status(triton, _dep(QuantConfig(), "h200")).validated
     cpu = _dep(BLOCK, "cpu")
     cpu = dataclasses.replace(cpu, shape=dataclasses.replace(cpu.shape, dtype=torch.float32))

@@ -1,7 +1,8 @@
-"""The reference on FP8 experts against an fp64 token loop written here: block-scaled
-(weight-only) and per-channel W8A8 (each base GEMM input quantized per token), with the
-LoRA branch on the UNQUANTIZED activations; a loop that feeds LoRA the quantized ones is
-shown to be caught; slot -1 rows are bit-identical with and without adapters."""
+"""The reference on FP8 experts against an fp64 token loop written here: both formats are
+W8A8, each base GEMM input quantized per token (block-scaled: per group of the block's K
+side; per-channel: the whole row), with the LoRA branch on the UNQUANTIZED activations; a
+loop that feeds LoRA the quantized ones is shown to be caught; slot -1 rows are
+bit-identical with and without adapters."""
 
 from __future__ import annotations
 
@@ -16,23 +17,41 @@ from moelora.quant.fp8_experts import quantize_experts
 E4M3_MAX = 448.0
 
 
-def _quant_row64(v: torch.Tensor) -> torch.Tensor:
-    """One token's row through e4m3 with scale amax / 448, back in fp64."""
-    scale = v.abs().max().clamp(min=1e-12) / E4M3_MAX
-    return (v / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).double() * scale
+def _quant_row64(v: torch.Tensor, group: int | None) -> torch.Tensor:
+    """One token's row through e4m3, each group of `group` columns (None: the whole row)
+    with its own scale amax / 448 (fp32, as the format stores it), back in fp64."""
+    width = v.numel() if group is None else group
+    parts = []
+    for start in range(0, v.numel(), width):
+        g = v[start : start + width]
+        scale = (g.abs().max().float().clamp(min=1e-12) / E4M3_MAX).double()
+        parts.append(
+            (g / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).double() * scale
+        )
+    return torch.cat(parts)
 
 
-def _loop64(x, ids, wts, slots, experts, lora, w8a8: bool, lora_sees_quantized: bool = False):
+def _loop64(
+    x,
+    ids,
+    wts,
+    slots,
+    experts,
+    lora,
+    w8a8: bool,
+    group: int | None = None,
+    lora_sees_quantized: bool = False,
+):
     """y_t = sum_j g (w2 q(z) + B2 A2 z'), z = silu(gate) * up of (w13 q(x) + B13 A13 x'),
-    q = per-token e4m3 under W8A8 (identity otherwise); x' = x, z' = z unless the LoRA
-    branch is (wrongly) fed the quantized rows."""
+    q = per-token (per-group) e4m3 under W8A8 (identity otherwise); x' = x, z' = z unless
+    the LoRA branch is (wrongly) fed the quantized rows."""
     d, i = torch.float64, experts.w2.shape[2]
     y = torch.zeros(x.shape[0], x.shape[1], dtype=d)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e, g, a = int(ids[t, j]), float(wts[t, j]), int(slots[t])
             xt = x[t].to(d)
-            xq = _quant_row64(xt) if w8a8 else xt
+            xq = _quant_row64(xt, group) if w8a8 else xt
             x_lora = xq if lora_sees_quantized else xt
             h = experts.w13[e].to(d) @ xq
             if a >= 0:
@@ -43,7 +62,7 @@ def _loop64(x, ids, wts, slots, experts, lora, w8a8: bool, lora_sees_quantized: 
                     ]
                 )
             z = torch.nn.functional.silu(h[:i]) * h[i:]
-            zq = _quant_row64(z) if w8a8 else z
+            zq = _quant_row64(z, group) if w8a8 else z
             o = experts.w2[e].to(d) @ zq
             if a >= 0:
                 o = o + lora.w2_b[a, e].to(d) @ (
@@ -73,7 +92,9 @@ def _shape(h: int, i: int) -> MoEShape:
 CASES = [
     ("block_128_whole", _shape(256, 256), QuantConfig(Quantization.FP8_BLOCK), 9),
     ("block_partial", _shape(160, 96), QuantConfig(Quantization.FP8_BLOCK, (64, 128)), 7),
-    # partial blocks on both axes, a non-square block
+    # partial blocks on both axes, a non-square block: x in groups of 128 + 32, z one of 96
+    ("block_32_T1", _shape(96, 64), QuantConfig(Quantization.FP8_BLOCK, (32, 32)), 1),
+    # many groups per row (3 of x, 2 of z), one token
     ("channel_w8a8", _shape(256, 128), QuantConfig(Quantization.FP8_CHANNEL), 9),
     ("channel_T1", _shape(128, 64), QuantConfig(Quantization.FP8_CHANNEL), 1),  # one token
 ]  # fmt: skip
@@ -83,26 +104,37 @@ CASES = [
 def test_reference_equals_fp64_loop_on_dequantized_fp8(name, shape, quant, tokens, seed) -> None:
     x, ids, wts, slots, experts, lora = _inputs(shape, tokens, quant, seed)
     out = moe_lora_reference(x, ids, wts, slots, experts, lora, shape)
-    w8a8 = quant.method.quantizes_inputs
-    ref = _loop64(x, ids, wts, slots, experts, lora, w8a8)
+    group = quant.activation_group
+    ref = _loop64(x, ids, wts, slots, experts, lora, True, group)
     assert_close(out, ref, torch.float32, what=name)
-    if w8a8:  # the activation quantization is modelled: full-precision inputs are far off
-        unquantized = _loop64(x, ids, wts, slots, experts, lora, w8a8=False)
-        assert compare(out, unquantized, tol=REL_TOL[torch.float32]).rel_err > 1e-3
+    # the activation quantization is modelled: full-precision inputs are far off
+    unquantized = _loop64(x, ids, wts, slots, experts, lora, w8a8=False)
+    assert compare(out, unquantized, tol=REL_TOL[torch.float32]).rel_err > 1e-3
+    if group is not None and group < shape.hidden_size:  # and by groups, not whole rows
+        whole_rows = _loop64(x, ids, wts, slots, experts, lora, True, None)
+        assert compare(out, whole_rows, tol=REL_TOL[torch.float32]).rel_err > 1e-3
 
 
-@pytest.mark.parametrize("tokens", [9, 1], ids=["T9", "T1"])
-def test_lora_branch_fed_quantized_activations_is_caught(tokens, seed) -> None:
+# (id, format, T) - the LoRA seam under each W8A8 format
+SEAM_CASES = [
+    ("channel_T9", QuantConfig(Quantization.FP8_CHANNEL), 9),
+    ("channel_T1", QuantConfig(Quantization.FP8_CHANNEL), 1),
+    ("block_T9", QuantConfig(Quantization.FP8_BLOCK, (64, 64)), 9),  # 4 groups of x, 2 of z
+]
+
+
+@pytest.mark.parametrize("name,quant,tokens", SEAM_CASES, ids=[c[0] for c in SEAM_CASES])
+def test_lora_branch_fed_quantized_activations_is_caught(name, quant, tokens, seed) -> None:
     """vLLM #42007: feeding LoRA the quantized rows must fail against the reference."""
     shape = _shape(256, 128)
-    x, ids, wts, _, experts, lora = _inputs(
-        shape, tokens, QuantConfig(Quantization.FP8_CHANNEL), seed
-    )
+    x, ids, wts, _, experts, lora = _inputs(shape, tokens, quant, seed)
     slots = torch.zeros(tokens, dtype=torch.int32)  # every row through slot 0
     out = moe_lora_reference(x, ids, wts, slots, experts, lora, shape)
-    wrong = _loop64(x, ids, wts, slots, experts, lora, w8a8=True, lora_sees_quantized=True)
-    assert not compare(out, wrong, torch.float32).ok  # the wrong seam is visible
-    assert_close(out, _loop64(x, ids, wts, slots, experts, lora, w8a8=True), torch.float32)
+    group = quant.activation_group
+    wrong = _loop64(x, ids, wts, slots, experts, lora, True, group, lora_sees_quantized=True)
+    assert not compare(out, wrong, torch.float32).ok, name  # the wrong seam is visible
+    right = _loop64(x, ids, wts, slots, experts, lora, True, group)
+    assert_close(out, right, torch.float32, what=name)
 
 
 @pytest.mark.parametrize(

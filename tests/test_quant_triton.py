@@ -1,7 +1,10 @@
-"""The triton backend on block-scaled FP8 experts, under the interpreter on tiny shapes,
-against the reference on the dequantized experts (the FP8 row of the tolerance table);
-scale blocks small enough that every GEMM crosses several of them along N and K, with
-per-block magnitudes spread over 100x so that a scale read from the wrong block fails."""
+"""The triton backend on block-scaled FP8 experts (W8A8), under the interpreter on tiny
+shapes, against the reference on the dequantized experts, which quantizes each base GEMM
+input per token and group as the kernels must; scale blocks small enough that every GEMM
+crosses several of them along N and K, with per-block magnitudes spread over 100x so that
+a scale read from the wrong block fails; a kernel that skipped the activation quantization
+(the weight-only product) fails; the kernels' quantization equals the reference's bit for
+bit. Per-channel experts (whole-row activation scales) the same way."""
 
 from __future__ import annotations
 
@@ -9,12 +12,16 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moelora import MoEShape, random_expert_weights, random_lora_bank
 from moelora.backends.triton import BACKEND, forward_plan
 from moelora.call import MoECall
-from moelora.compare import assert_close
+from moelora.compare import assert_close, compare
 from moelora.errors import InputError
+from moelora.kernels.fp8_tiles import quantize_rows
+from moelora.quant.activation_quant import quantize_activations
 from moelora.quant.formats import QuantConfig, Quantization
 from moelora.quant.fp8_experts import quantize_experts
 from moelora.reference import reference_forward
@@ -32,92 +39,191 @@ def _spread(w: torch.Tensor, block: tuple[int, int], g: torch.Generator) -> torc
     return w * full
 
 
-def _problem(shape: MoEShape, quant: QuantConfig, tokens: int, slots: list[int], seed: int):
+def _problem(
+    shape: MoEShape, quant: QuantConfig, tokens: int, slots: list[int], seed: int,
+    weights_on_input: bool = False,
+):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     full = random_expert_weights(shape, generator=g, dtype=torch.float32)
+    # magnitudes spread per scale block, per row for per-channel scales
+    spread = quant.block if quant.method is Quantization.FP8_BLOCK else (1, 1 << 20)
     full = dataclasses.replace(
-        full, w13=_spread(full.w13, quant.block, g), w2=_spread(full.w2, quant.block, g)
+        full, w13=_spread(full.w13, spread, g), w2=_spread(full.w2, spread, g)
     )
     fp8 = quantize_experts(full, quant)
     lora = random_lora_bank(shape, 2, 16, ranks=[16, 8], generator=g)
     x = torch.randn(tokens, shape.hidden_size, generator=g).to(shape.dtype)
     wts, ids = torch.randn(tokens, shape.num_experts, generator=g).softmax(-1).topk(shape.top_k)
     token_slots = torch.tensor(slots, dtype=torch.int32)
-    return MoECall(x, ids.int(), wts.float(), token_slots, lora), fp8
+    call = MoECall(x, ids.int(), wts.float(), token_slots, lora, weights_on_input)
+    return call, fp8
 
 
-def _shape(act: str, dtype: torch.dtype, h: int = 96, i: int = 80, bias: bool = False):
-    return MoEShape(4, 2, h, i, act, has_bias=bias, dtype=dtype)
+def _shape(
+    act: str, dtype: torch.dtype, h: int = 96, i: int = 80, bias: bool = False, top_k: int = 2
+):
+    return MoEShape(4, top_k, h, i, act, has_bias=bias, dtype=dtype)
+
+
+# fp32 inputs run exact fp32 sums, and the kernels quantize exactly as the reference: what
+# is left is a GEMM input z summed in another order, whose e4m3 rounding can flip at a tie
+# (one step, 2^-4 of an element: ~3e-3 of y at these shapes). The weight-only product (no
+# activation quantization) is 2-5e-2 away, a scale from a wrong block far more.
+W8A8_FP32 = 5e-3
+
+
+def _tol(shape: MoEShape) -> float | None:
+    """fp32: W8A8_FP32; 16-bit inputs: the FP8 row of the table (None)."""
+    return W8A8_FP32 if shape.dtype == torch.float32 else None
 
 
 B32 = QuantConfig(Quantization.FP8_BLOCK, (32, 32))
-# (id, shape, format, slots per token) - which edge each covers
+CHANNEL = QuantConfig(Quantization.FP8_CHANNEL)  # whole-row activation scales over K
+# (id, shape, format, slots per token, weights_on_input) - which edge each covers
 CASES = [
-    ("silu_fp32_lora", _shape("silu", torch.float32), B32, [0, 1, -1, 0, 1]),
-    ("silu_bf16_lora", _shape("silu", torch.bfloat16), B32, [1, -1, 0, 0, 1]),
-    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), B32, [0, -1, 1]),
+    ("silu_fp32_lora", _shape("silu", torch.float32), B32, [0, 1, -1, 0, 1], False),
+    ("silu_bf16_lora", _shape("silu", torch.bfloat16), B32, [1, -1, 0, 0, 1], False),
+    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), B32, [0, -1, 1], False),
     # interleaved gate / up rows read their own scale rows; biases in the epilogue
-    ("relu2_nongated", _shape("relu2_no_mul", torch.float16), B32, [0, 1, -1, 1]),
-    ("partial_blocks", _shape("silu", torch.float32, h=72, i=40), B32, [0, -1, 1, 0, 0, 1]),
-    # H, I not multiples of the block: the last scale blocks are partial
+    ("relu2_nongated", _shape("relu2_no_mul", torch.float16), B32, [0, 1, -1, 1], False),
+    ("partial_blocks", _shape("silu", torch.float32, h=72, i=40), B32, [0, -1, 1, 0, 0, 1],
+     False),  # H, I not multiples of the block: the last groups and scale blocks are partial
     ("block_128_x_64", _shape("silu", torch.float32, h=160, i=128),
-     QuantConfig(Quantization.FP8_BLOCK, (128, 64)), [0, 1, -1]),  # BLOCK_K fitted to 64
-    ("base_only", _shape("silu", torch.float32), B32, [-1, -1, -1]),
+     QuantConfig(Quantization.FP8_BLOCK, (128, 64)), [0, 1, -1], False),  # BLOCK_K fitted to 64
+    ("weights_on_input", _shape("silu", torch.float32, bias=True, top_k=1), B32,
+     [0, -1, 1, 1], True),  # Llama-4: the reference quantizes the weighted x
+    ("base_only", _shape("silu", torch.float32), B32, [-1, -1, -1], False),
+    ("channel_fp32_lora", _shape("silu", torch.float32), CHANNEL, [0, 1, -1, 0, 1], False),
+    ("channel_bf16_partial", _shape("silu", torch.bfloat16, h=72, i=40), CHANNEL,
+     [1, -1, 0, 0], False),  # a row's scale over 72 columns: 3 K steps, the last partial
+    ("channel_swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), CHANNEL,
+     [0, -1, 1], False),
+    ("channel_weights_on_input", _shape("silu", torch.float32, top_k=1), CHANNEL,
+     [0, -1, 1, 1], True),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name,shape,quant,slots", CASES, ids=[c[0] for c in CASES])
-def test_triton_fp8_block_matches_dequantized_reference(name, shape, quant, slots, seed) -> None:
-    call, fp8 = _problem(shape, quant, len(slots), slots, seed)
+@pytest.mark.parametrize("name,shape,quant,slots,on_input", CASES, ids=[c[0] for c in CASES])
+def test_triton_fp8_block_matches_dequantized_reference(
+    name, shape, quant, slots, on_input, seed
+) -> None:
+    call, fp8 = _problem(shape, quant, len(slots), slots, seed, on_input)
     out = BACKEND.forward(call, fp8, shape)
     ref = reference_forward(call, fp8.dequantize(), shape)
-    # fp32 inputs run exact dots: the fp32 row proves the scale indexing; others the FP8 row
-    tol = 1e-5 if shape.dtype == torch.float32 else None
-    assert_close(out, ref, FP8, tol=tol, what=name)
+    assert_close(out, ref, FP8, tol=_tol(shape), what=name)
 
 
-def test_fp8_plan_has_no_tma_and_steps_inside_a_block(seed) -> None:
+# (id, format, decode path) - both paths must quantize the GEMM inputs, by the format's groups
+SKIP_CASES = [
+    ("block_aligned", B32, False),
+    ("block_decode", B32, True),
+    ("channel_aligned", CHANNEL, False),
+    ("channel_decode", CHANNEL, True),
+]
+
+
+@pytest.mark.parametrize("name,quant,decode", SKIP_CASES, ids=[c[0] for c in SKIP_CASES])
+def test_kernels_that_skipped_the_activation_quantization_would_fail(
+    name, quant, decode, seed
+) -> None:
+    """The weight-only product (e4m3 weights, full-precision inputs: what these kernels
+    computed before W8A8) is far outside the tolerance the kernels meet; so is, for
+    per-channel scales, quantizing by 32-column groups instead of whole rows."""
+    from moelora.backends.triton import fused_moe_lora
+
+    shape = _shape("silu", torch.float32)
+    call, fp8 = _problem(shape, quant, 6, [0, 1, -1, 0, 1, -1], seed)
+    out = fused_moe_lora(call, fp8, shape, config=DECODE if decode else None)
+    dequantized = fp8.dequantize()
+    assert_close(out, reference_forward(call, dequantized, shape), FP8, tol=W8A8_FP32, what=name)
+    wrong = [QuantConfig()] + ([B32] if quant is CHANNEL else [])
+    for other in wrong:
+        ref = reference_forward(call, dataclasses.replace(dequantized, quantization=other), shape)
+        skipped = compare(out, ref, tol=W8A8_FP32)
+        assert skipped.rel_err > 2 * W8A8_FP32, (other, skipped)
+
+
+# (id, format, decode path) - the gate/up LoRA seam on each path
+SEAM_CASES = [
+    ("block_aligned", B32, False),
+    ("block_decode", B32, True),
+    ("channel_aligned", CHANNEL, False),
+]
+
+
+@pytest.mark.parametrize("name,quant,decode", SEAM_CASES, ids=[c[0] for c in SEAM_CASES])
+def test_lora_branch_reads_the_unquantized_x(name, quant, decode, seed) -> None:
+    """vLLM #42007 in the kernels: with LoRA B factors 30x larger the delta dominates, so
+    a kernel whose gate/up LoRA read the quantized x would match the reference run on
+    x = q(x) (its base GEMM sees the same q(x): quantizing grid values again is exact)
+    and miss the true one."""
+    from moelora.backends.triton import fused_moe_lora
+    from moelora.quant.activation_quant import base_gemm_input
+
+    shape = _shape("silu", torch.float32)
+    call, fp8 = _problem(shape, quant, 5, [0, 1, 0, 1, 0], seed)
+    lora = dataclasses.replace(call.lora, w13_b=call.lora.w13_b * 30, w2_b=call.lora.w2_b * 30)
+    call = dataclasses.replace(call, lora=lora)
+    out = fused_moe_lora(call, fp8, shape, config=DECODE if decode else None)
+    dequantized = fp8.dequantize()
+    assert_close(out, reference_forward(call, dequantized, shape), FP8, tol=W8A8_FP32, what=name)
+    quantized_x = dataclasses.replace(call, x=base_gemm_input(quant, call.x.float()))
+    wrong = compare(out, reference_forward(quantized_x, dequantized, shape), tol=W8A8_FP32)
+    assert wrong.rel_err > 2 * W8A8_FP32, wrong
+
+
+@pytest.mark.parametrize("block_k", [128, 16], ids=["wider", "narrower"])
+def test_fp8_plan_has_no_tma_and_steps_one_block(block_k, seed) -> None:
     shape = _shape("silu", torch.bfloat16)
     call, fp8 = _problem(shape, B32, 1, [0], seed)
-    tiles = GemmTiles(block_n=64, block_k=128)
-    cfg = TileConfig(16, tiles, tiles, decode=True, up_tma=True, down_tma=True)
-    plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=cfg)
-    assert plan.decode and not plan.up.tma and not plan.down.tma
-    assert plan.up.tiles.block_k == 32 and plan.down.tiles.block_k == 32
+    tiles = GemmTiles(block_n=64, block_k=block_k)
+    for decode in (False, True):
+        cfg = TileConfig(16, tiles, tiles, decode=decode, up_tma=True, down_tma=True)
+        plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=cfg)
+        assert plan.decode == decode and not plan.up.tma and not plan.down.tma
+        assert plan.up.tiles.block_k == 32 and plan.down.tiles.block_k == 32
+
+
+# (id, block) - K sides the K loop cannot step by
+REFUSED_BLOCKS = [("k16", (32, 16)), ("k48", (32, 48)), ("k512", (128, 512))]
+
+
+@pytest.mark.parametrize("name,block", REFUSED_BLOCKS, ids=[c[0] for c in REFUSED_BLOCKS])
+def test_scale_block_the_kernels_cannot_step_by_is_refused(name, block) -> None:
+    from moelora.errors import ConfigError
+    from moelora.tiling.quantized import fit_to_fp8
+
+    tiles = GemmTiles(64, 64)
+    with pytest.raises(ConfigError) as err:
+        fit_to_fp8(TileConfig(16, tiles, tiles), QuantConfig(Quantization.FP8_BLOCK, block))
+    assert err.value.key == "quantization_config.weight_block_size"
+    assert err.value.value == list(block) and "re-quantize" in str(err.value)
 
 
 DECODE = TileConfig(16, GemmTiles(16, 32), GemmTiles(16, 32), decode=True)
-# (id, shape, slots, early loads) - the decode GEMVs on FP8 rows
+# (id, shape, format, slots, early loads) - the decode GEMVs on FP8 rows
 DECODE_CASES = [
-    ("silu_lora", _shape("silu", torch.float32), [0, -1, 1], False),
-    ("silu_early", _shape("silu", torch.float32), [1, 0], True),  # the first step loaded early
-    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), [0, -1], False),
-    ("relu2_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), [-1, 1, 0], True),
+    ("silu_lora", _shape("silu", torch.float32), B32, [0, -1, 1], False),
+    ("silu_early", _shape("silu", torch.float32), B32, [1, 0], True),  # first step loaded early
+    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), B32, [0, -1], False),
+    ("relu2_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), B32, [-1, 1, 0], True),
+    ("channel_early", _shape("silu", torch.float32), CHANNEL, [1, -1, 0], True),
+    ("channel_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), CHANNEL, [0, 1],
+     False),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name,shape,slots,early", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
-def test_decode_path_on_fp8_rows(name, shape, slots, early, seed) -> None:
+@pytest.mark.parametrize(
+    "name,shape,quant,slots,early", DECODE_CASES, ids=[c[0] for c in DECODE_CASES]
+)
+def test_decode_path_on_fp8_rows(name, shape, quant, slots, early, seed) -> None:
     from moelora.backends.triton import fused_moe_lora
 
-    call, fp8 = _problem(shape, B32, len(slots), slots, seed)
+    call, fp8 = _problem(shape, quant, len(slots), slots, seed)
     cfg = dataclasses.replace(DECODE, pdl=early)
     out = fused_moe_lora(call, fp8, shape, config=cfg)
     ref = reference_forward(call, fp8.dequantize(), shape)
-    assert_close(out, ref, FP8, tol=1e-5, what=name)
-
-
-def test_triton_refuses_per_channel_fp8(seed) -> None:
-    shape = _shape("silu", torch.float32)
-    call, _ = _problem(shape, B32, 2, [0, 1], seed)
-    g = torch.Generator().manual_seed(seed)
-    channel = quantize_experts(
-        random_expert_weights(shape, generator=g, dtype=torch.float32),
-        QuantConfig(Quantization.FP8_CHANNEL),
-    )
-    with pytest.raises(InputError) as err:
-        BACKEND.forward(call, channel, shape)
-    assert "fp8_channel" in str(err.value)
+    assert_close(out, ref, FP8, tol=_tol(shape), what=name)
 
 
 def _layer(shape: MoEShape, quant: QuantConfig):
@@ -138,12 +244,13 @@ def _layer(shape: MoEShape, quant: QuantConfig):
     return lambda experts: MoELoRALayer(dep, experts)
 
 
-def test_layer_runs_fp8_experts_and_base_rows_ignore_loaded_adapters(seed) -> None:
+@pytest.mark.parametrize("quant", [B32, CHANNEL], ids=["block", "channel"])
+def test_layer_runs_fp8_experts_and_base_rows_ignore_loaded_adapters(quant, seed) -> None:
     """vLLM #42008: base rows must not move when adapters are loaded. The same bank shape
     and tile rank, empty (rank 0) or loaded: slot -1 rows bit-identical."""
     shape = _shape("silu", torch.float32)
-    call, fp8 = _problem(shape, B32, 6, [0, -1, 1, -1, 0, -1], seed)
-    layer = _layer(shape, B32)(fp8)
+    call, fp8 = _problem(shape, quant, 6, [0, -1, 1, -1, 0, -1], seed)
+    layer = _layer(shape, quant)(fp8)
     loaded = layer.forward(call.x, call.topk_ids, call.topk_weights, call.token_slots, call.lora)
     empty = dataclasses.replace(
         call.lora, ranks=torch.zeros(2, dtype=torch.int32), tile_rank=call.lora.tile_rank
@@ -152,7 +259,7 @@ def test_layer_runs_fp8_experts_and_base_rows_ignore_loaded_adapters(seed) -> No
     base = call.token_slots < 0
     assert torch.equal(loaded[base], unloaded[base])
     ref = reference_forward(call, fp8.dequantize(), shape)
-    assert_close(loaded, ref, FP8, tol=1e-5, what="layer")
+    assert_close(loaded, ref, FP8, tol=W8A8_FP32, what="layer")
     assert not torch.equal(loaded[~base], unloaded[~base])  # the adapters did act
 
 
@@ -165,3 +272,139 @@ def test_layer_refuses_experts_not_in_its_format(seed) -> None:
     other_block = QuantConfig(Quantization.FP8_BLOCK, (64, 64))
     with pytest.raises(InputError):
         _layer(shape, other_block)(fp8)  # scales of another block size
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, COLS: tl.constexpr, GROUP: tl.constexpr):
+    """Row program_id(0)'s group program_id(1) through fp8_tiles.quantize_rows."""
+    offs_m = tl.program_id(0) + tl.zeros([1], tl.int32)
+    offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    q, s = quantize_rows(tl.load(x_ptr + offs_m[:, None] * COLS + offs_k[None, :]))
+    tl.store(q_ptr + offs_m[:, None] * COLS + offs_k[None, :], q)
+    tl.store(s_ptr + offs_m[:, None] * (COLS // GROUP) + tl.program_id(1), s)
+
+
+H200_SHARED = 232448  # bytes of shared memory per block on an H200 (sm_90)
+# (id, BLOCK_M, up tiles, down tiles, expected stages up / down) - the FP8 pipeline refit;
+# the bytes were measured in Triton's sm_90 compiles (fp8_pipeline_bytes)
+STAGE_CASES = [
+    ("bm128_4_stages_too_many", 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), 3, 3),
+    ("bm64_4_stages_fit", 64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4), 4, 4),
+]  # fmt: skip
+
+
+def test_quantize_x_pipeline_keeps_its_stages() -> None:
+    """x quantized before the GEMM: e4m3 x tiles, 4 stages of the BLOCK_M 128 tiles fit
+    (196608 bytes in the sm_90 compile, which fp8_pipeline_bytes models)."""
+    from moelora.tiling.quantized import fit_to_fp8, fp8_pipeline_bytes
+
+    cfg = TileConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), quantize_x=True)
+    fitted = fit_to_fp8(cfg, QuantConfig(Quantization.FP8_BLOCK), shared_memory=H200_SHARED)
+    assert fitted.up.num_stages == 4 and fitted.down.num_stages == 3
+    assert fp8_pipeline_bytes(128, fitted.up, 2, 2, quantized_x=True) == 196608
+
+
+@pytest.mark.parametrize(
+    "name,block_m,up,down,up_stages,down_stages", STAGE_CASES, ids=[c[0] for c in STAGE_CASES]
+)
+def test_fp8_pipeline_is_refitted_to_shared_memory(
+    name, block_m, up, down, up_stages, down_stages
+) -> None:
+    from moelora.tiling.quantized import fit_to_fp8, fp8_pipeline_bytes
+
+    quant = QuantConfig(Quantization.FP8_BLOCK)
+    cfg = TileConfig(block_m, up, down)
+    fitted = fit_to_fp8(cfg, quant, parts=2, x_elem=2, shared_memory=H200_SHARED)
+    assert (fitted.up.num_stages, fitted.down.num_stages) == (up_stages, down_stages), name
+    assert fp8_pipeline_bytes(block_m, fitted.up, 2, 2) < H200_SHARED
+    assert fit_to_fp8(cfg, quant).up.num_stages == up.num_stages  # no GPU: no refit
+
+
+def _rows_with_ties(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """x [rows, cols] fp32: random rows over 6 decades, one of them with amax 448 (scale 1)
+    holding the midpoints between e4m3 neighbours (ties, subnormal ones too), one of zeros."""
+    x = torch.randn(rows, cols, generator=g) * 10 ** (torch.rand(rows, 1, generator=g) * 6 - 3)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0..448
+    ties = (grid[:-1] + grid[1:]) / 2
+    pick = ties[torch.randint(0, ties.numel(), (cols,), generator=g)]
+    x[0] = pick * torch.where(torch.rand(cols, generator=g) < 0.5, -1.0, 1.0)
+    x[0, 0] = 448.0
+    x[1] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_quantization_equals_the_reference_bit_for_bit(dtype, seed) -> None:
+    """fp8_tiles.quantize_rows (every FP8 kernel's quantization) against
+    quant.activation_quant: the same e4m3 bits and fp32 scales, ties and zeros included
+    (the interpreter's own e4m3 conversion would fail this: fp8_tiles.E4M3_BY_GRID)."""
+    rows, cols, group = 6, 128, 32
+    x = _rows_with_ties(rows, cols, torch.Generator().manual_seed(seed)).to(dtype)
+    q = torch.empty(rows, cols, dtype=FP8)
+    s = torch.empty(rows, cols // group)
+    _quantize_kernel[(rows, cols // group)](x, q, s, COLS=cols, GROUP=group)
+    q_ref, s_ref = quantize_activations(x, group)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+# (id, rows, columns, group) - quant_rows' edges
+QUANT_ROWS_CASES = [
+    ("partial_group_and_block", 37, 72, 32),  # 72 = 2 groups + 8 columns; 37 rows: 2 programs
+    ("one_group_128", 5, 128, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "name,rows,cols,group", QUANT_ROWS_CASES, ids=[c[0] for c in QUANT_ROWS_CASES]
+)
+def test_quant_rows_equals_the_reference_bit_for_bit(name, rows, cols, group, dtype, seed) -> None:
+    from moelora.kernels.quant_rows import quant_rows
+
+    x = _rows_with_ties(rows, cols, torch.Generator().manual_seed(seed)).to(dtype)
+    q, s = quant_rows(x, group)
+    q_ref, s_ref = quantize_activations(x, group)
+    assert torch.equal(s, s_ref), name
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), name
+
+
+QUANTIZE_X = TileConfig(16, GemmTiles(32, 32), GemmTiles(32, 32), quantize_x=True)
+# (id, shape, slots, weights_on_input) - the up GEMM reading x quantized before it
+QUANTIZE_X_CASES = [
+    ("silu_lora", _shape("silu", torch.float32), [0, 1, -1, 0, 1], False),
+    ("bf16_partial", _shape("silu", torch.bfloat16, h=72, i=40), [1, -1, 0], False),
+    ("weights_on_input", _shape("silu", torch.float32, top_k=1), [0, -1, 1], True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,shape,slots,on_input", QUANTIZE_X_CASES, ids=[c[0] for c in QUANTIZE_X_CASES]
+)
+def test_x_quantized_before_the_gemm_gives_the_same_products(
+    name, shape, slots, on_input, seed
+) -> None:
+    """TileConfig.quantize_x: the reference's result, and bit for bit the in-GEMM
+    quantization's (the same e4m3 values and scales, stored in between)."""
+    from moelora.backends.triton import fused_moe_lora
+
+    call, fp8 = _problem(shape, B32, len(slots), slots, seed, on_input)
+    plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=QUANTIZE_X)
+    assert plan.quantize_x
+    out = fused_moe_lora(call, fp8, shape, config=QUANTIZE_X)
+    ref = reference_forward(call, fp8.dequantize(), shape)
+    assert_close(out, ref, FP8, tol=_tol(shape), what=name)
+    in_gemm = dataclasses.replace(QUANTIZE_X, quantize_x=False)
+    assert torch.equal(out, fused_moe_lora(call, fp8, shape, config=in_gemm)), name
+
+
+def test_quantize_x_is_off_for_serving_dtype_and_per_channel_experts(seed) -> None:
+    """x quantized before the GEMM has the block's groups: neither serving-dtype experts
+    nor per-channel ones (a whole-row scale) take it."""
+    shape = _shape("silu", torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    experts = random_expert_weights(shape, generator=g, dtype=torch.float32)
+    call, channel = _problem(shape, CHANNEL, 2, [0, -1], seed)
+    for weights in (experts, channel):
+        plan = forward_plan(call.x, call.topk_ids, weights, call.lora, shape, config=QUANTIZE_X)
+        assert not plan.quantize_x

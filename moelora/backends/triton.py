@@ -10,6 +10,8 @@ reason about it) on hosts without the triton package.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -25,7 +27,7 @@ from ..tiling.config import TileConfig
 from ..tiling.fit import fit_to_device
 from ..tiling.pick import pick_config
 from ..tiling.plan import ForwardPlan, plan_forward
-from ..tiling.quantized import fit_to_fp8_blocks
+from ..tiling.quantized import fit_to_fp8
 from ..weights import ExpertWeights, LoRABank
 from .capabilities import (
     ALL_ACTIVATIONS,
@@ -63,10 +65,11 @@ VALIDATED_ON = (
                "h200_13bc0fd_fp8_validate.log in benchmarks/results/h200_validate.txt",
                frozenset({Quantization.FP8_BLOCK})),
     Validation("cpu", "cpu", None, frozenset({torch.float16, torch.float32}), "every commit",
-               "the test suite under TRITON_INTERPRET=1 against the reference (FP8 block "
-               "experts: against the reference on their dequantization)",
+               "the test suite under TRITON_INTERPRET=1 against the reference (FP8 "
+               "experts, block and per-channel: against the reference on their "
+               "dequantization)",
                "tests/test_kernels.py, tests/test_parallel.py, tests/test_quant_triton.py",
-               frozenset({Quantization.NONE, Quantization.FP8_BLOCK})),
+               frozenset(Quantization)),
 )  # fmt: skip
 
 
@@ -83,11 +86,17 @@ CAPABILITIES = Capabilities(
     # Routing happens before the backend; weights_on_input (Llama-4) is fused in the up GEMM.
     routing_methods=ALL_ROUTING,
     expert_bias=True,
-    # Block-scaled e4m3 experts (weight-only): the GEMMs and the decode GEMVs load e4m3
-    # tiles, convert them exactly and scale each K step's sum by its block scales (e4m3
-    # conversions need sm89+); the LoRA seams are the bf16 ones. Per-channel W8A8
-    # (run-time activation quantization) is not implemented here: the reference has it.
-    quantizations={Quantization.NONE: None, Quantization.FP8_BLOCK: (8, 9)},
+    # e4m3 experts, W8A8: each K step of the GEMMs quantizes its input rows per token in
+    # registers and runs an FP8 dot (e4m3 MMA: sm89+), scaled by both sides' scales; the
+    # decode GEMVs compute the same products in fp32. Block scales: a step is one
+    # activation group (the block's K side). Per-channel scales: each row's activation
+    # scale spans all of K, from a pass over the row before the K loop. The LoRA seams are
+    # the bf16 ones (unquantized x and z).
+    quantizations={
+        Quantization.NONE: None,
+        Quantization.FP8_BLOCK: (8, 9),
+        Quantization.FP8_CHANNEL: (8, 9),
+    },
     # The kernels run whatever shard they are given: TP = I_p-sized w13/w2 shards and a
     # partial y (the caller all-reduces); EP = local experts, ids outside [0, E_l) dropped.
     parallel_modes=frozenset(ParallelMode),
@@ -135,9 +144,8 @@ def _check_inputs(call: MoECall, experts: Experts) -> None:
         isinstance(experts, FP8ExpertWeights)
         and experts.quant.method not in CAPABILITIES.quantizations
     ):
-        raise InputError(
-            "experts", f"{experts.quant.method.value} FP8 experts", "block-scaled FP8 (fp8_block)"
-        )
+        names = ", ".join(q.value for q in CAPABILITIES.quantizations)
+        raise InputError("experts", f"{experts.quant.method.value} FP8 experts", f"one of {names}")
     x = call.x
     if x.device.type == "cpu" and not triton_interpreted():
         raise InputError(
@@ -209,7 +217,15 @@ def forward_plan(
             picked, shape.activation.width_factor, x.dtype, limits, rank=rank, num_slots=slots
         )
     if isinstance(experts, FP8ExpertWeights):  # a correctness fit: explicit configs too
-        cfg = fit_to_fp8_blocks(cfg, experts.quant.block)
+        cfg = fit_to_fp8(
+            cfg,
+            experts.quant,
+            parts=shape.activation.width_factor,
+            x_elem=x.dtype.itemsize,
+            shared_memory=limits.shared_memory if limits is not None else None,
+        )
+    elif cfg.quantize_x:  # a knob of FP8 experts: serving-dtype x is not quantized
+        cfg = dataclasses.replace(cfg, quantize_x=False)
     return plan_forward(
         cfg,
         lora=use_lora,

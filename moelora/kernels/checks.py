@@ -51,17 +51,42 @@ def check_dtype_match(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
 def check_fp8_weight(
     name: str, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], block_k: int
 ) -> None:
-    """An e4m3 weight [E, N, K] with block scales [E, ceil(N / bn), ceil(K / bk)] whose K
-    blocks each hold whole BLOCK_K steps (the K loop reads one scale per step)."""
+    """An e4m3 weight [E, N, K] with block scales [E, ceil(N / bn), ceil(K / bk)], its K
+    loop one step per K block (W8A8: a step quantizes one activation group, bk columns), or
+    with per-channel scales [E, N] (any step)."""
     if scale is None:
-        raise InputError(f"{name} scale", None, f"the block scales of the e4m3 {name}")
+        raise InputError(f"{name} scale", None, f"the scales of the e4m3 {name}")
     e, n, k = w.shape
     bn, bk = block
-    check_shape(f"{name} scale", scale, (e, -(-n // bn), -(-k // bk)))
+    if scale.dim() == 2:
+        check_shape(f"{name} scale", scale, (e, n))
+    else:
+        check_shape(f"{name} scale", scale, (e, -(-n // bn), -(-k // bk)))
     if scale.dtype != torch.float32 or scale.device != w.device:
         raise InputError(f"{name} scale", f"{scale.dtype} on {scale.device}", f"fp32 on {w.device}")
-    if bk % block_k:
-        raise InputError("BLOCK_K", block_k, f"a divisor of the scale block's K side {bk}")
+    if scale.dim() == 3 and block_k != bk:
+        raise InputError(
+            "BLOCK_K", block_k, f"the scale block's K side {bk} (tiling/quantized.py fits it)"
+        )
+
+
+def fp8_scale_args(
+    w_scale: torch.Tensor | None, scale_block: tuple[int, int], block_k: int, dummy: torch.Tensor
+) -> dict:
+    """A weight GEMM / GEMV kernel's scale arguments: e4m3 weights with block scales
+    [E, nb, kb] (FP8_BLOCK: activation groups of a K step), per-channel scales [E, N]
+    (FP8_CHANNEL: one scale per row, whole-row activation scales, ACT_ROW), or none
+    (serving-dtype weights: the block's defaults, never read)."""
+    if w_scale is None:
+        return dict(ws_ptr=dummy, stride_se=0, stride_sn=0, stride_sk=0, W_FP8=False,
+                    SCALE_N=scale_block[0], SCALE_K=scale_block[1])  # fmt: skip
+    if w_scale.dim() == 2:  # the step's scale index k0 // SCALE_K meets a zero stride
+        return dict(ws_ptr=w_scale, stride_se=w_scale.stride(0), stride_sn=w_scale.stride(1),
+                    stride_sk=0, W_FP8=True, SCALE_N=1, SCALE_K=block_k,
+                    ACT_ROW=True)  # fmt: skip
+    return dict(ws_ptr=w_scale, stride_se=w_scale.stride(0), stride_sn=w_scale.stride(1),
+                stride_sk=w_scale.stride(2), W_FP8=True, SCALE_N=scale_block[0],
+                SCALE_K=scale_block[1])  # fmt: skip
 
 
 def check_weight_dtype(name: str, w: torch.Tensor, x: torch.Tensor, fp8: bool) -> None:

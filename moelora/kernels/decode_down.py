@@ -29,11 +29,12 @@ from .checks import (
     check_fp8_weight,
     check_shape,
     check_weight_dtype,
+    fp8_scale_args,
     workspace,
 )
+from .fp8_tiles import block_scaled, gemv_operand, row_scales
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scaled
 
 MAX_TILE = 16384  # elements of a step's [K, BLOCK_N, BLOCK_K] tile (see decode_down)
 
@@ -90,6 +91,7 @@ def _decode_down_kernel(
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
+    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel scales, whole-row z scales
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -108,7 +110,8 @@ def _decode_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
         + offs_k[None, None, :] * stride_wk
     )
-    # W_FP8: e4m3 rows; each K step (inside one scale block) times its rows' block scales
+    # W_FP8 (W8A8): e4m3 rows; each K step (one scale block along K) quantizes each pair's
+    # z group and scales the row sums by the group's scale and the rows' block scales
     s_ptrs = (
         ws_ptr
         + expert[:, None] * stride_se
@@ -143,19 +146,24 @@ def _decode_down_kernel(
             other=0.0,
         )
     z_ptrs = z_ptr + pair[:, None] * stride_zm + offs_k[None, :] * stride_zk
+    sa_row = 1.0  # ACT_ROW: the row's scale over all of its columns, from a pass before
+    if ACT_ROW:
+        sa_row = row_scales(z_ptrs, live[:, None], inter_size, stride_zk, offs_k)
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     if EARLY:  # the first step, from the tile loaded early (the loop starts at the second)
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        zt, sa = gemv_operand(zt, sa_row, W_FP8, ACT_ROW)
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
-        acc += block_scaled(d, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
+        acc += block_scaled(d, sa, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
         zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        zt, sa = gemv_operand(zt, sa_row, W_FP8, ACT_ROW)
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
-        acc += block_scaled(d, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
+        acc += block_scaled(d, sa, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:  # zeros when the token has no adapter
@@ -198,7 +206,8 @@ def decode_down(
     scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """z [P, I] (decode_up), w2 [E, H, I] (z's dtype, or e4m3 with w_scale: fp32 block
-    scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk]), b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
+    scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk], or per-channel
+    [E, H]; then W8A8 as decode_up: a step of bk columns, or whole-row scales per pair), b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
     lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R); topk_weights [T, K]
     (None: applied to the input). Returns y [T, H] in z's dtype (into
@@ -232,6 +241,8 @@ def decode_down(
     # a step's tile is [K, BLOCK_N, BLOCK_K] fp32 in registers: large top-k (K > 8) gets a
     # narrower K step so the tile stays at the 8 x 16 x 128 elements tried for K = 8
     block_k = max(16, min(tiles.block_k, MAX_TILE // (block_j * block_n)))
+    if fp8 and w_scale.dim() == 3:  # W8A8: a step is one activation group (the block's K)
+        block_k = scale_block[1]
     if fp8:
         check_fp8_weight("w2", w2, w_scale, scale_block, block_k)
     dummy = z  # never read: its constexpr flag is off
@@ -239,7 +250,6 @@ def decode_down(
     _decode_down_kernel[grid](
         z_ptr=z,
         w_ptr=w2,
-        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b2 if b2 is not None else dummy,
         y_ptr=out,
         topk_ids_ptr=topk_ids,
@@ -261,9 +271,6 @@ def decode_down(
         stride_we=w2.stride(0),
         stride_wn=w2.stride(1),
         stride_wk=w2.stride(2),
-        stride_se=w_scale.stride(0) if fp8 else 0,
-        stride_sn=w_scale.stride(1) if fp8 else 0,
-        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b2.stride(0) if b2 is not None else 0,
         stride_bn=b2.stride(1) if b2 is not None else 0,
         stride_ym=out.stride(0),
@@ -278,9 +285,6 @@ def decode_down(
         HAS_LORA=has_lora,
         MUL_WEIGHT=topk_weights is not None,
         ADD=add,
-        W_FP8=fp8,
-        SCALE_N=scale_block[0],
-        SCALE_K=scale_block[1],
         BLOCK_J=block_j,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -290,5 +294,6 @@ def decode_down(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         launch_pdl=pdl and chained,
+        **fp8_scale_args(w_scale, scale_block, block_k, dummy),
     )
     return out

@@ -33,11 +33,12 @@ from .checks import (
     check_fp8_weight,
     check_shape,
     check_weight_dtype,
+    fp8_scale_args,
     workspace,
 )
+from .fp8_tiles import block_scaled, gemv_operand, row_scales
 from .pdl import chain_point
 from .ranks import slot_ranks
-from .tiles import block_scaled
 
 
 @triton.jit
@@ -112,6 +113,7 @@ def _decode_up_kernel(
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
+    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel scales, whole-row x scales
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -130,7 +132,8 @@ def _decode_up_kernel(
     w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
     wg_ptrs = w_base + gate_rows[:, None] * stride_wn
     wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
-    # W_FP8: e4m3 rows; each K step (inside one scale block) times its rows' block scales
+    # W_FP8 (W8A8): e4m3 rows; each K step (one scale block along K) quantizes the x group
+    # and scales its row sums by the group's scale and the rows' block scales
     sg_ptrs = ws_ptr + expert * stride_se + (gate_rows // SCALE_N) * stride_sn
     su_ptrs = ws_ptr + expert * stride_se + ((gate_rows + up_offset) // SCALE_N) * stride_sn
     if EARLY:  # the first K step's weight tiles, loaded before the chain point: they stream
@@ -172,26 +175,31 @@ def _decode_up_kernel(
         )
         a2 = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
     x_ptrs = x_ptr + token * stride_xm + offs_k * stride_xk
+    sa_row = 1.0  # ACT_ROW: the row's scale over all of its columns, from a pass before
+    if ACT_ROW:
+        sa_row = row_scales(x_ptrs, offs_k >= 0, hidden, stride_xk, offs_k)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if EARLY:  # the first step, from the tiles loaded early (the loop starts at the second)
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        xv, sa = gemv_operand(xv, sa_row, W_FP8, ACT_ROW)
         d_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
-        acc_g += block_scaled(d_g, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
+        acc_g += block_scaled(d_g, sa, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
             d_u = tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
-            acc_u += block_scaled(d_u, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
+            acc_u += block_scaled(d_u, sa, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
         xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        xv, sa = gemv_operand(xv, sa_row, W_FP8, ACT_ROW)
         d_g = _rows_dot(wg_ptrs, xv, k_ok[None, :])
-        acc_g += block_scaled(d_g, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
+        acc_g += block_scaled(d_g, sa, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
             d_u = _rows_dot(wu_ptrs, xv, k_ok[None, :])
-            acc_u += block_scaled(d_u, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
+            acc_u += block_scaled(d_u, sa, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -244,7 +252,9 @@ def decode_up(
     scale_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
-    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
+    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk], or per-channel [E, S*I];
+    then W8A8 as the GEMMs quantize: each step's x group (BLOCK_K == bk), or the row by its
+    whole-row scale; products summed in fp32), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
     added; lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R): the LoRA terms stop
@@ -284,7 +294,6 @@ def decode_up(
     _decode_up_kernel[grid](
         x_ptr=x,
         w_ptr=w13,
-        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b13 if b13 is not None else dummy,
         z_ptr=z,
         topk_ids_ptr=topk_ids,
@@ -311,9 +320,6 @@ def decode_up(
         stride_we=w13.stride(0),
         stride_wn=w13.stride(1),
         stride_wk=w13.stride(2),
-        stride_se=w_scale.stride(0) if fp8 else 0,
-        stride_sn=w_scale.stride(1) if fp8 else 0,
-        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b13.stride(0) if b13 is not None else 0,
         stride_bn=b13.stride(1) if b13 is not None else 0,
         stride_zm=z.stride(0),
@@ -337,9 +343,6 @@ def decode_up(
         HAS_BIAS=b13 is not None,
         HAS_LORA=has_lora,
         WEIGHT_INPUT=topk_weights is not None,
-        W_FP8=fp8,
-        SCALE_N=scale_block[0],
-        SCALE_K=scale_block[1],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=max(16, triton.next_power_of_2(max(rank, z_rank))),
@@ -348,5 +351,6 @@ def decode_up(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         launch_pdl=pdl and chained,
+        **fp8_scale_args(w_scale, scale_block, block_k, dummy),
     )
     return z

@@ -26,16 +26,17 @@ from .checks import (
     check_fp8_weight,
     check_shape,
     check_weight_dtype,
+    fp8_scale_args,
     precision_flags,
     tma_tiles_ok,
     workspace,
 )
+from .fp8_tiles import fp8_mma, row_scales, step_operand
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
     add_delta,
     block_rows,
-    fp8_mma,
     grouped_pid,
     lora_expand,
     mma,
@@ -114,6 +115,7 @@ def _expert_down_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel w2 scales, whole-row z scales
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
@@ -151,6 +153,9 @@ def _expert_down_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             z_row = z_rows(row0, pair, BLOCK_M >> v, Z_SORTED)
             z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
+            sa_row = 1.0  # ACT_ROW: each row's scale over all of I, from a pass before the loop
+            if ACT_ROW:
+                sa_row = row_scales(z_ptrs, row_valid[:, None], inter_size, stride_zk, offs_k)
             w_ptrs = (
                 w_ptr
                 + expert * stride_we
@@ -179,18 +184,19 @@ def _expert_down_kernel(
                             w = tl.load(
                                 w_ptrs, mask=((k0 + offs_k) < inter_size)[:, None], other=0.0
                             )
-                        if UPCAST:
-                            zt = zt.to(tl.float32)
-                            w = w.to(tl.float32)
-                        if W_FP8:  # e4m3 tiles, each K step inside one scale block
+                        if W_FP8:  # W8A8: each z row's group quantized, an FP8 dot
                             s_ptrs = (
                                 ws_ptr
                                 + expert * stride_se
                                 + (k0 // SCALE_K) * stride_sk
                                 + (tl.where(n_mask, offs_n, 0) // SCALE_N) * stride_sn
                             )
-                            acc = fp8_mma(zt, w, acc, s_ptrs, n_mask, IEEE)
+                            a8, sa = step_operand(zt, sa_row, ACT_ROW)
+                            acc = fp8_mma(a8, sa, w, acc, s_ptrs, n_mask)
                         else:
+                            if UPCAST:
+                                zt = zt.to(tl.float32)
+                                w = w.to(tl.float32)
                             acc = mma(zt, w, acc, IEEE)
                         z_ptrs += BLOCK_K * stride_zk
                         w_ptrs += BLOCK_K * stride_wk
@@ -304,8 +310,10 @@ def expert_down(
     with sum_into (fp32 [T, H], T = P / top_k), each pair's row is atomically added into
     its token's row there instead (the top-k reduce, kernels/atomic_reduce.py) and
     sum_into is returned. gemm: the tiles and knobs (tiling.plan.GemmPlan). w_scale: w2
-    is e4m3 with fp32 block scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk],
-    dequantized in the K loop (no TMA then)."""
+    is e4m3 with fp32 block scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk];
+    then W8A8 (no TMA): BLOCK_K == bk, each K step quantizes its z rows per token in
+    registers and runs an FP8 dot; or per-channel scales [E, H]: the same with each row's
+    scale over all of I."""
     block_n, block_k, z_sorted = gemm.tiles.block_n, gemm.tiles.block_k, gemm.z_sorted
     inter_size = z.shape[1]
     if not z_sorted:
@@ -364,7 +372,6 @@ def expert_down(
         w_ptr=w2,
         z_desc=z_desc,
         w_desc=w_desc,
-        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b2 if b2 is not None else dummy,
         o_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
@@ -389,9 +396,6 @@ def expert_down(
         stride_we=w2.stride(0),
         stride_wn=w2.stride(1),
         stride_wk=w2.stride(2),
-        stride_se=w_scale.stride(0) if fp8 else 0,
-        stride_sn=w_scale.stride(1) if fp8 else 0,
-        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b2.stride(0) if b2 is not None else 0,
         stride_bn=b2.stride(1) if b2 is not None else 0,
         stride_om=out.stride(0),
@@ -411,9 +415,6 @@ def expert_down(
         DELTA=delta is not None,
         Z_SORTED=z_sorted,
         TMA=use_tma,
-        W_FP8=fp8,
-        SCALE_N=scale_block[0],
-        SCALE_K=scale_block[1],
         MUL_WEIGHT=topk_weights is not None,
         ATOMIC=sum_into is not None,
         EXPAND_FIRST=gemm.expand_first and lora_b is not None and delta is None,
@@ -431,5 +432,6 @@ def expert_down(
         num_stages=gemm.tiles.num_stages,
         PDL=pdl,
         launch_pdl=pdl,
+        **fp8_scale_args(w_scale, scale_block, block_k, dummy),
     )
     return out

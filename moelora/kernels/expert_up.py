@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..activations import Activation
+from ..errors import InputError
 from ..tiling.geometry import next_pow2
 from ..tiling.plan import GemmPlan
 from .activation import act_code, apply_act
@@ -28,16 +29,17 @@ from .checks import (
     check_fp8_weight,
     check_shape,
     check_weight_dtype,
+    fp8_scale_args,
     precision_flags,
     tma_box_ok,
     workspace,
 )
+from .fp8_tiles import fp8_mma, row_scales, step_operand
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
     add_delta,
     block_rows,
-    fp8_mma,
     grouped_pid,
     lora_expand,
     mma,
@@ -120,6 +122,16 @@ def _expert_up_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    # W8A8 with x quantized before the GEMM (quant_rows.py): e4m3 xq [T, H] and its group
+    # scales xs [T, G]. Defaults: launches without them (every other path) stay as they were.
+    xq_ptr=None,
+    xs_ptr=None,
+    stride_qm=0,
+    stride_qk=0,
+    stride_sm=0,
+    stride_sg=0,
+    X_QUANTIZED: tl.constexpr = False,
+    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel w13 scales, whole-row x scales
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(inter_size, BLOCK_N)
@@ -158,6 +170,12 @@ def _expert_up_kernel(
             gate_rows = tl.where(n_mask, offs_n, 0) * row_step
             offs_k = tl.arange(0, BLOCK_K)
             x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            if X_QUANTIZED:
+                xq_ptrs = xq_ptr + token[:, None] * stride_qm + offs_k[None, :] * stride_qk
+                xs_ptrs = xs_ptr + token * stride_sm
+            sa_row = 1.0  # ACT_ROW: each row's scale over all of H, from a pass before the loop
+            if ACT_ROW:
+                sa_row = row_scales(x_ptrs, row_valid[:, None], hidden, stride_xk, offs_k)
             w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
             wg_ptrs = w_base + gate_rows[None, :] * stride_wn
             wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
@@ -169,7 +187,18 @@ def _expert_up_kernel(
                 if (phase == 0) != EXPAND_FIRST:
                     for k0 in range(0, hidden, BLOCK_K):
                         k_mask = (k0 + offs_k) < hidden
-                        xt = tl.load(x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+                        if X_QUANTIZED:  # the step's e4m3 group and its scales, as stored
+                            a8 = tl.load(
+                                xq_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
+                            )
+                            sa = tl.load(
+                                xs_ptrs + (k0 // SCALE_K) * stride_sg, mask=row_valid, other=0.0
+                            )[:, None]
+                            xq_ptrs += BLOCK_K * stride_qk
+                        else:
+                            xt = tl.load(
+                                x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
+                            )
                         # W_TMA: w13 tiles by TMA; the gate box of a last, partial N tile
                         # reaches into the up rows (or past w13: zeros), columns n_mask drops
                         if W_TMA:
@@ -177,16 +206,18 @@ def _expert_up_kernel(
                             wg = wg.reshape(BLOCK_N, BLOCK_K).trans()
                         else:
                             wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-                        if UPCAST:
-                            xt = xt.to(tl.float32)
-                            wg = wg.to(tl.float32)
-                        # W_FP8: e4m3 tiles, each K step inside one scale block; the
-                        # gate and up rows read their own blocks' scales
+                        # W_FP8 (W8A8): each row's x group (BLOCK_K == the scale block's K
+                        # side) quantized in registers, FP8 dots scaled by both sides' scales
                         s_base = ws_ptr + expert * stride_se + (k0 // SCALE_K) * stride_sk
                         if W_FP8:
+                            if not X_QUANTIZED:
+                                a8, sa = step_operand(xt, sa_row, ACT_ROW)
                             sg_ptrs = s_base + (gate_rows // SCALE_N) * stride_sn
-                            acc_g = fp8_mma(xt, wg, acc_g, sg_ptrs, n_mask, IEEE)
+                            acc_g = fp8_mma(a8, sa, wg, acc_g, sg_ptrs, n_mask)
                         else:
+                            if UPCAST:
+                                xt = xt.to(tl.float32)
+                                wg = wg.to(tl.float32)
                             acc_g = mma(xt, wg, acc_g, IEEE)
                         if GATED:
                             if W_TMA:  # up rows: a block of I rows after the gate rows
@@ -196,12 +227,12 @@ def _expert_up_kernel(
                                 wu = wu.reshape(BLOCK_N, BLOCK_K).trans()
                             else:
                                 wu = tl.load(wu_ptrs, mask=k_mask[:, None], other=0.0)
-                            if UPCAST:
-                                wu = wu.to(tl.float32)
                             if W_FP8:
                                 su_ptrs = s_base + ((gate_rows + up_offset) // SCALE_N) * stride_sn
-                                acc_u = fp8_mma(xt, wu, acc_u, su_ptrs, n_mask, IEEE)
+                                acc_u = fp8_mma(a8, sa, wu, acc_u, su_ptrs, n_mask)
                             else:
+                                if UPCAST:
+                                    wu = wu.to(tl.float32)
                                 acc_u = mma(xt, wu, acc_u, IEEE)
                         x_ptrs += BLOCK_K * stride_xk
                         wg_ptrs += BLOCK_K * stride_wk
@@ -308,9 +339,12 @@ def expert_up(
     pdl: bool = False,
     w_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
-    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk], dequantized in the K loop),
+    [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk]; then W8A8: BLOCK_K == bk,
+    each K step quantizes its x rows per token in registers and runs FP8 dots; or
+    per-channel scales [E, S*I]: the same with each row's scale over all of H),
     b13 [E, S*I] | None; LoRA: inter [P, S, R] fp32 from
     lora_shrink and lora_b [L, E, S, I, R], or instead of inter the expanded delta
     [P, S, I] (lora_delta; lora_b still gives the slot count); topk_weights [T, K] only for
@@ -319,7 +353,8 @@ def expert_up(
     [P_pad, I] with a pair's row at its place in aligned.sorted_pair_ids (each block's rows
     contiguous, for the down GEMM's tile loads), padding rows unwritten. gemm.tma: w13's
     tiles copied by the TMA where the layout allows (gate and up rows in two blocks, not
-    interleaved; aligned strides)."""
+    interleaved; aligned strides). x_quant (e4m3 w13 only): x quantized before the GEMM,
+    (e4m3 [T, H], fp32 scales [T, ceil(H / bk)]) from quant_rows, read instead of x."""
     block_n, block_k, z_sorted = gemm.tiles.block_n, gemm.tiles.block_k, gemm.z_sorted
     num_tokens, hidden = x.shape
     parts = activation.width_factor
@@ -330,8 +365,11 @@ def expert_up(
     check_weight_dtype("w13", w13, x, fp8)
     if fp8:
         check_fp8_weight("w13", w13, w_scale, scale_block, block_k)
+        if x_quant is not None and w_scale.dim() == 2:
+            raise InputError("x_quant", "given with per-channel scales", "block-scaled w13")
     if b13 is not None:
         check_shape("b13", b13, (num_experts, rows))
+    quantized = _quantized_x_args(x, x_quant, fp8, scale_block[1])
     has_lora = lora_b is not None
     if has_lora:
         check_shape("lora w13_b", lora_b, (None, num_experts, parts, inter_size, None))
@@ -359,7 +397,6 @@ def expert_up(
         x_ptr=x,
         w_ptr=w13,
         w_desc=w_desc,
-        ws_ptr=w_scale if fp8 else dummy,
         b_ptr=b13 if b13 is not None else dummy,
         z_ptr=out,
         topk_weights_ptr=topk_weights.reshape(-1) if topk_weights is not None else dummy,
@@ -386,9 +423,6 @@ def expert_up(
         stride_we=w13.stride(0),
         stride_wn=w13.stride(1),
         stride_wk=w13.stride(2),
-        stride_se=w_scale.stride(0) if fp8 else 0,
-        stride_sn=w_scale.stride(1) if fp8 else 0,
-        stride_sk=w_scale.stride(2) if fp8 else 0,
         stride_be=b13.stride(0) if b13 is not None else 0,
         stride_bn=b13.stride(1) if b13 is not None else 0,
         stride_zm=out.stride(0),
@@ -415,9 +449,6 @@ def expert_up(
         EXPAND_FIRST=gemm.expand_first and has_lora and delta is None,
         TAIL_VARIANTS=tail_variants(gemm.half_tail, aligned.block_m),
         W_TMA=use_tma,
-        W_FP8=fp8,
-        SCALE_N=scale_block[0],
-        SCALE_K=scale_block[1],
         BLOCK_M=aligned.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -431,5 +462,31 @@ def expert_up(
         num_stages=gemm.tiles.num_stages,
         PDL=pdl,
         launch_pdl=pdl,
+        **fp8_scale_args(w_scale, scale_block, block_k, dummy),
+        **quantized,
     )
     return out
+
+
+def _quantized_x_args(
+    x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None, fp8: bool, group: int
+) -> dict:
+    """The kernel's pre-quantized x arguments: none without x_quant (their defaults)."""
+    if x_quant is None:
+        return {}
+    if not fp8:
+        raise InputError("x_quant", "given with serving-dtype w13", "e4m3 w13 with w_scale")
+    xq, xs = x_quant
+    check_shape("x_quant values", xq, tuple(x.shape))
+    check_shape("x_quant scales", xs, (x.shape[0], -(-x.shape[1] // group)))
+    if xq.dtype != torch.float8_e4m3fn or xs.dtype != torch.float32:
+        raise InputError("x_quant", f"({xq.dtype}, {xs.dtype})", "(float8_e4m3fn, float32)")
+    return dict(
+        xq_ptr=xq,
+        xs_ptr=xs,
+        stride_qm=xq.stride(0),
+        stride_qk=xq.stride(1),
+        stride_sm=xs.stride(0),
+        stride_sg=xs.stride(1),
+        X_QUANTIZED=True,
+    )

@@ -39,6 +39,7 @@ from .expert_down import expert_down
 from .expert_up import expert_up
 from .lora_delta import lora_delta
 from .lora_shrink import lora_shrink
+from .quant_rows import quant_rows
 from .side_stream import side_stream
 from .topk_reduce import topk_reduce
 
@@ -161,6 +162,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         lora_ranks=lora.ranks if lora is not None else None,
         tile_rank=lora.tile_rank if lora is not None else None,
         pdl=plan.pdl,
+        x_quant=quant_rows(c.call.x, experts.quant.block[1]) if plan.quantize_x else None,
         **c.scales("w13"),
     )
     if lora is None:

@@ -80,26 +80,6 @@ def mma(a, b, acc, IEEE: tl.constexpr):
     return acc
 
 
-@triton.jit
-def block_scaled(d, s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
-    """A decode GEMV's K step sums d (fp32, the shape of mask) times its rows' block scales
-    at s_ptrs (W_FP8: e4m3 weights, the step inside one scale block); d as is otherwise.
-    Both branches return d's type: a compiled kernel needs one return type."""
-    if W_FP8:
-        d = d * tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0)
-    return d
-
-
-@triton.jit
-def fp8_mma(a, w, acc, s_ptrs, n_mask, IEEE: tl.constexpr):
-    """acc += (a @ w) * s: w [BLOCK_K, BLOCK_N] an e4m3 tile inside one scale block along
-    K, s [BLOCK_N] its columns' block scales (s_ptrs). e4m3 converts exactly to a's dtype
-    (bf16 / fp16 / fp32), so the dot sees the stored values and the scale acts in fp32."""
-    s = tl.load(s_ptrs, mask=n_mask, other=0.0)
-    part = mma(a, w.to(a.dtype), tl.zeros_like(acc), IEEE)
-    return acc + part * s[None, :]
-
-
 def tail_variants(half_tail: bool, block_m: int) -> int:
     """Row variants of the GEMM kernels: 2 with half_tail (blocks whose second half is
     padding run BLOCK_M // 2 rows) where that half is still a dot tile (>= 16 rows)."""

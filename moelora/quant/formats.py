@@ -23,11 +23,13 @@ class Quantization(str, enum.Enum):
     """How the base experts are stored (one enum: a deployment's and a backend's field)."""
 
     NONE = "none"  # the serving dtype (bf16 / fp16 / fp32)
-    # e4m3 weights, one fp32 `weight_scale_inv` per [128, 128] block of [N, K]; weight-only:
-    # the GEMM inputs stay in the serving dtype.
+    # e4m3 weights, one fp32 `weight_scale_inv` per [128, 128] block of [N, K]; W8A8: each
+    # base GEMM input is quantized per token and per group of the block's K side (128
+    # columns) at run time, as transformers' FP8 experts, vLLM and SGLang run these
+    # checkpoints (`activation_scheme: dynamic`).
     FP8_BLOCK = "fp8_block"
     # e4m3 weights, one fp32 scale per output row (per-tensor scales are broadcast to rows);
-    # W8A8: each base GEMM input is quantized per token at run time (amax / 448).
+    # W8A8: each base GEMM input is quantized per token (the whole row) at run time.
     FP8_CHANNEL = "fp8_channel"
 
     @property
@@ -36,8 +38,8 @@ class Quantization(str, enum.Enum):
 
     @property
     def quantizes_inputs(self) -> bool:
-        """Whether the base GEMMs see per-token fp8-quantized inputs (dynamic W8A8)."""
-        return self is Quantization.FP8_CHANNEL
+        """Whether the base GEMMs see fp8-quantized inputs (dynamic W8A8): every FP8 format."""
+        return self.is_fp8
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,12 @@ class QuantConfig:
         if len(block) != 2 or any(not isinstance(b, int) or b < 1 for b in block):
             raise ConfigError("weight_block_size", list(block), "two positive ints [n, k]")
         object.__setattr__(self, "block", block)
+
+    @property
+    def activation_group(self) -> int | None:
+        """Columns of a base GEMM input row sharing one activation scale: the block's K side
+        under FP8_BLOCK, None (the whole row) under FP8_CHANNEL."""
+        return self.block[1] if self.method is Quantization.FP8_BLOCK else None
 
 
 # Formats people ship that these kernels do not run: what was found -> the fix.

@@ -105,14 +105,14 @@ class FP8ExpertWeights:
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> ExpertWeights:
-        """ExpertWeights in `dtype` (fp32: one rounding per element) tagged with the format, so the reference
-        models the run-time activation quantization of the W8A8 formats."""
+        """ExpertWeights in `dtype` (fp32: one rounding per element) tagged with the format, so
+        the reference models its run-time activation quantization (W8A8)."""
         return ExpertWeights(
             dequantize(self.quant, self.w13, self.w13_scale).to(dtype),
             dequantize(self.quant, self.w2, self.w2_scale).to(dtype),
             self.b13,
             self.b2,
-            quantization=self.quant.method,
+            quantization=self.quant,
         )
 
 

@@ -1,29 +1,92 @@
-"""What block-scaled FP8 experts ask of a tile config: no TMA weight tiles (their boxes
-are sized for 2-byte elements) and BLOCK_K steps that never straddle a scale block along K
-(the K loops, GEMM and decode GEMV alike, read one scale per step)."""
+"""What FP8 experts (W8A8) ask of a tile config: no TMA weight tiles (their boxes are
+sized for 2-byte elements); for block scales, BLOCK_K equal to the scale block's K side in
+every K loop, GEMM and decode GEMV alike: a step quantizes one activation group per row
+(the amax spans exactly its columns) and reads one weight scale per column. The pipeline's
+stages are refitted to the shared memory for the e4m3 weight tiles."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from ..errors import ConfigError
+from ..quant.formats import QuantConfig
 from .config import GemmTiles, TileConfig
+from .fit import MARGIN
+
+# A K step of the FP8 dot: Hopper's e4m3 MMA takes K in steps of 32; a [BLOCK_M, 256] x tile
+# is the widest the fit below keeps in shared memory at BLOCK_M 128.
+MIN_STEP, MAX_STEP = 32, 256
 
 
-def _step_in_block(tiles: GemmTiles, block_k: int) -> GemmTiles:
-    """tiles with BLOCK_K halved until it divides the scale block's K side (>= 16)."""
-    step = tiles.block_k
-    while block_k % step and step > 16:
-        step //= 2
-    return dataclasses.replace(tiles, block_k=step)
+def fp8_pipeline_bytes(
+    block_m: int, tiles: GemmTiles, parts: int, x_elem: int, quantized_x: bool = False
+) -> int:
+    """Shared memory of an FP8 GEMM's K loop, as Triton's sm_90 compile allocates it
+    (measured on the up and down GEMMs at BLOCK_M 64 and 128, 2-4 stages: exact). Inputs
+    quantized in the loop: one x (or z) tile in the serving dtype and `parts` e4m3 weight
+    tiles per stage but the last, plus an x tile and its e4m3 quantization outside the
+    ring. quantized_x (TileConfig.quantize_x, the up GEMM): an e4m3 x tile and the weight
+    tiles per stage."""
+    k = tiles.block_k
+    if quantized_x:
+        return tiles.num_stages * (block_m * k + parts * k * tiles.block_n)
+    stage = block_m * k * x_elem + parts * k * tiles.block_n
+    return (tiles.num_stages - 1) * stage + block_m * k * (x_elem + 1)
 
 
-def fit_to_fp8_blocks(cfg: TileConfig, scale_block: tuple[int, int]) -> TileConfig:
-    """cfg for e4m3 experts with block scales of scale_block [bn, bk] (unchanged otherwise)."""
-    bk = scale_block[1]
+def _step_is_block(
+    block_m: int,
+    tiles: GemmTiles,
+    block_k: int,
+    parts: int,
+    x_elem: int,
+    limit: int | None,
+    quantized_x: bool = False,
+) -> GemmTiles:
+    """tiles with BLOCK_K = block_k and, under a shared-memory `limit`, fewer stages (down
+    to 1) until the pipeline fits (the decode GEMVs hold no pipeline in shared memory)."""
+    tiles = dataclasses.replace(tiles, block_k=block_k)
+    while (
+        limit is not None
+        and tiles.num_stages > 1
+        and fp8_pipeline_bytes(block_m, tiles, parts, x_elem, quantized_x) > limit - MARGIN
+    ):
+        tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
+    return tiles
+
+
+def fit_to_fp8(
+    cfg: TileConfig,
+    quant: QuantConfig,
+    *,
+    parts: int = 2,
+    x_elem: int = 2,
+    shared_memory: int | None = None,
+) -> TileConfig:
+    """cfg for e4m3 experts in `quant`'s format (W8A8): no TMA; FP8_BLOCK: BLOCK_K = bk (a
+    bk the K loop cannot step by is refused, naming the checkpoint's key); FP8_CHANNEL: the
+    picked BLOCK_K (the activation scale spans the row) and no quantize_x (its groups are
+    the block's). parts: w13's row parts per program (2 gated), x_elem: the serving dtype's
+    bytes, shared_memory: the GPU's per-block bytes (None: no refit, the interpreter)."""
+    group = quant.activation_group
+    if group is not None and (group & (group - 1) or not MIN_STEP <= group <= MAX_STEP):
+        raise ConfigError(
+            "quantization_config.weight_block_size",
+            list(quant.block),
+            f"a K side (second value) that is a power of two in [{MIN_STEP}, {MAX_STEP}] "
+            "(the triton kernels step K by one scale block)",
+            "serve this checkpoint with the reference backend, or re-quantize it with "
+            "128x128 blocks",
+        )
+    quantize_x = cfg.quantize_x and group is not None
+    limit = None if cfg.decode else shared_memory
     return dataclasses.replace(
         cfg,
         up_tma=False,
         down_tma=False,
-        up=_step_in_block(cfg.up, bk),
-        down=_step_in_block(cfg.down, bk),
+        quantize_x=quantize_x,
+        up=_step_is_block(
+            cfg.block_m, cfg.up, group or cfg.up.block_k, parts, x_elem, limit, quantize_x
+        ),
+        down=_step_is_block(cfg.block_m, cfg.down, group or cfg.down.block_k, 1, x_elem, limit),
     )
