@@ -136,8 +136,9 @@ def test_fp8_is_not_reported_validated_where_no_fp8_run_was(tmp_path) -> None:
     from moelora.backends.registry import REGISTRY
 
     triton = REGISTRY["triton"].capabilities
-    h200 = validation_status(triton, _dep(BLOCK, "h200"))
-    assert h200.validated and all("--quantization fp8" in r.result for r in h200.runs)
+    # the W8A8 kernels have not run on a GPU (the H200 run of 13bc0fd was of the weight-only
+    # kernels they replaced): no GPU reports FP8 validated, while bf16 on the H200 is
+    assert validation_status(triton, _dep(BLOCK, "h200")).level == "not_validated"
     assert validation_status(triton, _dep(BLOCK, "b200")).level == "not_validated"
     assert validation_status(triton, _dep(CHANNEL, "h200")).level == "not_validated"
     assert validation_status(triton, _dep(QuantConfig(), "h200")).validated

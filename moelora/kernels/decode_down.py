@@ -33,6 +33,7 @@ from .checks import (
     workspace,
 )
 from .fp8_tiles import block_scaled, gemv_operand, row_scales
+from .launch_args import strides
 from .pdl import chain_point
 from .ranks import slot_ranks
 
@@ -266,21 +267,12 @@ def decode_down(
         hidden=hidden,
         lora_n_offset=lora_n_offset,
         lora_n_size=lora_b.shape[2] if has_lora else 0,
-        stride_zm=z.stride(0),
-        stride_zk=z.stride(1),
-        stride_we=w2.stride(0),
-        stride_wn=w2.stride(1),
-        stride_wk=w2.stride(2),
-        stride_be=b2.stride(0) if b2 is not None else 0,
-        stride_bn=b2.stride(1) if b2 is not None else 0,
-        stride_ym=out.stride(0),
-        stride_yn=out.stride(1),
-        stride_qm=z_inter.stride(0) if has_lora else 0,
-        stride_qr=z_inter.stride(1) if has_lora else 0,
-        stride_ll=lora_b.stride(0) if has_lora else 0,
-        stride_le=lora_b.stride(1) if has_lora else 0,
-        stride_ln=lora_b.stride(2) if has_lora else 0,
-        stride_lr=lora_b.stride(3) if has_lora else 0,
+        **strides("z", z, "mk"),
+        **strides("w", w2, "enk"),
+        **strides("b", b2, "en"),
+        **strides("y", out, "mn"),
+        **strides("q", z_inter if has_lora else None, "mr"),
+        **strides("l", lora_b if has_lora else None, "lenr"),
         HAS_BIAS=b2 is not None,
         HAS_LORA=has_lora,
         MUL_WEIGHT=topk_weights is not None,

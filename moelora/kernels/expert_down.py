@@ -32,6 +32,7 @@ from .checks import (
     workspace,
 )
 from .fp8_tiles import fp8_mma, row_scales, step_operand
+from .launch_args import strides
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
@@ -391,24 +392,14 @@ def expert_down(
         hidden=hidden,
         lora_n_offset=lora_n_offset,
         lora_n_size=lora_b.shape[2] if has_lora else 0,
-        stride_zm=z.stride(0),
-        stride_zk=z.stride(1),
-        stride_we=w2.stride(0),
-        stride_wn=w2.stride(1),
-        stride_wk=w2.stride(2),
-        stride_be=b2.stride(0) if b2 is not None else 0,
-        stride_bn=b2.stride(1) if b2 is not None else 0,
-        stride_om=out.stride(0),
-        stride_on=out.stride(1),
+        **strides("z", z, "mk"),
+        **strides("w", w2, "enk"),
+        **strides("b", b2, "en"),
+        **strides("o", out, "mn"),
         stride_im=inter.stride(0) if inter is not None else 0,
         stride_ir=inter.stride(1) if inter is not None else 0,
-        stride_ll=lora_b.stride(0) if has_lora else 0,
-        stride_le=lora_b.stride(1) if has_lora else 0,
-        stride_ln=lora_b.stride(2) if has_lora else 0,
-        stride_lr=lora_b.stride(3) if has_lora else 0,
-        stride_dm=delta.stride(0) if delta is not None else 0,
-        stride_ds=delta.stride(1) if delta is not None else 0,
-        stride_dn=delta.stride(2) if delta is not None else 0,
+        **strides("l", lora_b if has_lora else None, "lenr"),
+        **strides("d", delta, "msn"),
         num_pid_m=aligned.num_blocks,
         HAS_BIAS=b2 is not None,
         HAS_LORA=has_lora,

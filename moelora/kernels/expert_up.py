@@ -35,6 +35,7 @@ from .checks import (
     workspace,
 )
 from .fp8_tiles import fp8_mma, row_scales, step_operand
+from .launch_args import strides
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
@@ -418,26 +419,13 @@ def expert_up(
         row_step=2 if swiglu else 1,
         alpha=alpha,
         limit=limit,
-        stride_xm=x.stride(0),
-        stride_xk=x.stride(1),
-        stride_we=w13.stride(0),
-        stride_wn=w13.stride(1),
-        stride_wk=w13.stride(2),
-        stride_be=b13.stride(0) if b13 is not None else 0,
-        stride_bn=b13.stride(1) if b13 is not None else 0,
-        stride_zm=out.stride(0),
-        stride_zn=out.stride(1),
-        stride_im=inter.stride(0) if inter is not None else 0,
-        stride_is=inter.stride(1) if inter is not None else 0,
-        stride_ir=inter.stride(2) if inter is not None else 0,
-        stride_ll=lora_b.stride(0) if has_lora else 0,
-        stride_le=lora_b.stride(1) if has_lora else 0,
-        stride_ls=lora_b.stride(2) if has_lora else 0,
-        stride_ln=lora_b.stride(3) if has_lora else 0,
-        stride_lr=lora_b.stride(4) if has_lora else 0,
-        stride_dm=delta.stride(0) if delta is not None else 0,
-        stride_ds=delta.stride(1) if delta is not None else 0,
-        stride_dn=delta.stride(2) if delta is not None else 0,
+        **strides("x", x, "mk"),
+        **strides("w", w13, "enk"),
+        **strides("b", b13, "en"),
+        **strides("z", out, "mn"),
+        **strides("i", inter, "msr"),
+        **strides("l", lora_b if has_lora else None, "lesnr"),
+        **strides("d", delta, "msn"),
         num_pid_m=aligned.num_blocks,
         GATED=activation.is_gated,
         ACT=act_code(activation),
@@ -484,9 +472,7 @@ def _quantized_x_args(
     return dict(
         xq_ptr=xq,
         xs_ptr=xs,
-        stride_qm=xq.stride(0),
-        stride_qk=xq.stride(1),
-        stride_sm=xs.stride(0),
-        stride_sg=xs.stride(1),
+        **strides("q", xq, "mk"),
+        **strides("s", xs, "mg"),
         X_QUANTIZED=True,
     )

@@ -84,8 +84,8 @@ class _Layer:
         }
 
     def scales(self, name: str) -> dict:
-        """The GEMM launcher's FP8 arguments for weight `name` ("w13" / "w2"): its block
-        scales and the block, or nothing for serving-dtype experts."""
+        """The GEMM launcher's FP8 arguments for weight `name` ("w13" / "w2"): its scales
+        and the format's block, or nothing for serving-dtype experts."""
         if not isinstance(self.experts, FP8ExpertWeights):
             return {}
         return {
@@ -101,8 +101,8 @@ def forward(
 
     call: the checked per-call record (call.py: x [T, H], topk_ids [T, K], topk_weights
     [T, K] fp32, token_slots [T] int32, the bank; contiguous); experts w13 [E, S*I, H], w2
-    [E, H, I], in x's dtype or (FP8ExpertWeights, aligned path only) e4m3 with block
-    scales, the LoRA branch unchanged. The bank is used only when the plan's LoRA path is not NONE; call.lora_comm:
+    [E, H, I], in x's dtype or (FP8ExpertWeights) e4m3 with block or per-channel scales,
+    run W8A8 (docs/fp8.md), the LoRA branch reading the unquantized rows. The bank is used only when the plan's LoRA path is not NONE; call.lora_comm:
     fully sharded LoRA's collectives (the bank then holds w13_a [L, E, S, R/tp, H] and
     w2_b [L, E, H/tp, R]).
     """
