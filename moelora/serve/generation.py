@@ -57,13 +57,18 @@ class Generation:
             if self.text.stopped:  # a stop string: the engine need not go on
                 if not item.finished:
                     self.ctx.scheduler.cancel(self.request.request_id, "stop")
-                self.done = True
-                yield delta, "stop"
+                yield delta, self._end("stop")
             elif item.finished:
-                self.done = True
-                yield delta + self.text.finish(), item.finish_reason
+                yield delta + self.text.finish(), self._end(item.finish_reason)
             elif delta:
                 yield delta, None
+
+    def _end(self, reason: str | None) -> str | None:
+        """Done with `reason`, the one the client sees, counted in the metrics here (the
+        engine may have ended the row otherwise: by length, just before a stop string)."""
+        self.done = True
+        self.ctx.metrics.finished(reason or "stop")
+        return reason
 
     async def whole(self) -> tuple[str, str | None]:
         """The whole text and finish reason."""

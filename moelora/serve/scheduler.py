@@ -40,6 +40,7 @@ class Refused:
 
 
 Sink = Callable[[object], None]
+CANCELLED = "cancelled"  # the finish reason of a request whose client left
 
 
 @dataclass
@@ -48,7 +49,11 @@ class _Ticket:
     sink: Sink
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
-    finish_as: str | None = None  # the reason the metrics count when it was cancelled
+    # set by cancel(): the reason this request ends with. The scheduler counts only a
+    # client's leaving ("cancelled"); every other end is counted by the one reading the
+    # request (generation.py), as its client sees it: a stop string can end the text after
+    # the engine already finished the row by length.
+    finish_as: str | None = None
 
 
 class Scheduler:
@@ -82,9 +87,10 @@ class Scheduler:
             self._inbox.append(_Ticket(request, sink))
             self._cond.notify()
 
-    def cancel(self, request_id: str, finish_reason: str = "cancelled") -> None:
+    def cancel(self, request_id: str, finish_reason: str = CANCELLED) -> None:
         """Stop a request (a client left; "stop": a stop string ended its text): its row is
-        freed at the next step; the metrics count it under `finish_reason`."""
+        freed at the next step. A client's leaving is counted here; any other reason by the
+        reader that ended it (Generation), which has counted it already."""
         with self._cond:
             self._cancels[request_id] = finish_reason
             self._cond.notify()
@@ -151,7 +157,8 @@ class Scheduler:
             for ticket in list(self._waiting):
                 if ticket.request.request_id == request_id:
                     self._waiting.remove(ticket)
-                    self.metrics.finished(reason)
+                    if reason == CANCELLED:
+                        self.metrics.finished(CANCELLED)
                     self._send(ticket, Refused(request_id, RuntimeError("cancelled")))
 
     def _shutdown_step(self) -> None:
@@ -200,7 +207,8 @@ class Scheduler:
                 ticket.last_token = now
             if event.finished:
                 del self._running[event.request_id]
-                self.metrics.finished(ticket.finish_as or event.finish_reason or "stop")
+                if ticket.finish_as == CANCELLED:
+                    self.metrics.finished(CANCELLED)
             self._send(ticket, event)
 
     def _send(self, ticket: _Ticket, item: object) -> None:
