@@ -150,3 +150,11 @@ def test_base_rows_bit_identical_with_and_without_adapters(quant, seed) -> None:
     base = slots < 0
     assert torch.equal(with_lora[base], without[base])
     assert not torch.equal(with_lora[~base], without[~base])  # the adapters did act
+
+
+def test_group_scales_of_no_rows_keep_their_group_count() -> None:
+    """An expert no token reached: [0, K] rows give [0, G] scales (no reshape error)."""
+    from moelora.quant.activation_quant import group_scales
+
+    assert group_scales(torch.randn(0, 200), 128).shape == (0, 2)
+    assert group_scales(torch.randn(0, 200), None).shape == (0, 1)

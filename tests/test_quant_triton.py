@@ -200,6 +200,24 @@ def test_scale_block_the_kernels_cannot_step_by_is_refused(name, block) -> None:
     assert err.value.value == list(block) and "re-quantize" in str(err.value)
 
 
+# (id, config, up / down BLOCK_K after the fit): a per-channel GEMM steps K by at least 32
+# (the e4m3 tensor-core dot needs K >= 32: BLOCK_K 16 fails the sm_90 compile); the decode
+# GEMVs keep theirs (fp32 register products)
+CHANNEL_STEPS = [
+    ("gemm-k16", TileConfig(16, GemmTiles(32, 16), GemmTiles(32, 16)), (32, 32)),
+    ("gemm-k64", TileConfig(64, GemmTiles(64, 64), GemmTiles(64, 128)), (64, 128)),
+    ("decode-k16", TileConfig(16, GemmTiles(16, 16), GemmTiles(16, 16), decode=True), (16, 16)),
+]
+
+
+@pytest.mark.parametrize("name,cfg,steps", CHANNEL_STEPS, ids=[c[0] for c in CHANNEL_STEPS])
+def test_per_channel_gemm_steps_k_by_at_least_32(name, cfg, steps) -> None:
+    from moelora.tiling.quantized import fit_to_fp8
+
+    fitted = fit_to_fp8(cfg, CHANNEL)
+    assert (fitted.up.block_k, fitted.down.block_k) == steps
+
+
 DECODE = TileConfig(16, GemmTiles(16, 32), GemmTiles(16, 32), decode=True)
 # (id, shape, format, slots, early loads) - the decode GEMVs on FP8 rows
 DECODE_CASES = [

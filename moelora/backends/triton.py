@@ -80,8 +80,8 @@ CAPABILITIES = Capabilities(
     routing_methods=ALL_ROUTING,
     expert_bias=True,
     # e4m3 experts, W8A8: each K step of the GEMMs quantizes its input rows per token in
-    # registers and runs an FP8 dot (e4m3 MMA: sm89+), scaled by both sides' scales; the
-    # decode GEMVs compute the same products in fp32. Block scales: a step is one
+    # registers and runs an FP8 dot (sm89+; e4m3 MMA from BLOCK_M 64), scaled by both
+    # sides' scales; the decode GEMVs compute the same products in fp32. Block scales: a step is one
     # activation group (the block's K side). Per-channel scales: each row's activation
     # scale spans all of K, from a pass over the row before the K loop. The LoRA seams are
     # the bf16 ones (unquantized x and z).

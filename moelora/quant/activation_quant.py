@@ -28,7 +28,7 @@ def group_scales(x: Tensor, group: int | None) -> Tensor:
     pad = -x.shape[1] % width
     if pad:
         xf = torch.nn.functional.pad(xf, (0, pad))  # zeros: no effect on an amax
-    amax = xf.reshape(x.shape[0], -1, width).amax(dim=2)
+    amax = xf.reshape(x.shape[0], xf.shape[1] // max(width, 1), width).amax(dim=2)
     return amax.clamp(min=MIN_SCALE) / FP8_E4M3_MAX
 
 

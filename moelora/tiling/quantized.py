@@ -55,6 +55,12 @@ def _step_is_block(
     return tiles
 
 
+def _gemm_step(cfg: TileConfig, tiles: GemmTiles) -> int:
+    """A per-channel K loop's BLOCK_K: the picked one, at least MIN_STEP in the GEMMs (the
+    e4m3 tensor-core dot needs K >= 32; the decode GEMVs multiply in fp32 registers)."""
+    return tiles.block_k if cfg.decode else max(tiles.block_k, MIN_STEP)
+
+
 def fit_to_fp8(
     cfg: TileConfig,
     quant: QuantConfig,
@@ -86,7 +92,9 @@ def fit_to_fp8(
         down_tma=False,
         quantize_x=quantize_x,
         up=_step_is_block(
-            cfg.block_m, cfg.up, group or cfg.up.block_k, parts, x_elem, limit, quantize_x
+            cfg.block_m, cfg.up, group or _gemm_step(cfg, cfg.up), parts, x_elem, limit, quantize_x
         ),
-        down=_step_is_block(cfg.block_m, cfg.down, group or cfg.down.block_k, 1, x_elem, limit),
+        down=_step_is_block(
+            cfg.block_m, cfg.down, group or _gemm_step(cfg, cfg.down), 1, x_elem, limit
+        ),
     )
