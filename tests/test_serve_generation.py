@@ -1,6 +1,7 @@
 """The finish reason the metrics count is the one the client reads: a stop string found in the
 last tokens of a row the engine already ended by length counts as "stop" (the engine's
-"length" never reaches the client), and a client's leaving counts as "cancelled"."""
+"length" never reaches the client), and a client's leaving counts as "cancelled" even when
+the engine had already finished its row: every request is counted once, by its reader."""
 
 from __future__ import annotations
 

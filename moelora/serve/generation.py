@@ -56,7 +56,7 @@ class Generation:
                 delta = self.text.push(item.token_id)
             if self.text.stopped:  # a stop string: the engine need not go on
                 if not item.finished:
-                    self.ctx.scheduler.cancel(self.request.request_id, "stop")
+                    self.ctx.scheduler.cancel(self.request.request_id)
                 yield delta, self._end("stop")
             elif item.finished:
                 yield delta + self.text.finish(), self._end(item.finish_reason)
@@ -64,8 +64,9 @@ class Generation:
                 yield delta, None
 
     def _end(self, reason: str | None) -> str | None:
-        """Done with `reason`, the one the client sees, counted in the metrics here (the
-        engine may have ended the row otherwise: by length, just before a stop string)."""
+        """Done with `reason`, the one the client reads, counted in the metrics here (the
+        engine may have ended the row otherwise: by length, just before a stop string). Every
+        finished request is counted once, by its reader: here, or as cancelled by close()."""
         self.done = True
         self.ctx.metrics.finished(reason or "stop")
         return reason
@@ -79,8 +80,11 @@ class Generation:
         return "".join(parts), last
 
     def close(self) -> None:
+        """The reader is done; if the request is not (its client left), it is cancelled and
+        counted as such, whether or not the engine had finished it."""
         if not self.done:
             self.done = True
+            self.ctx.metrics.finished("cancelled")
             self.ctx.scheduler.cancel(self.request.request_id)
 
     def _sink(self, item: object) -> None:  # the scheduler thread

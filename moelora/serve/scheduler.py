@@ -40,7 +40,6 @@ class Refused:
 
 
 Sink = Callable[[object], None]
-CANCELLED = "cancelled"  # the finish reason of a request whose client left
 
 
 @dataclass
@@ -49,11 +48,6 @@ class _Ticket:
     sink: Sink
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
-    # set by cancel(): the reason this request ends with. The scheduler counts only a
-    # client's leaving ("cancelled"); every other end is counted by the one reading the
-    # request (generation.py), as its client sees it: a stop string can end the text after
-    # the engine already finished the row by length.
-    finish_as: str | None = None
 
 
 class Scheduler:
@@ -65,7 +59,7 @@ class Scheduler:
         self.idle_wait_s = idle_wait_s  # how long an idle thread sleeps between inbox checks
         self._cond = threading.Condition()
         self._inbox: list[_Ticket] = []  # submitted, not yet checked (under _cond)
-        self._cancels: dict[str, str] = {}  # request id -> reason counted (under _cond)
+        self._cancels: set[str] = set()  # request ids to stop (under _cond)
         self._waiting: collections.deque[_Ticket] = collections.deque()  # checked, FIFO
         self._running: dict[str, _Ticket] = {}
         self._accepting = True
@@ -87,12 +81,12 @@ class Scheduler:
             self._inbox.append(_Ticket(request, sink))
             self._cond.notify()
 
-    def cancel(self, request_id: str, finish_reason: str = CANCELLED) -> None:
-        """Stop a request (a client left; "stop": a stop string ended its text): its row is
-        freed at the next step. A client's leaving is counted here; any other reason by the
-        reader that ended it (Generation), which has counted it already."""
+    def cancel(self, request_id: str) -> None:
+        """Stop a request (its client left, or a stop string ended its text): its row is
+        freed at the next step. Finished requests are counted in the metrics by their
+        reader (generation.py), under the reason its client read."""
         with self._cond:
-            self._cancels[request_id] = finish_reason
+            self._cancels.add(request_id)
             self._cond.notify()
 
     @property
@@ -135,7 +129,7 @@ class Scheduler:
                 if self._deadline is None:
                     self._cond.wait(self.idle_wait_s)
             inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, {}
+            cancels, self._cancels = self._cancels, set()
             return inbox, cancels, self._deadline is not None
 
     def _check(self, inbox: list[_Ticket]) -> None:
@@ -148,17 +142,14 @@ class Scheduler:
             self._send(ticket, Accepted(ticket.request.request_id))
             self._waiting.append(ticket)
 
-    def _cancel(self, cancels: dict[str, str]) -> None:
-        for request_id, reason in cancels.items():
+    def _cancel(self, cancels: set[str]) -> None:
+        for request_id in cancels:
             if request_id in self._running:
-                self._running[request_id].finish_as = reason
                 self.engine.cancel(request_id)  # its cancelled event comes from step()
                 continue
             for ticket in list(self._waiting):
                 if ticket.request.request_id == request_id:
                     self._waiting.remove(ticket)
-                    if reason == CANCELLED:
-                        self.metrics.finished(CANCELLED)
                     self._send(ticket, Refused(request_id, RuntimeError("cancelled")))
 
     def _shutdown_step(self) -> None:
@@ -207,8 +198,6 @@ class Scheduler:
                 ticket.last_token = now
             if event.finished:
                 del self._running[event.request_id]
-                if ticket.finish_as == CANCELLED:
-                    self.metrics.finished(CANCELLED)
             self._send(ticket, event)
 
     def _send(self, ticket: _Ticket, item: object) -> None:
