@@ -54,6 +54,7 @@ TOOLS: dict[str, Tool] = {
         Tool("ab_align", Kind.AB, Needs.GPU),
         Tool("ab_trees", Kind.AB, Needs.GPU),
         Tool("profile_layer", Kind.TIMING, Needs.GPU),
+        Tool("fp8_sweep", Kind.TUNE, Needs.GPU),
         Tool("lora_cost", Kind.TIMING, Needs.GPU),
         Tool("gemm_ceiling", Kind.TIMING, Needs.GPU),
         Tool("read_floor", Kind.TIMING, Needs.GPU),

@@ -8,7 +8,10 @@
 # Logs and JSON go to $OUT (or ./out): gpu.txt, validate_fp8.log, and per layer
 # fp8_bench_{qwen3,deepseek-v3}.json + bench_{qwen3,deepseek-v3}.log.
 # Usage (device tool): MOELORA_COMMIT=<sha> bash scripts/gpu_fp8.sh
-# Knobs: VALIDATE_S / BENCH_S (each step's limit; 0 skips it), VALIDATE_MODELS, ITERS.
+# Knobs: VALIDATE_S / BENCH_S (each step's limit; 0 skips it), VALIDATE_MODELS, ITERS;
+# optional steps (off unless given seconds): CHANNEL_S (validate fp8_channel, quick),
+# PROFILE_S (profile_layer --quantization fp8 at PROFILE_TOKENS), SWEEP_S (fp8_sweep at
+# SWEEP_TOKENS: fp8_sweep.json / .log).
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
@@ -28,4 +31,17 @@ for model in qwen3 deepseek-v3; do
     echo "bench $model exit: ${PIPESTATUS[0]}"
   fi
 done
+if [ "${CHANNEL_S:-0}" -gt 0 ]; then  # per-channel scales (whole-row activation scales)
+  timeout "$CHANNEL_S" $PY -m moelora validate --quantization fp8_channel --quick \
+    --models qwen3-30b-a3b 2>&1 | tee "$OUT/validate_fp8_channel.log"
+  echo "validate fp8_channel exit: ${PIPESTATUS[0]}"
+fi
+if [ "${PROFILE_S:-0}" -gt 0 ]; then  # where the FP8 layer's time goes, kernel by kernel
+  timeout "$PROFILE_S" $PY -m benchmarks profile_layer --quantization fp8 \
+    --tokens "${PROFILE_TOKENS:-64,4096}" 2>&1 | tee "$OUT/profile_fp8.log"
+fi
+if [ "${SWEEP_S:-0}" -gt 0 ]; then  # FP8 tiles around the picked ones (benchmarks/fp8_sweep.py)
+  timeout $((SWEEP_S + 60)) $PY -m benchmarks fp8_sweep --tokens "${SWEEP_TOKENS:-256,4096}" \
+    --budget-s "$SWEEP_S" --json "$OUT/fp8_sweep.json" 2>&1 | tee "$OUT/fp8_sweep.log"
+fi
 echo "done in ${SECONDS}s"

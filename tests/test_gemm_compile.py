@@ -36,7 +36,7 @@ BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=F
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
                  UPCAST=False, IEEE=False, PDL=False, W_FP8=False, SCALE_N=128,
-                 SCALE_K=128, ACT_ROW=False)  # fmt: skip
+                 SCALE_K=128, ACT_ROW=False, X_QUANTIZED=False)  # fmt: skip
 KERNELS = {"up": ("_expert_up_kernel", BASE_UP), "down": ("_expert_down_kernel", BASE_DOWN)}
 
 
@@ -52,8 +52,10 @@ class Variant(NamedTuple):
 
 
 NO_LORA = dict(HAS_LORA=False, BLOCK_L=1, SLOTS_PER_DOT=1)  # one (unused) slot per dot
-FP8_STEP = dict(W_FP8=True, BLOCK_K=128)  # BLOCK_K fitted to the 128x128 blocks' K side
-FP8_CHANNEL = dict(W_FP8=True, SCALE_N=1, SCALE_K=64, ACT_ROW=True)  # the picked BLOCK_K 64
+# BLOCK_K fitted to the 128x128 blocks' K side; the input quantized before (quant_rows.py)
+FP8_STEP = dict(W_FP8=True, BLOCK_K=128, X_QUANTIZED=True)
+# the picked BLOCK_K 64; whole-row input scales
+FP8_CHANNEL = dict(W_FP8=True, SCALE_N=1, SCALE_K=64, ACT_ROW=True, X_QUANTIZED=True)
 VARIANTS = {
     ("up", "default"): Variant({}, {}),
     ("up", "half-tail"): Variant(dict(half_tail=1), dict(TAIL_VARIANTS=2)),
@@ -112,18 +114,15 @@ VARIANTS = {
         dtype="fp32",
     ),
     # block-scaled e4m3 experts (W8A8): a K step is one 128-column scale block, its input
-    # rows quantized in registers and multiplied on the FP8 tensor cores
+    # rows quantized before the GEMM, multiplied on the FP8 tensor cores
     ("up", "fp8-block"): Variant({}, FP8_STEP, fp8="fp8_block"),
     ("up", "fp8-block-half-tail-expand-first"): Variant(
         dict(half_tail=1, expand_first=True),
         dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, **FP8_STEP),
         fp8="fp8_block",
     ),
-    ("up", "fp8-block-quantize-x"): Variant(  # x quantized before the GEMM (quant_rows)
-        dict(quantize_x=True), dict(X_QUANTIZED=True, **FP8_STEP), fp8="fp8_block"
-    ),
     ("down", "fp8-block"): Variant({}, FP8_STEP, fp8="fp8_block"),
-    # per-channel e4m3 experts: each row's activation scale from a pass over it first
+    # per-channel e4m3 experts: each row's one activation scale, read at every step
     ("up", "fp8-channel"): Variant({}, FP8_CHANNEL, fp8="fp8_channel"),
     ("down", "fp8-channel"): Variant({}, FP8_CHANNEL, fp8="fp8_channel"),
     ("down", "fp8-block-atomic-no-lora"): Variant(

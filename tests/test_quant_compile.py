@@ -12,13 +12,13 @@ import os
 import pytest
 from sm90_child import run_compile_child
 
-E4M3_PTRS = {"w_ptr"}
+E4M3_PTRS = {"w_ptr", "xq_ptr"}  # the weights and the input quantized before
 BF16_PTRS = {"x_ptr", "b_ptr", "z_ptr", "lora_b_ptr", "lora_a2_ptr", "y_ptr"}
 I32_PTRS = {"topk_ids_ptr", "slots_ptr", "ranks_ptr"}
 # the scale constexprs of each format (kernels/checks.py: fp8_scale_args)
 FORMATS = {
-    "block": dict(W_FP8=True, SCALE_N=128, SCALE_K=128, ACT_ROW=False),
-    "channel": dict(W_FP8=True, SCALE_N=1, SCALE_K=128, ACT_ROW=True),  # whole-row scales
+    "block": dict(W_FP8=True, SCALE_N=128, SCALE_K=128, ACT_ROW=False, X_QUANTIZED=True),
+    "channel": dict(W_FP8=True, SCALE_N=1, SCALE_K=128, ACT_ROW=True, X_QUANTIZED=True),
 }
 UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, WEIGHT_INPUT=False, BLOCK_N=16,
           BLOCK_K=128, BLOCK_R=16, EARLY=True)  # fmt: skip

@@ -306,20 +306,11 @@ H200_SHARED = 232448  # bytes of shared memory per block on an H200 (sm_90)
 # (id, BLOCK_M, up tiles, down tiles, expected stages up / down) - the FP8 pipeline refit;
 # the bytes were measured in Triton's sm_90 compiles (fp8_pipeline_bytes)
 STAGE_CASES = [
-    ("bm128_4_stages_too_many", 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), 3, 3),
+    # 4 stages of e4m3 tiles: 196608 bytes (the up GEMM's sm_90 compile), both GEMMs fit
+    ("bm128_4_stages_fit", 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), 4, 4),
+    ("bm128_wide_up_refit", 128, GemmTiles(256, 64, 8, 4), GemmTiles(256, 64, 8, 4), 2, 4),
     ("bm64_4_stages_fit", 64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4), 4, 4),
 ]  # fmt: skip
-
-
-def test_quantize_x_pipeline_keeps_its_stages() -> None:
-    """x quantized before the GEMM: e4m3 x tiles, 4 stages of the BLOCK_M 128 tiles fit
-    (196608 bytes in the sm_90 compile, which fp8_pipeline_bytes models)."""
-    from moelora.tiling.quantized import fit_to_fp8, fp8_pipeline_bytes
-
-    cfg = TileConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), quantize_x=True)
-    fitted = fit_to_fp8(cfg, QuantConfig(Quantization.FP8_BLOCK), shared_memory=H200_SHARED)
-    assert fitted.up.num_stages == 4 and fitted.down.num_stages == 3
-    assert fp8_pipeline_bytes(128, fitted.up, 2, 2, quantized_x=True) == 196608
 
 
 @pytest.mark.parametrize(
@@ -332,9 +323,10 @@ def test_fp8_pipeline_is_refitted_to_shared_memory(
 
     quant = QuantConfig(Quantization.FP8_BLOCK)
     cfg = TileConfig(block_m, up, down)
-    fitted = fit_to_fp8(cfg, quant, parts=2, x_elem=2, shared_memory=H200_SHARED)
+    fitted = fit_to_fp8(cfg, quant, parts=2, shared_memory=H200_SHARED)
     assert (fitted.up.num_stages, fitted.down.num_stages) == (up_stages, down_stages), name
-    assert fp8_pipeline_bytes(block_m, fitted.up, 2, 2) < H200_SHARED
+    assert fp8_pipeline_bytes(block_m, fitted.up, 2) < H200_SHARED
+    assert fp8_pipeline_bytes(128, GemmTiles(128, 128, 8, 4), 2) == 196608
     assert fit_to_fp8(cfg, quant).up.num_stages == up.num_stages  # no GPU: no refit
 
 
@@ -370,6 +362,7 @@ def test_kernel_quantization_equals_the_reference_bit_for_bit(dtype, seed) -> No
 QUANT_ROWS_CASES = [
     ("partial_group_and_block", 37, 72, 32),  # 72 = 2 groups + 8 columns; 37 rows: 2 programs
     ("one_group_128", 5, 128, 128),
+    ("whole_row", 37, 300, None),  # FP8_CHANNEL: 300 columns in 3 steps, one scale a row
 ]
 
 
@@ -387,42 +380,31 @@ def test_quant_rows_equals_the_reference_bit_for_bit(name, rows, cols, group, dt
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), name
 
 
-QUANTIZE_X = TileConfig(16, GemmTiles(32, 32), GemmTiles(32, 32), quantize_x=True)
-# (id, shape, slots, weights_on_input) - the up GEMM reading x quantized before it
-QUANTIZE_X_CASES = [
-    ("silu_lora", _shape("silu", torch.float32), [0, 1, -1, 0, 1], False),
-    ("bf16_partial", _shape("silu", torch.bfloat16, h=72, i=40), [1, -1, 0], False),
-    ("weights_on_input", _shape("silu", torch.float32, top_k=1), [0, -1, 1], True),
+SMALL = TileConfig(16, GemmTiles(32, 32), GemmTiles(32, 32))
+# (id, shape, slots, weights_on_input, format) - the layer with its inputs quantized once
+# per row before each base GEMM (quant_rows.py)
+QUANTIZED_INPUT_CASES = [
+    ("silu_lora", _shape("silu", torch.float32), [0, 1, -1, 0, 1], False, B32),
+    ("bf16_partial", _shape("silu", torch.bfloat16, h=72, i=40), [1, -1, 0], False, B32),
+    ("weights_on_input", _shape("silu", torch.float32, top_k=1), [0, -1, 1], True, B32),
+    ("channel_whole_rows", _shape("silu", torch.float32, h=72, i=40), [0, -1, 1], False, CHANNEL),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "name,shape,slots,on_input", QUANTIZE_X_CASES, ids=[c[0] for c in QUANTIZE_X_CASES]
+    "name,shape,slots,on_input,quant",
+    QUANTIZED_INPUT_CASES,
+    ids=[c[0] for c in QUANTIZED_INPUT_CASES],
 )
-def test_x_quantized_before_the_gemm_gives_the_same_products(
-    name, shape, slots, on_input, seed
+def test_inputs_quantized_before_the_gemms_equal_the_reference(
+    name, shape, slots, on_input, quant, seed
 ) -> None:
-    """TileConfig.quantize_x: the reference's result, and bit for bit the in-GEMM
-    quantization's (the same e4m3 values and scales, stored in between)."""
+    """x before the up GEMM and z before the down GEMM quantized once per row (per group,
+    or the whole row per channel): the reference's W8A8 result, aligned and decode path."""
     from moelora.backends.triton import fused_moe_lora
 
-    call, fp8 = _problem(shape, B32, len(slots), slots, seed, on_input)
-    plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=QUANTIZE_X)
-    assert plan.quantize_x
-    out = fused_moe_lora(call, fp8, shape, config=QUANTIZE_X)
+    call, fp8 = _problem(shape, quant, len(slots), slots, seed, on_input)
     ref = reference_forward(call, fp8.dequantize(), shape)
-    assert_close(out, ref, FP8, tol=_tol(shape), what=name)
-    in_gemm = dataclasses.replace(QUANTIZE_X, quantize_x=False)
-    assert torch.equal(out, fused_moe_lora(call, fp8, shape, config=in_gemm)), name
-
-
-def test_quantize_x_is_off_for_serving_dtype_and_per_channel_experts(seed) -> None:
-    """x quantized before the GEMM has the block's groups: neither serving-dtype experts
-    nor per-channel ones (a whole-row scale) take it."""
-    shape = _shape("silu", torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    experts = random_expert_weights(shape, generator=g, dtype=torch.float32)
-    call, channel = _problem(shape, CHANNEL, 2, [0, -1], seed)
-    for weights in (experts, channel):
-        plan = forward_plan(call.x, call.topk_ids, weights, call.lora, shape, config=QUANTIZE_X)
-        assert not plan.quantize_x
+    for config in (SMALL, dataclasses.replace(SMALL, decode=True)):
+        out = fused_moe_lora(call, fp8, shape, config=config)
+        assert_close(out, ref, FP8, tol=_tol(shape), what=f"{name} decode={config.decode}")

@@ -10,8 +10,6 @@ reason about it) on hosts without the triton package.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 
@@ -214,11 +212,8 @@ def forward_plan(
             cfg,
             experts.quant,
             parts=shape.activation.width_factor,
-            x_elem=x.dtype.itemsize,
             shared_memory=limits.shared_memory if limits is not None else None,
         )
-    elif cfg.quantize_x:  # a knob of FP8 experts: serving-dtype x is not quantized
-        cfg = dataclasses.replace(cfg, quantize_x=False)
     return plan_forward(
         cfg,
         lora=use_lora,

@@ -89,6 +89,41 @@ def fp8_scale_args(
                 SCALE_K=scale_block[1])  # fmt: skip
 
 
+def quantized_input_args(
+    name: str,
+    inp: torch.Tensor,
+    quant: tuple[torch.Tensor, torch.Tensor] | None,
+    fp8: bool,
+    w_scale: torch.Tensor | None,
+    scale_block: tuple[int, int],
+) -> dict:
+    """A weight GEMM / GEMV kernel's pre-quantized input arguments (quant_rows.py: the
+    input `name` [M, K] as e4m3 [M, K] and fp32 scales [M, G], G = ceil(K / bk) for block
+    scales, 1 for per-channel ones, read at stride 0 by every K step); none without quant
+    (the kernel's defaults)."""
+    if quant is None:
+        return {}
+    if not fp8:
+        raise InputError(f"{name}_quant", "given with serving-dtype weights", "e4m3 weights")
+    values, scales = quant
+    groups = 1 if w_scale.dim() == 2 else -(-inp.shape[1] // scale_block[1])
+    check_shape(f"{name}_quant values", values, tuple(inp.shape))
+    check_shape(f"{name}_quant scales", scales, (inp.shape[0], groups))
+    if values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise InputError(
+            f"{name}_quant", f"({values.dtype}, {scales.dtype})", "(float8_e4m3fn, float32)"
+        )
+    return dict(
+        xq_ptr=values,
+        xs_ptr=scales,
+        stride_xqm=values.stride(0),
+        stride_xqk=values.stride(1),
+        stride_xsm=scales.stride(0),
+        stride_xsg=scales.stride(1) if groups > 1 else 0,
+        X_QUANTIZED=True,
+    )
+
+
 def check_weight_dtype(name: str, w: torch.Tensor, x: torch.Tensor, fp8: bool) -> None:
     """w in x's dtype, or e4m3 when `fp8` (block-scaled experts); on x's device."""
     if not fp8:

@@ -30,6 +30,7 @@ from .checks import (
     check_shape,
     check_weight_dtype,
     fp8_scale_args,
+    quantized_input_args,
     workspace,
 )
 from .fp8_tiles import block_scaled, gemv_operand, row_scales
@@ -93,6 +94,15 @@ def _decode_down_kernel(
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
     ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel scales, whole-row z scales
+    # W8A8 with z quantized before the kernel (quant_rows.py): e4m3 [P, I] and its group
+    # scales (one column, read at stride 0, under ACT_ROW). Defaults: other launches.
+    xq_ptr=None,
+    xs_ptr=None,
+    stride_xqm=0,
+    stride_xqk=0,
+    stride_xsm=0,
+    stride_xsg=0,
+    X_QUANTIZED: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -147,25 +157,41 @@ def _decode_down_kernel(
             other=0.0,
         )
     z_ptrs = z_ptr + pair[:, None] * stride_zm + offs_k[None, :] * stride_zk
+    if X_QUANTIZED:
+        zq_ptrs = xq_ptr + pair[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
+        zs_ptrs = xs_ptr + pair[:, None] * stride_xsm
     sa_row = 1.0  # ACT_ROW: the row's scale over all of its columns, from a pass before
     if ACT_ROW:
-        sa_row = row_scales(z_ptrs, live[:, None], inter_size, stride_zk, offs_k)
+        if not X_QUANTIZED:  # else zs holds it (one column, read at stride 0)
+            sa_row = row_scales(z_ptrs, live[:, None], inter_size, stride_zk, offs_k)
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     if EARLY:  # the first step, from the tile loaded early (the loop starts at the second)
-        zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        zt, sa = gemv_operand(zt, sa_row, W_FP8, ACT_ROW)
+        if X_QUANTIZED:  # the step's e4m3 groups and their scales, as stored
+            zt = tl.load(zq_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            sa = tl.load(zs_ptrs, mask=live[:, None], other=0.0)
+        else:
+            zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            zt, sa = gemv_operand(zt, sa_row, W_FP8, ACT_ROW)
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
         acc += block_scaled(d, sa, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
+        if X_QUANTIZED:
+            zq_ptrs += BLOCK_K * stride_xqk
         w_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
-        zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        zt, sa = gemv_operand(zt, sa_row, W_FP8, ACT_ROW)
+        if X_QUANTIZED:
+            zt = tl.load(zq_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            sa = tl.load(zs_ptrs + (k0 // SCALE_K) * stride_xsg, mask=live[:, None], other=0.0)
+        else:
+            zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            zt, sa = gemv_operand(zt, sa_row, W_FP8, ACT_ROW)
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
         acc += block_scaled(d, sa, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
+        if X_QUANTIZED:
+            zq_ptrs += BLOCK_K * stride_xqk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:  # zeros when the token has no adapter
         acc += tl.sum(b.to(tl.float32) * t[:, None, :], axis=2)
@@ -205,6 +231,7 @@ def decode_down(
     early: bool = False,
     w_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
+    z_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """z [P, I] (decode_up), w2 [E, H, I] (z's dtype, or e4m3 with w_scale: fp32 block
     scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk], or per-channel
@@ -287,5 +314,6 @@ def decode_down(
         num_stages=tiles.num_stages,
         launch_pdl=pdl and chained,
         **fp8_scale_args(w_scale, scale_block, block_k, dummy),
+        **quantized_input_args("z", z, z_quant, fp8, w_scale, scale_block),
     )
     return out

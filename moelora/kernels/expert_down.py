@@ -28,6 +28,7 @@ from .checks import (
     check_weight_dtype,
     fp8_scale_args,
     precision_flags,
+    quantized_input_args,
     tma_tiles_ok,
     workspace,
 )
@@ -117,6 +118,15 @@ def _expert_down_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
     ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel w2 scales, whole-row z scales
+    # W8A8 with z quantized before the GEMM (quant_rows.py): e4m3 [rows of z, I] and its
+    # group scales (one column, read at stride 0, under ACT_ROW). Defaults: other launches.
+    xq_ptr=None,
+    xs_ptr=None,
+    stride_xqm=0,
+    stride_xqk=0,
+    stride_xsm=0,
+    stride_xsg=0,
+    X_QUANTIZED: tl.constexpr = False,
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
@@ -154,9 +164,13 @@ def _expert_down_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             z_row = z_rows(row0, pair, BLOCK_M >> v, Z_SORTED)
             z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
+            if X_QUANTIZED:  # z's e4m3 rows and scales, at z's row index
+                zq_ptrs = xq_ptr + z_row[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
+                zs_ptrs = xs_ptr + z_row * stride_xsm
             sa_row = 1.0  # ACT_ROW: each row's scale over all of I, from a pass before the loop
             if ACT_ROW:
-                sa_row = row_scales(z_ptrs, row_valid[:, None], inter_size, stride_zk, offs_k)
+                if not X_QUANTIZED:  # else zs holds it (one column, read at stride 0)
+                    sa_row = row_scales(z_ptrs, row_valid[:, None], inter_size, stride_zk, offs_k)
             w_ptrs = (
                 w_ptr
                 + expert * stride_we
@@ -171,7 +185,14 @@ def _expert_down_kernel(
                     for k0 in range(0, inter_size, BLOCK_K):
                         # TMA: tensor-memory-accelerator tile copies (out-of-range reads are zeros);
                         # z's descriptor holds full-height tiles, so the half variant loads z rows
-                        if TMA and v == 0:
+                        if X_QUANTIZED:  # the step's e4m3 group and its scales, as stored
+                            q_mask = row_valid[:, None] & ((k0 + offs_k) < inter_size)[None, :]
+                            a8 = tl.load(zq_ptrs, mask=q_mask, other=0.0)
+                            sa = tl.load(
+                                zs_ptrs + (k0 // SCALE_K) * stride_xsg, mask=row_valid, other=0.0
+                            )[:, None]
+                            zq_ptrs += BLOCK_K * stride_xqk
+                        elif TMA and v == 0:
                             zt = z_desc.load([row0, k0])
                         else:
                             k_mask = (k0 + offs_k) < inter_size
@@ -192,7 +213,8 @@ def _expert_down_kernel(
                                 + (k0 // SCALE_K) * stride_sk
                                 + (tl.where(n_mask, offs_n, 0) // SCALE_N) * stride_sn
                             )
-                            a8, sa = step_operand(zt, sa_row, ACT_ROW)
+                            if not X_QUANTIZED:
+                                a8, sa = step_operand(zt, sa_row, ACT_ROW)
                             acc = fp8_mma(a8, sa, w, acc, s_ptrs, n_mask)
                         else:
                             if UPCAST:
@@ -301,6 +323,7 @@ def expert_down(
     pdl: bool = False,
     w_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
+    z_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """z [P, I] (gemm.z_sorted: [P_pad, I] in the sorted order, with num_pairs = P;
     gemm.tma: its tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
@@ -314,7 +337,9 @@ def expert_down(
     is e4m3 with fp32 block scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk];
     then W8A8 (no TMA): BLOCK_K == bk, each K step quantizes its z rows per token in
     registers and runs an FP8 dot; or per-channel scales [E, H]: the same with each row's
-    scale over all of I."""
+    scale over all of I. z_quant (e4m3 w2 only): z quantized before the GEMM (e4m3 like z,
+    fp32 scales [rows of z, ceil(I / bk)], or [rows of z, 1] per channel) from quant_rows,
+    which the base GEMM reads instead of z (the LoRA part reads z)."""
     block_n, block_k, z_sorted = gemm.tiles.block_n, gemm.tiles.block_k, gemm.z_sorted
     inter_size = z.shape[1]
     if not z_sorted:
@@ -424,5 +449,6 @@ def expert_down(
         PDL=pdl,
         launch_pdl=pdl,
         **fp8_scale_args(w_scale, scale_block, block_k, dummy),
+        **quantized_input_args("z", z, z_quant, fp8, w_scale, scale_block),
     )
     return out

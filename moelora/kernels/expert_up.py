@@ -19,7 +19,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..activations import Activation
-from ..errors import InputError
 from ..tiling.geometry import next_pow2
 from ..tiling.plan import GemmPlan
 from .activation import act_code, apply_act
@@ -31,6 +30,7 @@ from .checks import (
     check_weight_dtype,
     fp8_scale_args,
     precision_flags,
+    quantized_input_args,
     tma_box_ok,
     workspace,
 )
@@ -127,10 +127,10 @@ def _expert_up_kernel(
     # scales xs [T, G]. Defaults: launches without them (every other path) stay as they were.
     xq_ptr=None,
     xs_ptr=None,
-    stride_qm=0,
-    stride_qk=0,
-    stride_sm=0,
-    stride_sg=0,
+    stride_xqm=0,
+    stride_xqk=0,
+    stride_xsm=0,
+    stride_xsg=0,
     X_QUANTIZED: tl.constexpr = False,
     ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel w13 scales, whole-row x scales
 ):
@@ -172,11 +172,12 @@ def _expert_up_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
             if X_QUANTIZED:
-                xq_ptrs = xq_ptr + token[:, None] * stride_qm + offs_k[None, :] * stride_qk
-                xs_ptrs = xs_ptr + token * stride_sm
+                xq_ptrs = xq_ptr + token[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
+                xs_ptrs = xs_ptr + token * stride_xsm
             sa_row = 1.0  # ACT_ROW: each row's scale over all of H, from a pass before the loop
             if ACT_ROW:
-                sa_row = row_scales(x_ptrs, row_valid[:, None], hidden, stride_xk, offs_k)
+                if not X_QUANTIZED:  # else xs holds it (one column, read at stride 0)
+                    sa_row = row_scales(x_ptrs, row_valid[:, None], hidden, stride_xk, offs_k)
             w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
             wg_ptrs = w_base + gate_rows[None, :] * stride_wn
             wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
@@ -193,9 +194,9 @@ def _expert_up_kernel(
                                 xq_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
                             )
                             sa = tl.load(
-                                xs_ptrs + (k0 // SCALE_K) * stride_sg, mask=row_valid, other=0.0
+                                xs_ptrs + (k0 // SCALE_K) * stride_xsg, mask=row_valid, other=0.0
                             )[:, None]
-                            xq_ptrs += BLOCK_K * stride_qk
+                            xq_ptrs += BLOCK_K * stride_xqk
                         else:
                             xt = tl.load(
                                 x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
@@ -366,11 +367,9 @@ def expert_up(
     check_weight_dtype("w13", w13, x, fp8)
     if fp8:
         check_fp8_weight("w13", w13, w_scale, scale_block, block_k)
-        if x_quant is not None and w_scale.dim() == 2:
-            raise InputError("x_quant", "given with per-channel scales", "block-scaled w13")
     if b13 is not None:
         check_shape("b13", b13, (num_experts, rows))
-    quantized = _quantized_x_args(x, x_quant, fp8, scale_block[1])
+    quantized = quantized_input_args("x", x, x_quant, fp8, w_scale, scale_block)
     has_lora = lora_b is not None
     if has_lora:
         check_shape("lora w13_b", lora_b, (None, num_experts, parts, inter_size, None))
@@ -454,25 +453,3 @@ def expert_up(
         **quantized,
     )
     return out
-
-
-def _quantized_x_args(
-    x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None, fp8: bool, group: int
-) -> dict:
-    """The kernel's pre-quantized x arguments: none without x_quant (their defaults)."""
-    if x_quant is None:
-        return {}
-    if not fp8:
-        raise InputError("x_quant", "given with serving-dtype w13", "e4m3 w13 with w_scale")
-    xq, xs = x_quant
-    check_shape("x_quant values", xq, tuple(x.shape))
-    check_shape("x_quant scales", xs, (x.shape[0], -(-x.shape[1] // group)))
-    if xq.dtype != torch.float8_e4m3fn or xs.dtype != torch.float32:
-        raise InputError("x_quant", f"({xq.dtype}, {xs.dtype})", "(float8_e4m3fn, float32)")
-    return dict(
-        xq_ptr=xq,
-        xs_ptr=xs,
-        **strides("q", xq, "mk"),
-        **strides("s", xs, "mg"),
-        X_QUANTIZED=True,
-    )

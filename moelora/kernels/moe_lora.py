@@ -83,6 +83,14 @@ class _Layer:
             "token_slots": self.slots,
         }
 
+    def quantized(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A base GEMM input t [M, K] as FP8 experts read it (W8A8): e4m3 values and fp32
+        scales per row and activation group, quantized once here (quant_rows.py); None for
+        serving-dtype experts."""
+        if not isinstance(self.experts, FP8ExpertWeights):
+            return None
+        return quant_rows(t, self.experts.quant.activation_group)
+
     def scales(self, name: str) -> dict:
         """The GEMM launcher's FP8 arguments for weight `name` ("w13" / "w2"): its scales
         and the format's block, or nothing for serving-dtype experts."""
@@ -162,7 +170,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         lora_ranks=lora.ranks if lora is not None else None,
         tile_rank=lora.tile_rank if lora is not None else None,
         pdl=plan.pdl,
-        x_quant=quant_rows(c.call.x, experts.quant.block[1]) if plan.quantize_x else None,
+        x_quant=c.quantized(c.call.x),
         **c.scales("w13"),
     )
     if lora is None:
@@ -221,6 +229,7 @@ def _down_and_sum(
         sum_into=acc,
         pdl=plan.pdl,
         **c.scales("w2"),
+        z_quant=c.quantized(z),
     )
     num_experts = c.experts.w13.shape[0]
     if before_sum is not None:
@@ -326,6 +335,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         chained=lora is not None,  # after decode_shrink; else the layer's first kernel
         early=plan.early_loads,
         **c.scales("w13"),
+        x_quant=c.quantized(c.call.x),
     )
     if c.comm is not None and z_inter is not None:
         z_inter = c.comm.reduce_rank(z_inter)
@@ -347,6 +357,7 @@ def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         chained=True,
         early=plan.early_loads,
         **c.scales("w2"),
+        z_quant=c.quantized(z),
     )
 
 

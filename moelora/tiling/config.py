@@ -47,7 +47,6 @@ class TileConfig:
     up_tma: bool = False  # the up GEMM's w13 tiles by TMA (gate / up rows not interleaved)
     atomic_reduce: bool = False  # the down GEMM sums pairs into fp32 [T, H] (atomic_reduce.py)
     lora_stream: bool = False  # LoRA: the down LoRA on a side stream beside the down GEMM
-    quantize_x: bool = False  # FP8 experts: x quantized once per token before the up GEMM
 
 
 class Gemm(Enum):
@@ -104,8 +103,6 @@ KNOB_SPECS: tuple[Knob, ...] = (
     Knob("up_tma", (False, True), False, Gemm.UP, True, Search.LAYOUT),
     Knob("atomic_reduce", (False, True), False, Gemm.DOWN, True, Search.LAYOUT),
     Knob("lora_stream", (False, True), True, Gemm.LAYER, True, Search.LORA),
-    # not searched yet: the FP8 A/B decides its default (the table's rows are bf16)
-    Knob("quantize_x", (False, True), False, Gemm.UP, True, Search.NONE),
     Knob("shrink_block_k", (128,), True, Gemm.LORA, False, Search.NONE),
     Knob("group_m", (8,), False, Gemm.BOTH, False, Search.NONE),
     Knob(

@@ -57,7 +57,6 @@ class ForwardPlan:
     top_k_sum: TopKSum
     pdl: bool  # the layer's kernels after the first launched with PDL
     early_loads: bool  # decode: each kernel's first weight step loaded before its wait
-    quantize_x: bool  # FP8 experts, aligned path: x quantized once before the up GEMM
     up: GemmPlan
     down: GemmPlan
 
@@ -93,8 +92,6 @@ def plan_forward(
       shrink_expand act only with it.
     - atomic_reduce: not with delta_in_reduce, whose reduce pass adds the delta rows.
     - down_tma implies z_sorted (the TMA tiles of z need the sorted rows).
-    - quantize_x (set only for FP8 experts, by the backend): the aligned path quantizes x
-      once before the up GEMM; the decode GEMVs quantize their steps themselves.
     - lora_stream: the down side takes the DELTA path with its delta added by the reduce
       (whatever the gate/up side does), so that the z shrink and the delta expand depend
       on z only and run on a side stream while the down GEMM runs LoRA-free; not under
@@ -135,7 +132,6 @@ def plan_forward(
         top_k_sum=TopKSum.ATOMIC if cfg.atomic_reduce and not in_reduce else TopKSum.REDUCE,
         pdl=pdl,
         early_loads=cfg.pdl and (pdl or interpreted),
-        quantize_x=cfg.quantize_x and not cfg.decode,
         up=gemm(cfg.up, 1, cfg.up_tma),
         down=gemm(cfg.down, 2, cfg.down_tma),
     )

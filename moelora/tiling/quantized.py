@@ -1,8 +1,8 @@
 """What FP8 experts (W8A8) ask of a tile config: no TMA weight tiles (their boxes are
 sized for 2-byte elements); for block scales, BLOCK_K equal to the scale block's K side in
-every K loop, GEMM and decode GEMV alike: a step quantizes one activation group per row
-(the amax spans exactly its columns) and reads one weight scale per column. The pipeline's
-stages are refitted to the shared memory for the e4m3 weight tiles."""
+every K loop, GEMM and decode GEMV alike: a step reads one activation group's scale per row
+and one weight scale per column. The inputs arrive quantized (kernels/quant_rows.py), so the
+pipeline's stages are refitted to the shared memory for e4m3 tiles on both sides."""
 
 from __future__ import annotations
 
@@ -18,30 +18,16 @@ from .fit import MARGIN
 MIN_STEP, MAX_STEP = 32, 256
 
 
-def fp8_pipeline_bytes(
-    block_m: int, tiles: GemmTiles, parts: int, x_elem: int, quantized_x: bool = False
-) -> int:
+def fp8_pipeline_bytes(block_m: int, tiles: GemmTiles, parts: int) -> int:
     """Shared memory of an FP8 GEMM's K loop, as Triton's sm_90 compile allocates it
-    (measured on the up and down GEMMs at BLOCK_M 64 and 128, 2-4 stages: exact). Inputs
-    quantized in the loop: one x (or z) tile in the serving dtype and `parts` e4m3 weight
-    tiles per stage but the last, plus an x tile and its e4m3 quantization outside the
-    ring. quantized_x (TileConfig.quantize_x, the up GEMM): an e4m3 x tile and the weight
-    tiles per stage."""
+    (measured on the up GEMM at BLOCK_M 64 and 128, 2-4 stages: exact): an e4m3 input tile
+    and `parts` e4m3 weight tiles per stage."""
     k = tiles.block_k
-    if quantized_x:
-        return tiles.num_stages * (block_m * k + parts * k * tiles.block_n)
-    stage = block_m * k * x_elem + parts * k * tiles.block_n
-    return (tiles.num_stages - 1) * stage + block_m * k * (x_elem + 1)
+    return tiles.num_stages * (block_m * k + parts * k * tiles.block_n)
 
 
 def _step_is_block(
-    block_m: int,
-    tiles: GemmTiles,
-    block_k: int,
-    parts: int,
-    x_elem: int,
-    limit: int | None,
-    quantized_x: bool = False,
+    block_m: int, tiles: GemmTiles, block_k: int, parts: int, limit: int | None
 ) -> GemmTiles:
     """tiles with BLOCK_K = block_k and, under a shared-memory `limit`, fewer stages (down
     to 1) until the pipeline fits (the decode GEMVs hold no pipeline in shared memory)."""
@@ -49,7 +35,7 @@ def _step_is_block(
     while (
         limit is not None
         and tiles.num_stages > 1
-        and fp8_pipeline_bytes(block_m, tiles, parts, x_elem, quantized_x) > limit - MARGIN
+        and fp8_pipeline_bytes(block_m, tiles, parts) > limit - MARGIN
     ):
         tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
     return tiles
@@ -62,18 +48,13 @@ def _gemm_step(cfg: TileConfig, tiles: GemmTiles) -> int:
 
 
 def fit_to_fp8(
-    cfg: TileConfig,
-    quant: QuantConfig,
-    *,
-    parts: int = 2,
-    x_elem: int = 2,
-    shared_memory: int | None = None,
+    cfg: TileConfig, quant: QuantConfig, *, parts: int = 2, shared_memory: int | None = None
 ) -> TileConfig:
     """cfg for e4m3 experts in `quant`'s format (W8A8): no TMA; FP8_BLOCK: BLOCK_K = bk (a
     bk the K loop cannot step by is refused, naming the checkpoint's key); FP8_CHANNEL: the
-    picked BLOCK_K (the activation scale spans the row) and no quantize_x (its groups are
-    the block's). parts: w13's row parts per program (2 gated), x_elem: the serving dtype's
-    bytes, shared_memory: the GPU's per-block bytes (None: no refit, the interpreter)."""
+    picked BLOCK_K, at least MIN_STEP in the GEMMs (the activation scale spans the row).
+    parts: w13's row parts per program (2 gated), shared_memory: the GPU's per-block bytes
+    (None: no refit, the interpreter)."""
     group = quant.activation_group
     if group is not None and (group & (group - 1) or not MIN_STEP <= group <= MAX_STEP):
         raise ConfigError(
@@ -84,17 +65,11 @@ def fit_to_fp8(
             "serve this checkpoint with the reference backend, or re-quantize it with "
             "128x128 blocks",
         )
-    quantize_x = cfg.quantize_x and group is not None
     limit = None if cfg.decode else shared_memory
     return dataclasses.replace(
         cfg,
         up_tma=False,
         down_tma=False,
-        quantize_x=quantize_x,
-        up=_step_is_block(
-            cfg.block_m, cfg.up, group or _gemm_step(cfg, cfg.up), parts, x_elem, limit, quantize_x
-        ),
-        down=_step_is_block(
-            cfg.block_m, cfg.down, group or _gemm_step(cfg, cfg.down), 1, x_elem, limit
-        ),
+        up=_step_is_block(cfg.block_m, cfg.up, group or _gemm_step(cfg, cfg.up), parts, limit),
+        down=_step_is_block(cfg.block_m, cfg.down, group or _gemm_step(cfg, cfg.down), 1, limit),
     )
