@@ -5,15 +5,15 @@ replay, L2 flushed), in one run. Decides FP8 tiles by measurement before any rul
 
 Usage (GPU): python -m benchmarks fp8_sweep [--model qwen3-30b-a3b] [--tokens 256,4096]
              [--iters 20] [--base] [--json out/fp8_sweep.json] [--budget-s 150]
-(--base: the LoRA-free layer. Each T prints the picked config's time, then every candidate's,
-fastest last; a candidate that fails to compile or mismatches is reported and skipped.)
+(--base: the LoRA-free layer. A coordinate search per T from the picked config: BLOCK_M,
+the up tiles, the down tiles, the LoRA path; each T prints the picked and the best config
+with their times; a candidate that fails to compile or mismatches is reported and skipped.)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import time
 
@@ -22,7 +22,7 @@ import torch
 from moelora.backends.triton import fused_moe_lora
 from moelora.bench.runner import time_graph
 from moelora.call import MoECall
-from moelora.compare import FP8, compare
+from moelora.compare import compare
 from moelora.quant.formats import resolve_quantization
 from moelora.quant.fp8_experts import quantize_experts
 from moelora.reference import moe_lora_reference
@@ -31,11 +31,20 @@ from moelora.tiling.pick import pick_config
 
 from .tune import Layer, fit_like_forward, load_model
 
-# (BLOCK_M, up (BLOCK_N, warps, stages), down (BLOCK_N, warps, stages)): BLOCK_K is the
-# scale block's 128 in every FP8 K loop (tiling/quantized.py)
-BLOCK_MS = (64, 128)
-UP = [(n, w, s) for n in (64, 128) for w in (4, 8) for s in (3, 4)]
+FP8 = torch.float8_e4m3fn  # the FP8 row of the tolerance table (moelora/compare.py)
+
+# the grid, BLOCK_K being the scale block's 128 in every FP8 K loop (tiling/quantized.py)
+BLOCK_MS = (16, 32, 64, 128)
+UP = [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (3, 4)]
 DOWN = [(n, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
+# the LoRA paths: the in-GEMM expand, or the delta over the shrink tiles (added by the
+# GEMMs, or the down one by the top-k reduce)
+LORA_PATHS = [
+    dict(lora_delta=False, shrink_expand=False, delta_in_reduce=False, expand_first=False),
+    dict(lora_delta=False, shrink_expand=False, delta_in_reduce=False, expand_first=True),
+    dict(lora_delta=True, shrink_expand=True, delta_in_reduce=False, expand_first=False),
+    dict(lora_delta=True, shrink_expand=True, delta_in_reduce=True, expand_first=False),
+]
 
 
 class FP8Layer(Layer):
@@ -64,18 +73,39 @@ class FP8Layer(Layer):
             return None
 
 
-def candidates(start: TileConfig) -> list[TileConfig]:
-    """The start with its up tiles, then its down tiles, over the grid (coordinate-wise:
-    the up grid at the start's down tiles, the down grid at the start's up tiles), per
-    BLOCK_M."""
-    out = []
-    for block_m in BLOCK_MS:
-        base = dataclasses.replace(start, block_m=block_m, decode=False)
-        for n, w, s in UP:
-            out.append(dataclasses.replace(base, up=GemmTiles(n, 128, w, s)))
-        for n, w, s in DOWN:
-            out.append(dataclasses.replace(base, down=GemmTiles(n, 128, w, s)))
-    return list(dict.fromkeys(out))
+class Search:
+    """Coordinate descent from a start: BLOCK_M, then the up tiles, the down tiles and the
+    LoRA path, each step keeping the fastest (every measured config logged), until the
+    budget runs out."""
+
+    def __init__(self, layer: FP8Layer, lora: bool, deadline: float) -> None:
+        self.layer, self.lora, self.deadline = layer, lora, deadline
+        self.best, self.best_ms, self.log = None, None, []
+
+    def consider(self, cfg: TileConfig) -> None:
+        if time.monotonic() > self.deadline or cfg in (c for c, _ in self.log):
+            return
+        ms = self.layer.measure(cfg, self.lora)
+        self.log.append((cfg, ms))
+        if ms is not None and (self.best_ms is None or ms < self.best_ms):
+            self.best, self.best_ms = cfg, ms
+
+    def run(self, start: TileConfig) -> None:
+        self.consider(start)
+        base = dataclasses.replace(start, decode=False)
+        for block_m in BLOCK_MS:
+            self.consider(dataclasses.replace(base, block_m=block_m))
+        steps = [lambda c, t=t: dataclasses.replace(c, up=GemmTiles(t[0], 128, t[1], t[2]))
+                 for t in UP]  # fmt: skip
+        downs = [lambda c, t=t: dataclasses.replace(c, down=GemmTiles(t[0], 128, t[1], t[2]))
+                 for t in DOWN]  # fmt: skip
+        paths = (
+            [lambda c, k=k: dataclasses.replace(c, **k) for k in LORA_PATHS] if self.lora else []
+        )
+        for group in (steps, downs, paths):
+            center = self.best or base
+            for step in group:
+                self.consider(step(center))
 
 
 def main() -> None:
@@ -96,28 +126,24 @@ def main() -> None:
     torch.cuda.empty_cache()
     lora_on = not a.base
     rows = []
-    for t in (int(v) for v in a.tokens.split(",")):
+    tokens = [int(v) for v in a.tokens.split(",")]
+    for n, t in enumerate(tokens):
         layer = FP8Layer(model, fp8, lora, t, a.iters)
         bank = lora if lora_on else None
         rank, slots = (lora.tile_rank, lora.num_slots) if lora_on else (0, 0)
         picked = fit_like_forward(pick_config(t, *dims, lora=lora_on, rank=rank, slots=slots),
                                   model, bank)  # fmt: skip
-        picked_ms = layer.measure(picked, lora_on)
-        print(f"T={t} picked {picked_ms} ms  ({picked})", flush=True)
-        results = []
-        for cfg in candidates(picked):
-            if time.monotonic() - start_s > a.budget_s:
-                print("  budget reached", flush=True)
-                break
-            ms = layer.measure(cfg, lora_on)
-            if ms is not None:
-                results.append((ms, cfg))
-        results.sort(key=lambda r: r[0])
-        for ms, cfg in itertools.islice(reversed(results), max(0, len(results) - 5), None):
-            print(f"  {ms:.4f} ms  bm={cfg.block_m} up={cfg.up} down={cfg.down}", flush=True)
+        # each T gets an equal share of what is left
+        share = (a.budget_s - (time.monotonic() - start_s)) / (len(tokens) - n)
+        search = Search(layer, lora_on, time.monotonic() + share)
+        search.run(picked)
+        picked_ms = search.log[0][1]
+        print(f"T={t} picked {picked_ms} ms ({picked})", flush=True)
+        print(f"T={t} best {search.best_ms} ms ({search.best})  of {len(search.log)}", flush=True)
         rows.append(dict(tokens=t, lora=lora_on, picked_ms=picked_ms,
-                         picked=dataclasses.asdict(picked),
-                         best=[dict(ms=ms, cfg=dataclasses.asdict(c)) for ms, c in results[:5]]))  # fmt: skip
+                         picked=dataclasses.asdict(picked), best_ms=search.best_ms,
+                         best=dataclasses.asdict(search.best) if search.best else None,
+                         log=[dict(ms=ms, cfg=dataclasses.asdict(c)) for c, ms in search.log]))  # fmt: skip
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)
