@@ -48,11 +48,11 @@ QWEN3_30B_A3B = dict(
 )  # fmt: skip
 
 
-def build(layers: int, device: str = "cuda", **sizes):
+def build(layers: int, device: str = "cuda", seed: int = 0, **sizes):
     """A random bf16 Qwen3-MoE of Qwen3-30B-A3B's shape (`sizes` override it) on `device`."""
     import transformers as tf
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = tf.Qwen3MoeConfig(
         **(QWEN3_30B_A3B | sizes), num_hidden_layers=layers, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
