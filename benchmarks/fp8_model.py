@@ -62,6 +62,7 @@ def fp8_phase(a, root: Path, adapters: dict[str, Path], emit, device: str) -> No
         qc = json.loads((root / "config.json").read_text())["quantization_config"]
         model.config.quantization_config = qc
     hf_own = model.config._experts_implementation or "grouped_mm"
+    twin = fp32_twin(model) if a.dtype != "fp32" else None
     handle = attach(model, num_slots=a.adapters, max_rank=a.rank)
     for name, path in adapters.items():
         handle.load_adapter(path, name=name)
@@ -72,7 +73,7 @@ def fp8_phase(a, root: Path, adapters: dict[str, Path], emit, device: str) -> No
     truth = fp8_truth.install(model, layers, adapters)
     runs = Runs(model, handle, a.adapters, hf_own, Clock(device))
     hf_runs = _hf_runs(runs, device, emit)
-    emit(**check(a, runs, truth, device, hf_runs))
+    emit(**check(a, runs, truth, device, hf_runs, twin))
     label = {"ml": f"moelora_fp8_{a.adapters}_mixed", "hf": f"hf_fp8_base_{hf_own}"}
     time_batches(a, runs, ["hf", "ml"] if hf_runs else ["ml"], label, emit, device)
 
@@ -99,7 +100,7 @@ def _rel(out, ref) -> float:
     return compare(out, ref, tol=float("inf")).rel_err
 
 
-def check(a, runs, truth, device: str, hf_runs: bool) -> dict:
+def check(a, runs, truth, device: str, hf_runs: bool, twin) -> dict:
     """One mixed batch (each adapter, then a base row) through moelora against the truths:
     equal leading tokens of the first --check-new, and prompt logits rel err, per row. The
     base row's truth is transformers' own FP8 model (the W8A8 truth where it cannot run)."""
@@ -125,25 +126,52 @@ def check(a, runs, truth, device: str, hf_runs: bool) -> dict:
         result.append(dict(row=row, adapter=name, equal_prefix_tokens=equal,
                            truth="hf_own_fp8" if own else "w8a8_truth+peft_delta",
                            logits_rel_err=_rel(mine[row], want)))  # fmt: skip
-    measured = _noise(runs, truth, ids, mine, names, hf_runs)
+    measured = _noise(runs, truth, ids, mine, names, hf_runs, twin)
     ok = all(r["logits_rel_err"] <= measured["tol"] for r in result)  # NaN fails
     return dict(kind="check", of=n, rows=result, **measured, ok=ok)
 
 
-def _noise(runs, truth, ids, mine, names, hf_runs: bool) -> dict:
-    """The measured noise (transformers' own FP8 experts against the W8A8 truth on the base
-    row), the tolerance it sets (generate's 16-bit rule, in every dtype: max(the table,
-    2 x the noise)), the verdict, and what the check resolves (the first adapter's effect
-    on its row; the base row against the W8A8 truth)."""
+def fp32_twin(model):
+    """A copy of `model` with its non-expert weights in fp32 and its experts modules shared
+    (nothing of them copied; they follow `model`'s experts implementation): the W8A8 truth
+    on it is the truth in fp32 between the experts, for the noise of the serving dtype."""
+    import copy
+
+    shared = {id(layer.mlp.experts): layer.mlp.experts for layer in model.model.layers}
+    twin = copy.deepcopy(model, memo=dict(shared))
+    for module in twin.modules():
+        if id(module) in shared:
+            continue
+        for key, p in module._parameters.items():
+            if p is not None and p.dtype in (torch.bfloat16, torch.float16):
+                module._parameters[key] = torch.nn.Parameter(p.data.float(), requires_grad=False)
+    return twin
+
+
+def _noise(runs, truth, ids, mine, names, hf_runs: bool, twin) -> dict:
+    """The measured noise on the base row: transformers' own FP8 experts against the W8A8
+    truth (where they run), and the truth in the serving dtype against the truth with fp32
+    between the experts (`twin`; none in fp32); the tolerance they set (generate's 16-bit
+    rule, in every dtype: max(the table, 2 x the larger)); what the check resolves (the
+    first adapter's effect on its row; the base row against the W8A8 truth)."""
     base = len(names) - 1
     truth.select(None)
     w8a8_base = _prompt_logits(runs, fp8_truth.NAME, ids[[base]])
-    noise = _rel(_prompt_logits(runs, runs.hf_own, ids[[base]]), w8a8_base) if hf_runs else None
+    noise = {"hf_own_vs_w8a8": None, "w8a8_vs_w8a8_fp32": None}
+    if twin is not None:  # the shared experts run the truth: `model` has it selected
+        with torch.no_grad():
+            exact = twin(input_ids=ids[[base]]).logits[0].float()
+        noise["w8a8_vs_w8a8_fp32"] = _rel(w8a8_base, exact)
+    if hf_runs:
+        noise["hf_own_vs_w8a8"] = _rel(_prompt_logits(runs, runs.hf_own, ids[[base]]), w8a8_base)
     plain = _prompt_logits(runs, fp8_truth.NAME, ids[[0]])
     truth.select(names[0])
     effect = _rel(_prompt_logits(runs, fp8_truth.NAME, ids[[0]]), plain)
     table = REL_TOL[runs.model.dtype]
-    tol = table if noise is None else max(table, NOISE_FACTOR * noise)
-    rule = f"max(the {runs.model.dtype} table, {NOISE_FACTOR} x the noise)"
+    measured = [v for v in noise.values() if v is not None]
+    tol = max([table] + [NOISE_FACTOR * v for v in measured])
+    if any(v != v for v in measured):  # NaN noise: a NaN tolerance, which every row fails
+        tol = float("nan")
+    rule = f"max(the {runs.model.dtype} table, {NOISE_FACTOR} x the larger noise)"
     return dict(noise_rel_err=noise, adapter_effect_rel_err=effect, tol=tol, rule=rule,
                 base_row_vs_w8a8_truth_rel_err=_rel(mine[base], w8a8_base))  # fmt: skip
