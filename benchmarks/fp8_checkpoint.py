@@ -64,9 +64,9 @@ def quantization_config(block: int) -> dict:
 
 def scratch_dir(need_bytes: int) -> Path:
     """A fresh directory on /dev/shm when it has room for `need_bytes` (the fastest place
-    to write and read a checkpoint back), else in the temp directory."""
+    to write and read back), else in the temp directory."""
     shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * need_bytes:
+    if shm.is_dir() and shutil.disk_usage(shm).free > 1.1 * need_bytes:
         return Path(tempfile.mkdtemp(dir=shm, prefix="moelora-fp8-"))
     return Path(tempfile.mkdtemp(prefix="moelora-fp8-"))
 

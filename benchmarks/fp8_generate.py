@@ -197,11 +197,14 @@ def main(argv=None) -> list[dict]:
     if a.tiny:
         a.layers, a.block = min(a.layers, 2), 32
     model = build(a.layers, device, a.seed, **(TINY if a.tiny else {})).to(DTYPES[a.dtype])
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    root = scratch_dir(params // 2 + a.adapters * params // 20)
+    sizes = _sizes(model, a)
+    ckpt = scratch_dir(sizes["checkpoint"])  # /dev/shm first: the checkpoint is read back
+    lora = scratch_dir(sizes["checkpoint"] + sizes["adapters"])  # beside it if both fit
+    emit(kind="scratch", checkpoint=str(ckpt), adapters=str(lora),
+         **{f"{k}_gib": round(v / 2**30, 2) for k, v in sizes.items()})  # fmt: skip
     try:
-        adapters = write_adapters(model, root / "adapters", a.adapters, a.rank, a.lora_std)
-        write_fp8_checkpoint(model, root / "model", a.block, a.layout)
+        adapters = write_adapters(model, lora / "adapters", a.adapters, a.rank, a.lora_std)
+        write_fp8_checkpoint(model, ckpt / "model", a.block, a.layout)
         full_precision_phase(a, model, adapters, emit, device)
         del model
         gc.collect()
@@ -209,12 +212,26 @@ def main(argv=None) -> list[dict]:
             torch.cuda.empty_cache()
         from benchmarks.fp8_model import fp8_phase
 
-        fp8_phase(a, root / "model", adapters, emit, device)
+        fp8_phase(a, ckpt / "model", adapters, emit, device)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.rmtree(lora, ignore_errors=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def _sizes(model, a) -> dict[str, int]:
+    """Bytes on disk: the FP8 checkpoint (an e4m3 byte per expert weight, the rest as held)
+    and the adapters (PEFT saves fp32: r x (in + out) per expert parameter and expert)."""
+    experts = non_experts = lora = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            experts += p.numel()
+            lora += p.shape[0] * a.rank * (p.shape[1] + p.shape[2]) * 4
+        else:
+            non_experts += p.numel() * p.element_size()
+    return {"checkpoint": experts + non_experts, "adapters": a.adapters * lora}
 
 
 def full_precision_phase(a, model, adapters: dict[str, Path], emit, device: str) -> None:
