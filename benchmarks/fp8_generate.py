@@ -213,11 +213,11 @@ def main(argv=None) -> list[dict]:
         from benchmarks.fp8_model import fp8_phase
 
         fp8_phase(a, ckpt / "model", adapters, emit, device)
-    finally:
+    finally:  # what ran is kept, also when a later step fails
         shutil.rmtree(ckpt, ignore_errors=True)
         shutil.rmtree(lora, ignore_errors=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=1))
     return rows
 
 

@@ -79,10 +79,10 @@ def fp8_phase(a, root: Path, adapters: dict[str, Path], emit, device: str) -> No
 
 
 def _hf_runs(runs, device: str, emit) -> bool:
-    """Whether transformers' own FP8 experts run here (5.24's need the `kernels` package
-    and its hub kernel); if not, says why, and the run goes on without them."""
-    try:
-        _prompt_logits(runs, runs.hf_own, torch.ones(1, 4, dtype=torch.long, device=device))
+    """Whether transformers' own FP8 experts generate here (5.24's need the `kernels`
+    package and its hub kernel); if not, says why, and the run goes on without them."""
+    try:  # a prefill and decode steps, as the timing runs them
+        runs.hf(torch.ones(2, 4, dtype=torch.long, device=device), 3)
         return True
     except Exception as err:  # any failure of HF's kernels: report it, go on
         emit(kind="hf_fp8_unavailable", implementation=runs.hf_own,
