@@ -186,14 +186,14 @@ def main(argv=None) -> list[dict]:
     from benchmarks.fp8_checkpoint import scratch_dir, write_fp8_checkpoint
     from benchmarks.hf_generate import build
 
-    rows: list[dict] = []
+    rows: list[dict] = []  # every result, in order
 
     def emit(**r):
         rows.append(r)
         print(json.dumps(r), flush=True)
 
-    emit(kind="versions", transformers=tf.__version__, torch=torch.__version__,
-         device=torch.cuda.get_device_name() if device == "cuda" else "cpu")  # fmt: skip
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    emit(kind="versions", transformers=tf.__version__, torch=torch.__version__, device=name)
     if a.tiny:
         a.layers, a.block = min(a.layers, 2), 32
     model = build(a.layers, device, a.seed, **(TINY if a.tiny else {})).to(DTYPES[a.dtype])
@@ -206,10 +206,8 @@ def main(argv=None) -> list[dict]:
         adapters = write_adapters(model, lora / "adapters", a.adapters, a.rank, a.lora_std)
         write_fp8_checkpoint(model, ckpt / "model", a.block, a.layout)
         full_precision_phase(a, model, adapters, emit, device)
-        del model
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        del model  # freed before transformers loads the FP8 directory
+        _free(device)
         from benchmarks.fp8_model import fp8_phase
 
         fp8_phase(a, ckpt / "model", adapters, emit, device)
@@ -219,6 +217,12 @@ def main(argv=None) -> list[dict]:
         if a.json:
             Path(a.json).write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _sizes(model, a) -> dict[str, int]:
