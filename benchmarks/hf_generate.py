@@ -40,17 +40,24 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build(layers: int):
+# Qwen3-30B-A3B's shape (all but the depth)
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8,
+)  # fmt: skip
+
+
+def build(layers: int, device: str = "cuda", seed: int = 0, **sizes):
+    """A random bf16 Qwen3-MoE of Qwen3-30B-A3B's shape (`sizes` override it) on `device`."""
     import transformers as tf
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = tf.Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], max_position_embeddings=4096,
+        **(QWEN3_30B_A3B | sizes), num_hidden_layers=layers, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
     )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to("cuda").eval()
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device).eval()
     with torch.no_grad():  # non-zero experts (from_config may leave them at zero)
         for name, p in model.named_parameters():
             if "experts" in name:

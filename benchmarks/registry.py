@@ -59,6 +59,7 @@ TOOLS: dict[str, Tool] = {
         Tool("gemm_ceiling", Kind.TIMING, Needs.GPU),
         Tool("read_floor", Kind.TIMING, Needs.GPU),
         Tool("hf_generate", Kind.TIMING, Needs.GPU),
+        Tool("fp8_generate", Kind.TIMING, Needs.GPU),
         Tool("hf_profile", Kind.TIMING, Needs.GPU),
         Tool("serve_load", Kind.TIMING, Needs.GPU),
         Tool("class_neighbours", Kind.CHECK, Needs.GPU),

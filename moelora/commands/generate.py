@@ -33,6 +33,7 @@ from ..errors import (
     UnsupportedDeploymentError,
     adapter_refusal,
 )
+from . import generate_fp8
 from . import generate_inputs as inputs
 from .flag_terms import VLLM_LORA_FLAGS
 from .generate_check import CheckResult, check_row, verdict
@@ -196,7 +197,11 @@ def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
     orientation = args.fused_orientation
     ranks = {name: _load(handle, path, name, orientation) for name, path in adapters.items()}
     batch, seconds = _generate(handle, rows, prompts, _pad_id(tok), args.max_new_tokens)
-    checked = _check(base, adapters, truths, batch, handle, dtype) if check else None
+    checked = None
+    if check and args.model is not None and generate_fp8.is_fp8(base):
+        checked = generate_fp8.check(base, args.model, adapters, batch, handle)  # W8A8 truth
+    elif check:
+        checked = _check(base, adapters, truths, batch, handle, dtype)
     mc, sel = handle.model_config, handle.selection
     shape = mc.shape
     result = Run(

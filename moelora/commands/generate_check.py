@@ -71,7 +71,8 @@ def tolerance(dtype: torch.dtype, noise: list[Noise]) -> tuple[float, str]:
     """(relative tolerance of the prompt logits, how it was set). NaN noise adds nothing."""
     table = REL_TOL[dtype]
     if dtype == torch.float32 or not noise:
-        return table, f"tol {table:.1e} ({dtype_name(dtype)} table) and equal tokens"
+        tokens = " and equal tokens" if dtype == torch.float32 else ""
+        return table, f"tol {table:.1e} ({dtype_name(dtype)} table){tokens}"
     largest = max((n.rel_err for n in noise if n.rel_err == n.rel_err), default=0.0)
     tol = max(table, NOISE_FACTOR * largest)
     return tol, (

@@ -98,7 +98,22 @@ def experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weig
 
 
 def register() -> None:
-    """Register NAME in transformers' ExpertsInterface (idempotent)."""
+    """Register NAME in transformers' ExpertsInterface (idempotent), and in its FP8 experts'
+    own interface where it has one: an FP8Experts module (an FP8 checkpoint on a GPU >= sm89)
+    dispatches through FP8ExpertsInterface, whose mapping is its own dict."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(NAME, experts_forward)
+    for interface in fp8_experts_interfaces():
+        interface.register(NAME, experts_forward)
+
+
+def fp8_experts_interfaces() -> list[type]:
+    """transformers' FP8 experts interface class, where this version has one (5.24:
+    integrations.finegrained_fp8.FP8ExpertsInterface); else none."""
+    try:
+        from transformers.integrations import finegrained_fp8
+    except ImportError:  # a transformers without FP8 experts: they load dequantized
+        return []
+    found = getattr(finegrained_fp8, "FP8ExpertsInterface", None)
+    return [] if found is None else [found]

@@ -1,0 +1,255 @@
+"""Model-level FP8 benchmark: a Qwen3-MoE of Qwen3-30B-A3B's shape (random weights,
+--layers layers) served by moelora with --adapters PEFT adapters in one mixed batch, in bf16
+and then from an FP8 checkpoint of the same model (128x128 block e4m3 experts, W8A8), beside
+transformers' own FP8 model; one process, one JSON line per result.
+
+1. bf16: moelora generate tokens/s at each batch (the figure the FP8 run stands beside).
+2. The experts quantized layer by layer on the device, written as transformers writes an FP8
+   checkpoint (fp8_checkpoint.py), the bf16 model freed, the directory loaded with
+   transformers' from_pretrained: where it keeps its FP8Experts (a GPU >= sm89) moelora
+   views them, else it holds them dequantized and moelora reads the files.
+3. Check: one mixed batch (each adapter, then a base row), its first --check-new tokens and
+   its prompt logits: the base row against transformers' own FP8 model generating alone,
+   the adapter rows against the W8A8 truth (moelora/commands/fp8_truth.py: transformers'
+   eager experts loop, base GEMMs on quantized inputs, PEFT's delta on the unquantized
+   rows). The noise: the base row under transformers' own FP8 experts against the truth;
+   every row must be within generate's tolerance (max(bf16 table, 2 x that noise)).
+4. FP8 timing: moelora (mixed adapters) and transformers' own FP8 experts (base rows)
+   alternating, the order flipped each repeat, after a warm-up at every timed shape.
+
+    python -m benchmarks.fp8_generate --json out/fp8_generate.json
+    python -m benchmarks.fp8_generate --tiny   # a CPU run in seconds (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+    num_experts_per_tok=2,
+)  # fmt: skip
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="timed passes per configuration")
+    p.add_argument("--check-new", type=int, default=8, help="tokens checked per row")
+    p.add_argument("--check-prompt", type=int, default=32, help="prompt tokens of the check")
+    p.add_argument("--block", type=int, default=128, help="the weight_block_size side")
+    p.add_argument("--layout", choices=("per_expert", "fused"), default="per_expert",
+                   help="the checkpoint's expert layout (fp8_checkpoint.LAYOUTS)")  # fmt: skip
+    p.add_argument("--lora-std", type=float, default=0.02, help="std of the random factors")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="the model's dtype (fp32: the tests' exact check)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="weights, factors and prompts")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (CPU tests)")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+class Clock:
+    """Wall time and peak memory on the run's device (a CPU: the process's max RSS)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, call, *args) -> float:
+        import time
+
+        self.sync()
+        start = time.perf_counter()
+        call(*args)
+        self.sync()
+        return time.perf_counter() - start
+
+    def peak_gib(self, call, *args) -> float:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            call(*args)
+            return round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        import resource
+
+        call(*args)
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+
+
+def write_adapters(model, root: Path, count: int, rank: int, std: float) -> dict[str, Path]:
+    """`count` random PEFT target_parameters adapters, saved by PEFT; the model is wrapped in
+    place and unwrapped after (no copy of the model)."""
+    from peft import LoraConfig, get_peft_model
+
+    lc = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=[], init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )  # fmt: skip
+    pm = get_peft_model(model, lc, adapter_name="a0")
+    for k in range(1, count):
+        pm.add_adapter(f"a{k}", lc)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, std)
+    pm.save_pretrained(str(root))  # one subdirectory per adapter name
+    pm.unload()
+    return {f"a{k}": root / f"a{k}" for k in range(count)}
+
+
+class Runs:
+    """The generate calls the benchmark times: moelora on mixed adapters, transformers on
+    base rows with its own experts implementation `hf_own`."""
+
+    def __init__(self, model, handle, adapters: int, hf_own: str, clock: Clock) -> None:
+        self.model, self.handle, self.adapters, self.hf_own = model, handle, adapters, hf_own
+        self.clock = clock
+        self.kw = dict(do_sample=False, pad_token_id=0)
+
+    def names(self, rows: int) -> list[str]:
+        return [f"a{i % self.adapters}" for i in range(rows)]
+
+    def ml(self, ids, new: int):
+        self.model.set_experts_implementation("moelora")
+        return self.handle.generate(ids, adapter_names=self.names(ids.shape[0]),
+                                    max_new_tokens=new, min_new_tokens=new, **self.kw)  # fmt: skip
+
+    def hf(self, ids, new: int):
+        self.model.set_experts_implementation(self.hf_own)
+        with torch.no_grad():
+            return self.model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new,
+                                       **self.kw)  # fmt: skip
+
+    def prefill(self, which: str, ids) -> float:
+        def call():
+            with torch.no_grad():
+                if which == "hf":
+                    self.model.set_experts_implementation(self.hf_own)
+                    self.model(input_ids=ids)
+                else:
+                    self.model.set_experts_implementation("moelora")
+                    self.handle(ids, adapter_names=self.names(ids.shape[0]))
+
+        return self.clock.time(call)
+
+
+def time_batches(a, runs: Runs, which: list[str], label: dict, emit, device) -> None:
+    """Tokens/s, prefill and decode of each of `which` ("ml", "hf") at each batch: a warm-up
+    at every timed shape first, then --repeats passes alternating, the order flipped."""
+    vocab = runs.model.config.vocab_size
+    batches = [int(b) for b in a.batches.split(",")]
+    gen = torch.Generator().manual_seed(a.seed + 2)
+    shapes = {b: torch.randint(1, vocab, (b, a.prompt), generator=gen).to(device) for b in batches}
+    for ids in shapes.values():
+        for w in which:
+            getattr(runs, w)(ids, a.new), runs.prefill(w, ids)
+    for b, ids in shapes.items():
+        times = {w: ([], []) for w in which}
+        for rep in range(a.repeats):
+            for w in which if rep % 2 == 0 else which[::-1]:
+                times[w][0].append(runs.clock.time(getattr(runs, w), ids, a.new))
+                times[w][1].append(runs.prefill(w, ids))
+        for w in which:
+            total, pre = min(times[w][0]), min(times[w][1])
+            emit(kind=label[w], batch=b, tok_s=round(b * a.new / total, 1),
+                 prefill_ms=round(pre * 1e3, 2),
+                 decode_tok_s=round(b * (a.new - 1) / max(total - pre, 1e-9), 1),
+                 peak_gib=runs.clock.peak_gib(getattr(runs, w), ids, a.new))  # fmt: skip
+
+
+def main(argv=None) -> list[dict]:
+    a = parse(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # Triton kernels, where chosen, run in its interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import transformers as tf
+
+    from benchmarks.fp8_checkpoint import scratch_dir, write_fp8_checkpoint
+    from benchmarks.hf_generate import build
+
+    rows: list[dict] = []  # every result, in order
+
+    def emit(**r):
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    emit(kind="versions", transformers=tf.__version__, torch=torch.__version__, device=name)
+    if a.tiny:
+        a.layers, a.block = min(a.layers, 2), 32
+    model = build(a.layers, device, a.seed, **(TINY if a.tiny else {})).to(DTYPES[a.dtype])
+    sizes = _sizes(model, a)
+    ckpt = scratch_dir(sizes["checkpoint"])  # /dev/shm first: the checkpoint is read back
+    lora = scratch_dir(sizes["checkpoint"] + sizes["adapters"])  # beside it if both fit
+    emit(kind="scratch", checkpoint=str(ckpt), adapters=str(lora),
+         **{f"{k}_gib": round(v / 2**30, 2) for k, v in sizes.items()})  # fmt: skip
+    try:
+        adapters = write_adapters(model, lora / "adapters", a.adapters, a.rank, a.lora_std)
+        write_fp8_checkpoint(model, ckpt / "model", a.block, a.layout)
+        full_precision_phase(a, model, adapters, emit, device)
+        del model  # freed before transformers loads the FP8 directory
+        _free(device)
+        from benchmarks.fp8_model import fp8_phase
+
+        fp8_phase(a, ckpt / "model", adapters, emit, device)
+    finally:  # what ran is kept, also when a later step fails
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.rmtree(lora, ignore_errors=True)
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sizes(model, a) -> dict[str, int]:
+    """Bytes on disk: the FP8 checkpoint (an e4m3 byte per expert weight, the rest as held)
+    and the adapters (PEFT saves fp32: r x (in + out) per expert parameter and expert)."""
+    experts = non_experts = lora = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            experts += p.numel()
+            lora += p.shape[0] * a.rank * (p.shape[1] + p.shape[2]) * 4
+        else:
+            non_experts += p.numel() * p.element_size()
+    return {"checkpoint": experts + non_experts, "adapters": a.adapters * lora}
+
+
+def full_precision_phase(a, model, adapters: dict[str, Path], emit, device: str) -> None:
+    from moelora.hf import attach
+
+    hf_own = model.config._experts_implementation or "grouped_mm"
+    handle = attach(model, num_slots=a.adapters, max_rank=a.rank)
+    for name, path in adapters.items():
+        handle.load_adapter(path, name=name)
+    emit(kind=f"{a.dtype}_setup", backend=handle.backend_name)
+    runs = Runs(model, handle, a.adapters, hf_own, Clock(device))
+    time_batches(a, runs, ["ml"], {"ml": f"moelora_{a.dtype}_{a.adapters}_mixed"}, emit, device)
+    handle.detach()
+
+
+if __name__ == "__main__":
+    main()
