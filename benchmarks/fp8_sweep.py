@@ -60,8 +60,12 @@ class FP8Layer(Layer):
         static = tuple(t.clone() for t in self.sets[0])
         n = self.n
         if lora not in self.refs:
-            self.refs[lora] = moe_lora_reference(
-                *(t[:n] for t in static), self.experts, bank, shape, weights_on_input=False
+            self.refs[lora] = moe_lora_reference(  # W8A8 on the fp32 dequantized experts
+                *(t[:n] for t in static),
+                self.experts.dequantize(),
+                bank,
+                shape,
+                weights_on_input=False,
             )
         try:
             if not compare(fwd(*static)[:n], self.refs[lora], FP8).ok:
