@@ -52,10 +52,12 @@ class Variant(NamedTuple):
 
 
 NO_LORA = dict(HAS_LORA=False, BLOCK_L=1, SLOTS_PER_DOT=1)  # one (unused) slot per dot
-# BLOCK_K fitted to the 128x128 blocks' K side; the input quantized before (quant_rows.py)
-FP8_STEP = dict(W_FP8=True, BLOCK_K=128, X_QUANTIZED=True)
-# the picked BLOCK_K 64; whole-row input scales
-FP8_CHANNEL = dict(W_FP8=True, SCALE_N=1, SCALE_K=64, ACT_ROW=True, X_QUANTIZED=True)
+# BLOCK_K fitted to the 128x128 blocks' K side; the input quantized before (quant_rows.py);
+# from BLOCK_M 64 the FP8 tiles (tiling/quantized.py: BLOCK_M 64, up BLOCK_N 64, down 128)
+FP8_STEP = dict(W_FP8=True, BLOCK_K=128, X_QUANTIZED=True, BLOCK_M=64)
+FP8_UP, FP8_DOWN = dict(BLOCK_N=64), dict(BLOCK_N=128)
+# whole-row input scales, the FP8 tiles' BLOCK_K 128
+FP8_CHANNEL = dict(FP8_STEP, SCALE_N=1, SCALE_K=128, ACT_ROW=True)
 VARIANTS = {
     ("up", "default"): Variant({}, {}),
     ("up", "half-tail"): Variant(dict(half_tail=1), dict(TAIL_VARIANTS=2)),
@@ -115,19 +117,19 @@ VARIANTS = {
     ),
     # block-scaled e4m3 experts (W8A8): a K step is one 128-column scale block, its input
     # rows quantized before the GEMM, multiplied on the FP8 tensor cores
-    ("up", "fp8-block"): Variant({}, FP8_STEP, fp8="fp8_block"),
+    ("up", "fp8-block"): Variant({}, dict(FP8_STEP, **FP8_UP), fp8="fp8_block"),
     ("up", "fp8-block-half-tail-expand-first"): Variant(
         dict(half_tail=1, expand_first=True),
-        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, **FP8_STEP),
+        dict(TAIL_VARIANTS=2, EXPAND_FIRST=True, **FP8_STEP, **FP8_UP),
         fp8="fp8_block",
     ),
-    ("down", "fp8-block"): Variant({}, FP8_STEP, fp8="fp8_block"),
+    ("down", "fp8-block"): Variant({}, dict(FP8_STEP, **FP8_DOWN), fp8="fp8_block"),
     # per-channel e4m3 experts: each row's one activation scale, read at every step
-    ("up", "fp8-channel"): Variant({}, FP8_CHANNEL, fp8="fp8_channel"),
-    ("down", "fp8-channel"): Variant({}, FP8_CHANNEL, fp8="fp8_channel"),
+    ("up", "fp8-channel"): Variant({}, dict(FP8_CHANNEL, **FP8_UP), fp8="fp8_channel"),
+    ("down", "fp8-channel"): Variant({}, dict(FP8_CHANNEL, **FP8_DOWN), fp8="fp8_channel"),
     ("down", "fp8-block-atomic-no-lora"): Variant(
         dict(atomic_reduce=True),
-        dict(ATOMIC=True, **FP8_STEP, **NO_LORA),
+        dict(ATOMIC=True, **FP8_STEP, **FP8_DOWN, **NO_LORA),
         lora=False,
         fp8="fp8_block",
     ),

@@ -306,10 +306,9 @@ H200_SHARED = 232448  # bytes of shared memory per block on an H200 (sm_90)
 # (id, BLOCK_M, up tiles, down tiles, expected stages up / down) - the FP8 pipeline refit;
 # the bytes were measured in Triton's sm_90 compiles (fp8_pipeline_bytes)
 STAGE_CASES = [
-    # 4 stages of e4m3 tiles: 196608 bytes (the up GEMM's sm_90 compile), both GEMMs fit
-    ("bm128_4_stages_fit", 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), 4, 4),
-    ("bm128_wide_up_refit", 128, GemmTiles(256, 64, 8, 4), GemmTiles(256, 64, 8, 4), 2, 4),
-    ("bm64_4_stages_fit", 64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4), 4, 4),
+    ("bm32_4_stages_fit", 32, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), 4, 4),
+    ("bm32_wide_up_refit", 32, GemmTiles(256, 64, 8, 4), GemmTiles(256, 64, 8, 4), 3, 4),
+    ("bm16_wide_up_refit", 16, GemmTiles(512, 64, 8, 4), GemmTiles(128, 64, 4, 4), 1, 4),
 ]  # fmt: skip
 
 
@@ -326,8 +325,23 @@ def test_fp8_pipeline_is_refitted_to_shared_memory(
     fitted = fit_to_fp8(cfg, quant, parts=2, shared_memory=H200_SHARED)
     assert (fitted.up.num_stages, fitted.down.num_stages) == (up_stages, down_stages), name
     assert fp8_pipeline_bytes(block_m, fitted.up, 2) < H200_SHARED
+    # 4 stages of [128, 128] e4m3 tiles: 196608 bytes in the up GEMM's sm_90 compile
     assert fp8_pipeline_bytes(128, GemmTiles(128, 128, 8, 4), 2) == 196608
     assert fit_to_fp8(cfg, quant).up.num_stages == up.num_stages  # no GPU: no refit
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_fp8_gemms_from_block_m_64_take_the_measured_fp8_tiles(block_m) -> None:
+    """The aligned path's FP8 GEMMs at BLOCK_M 64 and up run the tiles the H200 sweep chose
+    (tiling/quantized.py), whatever bf16 row was picked; the decode GEMVs keep theirs."""
+    from moelora.tiling.quantized import LARGE_DOWN, LARGE_M, LARGE_UP, fit_to_fp8
+
+    cfg = TileConfig(block_m, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4), up_tma=True)
+    fitted = fit_to_fp8(cfg, QuantConfig(Quantization.FP8_BLOCK), shared_memory=H200_SHARED)
+    assert (fitted.block_m, fitted.up, fitted.down) == (LARGE_M, LARGE_UP, LARGE_DOWN)
+    assert not fitted.up_tma
+    decode = dataclasses.replace(cfg, decode=True)
+    assert fit_to_fp8(decode, QuantConfig(Quantization.FP8_BLOCK)).up.block_n == 128
 
 
 def _rows_with_ties(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:

@@ -13,6 +13,12 @@ from ..quant.formats import QuantConfig
 from .config import GemmTiles, TileConfig
 from .fit import MARGIN
 
+# The FP8 GEMM tiles from BLOCK_M 64 up (the bf16 rows there hold two fp32 accumulators of
+# [128, 128] plus each K step's scaled product: benchmarks/fp8_sweep.py on the H200 at
+# 56979e1, Qwen3-30B-A3B +LoRA, T = 4096: the bf16 row refitted 3.198 ms, these 1.131)
+LARGE_M = 64
+LARGE_UP = GemmTiles(64, 128, 4, 3)
+LARGE_DOWN = GemmTiles(128, 128, 4, 3)
 # A K step of the FP8 dot: Hopper's e4m3 MMA takes K in steps of 32; a [BLOCK_M, 256] x tile
 # is the widest the fit below keeps in shared memory at BLOCK_M 128.
 MIN_STEP, MAX_STEP = 32, 256
@@ -66,6 +72,8 @@ def fit_to_fp8(
             "128x128 blocks",
         )
     limit = None if cfg.decode else shared_memory
+    if not cfg.decode and cfg.block_m >= LARGE_M:
+        cfg = dataclasses.replace(cfg, block_m=LARGE_M, up=LARGE_UP, down=LARGE_DOWN)
     return dataclasses.replace(
         cfg,
         up_tma=False,
