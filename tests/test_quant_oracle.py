@@ -131,16 +131,19 @@ def test_plan_refuses_an_explicit_backend_and_a_bad_format(tmp_path, capsys) -> 
     assert "quantization_config.fmt" in capsys.readouterr().err
 
 
-def test_fp8_is_not_reported_validated_where_no_fp8_run_was(tmp_path) -> None:
+def test_fp8_is_reported_validated_only_where_an_fp8_run_was(tmp_path) -> None:
     from moelora.backends.checks import validation_status
     from moelora.backends.registry import REGISTRY
 
     triton = REGISTRY["triton"].capabilities
-    # the W8A8 kernels have not run on a GPU (the H200 run of 13bc0fd was of the weight-only
-    # kernels they replaced): no GPU reports FP8 validated, while bf16 on the H200 is
-    assert validation_status(triton, _dep(BLOCK, "h200")).level == "not_validated"
+    # the W8A8 kernels passed validate on the H200 in bf16 (0026125), both formats; no
+    # other GPU ran them, nor fp16 serving on the H200
+    assert validation_status(triton, _dep(BLOCK, "h200")).validated
+    assert validation_status(triton, _dep(CHANNEL, "h200")).validated
     assert validation_status(triton, _dep(BLOCK, "b200")).level == "not_validated"
-    assert validation_status(triton, _dep(CHANNEL, "h200")).level == "not_validated"
+    h200 = _dep(BLOCK, "h200")
+    fp16 = dataclasses.replace(h200, shape=dataclasses.replace(h200.shape, dtype=torch.float16))
+    assert validation_status(triton, fp16).level == "other_dtype"
     assert validation_status(triton, _dep(QuantConfig(), "h200")).validated
     cpu = _dep(BLOCK, "cpu")
     cpu = dataclasses.replace(cpu, shape=dataclasses.replace(cpu.shape, dtype=torch.float32))

@@ -205,7 +205,7 @@ def test_scale_block_the_kernels_cannot_step_by_is_refused(name, block) -> None:
 # GEMVs keep theirs (fp32 register products)
 CHANNEL_STEPS = [
     ("gemm-k16", TileConfig(16, GemmTiles(32, 16), GemmTiles(32, 16)), (32, 32)),
-    ("gemm-k64", TileConfig(64, GemmTiles(64, 64), GemmTiles(64, 128)), (64, 128)),
+    ("gemm-k64", TileConfig(32, GemmTiles(64, 64), GemmTiles(64, 128)), (64, 128)),
     ("decode-k16", TileConfig(16, GemmTiles(16, 16), GemmTiles(16, 16), decode=True), (16, 16)),
 ]
 

@@ -55,6 +55,13 @@ VALIDATED_ON = (
                "moelora validate --quick --dtype fp32 at 4aa3e56: 5/5 pass (qwen3-30b-a3b, "
                "T 1..4096); --rank 128 --tokens 4096 at c2185c0: 2/2 (qwen3-30b-a3b, "
                "gpt-oss-20b)", f"{_BENCH} (sixth session)"),
+    Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-12-01",
+               "moelora validate --quantization fp8 --ref-tokens 1024 at 0026125: 44/44 pass "
+               "(qwen3-30b-a3b, deepseek-v3; T 1..16384, CUDA graphs, ranks 8-128, the "
+               "LoRA-free path); --quantization fp8_channel --quick: 9/9 (qwen3-30b-a3b)",
+               "docs/history/benchmarks.md, 2026-12-01 (FP8 experts); "
+               "h200_0026125_fp8_validate_fp8.log in benchmarks/results/h200_validate.txt",
+               frozenset({Quantization.FP8_BLOCK, Quantization.FP8_CHANNEL})),
     Validation("cpu", "cpu", None, frozenset({torch.float16, torch.float32}), "every commit",
                "the test suite under TRITON_INTERPRET=1 against the reference (FP8 "
                "experts, block and per-channel: against the reference on their "
