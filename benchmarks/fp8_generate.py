@@ -192,11 +192,19 @@ def main(argv=None) -> list[dict]:
         rows.append(r)
         print(json.dumps(r), flush=True)
 
+    import time
+
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     emit(kind="versions", transformers=tf.__version__, torch=torch.__version__, device=name)
+    start = time.monotonic()
+
+    def step(what: str) -> None:  # progress: where a run cut short by its limit stood
+        emit(kind="step", done=what, s=round(time.monotonic() - start, 1))
+
     if a.tiny:
         a.layers, a.block = min(a.layers, 2), 32
     model = build(a.layers, device, a.seed, **(TINY if a.tiny else {})).to(DTYPES[a.dtype])
+    step("build")
     sizes = _sizes(model, a)
     ckpt = scratch_dir(sizes["checkpoint"])  # /dev/shm first: the checkpoint is read back
     lora = scratch_dir(sizes["checkpoint"] + sizes["adapters"])  # beside it if both fit
@@ -204,13 +212,17 @@ def main(argv=None) -> list[dict]:
          **{f"{k}_gib": round(v / 2**30, 2) for k, v in sizes.items()})  # fmt: skip
     try:
         adapters = write_adapters(model, lora / "adapters", a.adapters, a.rank, a.lora_std)
+        step("adapters")
         write_fp8_checkpoint(model, ckpt / "model", a.block, a.layout)
+        step("fp8 checkpoint")
         full_precision_phase(a, model, adapters, emit, device)
+        step("bf16 timing")
         del model  # freed before transformers loads the FP8 directory
         _free(device)
         from benchmarks.fp8_model import fp8_phase
 
         fp8_phase(a, ckpt / "model", adapters, emit, device)
+        step("fp8 phase")
     finally:  # what ran is kept, also when a later step fails
         shutil.rmtree(ckpt, ignore_errors=True)
         shutil.rmtree(lora, ignore_errors=True)

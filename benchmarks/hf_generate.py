@@ -57,7 +57,10 @@ def build(layers: int, device: str = "cuda", seed: int = 0, **sizes):
         **(QWEN3_30B_A3B | sizes), num_hidden_layers=layers, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
     )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device).eval()
+    # built on the device itself: its random init runs there (a 48-layer model initialised
+    # on the host and then copied took minutes)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     with torch.no_grad():  # non-zero experts (from_config may leave them at zero)
         for name, p in model.named_parameters():
             if "experts" in name:

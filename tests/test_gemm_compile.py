@@ -30,13 +30,12 @@ BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEI
                Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, W_TMA=False, BLOCK_M=128,
                BLOCK_N=128,
                BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8, UPCAST=False, IEEE=False,
-               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128, X_QUANTIZED=False,
-               ACT_ROW=False)  # fmt: skip
+               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128)  # fmt: skip
 BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=False,
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
                  UPCAST=False, IEEE=False, PDL=False, W_FP8=False, SCALE_N=128,
-                 SCALE_K=128, ACT_ROW=False, X_QUANTIZED=False)  # fmt: skip
+                 SCALE_K=128)  # fmt: skip
 KERNELS = {"up": ("_expert_up_kernel", BASE_UP), "down": ("_expert_down_kernel", BASE_DOWN)}
 
 
@@ -54,10 +53,10 @@ class Variant(NamedTuple):
 NO_LORA = dict(HAS_LORA=False, BLOCK_L=1, SLOTS_PER_DOT=1)  # one (unused) slot per dot
 # BLOCK_K fitted to the 128x128 blocks' K side; the input quantized before (quant_rows.py);
 # from BLOCK_M 64 the FP8 tiles (tiling/quantized.py: BLOCK_M 64, up BLOCK_N 64, down 128)
-FP8_STEP = dict(W_FP8=True, BLOCK_K=128, X_QUANTIZED=True, BLOCK_M=64)
+FP8_STEP = dict(W_FP8=True, BLOCK_K=128, BLOCK_M=64)
 FP8_UP, FP8_DOWN = dict(BLOCK_N=64), dict(BLOCK_N=128)
 # whole-row input scales, the FP8 tiles' BLOCK_K 128
-FP8_CHANNEL = dict(FP8_STEP, SCALE_N=1, SCALE_K=128, ACT_ROW=True)
+FP8_CHANNEL = dict(FP8_STEP, SCALE_N=1, SCALE_K=128)
 VARIANTS = {
     ("up", "default"): Variant({}, {}),
     ("up", "half-tail"): Variant(dict(half_tail=1), dict(TAIL_VARIANTS=2)),

@@ -75,15 +75,14 @@ def fp8_scale_args(
 ) -> dict:
     """A weight GEMM / GEMV kernel's scale arguments: e4m3 weights with block scales
     [E, nb, kb] (FP8_BLOCK: activation groups of a K step), per-channel scales [E, N]
-    (FP8_CHANNEL: one scale per row, whole-row activation scales, ACT_ROW), or none
+    (FP8_CHANNEL: one scale per row; the input's whole-row scales), or none
     (serving-dtype weights: the block's defaults, never read)."""
     if w_scale is None:
         return dict(ws_ptr=dummy, stride_se=0, stride_sn=0, stride_sk=0, W_FP8=False,
                     SCALE_N=scale_block[0], SCALE_K=scale_block[1])  # fmt: skip
     if w_scale.dim() == 2:  # the step's scale index k0 // SCALE_K meets a zero stride
         return dict(ws_ptr=w_scale, stride_se=w_scale.stride(0), stride_sn=w_scale.stride(1),
-                    stride_sk=0, W_FP8=True, SCALE_N=1, SCALE_K=block_k,
-                    ACT_ROW=True)  # fmt: skip
+                    stride_sk=0, W_FP8=True, SCALE_N=1, SCALE_K=block_k)  # fmt: skip
     return dict(ws_ptr=w_scale, stride_se=w_scale.stride(0), stride_sn=w_scale.stride(1),
                 stride_sk=w_scale.stride(2), W_FP8=True, SCALE_N=scale_block[0],
                 SCALE_K=scale_block[1])  # fmt: skip
@@ -97,11 +96,15 @@ def quantized_input_args(
     w_scale: torch.Tensor | None,
     scale_block: tuple[int, int],
 ) -> dict:
-    """A weight GEMM / GEMV kernel's pre-quantized input arguments (quant_rows.py: the
-    input `name` [M, K] as e4m3 [M, K] and fp32 scales [M, G], G = ceil(K / bk) for block
-    scales, 1 for per-channel ones, read at stride 0 by every K step); none without quant
-    (the kernel's defaults)."""
+    """A weight GEMM / GEMV kernel's quantized input arguments, which e4m3 weights need
+    (W8A8; quant_rows.py: the input `name` [M, K] as e4m3 [M, K] and fp32 scales [M, G],
+    G = ceil(K / bk) for block scales, 1 for per-channel ones, read at stride 0 by every K
+    step); none for serving-dtype weights (the kernel's defaults, never read)."""
     if quant is None:
+        if fp8:
+            raise InputError(
+                f"{name}_quant", None, f"{name} quantized for the e4m3 weights (quant_rows)"
+            )
         return {}
     if not fp8:
         raise InputError(f"{name}_quant", "given with serving-dtype weights", "e4m3 weights")
@@ -120,7 +123,6 @@ def quantized_input_args(
         stride_xqk=values.stride(1),
         stride_xsm=scales.stride(0),
         stride_xsg=scales.stride(1) if groups > 1 else 0,
-        X_QUANTIZED=True,
     )
 
 

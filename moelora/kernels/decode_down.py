@@ -33,7 +33,7 @@ from .checks import (
     quantized_input_args,
     workspace,
 )
-from .fp8_tiles import block_scaled, gemv_operand, row_scales
+from .fp8_tiles import block_scaled
 from .launch_args import strides
 from .pdl import chain_point
 from .ranks import slot_ranks
@@ -93,16 +93,14 @@ def _decode_down_kernel(
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
-    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel scales, whole-row z scales
-    # W8A8 with z quantized before the kernel (quant_rows.py): e4m3 [P, I] and its group
-    # scales (one column, read at stride 0, under ACT_ROW). Defaults: other launches.
+    # W_FP8 (W8A8): z quantized before the kernel (quant_rows.py), e4m3 [P, I] and its
+    # scales [P, G] (G = 1 per channel: read at stride 0). Unused otherwise.
     xq_ptr=None,
     xs_ptr=None,
     stride_xqm=0,
     stride_xqk=0,
     stride_xsm=0,
     stride_xsg=0,
-    X_QUANTIZED: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -157,40 +155,36 @@ def _decode_down_kernel(
             other=0.0,
         )
     z_ptrs = z_ptr + pair[:, None] * stride_zm + offs_k[None, :] * stride_zk
-    if X_QUANTIZED:
+    if W_FP8:
         zq_ptrs = xq_ptr + pair[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
         zs_ptrs = xs_ptr + pair[:, None] * stride_xsm
-    sa_row = 1.0  # ACT_ROW: the row's scale over all of its columns, from a pass before
-    if ACT_ROW:
-        if not X_QUANTIZED:  # else zs holds it (one column, read at stride 0)
-            sa_row = row_scales(z_ptrs, live[:, None], inter_size, stride_zk, offs_k)
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     if EARLY:  # the first step, from the tile loaded early (the loop starts at the second)
-        if X_QUANTIZED:  # the step's e4m3 groups and their scales, as stored
+        if W_FP8:  # the step's e4m3 groups and their scales, as stored
             zt = tl.load(zq_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             sa = tl.load(zs_ptrs, mask=live[:, None], other=0.0)
         else:
             zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            zt, sa = gemv_operand(zt, sa_row, W_FP8, ACT_ROW)
+            sa = 1.0  # unused: block_scaled passes serving-dtype products through
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
         acc += block_scaled(d, sa, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
-        if X_QUANTIZED:
+        if W_FP8:
             zq_ptrs += BLOCK_K * stride_xqk
         w_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
-        if X_QUANTIZED:
+        if W_FP8:
             zt = tl.load(zq_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             sa = tl.load(zs_ptrs + (k0 // SCALE_K) * stride_xsg, mask=live[:, None], other=0.0)
         else:
             zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            zt, sa = gemv_operand(zt, sa_row, W_FP8, ACT_ROW)
+            sa = 1.0
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
         acc += block_scaled(d, sa, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
         z_ptrs += BLOCK_K * stride_zk
-        if X_QUANTIZED:
+        if W_FP8:
             zq_ptrs += BLOCK_K * stride_xqk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:  # zeros when the token has no adapter

@@ -37,7 +37,7 @@ from .checks import (
     quantized_input_args,
     workspace,
 )
-from .fp8_tiles import block_scaled, gemv_operand, row_scales
+from .fp8_tiles import block_scaled
 from .launch_args import strides
 from .pdl import chain_point
 from .ranks import slot_ranks
@@ -115,16 +115,14 @@ def _decode_up_kernel(
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
-    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel scales, whole-row x scales
-    # W8A8 with x quantized before the kernel (quant_rows.py): e4m3 [T, H] and its group
-    # scales (one column, read at stride 0, under ACT_ROW). Defaults: other launches.
+    # W_FP8 (W8A8): x quantized before the kernel (quant_rows.py), e4m3 [T, H] and its
+    # scales [T, G] (G = 1 per channel: read at stride 0). Unused otherwise.
     xq_ptr=None,
     xs_ptr=None,
     stride_xqm=0,
     stride_xqk=0,
     stride_xsm=0,
     stride_xsg=0,
-    X_QUANTIZED: tl.constexpr = False,
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -186,47 +184,43 @@ def _decode_up_kernel(
         )
         a2 = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
     x_ptrs = x_ptr + token * stride_xm + offs_k * stride_xk
-    if X_QUANTIZED:
+    if W_FP8:
         xq_ptrs = xq_ptr + token * stride_xqm + offs_k * stride_xqk
         xs_row = xs_ptr + token * stride_xsm
-    sa_row = 1.0  # ACT_ROW: the row's scale over all of its columns, from a pass before
-    if ACT_ROW:
-        if not X_QUANTIZED:  # else xs holds it (one column, read at stride 0)
-            sa_row = row_scales(x_ptrs, offs_k >= 0, hidden, stride_xk, offs_k)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if EARLY:  # the first step, from the tiles loaded early (the loop starts at the second)
-        if X_QUANTIZED:  # the step's e4m3 group and its scale, as stored
+        if W_FP8:  # the step's e4m3 group and its scale, as stored
             xv = tl.load(xq_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             sa = tl.load(xs_row)
         else:
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            xv, sa = gemv_operand(xv, sa_row, W_FP8, ACT_ROW)
+            sa = 1.0  # unused: block_scaled passes serving-dtype products through
         d_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
         acc_g += block_scaled(d_g, sa, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
             d_u = tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
             acc_u += block_scaled(d_u, sa, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
-        if X_QUANTIZED:
+        if W_FP8:
             xq_ptrs += BLOCK_K * stride_xqk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
-        if X_QUANTIZED:
+        if W_FP8:
             xv = tl.load(xq_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             sa = tl.load(xs_row + (k0 // SCALE_K) * stride_xsg)
         else:
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            xv, sa = gemv_operand(xv, sa_row, W_FP8, ACT_ROW)
+            sa = 1.0
         d_g = _rows_dot(wg_ptrs, xv, k_ok[None, :])
         acc_g += block_scaled(d_g, sa, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         if GATED:
             d_u = _rows_dot(wu_ptrs, xv, k_ok[None, :])
             acc_u += block_scaled(d_u, sa, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
         x_ptrs += BLOCK_K * stride_xk
-        if X_QUANTIZED:
+        if W_FP8:
             xq_ptrs += BLOCK_K * stride_xqk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk

@@ -32,7 +32,7 @@ from .checks import (
     tma_tiles_ok,
     workspace,
 )
-from .fp8_tiles import fp8_mma, row_scales, step_operand
+from .fp8_tiles import fp8_mma
 from .launch_args import strides
 from .pdl import chain_point
 from .ranks import expand_layout
@@ -117,16 +117,14 @@ def _expert_down_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
-    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel w2 scales, whole-row z scales
-    # W8A8 with z quantized before the GEMM (quant_rows.py): e4m3 [rows of z, I] and its
-    # group scales (one column, read at stride 0, under ACT_ROW). Defaults: other launches.
+    # W_FP8 (W8A8): z quantized before the GEMM (quant_rows.py), e4m3 [rows of z, I] and
+    # its scales [rows of z, G] (G = 1 per channel: read at stride 0). Unused otherwise.
     xq_ptr=None,
     xs_ptr=None,
     stride_xqm=0,
     stride_xqk=0,
     stride_xsm=0,
     stride_xsg=0,
-    X_QUANTIZED: tl.constexpr = False,
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
@@ -164,13 +162,9 @@ def _expert_down_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             z_row = z_rows(row0, pair, BLOCK_M >> v, Z_SORTED)
             z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
-            if X_QUANTIZED:  # z's e4m3 rows and scales, at z's row index
+            if W_FP8:  # z's e4m3 rows and scales, at z's row index
                 zq_ptrs = xq_ptr + z_row[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
                 zs_ptrs = xs_ptr + z_row * stride_xsm
-            sa_row = 1.0  # ACT_ROW: each row's scale over all of I, from a pass before the loop
-            if ACT_ROW:
-                if not X_QUANTIZED:  # else zs holds it (one column, read at stride 0)
-                    sa_row = row_scales(z_ptrs, row_valid[:, None], inter_size, stride_zk, offs_k)
             w_ptrs = (
                 w_ptr
                 + expert * stride_we
@@ -185,7 +179,7 @@ def _expert_down_kernel(
                     for k0 in range(0, inter_size, BLOCK_K):
                         # TMA: tensor-memory-accelerator tile copies (out-of-range reads are zeros);
                         # z's descriptor holds full-height tiles, so the half variant loads z rows
-                        if X_QUANTIZED:  # the step's e4m3 group and its scales, as stored
+                        if W_FP8:  # the step's e4m3 group and its scales, as stored
                             q_mask = row_valid[:, None] & ((k0 + offs_k) < inter_size)[None, :]
                             a8 = tl.load(zq_ptrs, mask=q_mask, other=0.0)
                             sa = tl.load(
@@ -206,15 +200,13 @@ def _expert_down_kernel(
                             w = tl.load(
                                 w_ptrs, mask=((k0 + offs_k) < inter_size)[:, None], other=0.0
                             )
-                        if W_FP8:  # W8A8: each z row's group quantized, an FP8 dot
+                        if W_FP8:  # W8A8: the e4m3 z group times the e4m3 tile, an FP8 dot
                             s_ptrs = (
                                 ws_ptr
                                 + expert * stride_se
                                 + (k0 // SCALE_K) * stride_sk
                                 + (tl.where(n_mask, offs_n, 0) // SCALE_N) * stride_sn
                             )
-                            if not X_QUANTIZED:
-                                a8, sa = step_operand(zt, sa_row, ACT_ROW)
                             acc = fp8_mma(a8, sa, w, acc, s_ptrs, n_mask)
                         else:
                             if UPCAST:

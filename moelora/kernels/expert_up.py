@@ -34,7 +34,7 @@ from .checks import (
     tma_box_ok,
     workspace,
 )
-from .fp8_tiles import fp8_mma, row_scales, step_operand
+from .fp8_tiles import fp8_mma
 from .launch_args import strides
 from .pdl import chain_point
 from .ranks import expand_layout
@@ -123,16 +123,14 @@ def _expert_up_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
-    # W8A8 with x quantized before the GEMM (quant_rows.py): e4m3 xq [T, H] and its group
-    # scales xs [T, G]. Defaults: launches without them (every other path) stay as they were.
+    # W_FP8 (W8A8): x quantized before the GEMM (quant_rows.py), e4m3 xq [T, H] and its
+    # scales xs [T, G] (G = 1 per channel: read at stride 0). Unused otherwise.
     xq_ptr=None,
     xs_ptr=None,
     stride_xqm=0,
     stride_xqk=0,
     stride_xsm=0,
     stride_xsg=0,
-    X_QUANTIZED: tl.constexpr = False,
-    ACT_ROW: tl.constexpr = False,  # FP8_CHANNEL: per-channel w13 scales, whole-row x scales
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(inter_size, BLOCK_N)
@@ -171,13 +169,9 @@ def _expert_up_kernel(
             gate_rows = tl.where(n_mask, offs_n, 0) * row_step
             offs_k = tl.arange(0, BLOCK_K)
             x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            if X_QUANTIZED:
+            if W_FP8:
                 xq_ptrs = xq_ptr + token[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
                 xs_ptrs = xs_ptr + token * stride_xsm
-            sa_row = 1.0  # ACT_ROW: each row's scale over all of H, from a pass before the loop
-            if ACT_ROW:
-                if not X_QUANTIZED:  # else xs holds it (one column, read at stride 0)
-                    sa_row = row_scales(x_ptrs, row_valid[:, None], hidden, stride_xk, offs_k)
             w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
             wg_ptrs = w_base + gate_rows[None, :] * stride_wn
             wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
@@ -189,7 +183,7 @@ def _expert_up_kernel(
                 if (phase == 0) != EXPAND_FIRST:
                     for k0 in range(0, hidden, BLOCK_K):
                         k_mask = (k0 + offs_k) < hidden
-                        if X_QUANTIZED:  # the step's e4m3 group and its scales, as stored
+                        if W_FP8:  # the step's e4m3 group and its scales, as stored
                             a8 = tl.load(
                                 xq_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
                             )
@@ -208,12 +202,10 @@ def _expert_up_kernel(
                             wg = wg.reshape(BLOCK_N, BLOCK_K).trans()
                         else:
                             wg = tl.load(wg_ptrs, mask=k_mask[:, None], other=0.0)
-                        # W_FP8 (W8A8): each row's x group (BLOCK_K == the scale block's K
-                        # side) quantized in registers, FP8 dots scaled by both sides' scales
+                        # W_FP8 (W8A8): each row's e4m3 x group (BLOCK_K == the scale block's
+                        # K side) times the e4m3 tiles, FP8 dots scaled by both sides' scales
                         s_base = ws_ptr + expert * stride_se + (k0 // SCALE_K) * stride_sk
                         if W_FP8:
-                            if not X_QUANTIZED:
-                                a8, sa = step_operand(xt, sa_row, ACT_ROW)
                             sg_ptrs = s_base + (gate_rows // SCALE_N) * stride_sn
                             acc_g = fp8_mma(a8, sa, wg, acc_g, sg_ptrs, n_mask)
                         else:

@@ -1,7 +1,7 @@
-"""Device helpers of the FP8 (W8A8) kernel paths: e4m3 quantization of input rows in
-registers with the reference's fp32 arithmetic (quant/activation_quant.py), whole-row
-activation scales (per-channel format), and the scaled FP8 step of the GEMMs and decode
-GEMVs. Pure tile arithmetic; no policy.
+"""Device helpers of the FP8 (W8A8) kernel paths: e4m3 quantization of input rows with the
+reference's fp32 arithmetic (quant/activation_quant.py; kernels/quant_rows.py runs it once
+per row before the GEMMs), whole-row activation scales (per-channel format), and the
+scaled FP8 step of the GEMMs and decode GEMVs. Pure tile arithmetic; no policy.
 
 Legend: M rows of a tile, G columns of one activation group, BLOCK_K / BLOCK_N a tile's.
 """
@@ -83,34 +83,9 @@ def row_scales(ptrs, rows_ok, width, stride_k, offs_k):
 
 
 @triton.jit
-def step_operand(t, row_scale, ACT_ROW: tl.constexpr):
-    """A K step's input tile t [..., BLOCK_K] -> (e4m3 tile, its scales [..., 1]): quantized
-    by the whole-row scales row_scale (ACT_ROW: FP8_CHANNEL, row_scales) or by its own
-    groups (quantize_rows: FP8_BLOCK, the step one group)."""
-    if ACT_ROW:
-        q = quantize_by(t, row_scale)
-        s = row_scale
-    else:
-        q, s = quantize_rows(t)
-    return q, s
-
-
-@triton.jit
-def gemv_operand(v, row_scale, W_FP8: tl.constexpr, ACT_ROW: tl.constexpr):
-    """A decode GEMV step's input v [..., BLOCK_K] (fp32) -> (what the weights multiply,
-    its scales [..., 1]): W_FP8, v quantized (step_operand) back in fp32 and its scales;
-    else v as is (the second value unused)."""
-    s = v
-    if W_FP8:
-        q, s = step_operand(v, row_scale, ACT_ROW)
-        v = q.to(tl.float32)
-    return v, s
-
-
-@triton.jit
 def block_scaled(d, sa, s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
     """A decode GEMV's K step sums d (fp32, the shape of mask) times the input's scales sa
-    (gemv_operand) and its rows' block scales at s_ptrs (W_FP8: e4m3 weights, the step one
+    (stored by quant_rows.py) and its rows' block scales at s_ptrs (W_FP8: e4m3 weights, the step one
     scale block along K); d as is otherwise."""
     if W_FP8:
         d = d * (sa * tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0))
