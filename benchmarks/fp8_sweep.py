@@ -19,13 +19,8 @@ import time
 
 import torch
 
-from moelora.backends.triton import fused_moe_lora
-from moelora.bench.runner import time_graph
-from moelora.call import MoECall
-from moelora.compare import compare
 from moelora.quant.formats import resolve_quantization
 from moelora.quant.fp8_experts import quantize_experts
-from moelora.reference import moe_lora_reference
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.pick import pick_config
 
@@ -47,42 +42,12 @@ LORA_PATHS = [
 ]
 
 
-class FP8Layer(Layer):
-    """Layer on FP8 experts, checked with the FP8 row of the tolerance table."""
-
-    def measure(self, cfg: TileConfig, lora: bool) -> float | None:
-        bank = self.lora if lora else None
-        shape = self.model.shape
-
-        def fwd(x, ids, w, slots):
-            return fused_moe_lora(MoECall(x, ids, w, slots, bank), self.experts, shape, config=cfg)
-
-        static = tuple(t.clone() for t in self.sets[0])
-        n = self.n
-        if lora not in self.refs:
-            self.refs[lora] = moe_lora_reference(  # W8A8 on the fp32 dequantized experts
-                *(t[:n] for t in static),
-                self.experts.dequantize(),
-                bank,
-                shape,
-                weights_on_input=False,
-            )
-        try:
-            if not compare(fwd(*static)[:n], self.refs[lora], FP8).ok:
-                print(f"    drop {cfg}: output does not match the reference")
-                return None
-            return time_graph(fwd, static, self.sets, self.iters)
-        except Exception as err:  # out of resources etc.: skip the candidate
-            print(f"    skip {cfg}: {type(err).__name__}: {str(err)[:100]}")
-            return None
-
-
 class Search:
     """Coordinate descent from a start: BLOCK_M, then the up tiles, the down tiles and the
     LoRA path, each step keeping the fastest (every measured config logged), until the
     budget runs out."""
 
-    def __init__(self, layer: FP8Layer, lora: bool, deadline: float) -> None:
+    def __init__(self, layer: Layer, lora: bool, deadline: float) -> None:
         self.layer, self.lora, self.deadline = layer, lora, deadline
         self.best, self.best_ms, self.log = None, None, []
 
@@ -126,13 +91,14 @@ def main() -> None:
     quant = resolve_quantization("fp8", model.quantization)
     model = dataclasses.replace(model, quantization=quant)
     fp8 = quantize_experts(experts, quant)
+    reference = fp8.dequantize()  # the reference's W8A8 runs on the fp32 dequantization
     del experts
     torch.cuda.empty_cache()
     lora_on = not a.base
     rows = []
     tokens = [int(v) for v in a.tokens.split(",")]
     for n, t in enumerate(tokens):
-        layer = FP8Layer(model, fp8, lora, t, a.iters)
+        layer = Layer(model, fp8, lora, t, a.iters, ref_experts=reference, tol=FP8)
         bank = lora if lora_on else None
         rank, slots = (lora.tile_rank, lora.num_slots) if lora_on else (0, 0)
         picked = fit_like_forward(pick_config(t, *dims, lora=lora_on, rank=rank, slots=slots),

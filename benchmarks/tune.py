@@ -144,8 +144,12 @@ def fit_like_forward(cfg: TileConfig, model, bank) -> TileConfig:
 class Layer:
     """One model layer at one T: inputs, reference rows, and a timer per tile config."""
 
-    def __init__(self, model, experts, lora, tokens: int, iters: int):
+    def __init__(self, model, experts, lora, tokens: int, iters: int, ref_experts=None, tol=None):
+        """ref_experts: what the reference runs (default: experts; FP8 experts: their
+        dequantization), tol: the tolerance table's row (default: the model's dtype)."""
         self.model, self.experts, self.lora, self.iters = model, experts, lora, iters
+        self.ref_experts = experts if ref_experts is None else ref_experts
+        self.tol = model.shape.dtype if tol is None else tol
         adapters = lora.num_slots
         self.sets = [build_inputs(model, tokens, adapters, "cuda", seed) for seed in range(2)]
         for s in self.sets:  # token t -> slot t % L, as the bench and the vLLM peer do
@@ -165,11 +169,11 @@ class Layer:
         n = self.n
         if lora not in self.refs:
             self.refs[lora] = moe_lora_reference(
-                *(t[:n] for t in static), self.experts, bank, shape, weights_on_input=False
+                *(t[:n] for t in static), self.ref_experts, bank, shape, weights_on_input=False
             )
         try:
             out = fwd(*static)
-            if not compare(out[:n], self.refs[lora], shape.dtype).ok:
+            if not compare(out[:n], self.refs[lora], self.tol).ok:
                 print(f"    drop {cfg}: output does not match the reference")
                 return None
             return time_graph(fwd, static, self.sets, self.iters)
