@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 
-from moelora.commands import fp8_truth
-from moelora.commands.generate_check import NOISE_FACTOR
-from moelora.compare import REL_TOL, compare
+from moelora.compare import NOISE_FACTOR, REL_TOL, compare
+from moelora.hf import fp8_truth
 
 
 def load(root: Path, device: str, dtype: torch.dtype):

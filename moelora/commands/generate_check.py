@@ -16,11 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compare import REL_TOL, compare
+from ..compare import NOISE_FACTOR, REL_TOL, compare
 from ..deployment import dtype_name
 from .hf_truth import Noise
-
-NOISE_FACTOR = 2  # see the module docstring
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 quantization_config kept: transformers holds the experts as its FP8Experts, on a GPU >=
 sm89, or the config says FP8 while the experts were dequantized): PEFT cannot be the truth
 there (it merges its delta into a weight an e4m3 tensor cannot hold), so every row is
-checked against the W8A8 truth (fp8_truth.py: transformers' eager experts loop, base GEMMs
+checked against the W8A8 truth (hf/fp8_truth.py: transformers' eager experts loop, base GEMMs
 on inputs quantized per token and block, PEFT's delta weight on the unquantized rows),
 alone. The noise: the rows' prompts on the base model under transformers' own FP8 experts
 against that truth (none where transformers' FP8 kernels do not run here).
@@ -22,7 +22,7 @@ import torch
 from ..compare import compare
 from ..config import from_hf
 from ..errors import ConfigError
-from . import fp8_truth
+from ..hf import fp8_truth
 from .generate_check import CheckResult, check_row, verdict
 from .hf_truth import Noise
 
