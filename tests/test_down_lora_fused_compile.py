@@ -4,8 +4,9 @@ Run as a script with the interpreter off (tests/sm90_child.py), this file captur
 fused launch of a fused_moe_lora call (tests/sm90_launches.py: the launcher's constexprs,
 signature and divisibility hints, the GEMM's num_warps / num_stages) for each variant,
 compiles it for sm_90 as the JIT would, and prints the counts of Hopper MMA instructions
-in its PTX and its shared memory (or the compile error) as JSON; beside it the
-LoRA-free down GEMM of the same config unfused, whose MMA the fused kernel must hold too.
+(wgmma, and the warp-level mma.sync of the LoRA tiles' 16-row dots) in its PTX and its
+shared memory (or the compile error) as JSON; beside it the LoRA-free down GEMM of the same
+config unfused, whose wgmma and shared memory the fused kernel must match.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ VARIANTS = [
     ("down-tma-half-tail", dict(down_tma=True, half_tail=2), "bf16"),
     ("lora-stream", dict(lora_delta=False, delta_in_reduce=False, lora_stream=True), "bf16"),
     ("rank-128", dict(extra_rank=128), "bf16"),
-    ("fp16", {}, "fp16"),
     ("fp32", {}, "fp32"),
 ]
 
@@ -56,6 +56,7 @@ def _compile(knobs: dict, dtype: str) -> dict:
             return {"error": f"{name}: {type(err).__name__}: {str(err)[-600:]}"}
         key = "fused" if fused else "unfused"
         got[f"{key}_wgmma"] = kernel.asm["ptx"].count("wgmma.mma_async")
+        got[f"{key}_mma_sync"] = kernel.asm["ptx"].count("mma.sync.aligned")
         got[f"{key}_shared"] = kernel.metadata.shared
         got[f"{key}_warps"] = kwargs["num_warps"]
     return got
@@ -74,10 +75,15 @@ def test_fused_launch_compiles_with_the_gemms_mma(compiled, key, dtype) -> None:
     assert "error" not in got, got["error"]
     assert got["fused_warps"] == got["unfused_warps"]  # the GEMM's launch options
     if dtype == "fp32":
-        assert got["fused_wgmma"] == 0  # exact fp32 dots: no tf32 MMA
+        assert got["fused_wgmma"] == got["fused_mma_sync"] == 0  # exact fp32 dots: no MMA
     else:
-        # the GEMM's wgmma are all there, and the shrink's dots add their own
-        assert got["fused_wgmma"] > got["unfused_wgmma"] > 0, got
+        # the GEMM's wgmma all there; the LoRA tiles' 16-row dots (shrink, expand) add
+        # warp-level MMA, which the unfused down GEMM has none of
+        assert got["fused_wgmma"] == got["unfused_wgmma"] > 0, got
+        assert got["fused_mma_sync"] > got["unfused_mma_sync"] == 0, got
+    # the LoRA branch's buffers fit in the GEMM's shared memory (the fit of the down GEMM's
+    # tiles, tiling/fit.py, holds for the fused launch)
+    assert got["fused_shared"] == got["unfused_shared"], got
 
 
 if __name__ == "__main__":
