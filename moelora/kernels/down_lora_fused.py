@@ -30,9 +30,10 @@ from .expert_down import _expert_down, expert_down_launch
 from .lora_shrink import _lora_shrink, lora_shrink_launch
 
 # LoRA programs: one in LORA_EVERY of the first ones. 2 (1:1) is a starting point, not a
-# measurement: at the Qwen3-30B-A3B shape and T = 4096 the z-side tiles number ~0.4x (8
-# slots) to ~1.3x (64 slots) the GEMM's programs, so 1:1 spreads them over most of the
-# grid; the launcher takes other values for the device A/B.
+# measurement: at the Qwen3-30B-A3B shape and T = 4096 the z side's tile bound
+# (max_lora_tiles, 16-row tiles) is ~0.5x (8 slots) to ~1.7x (64 slots) the GEMM's program
+# bound (BLOCK_N 128), so 1:1 spreads the LoRA tiles over most of the grid; the launcher
+# takes other values (lora_every, or this constant set at run time) for the device A/B.
 LORA_EVERY = 2
 # a launch's options, not kernel arguments: the fused launch sets its own
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "PDL")
@@ -223,14 +224,17 @@ def down_lora_fused(
     shrink_block_k: int,
     top_k: int,
     num_pairs: int,
-    lora_every: int = LORA_EVERY,
+    lora_every: int | None = None,
     **down,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (o [P, H], delta [P, 1, H]): expert_down's o of the LoRA-free GEMM (z, w2, b2,
     gemm and `down`, its other keywords: topk_weights, FP8 scales) and lora_shrink's delta
     of the z side (lora_a [L, E, R, I], expanded by lora_b [L, E, H, R] in the same program;
     z's rows "pairs" or "sorted" as the GEMM's), from one launch. lora_every: the
-    interleave (module docstring), at least 2."""
+    interleave (module docstring), at least 2; None: the module's LORA_EVERY, read at the
+    call (a device A/B may set it)."""
+    if lora_every is None:
+        lora_every = LORA_EVERY
     if lora_every < 2:
         raise InputError("lora_every", lora_every, "at least 2 (one LoRA program in every k)")
     gemm_grid, gemm_args, o = expert_down_launch(
