@@ -35,7 +35,8 @@ from .lora_shrink import _lora_shrink, lora_shrink_launch
 # bound (BLOCK_N 128), so 1:1 spreads the LoRA tiles over most of the grid; the launcher
 # takes other values (lora_every, or this constant set at run time) for the device A/B.
 LORA_EVERY = 2
-# a launch's options, not kernel arguments: the fused launch sets its own
+# the two launches' options and PDL constexprs: the fused launch sets its own options and
+# runs without PDL (its device functions take no PDL; the kernels wait before calling them)
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "PDL")
 
 
