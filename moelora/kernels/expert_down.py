@@ -12,6 +12,8 @@ Legend: P = T*K pairs, E experts, H hidden, I intermediate, R rank, L slots.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +50,8 @@ from .tiles import (
 
 
 @triton.jit
-def _expert_down_kernel(
+def _expert_down(
+    pid,
     z_ptr,
     w_ptr,
     z_desc,
@@ -116,19 +119,18 @@ def _expert_down_kernel(
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
-    PDL: tl.constexpr,
-    # W_FP8 (W8A8): z quantized before the GEMM (quant_rows.py), e4m3 [rows of z, I] and
-    # its scales [rows of z, G] (G = 1 per channel: read at stride 0). Unused otherwise.
-    xq_ptr=None,
-    xs_ptr=None,
-    stride_xqm=0,
-    stride_xqk=0,
-    stride_xsm=0,
-    stride_xsg=0,
+    xq_ptr,
+    xs_ptr,
+    stride_xqm,
+    stride_xqk,
+    stride_xsm,
+    stride_xsg,
 ):
-    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
+    """One program of the down GEMM: program `pid` of its 1-D grid (the block and N tile,
+    grouped_pid); the kernels call it with their program id (_expert_down_kernel, and
+    down_lora_fused.py beside the z-side LoRA)."""
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
-    pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
@@ -243,6 +245,101 @@ def _expert_down_kernel(
 
 
 @triton.jit
+def _expert_down_kernel(
+    z_ptr,
+    w_ptr,
+    z_desc,
+    w_desc,
+    ws_ptr,
+    b_ptr,
+    o_ptr,
+    topk_weights_ptr,
+    slots_ptr,
+    inter_ptr,
+    lora_b_ptr,
+    delta_ptr,
+    sorted_pair_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    top_k,
+    num_slots,
+    ranks_ptr,
+    max_rank,
+    inter_size,
+    hidden,
+    lora_n_offset,
+    lora_n_size,
+    stride_zm,
+    stride_zk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    stride_im,
+    stride_ir,
+    stride_ll,
+    stride_le,
+    stride_ln,
+    stride_lr,
+    stride_dm,
+    stride_ds,
+    stride_dn,
+    num_pid_m,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    DELTA: tl.constexpr,
+    Z_SORTED: tl.constexpr,
+    TMA: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    EXPAND_FIRST: tl.constexpr,
+    TAIL_VARIANTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_DOT: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+    # W_FP8 (W8A8): z quantized before the GEMM (quant_rows.py), e4m3 [rows of z, I] and
+    # its scales [rows of z, G] (G = 1 per channel: read at stride 0). Unused otherwise.
+    xq_ptr=None,
+    xs_ptr=None,
+    stride_xqm=0,
+    stride_xqk=0,
+    stride_xsm=0,
+    stride_xsg=0,
+):
+    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
+    _expert_down(
+        tl.program_id(0),
+        z_ptr, w_ptr, z_desc, w_desc, ws_ptr, b_ptr, o_ptr, topk_weights_ptr, slots_ptr,
+        inter_ptr, lora_b_ptr, delta_ptr, sorted_pair_ids_ptr, block_experts_ptr,
+        num_padded_ptr, num_pairs, top_k, num_slots, ranks_ptr, max_rank, inter_size, hidden,
+        lora_n_offset, lora_n_size, stride_zm, stride_zk, stride_we, stride_wn, stride_wk,
+        stride_se, stride_sn, stride_sk, stride_be, stride_bn, stride_om, stride_on, stride_im,
+        stride_ir, stride_ll, stride_le, stride_ln, stride_lr, stride_dm, stride_ds, stride_dn,
+        num_pid_m, HAS_BIAS, HAS_LORA, DELTA, Z_SORTED, TMA, W_FP8, SCALE_N, SCALE_K,
+        MUL_WEIGHT, ATOMIC, EXPAND_FIRST, TAIL_VARIANTS, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_L,
+        BLOCK_R, SLOTS_PER_DOT, GROUP_M, UPCAST, IEEE, xq_ptr, xs_ptr, stride_xqm, stride_xqk,
+        stride_xsm, stride_xsg,
+    )  # fmt: skip
+
+
+@triton.jit
 def _down_lora(
     acc,
     inter_ptr,
@@ -293,7 +390,14 @@ def _down_lora(
     return acc
 
 
-def expert_down(
+def expert_down(*args, **kwargs) -> torch.Tensor:
+    """Launches the down GEMM (arguments and result: expert_down_launch)."""
+    grid, kw, out = expert_down_launch(*args, **kwargs)
+    _expert_down_kernel[grid](**kw)
+    return out
+
+
+def expert_down_launch(
     z: torch.Tensor,
     w2: torch.Tensor,
     b2: torch.Tensor | None,
@@ -316,8 +420,11 @@ def expert_down(
     w_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
     z_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """z [P, I] (gemm.z_sorted: [P_pad, I] in the sorted order, with num_pairs = P;
+) -> tuple[tuple[int], dict, torch.Tensor]:
+    """(grid, the kernel's keyword arguments, the result) of a down GEMM launch, checked
+    and allocated; expert_down launches it, down_lora_fused.py beside the z-side LoRA.
+
+    z [P, I] (gemm.z_sorted: [P_pad, I] in the sorted order, with num_pairs = P;
     gemm.tma: its tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and
     lora_b [L, E, H_b, R] holding o's columns [lora_n_offset, lora_n_offset + H_b) (the whole
     H by default; an H/tp slice under fully sharded LoRA); topk_weights [T, K] (None: weights
@@ -385,7 +492,7 @@ def expert_down(
     else:
         z_desc = w_desc = z  # never read: TMA off
     grid = (aligned.num_blocks * triton.cdiv(hidden, block_n),)
-    _expert_down_kernel[grid](
+    kw = dict(
         z_ptr=z,
         w_ptr=w2,
         z_desc=z_desc,
@@ -443,4 +550,8 @@ def expert_down(
         **fp8_scale_args(w_scale, scale_block, block_k, dummy),
         **quantized_input_args("z", z, z_quant, fp8, w_scale, scale_block),
     )
-    return out
+    return grid, kw, out
+
+
+# expert_down has expert_down_launch's parameters and docstring (help() and inspect show them)
+functools.update_wrapper(expert_down, expert_down_launch, assigned=("__doc__",), updated=())

@@ -20,6 +20,8 @@ Legend: P pairs, S parts (2 gated w13, 1 otherwise), R max rank, L slots, E expe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +44,7 @@ from .tiles import RANK_STEP, lora_tile, max_width, mma
 
 @triton.jit
 def _expand_rows(
+    pid_q,
     acc,
     q_part,
     q_r,
@@ -65,9 +68,10 @@ def _expand_rows(
 ):
     """delta[pair, part, :] = acc's lanes of that part @ B[part]^T, for each part of the
     program, BLOCK_N columns at a time (lora_delta's product, from registers). b_ptr is at
-    (slot, expert, part 0). Lanes of the other parts meet zero B rows."""
+    (slot, expert, part 0); pid_q: the program's grid dimension 1. Lanes of the other parts
+    meet zero B rows."""
     for i in tl.static_range(PARTS_PER_PROG):
-        part = tl.program_id(1) * PARTS_PER_PROG + i
+        part = pid_q * PARTS_PER_PROG + i
         lanes = q_ok & (q_part == part)
         # this part's lanes only: another part's intermediate must not reach the 16-bit
         # split (an fp16 overflow there would give inf * 0 = NaN in this part's delta)
@@ -92,6 +96,155 @@ def _expand_rows(
                 UPCAST,
                 IEEE,
             )
+
+
+@triton.jit
+def _lora_shrink(
+    tile,
+    pid_q,
+    pid_k,
+    in_ptr,
+    a_ptr,
+    inter_ptr,
+    sorted_pair_ids_ptr,
+    tiles_ptr,
+    num_tiles_ptr,
+    row_div,
+    parts,
+    part_groups,
+    ranks_ptr,
+    rank_offset,
+    r_size,
+    num_slots,
+    k_dim,
+    k_chunk,
+    stride_im,
+    stride_ik,
+    stride_al,
+    stride_ae,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_om,
+    stride_os,
+    stride_or,
+    b_ptr,
+    delta_ptr,
+    n_size,
+    stride_bl,
+    stride_be,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_dm,
+    stride_ds,
+    stride_dn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PARTS_PER_PROG: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    FILL_BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROWS_SORTED: tl.constexpr,
+    EXPAND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One program of the shrink: LoRA tile `tile`, grid dimension 1 `pid_q` (rank chunk,
+    part group) and 2 `pid_k` (K chunk); the kernels call it with their program ids
+    (_lora_shrink_kernel, and down_lora_fused.py beside the down GEMM)."""
+    if tile >= tl.load(num_tiles_ptr):
+        return
+    offs_m, row_ok, expert, slot = lora_tile(tiles_ptr, tile, BLOCK_M)
+    if (expert < 0) | (slot < 0):
+        return
+    k_start = pid_k * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, k_dim)
+    # grid dimension 1: (rank chunk, part group). In this A's columns (a rank shard from
+    # rank_offset under fully sharded LoRA): [0, rank) are the slot's, [rank, width) are
+    # written as zeros, and a chunk past the width is idle. The width: the real rank
+    # rounded up to RANK_STEP (what the decode and delta expands read), or with FILL_BLOCK
+    # the widest slot's rounded up to FILL_BLOCK (what the in-GEMM expand's passes read).
+    r0 = (pid_q // part_groups) * BLOCK_R
+    real = tl.load(ranks_ptr + slot)
+    rank = real - rank_offset
+    width = (real + RANK_STEP - 1) // RANK_STEP * RANK_STEP
+    if FILL_BLOCK > 0:
+        width = tl.cdiv(max_width(ranks_ptr, num_slots, BLOCK_L), FILL_BLOCK) * FILL_BLOCK
+    width = tl.minimum(width - rank_offset, r_size)
+    if r0 >= width:
+        return
+    if r0 >= rank:  # zeros only: no K steps
+        k_end = k_start
+    pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
+    if ROWS_SORTED:  # input rows in the sorted order (z of a z_sorted up GEMM)
+        row = offs_m.to(tl.int64)
+    else:
+        row = (pair // row_div).to(tl.int64)
+    # lanes: (part, r) of the parts this program covers
+    offs_q = tl.arange(0, PARTS_PER_PROG * BLOCK_R)
+    q_part = (pid_q % part_groups) * PARTS_PER_PROG + offs_q // BLOCK_R
+    q_r = r0 + offs_q % BLOCK_R
+    q_ok = (q_r < rank) & (q_part < parts)  # lanes read from A
+    q_st = (q_r < width) & (q_part < parts)  # lanes written (zeros past the rank)
+    q_off = q_part * stride_as + q_r * stride_ar
+    # int64: L*E*S*R*H exceeds 2**31 (DeepSeek-V3, R=128)
+    a_base = a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, PARTS_PER_PROG * BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = (k0 + offs_k) < k_end
+        xin = tl.load(
+            in_ptr + row[:, None] * stride_im + (k0 + offs_k)[None, :] * stride_ik,
+            mask=row_ok[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            a_base + q_off[None, :] + (k0 + offs_k)[:, None] * stride_ak,
+            mask=q_ok[None, :] & k_mask[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            xin = xin.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = mma(xin, w, acc, IEEE)
+    if EXPAND:  # the delta rows straight from the whole-K intermediate (no split)
+        _expand_rows(
+            pid_q,
+            acc,
+            q_part,
+            q_r,
+            q_st,
+            pair,
+            row_ok,
+            b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be,
+            delta_ptr,
+            n_size,
+            parts,
+            stride_bs,
+            stride_bn,
+            stride_br,
+            stride_dm,
+            stride_ds,
+            stride_dn,
+            PARTS_PER_PROG,
+            BLOCK_N,
+            UPCAST,
+            IEEE,
+        )
+    else:
+        o_ptrs = (
+            inter_ptr
+            + pair[:, None].to(tl.int64) * stride_om
+            + (q_part * stride_os + q_r * stride_or)[None, :]
+        )
+        o_mask = row_ok[:, None] & q_st[None, :]
+        if SPLIT:
+            tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")  # a reduction
+        else:
+            tl.store(o_ptrs, acc, mask=o_mask)
 
 
 @triton.jit
@@ -147,99 +300,25 @@ def _lora_shrink_kernel(
     PDL: tl.constexpr,
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
-    tile = tl.program_id(0)
-    if tile >= tl.load(num_tiles_ptr):
-        return
-    offs_m, row_ok, expert, slot = lora_tile(tiles_ptr, tile, BLOCK_M)
-    if (expert < 0) | (slot < 0):
-        return
-    k_start = tl.program_id(2) * k_chunk
-    k_end = tl.minimum(k_start + k_chunk, k_dim)
-    # grid dimension 1: (rank chunk, part group). In this A's columns (a rank shard from
-    # rank_offset under fully sharded LoRA): [0, rank) are the slot's, [rank, width) are
-    # written as zeros, and a chunk past the width is idle. The width: the real rank
-    # rounded up to RANK_STEP (what the decode and delta expands read), or with FILL_BLOCK
-    # the widest slot's rounded up to FILL_BLOCK (what the in-GEMM expand's passes read).
-    r0 = (tl.program_id(1) // part_groups) * BLOCK_R
-    real = tl.load(ranks_ptr + slot)
-    rank = real - rank_offset
-    width = (real + RANK_STEP - 1) // RANK_STEP * RANK_STEP
-    if FILL_BLOCK > 0:
-        width = tl.cdiv(max_width(ranks_ptr, num_slots, BLOCK_L), FILL_BLOCK) * FILL_BLOCK
-    width = tl.minimum(width - rank_offset, r_size)
-    if r0 >= width:
-        return
-    if r0 >= rank:  # zeros only: no K steps
-        k_end = k_start
-    pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
-    if ROWS_SORTED:  # input rows in the sorted order (z of a z_sorted up GEMM)
-        row = offs_m.to(tl.int64)
-    else:
-        row = (pair // row_div).to(tl.int64)
-    # lanes: (part, r) of the parts this program covers
-    offs_q = tl.arange(0, PARTS_PER_PROG * BLOCK_R)
-    q_part = (tl.program_id(1) % part_groups) * PARTS_PER_PROG + offs_q // BLOCK_R
-    q_r = r0 + offs_q % BLOCK_R
-    q_ok = (q_r < rank) & (q_part < parts)  # lanes read from A
-    q_st = (q_r < width) & (q_part < parts)  # lanes written (zeros past the rank)
-    q_off = q_part * stride_as + q_r * stride_ar
-    # int64: L*E*S*R*H exceeds 2**31 (DeepSeek-V3, R=128)
-    a_base = a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, PARTS_PER_PROG * BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k_mask = (k0 + offs_k) < k_end
-        xin = tl.load(
-            in_ptr + row[:, None] * stride_im + (k0 + offs_k)[None, :] * stride_ik,
-            mask=row_ok[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            a_base + q_off[None, :] + (k0 + offs_k)[:, None] * stride_ak,
-            mask=q_ok[None, :] & k_mask[:, None],
-            other=0.0,
-        )
-        if UPCAST:
-            xin = xin.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = mma(xin, w, acc, IEEE)
-    if EXPAND:  # the delta rows straight from the whole-K intermediate (no split)
-        _expand_rows(
-            acc,
-            q_part,
-            q_r,
-            q_st,
-            pair,
-            row_ok,
-            b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be,
-            delta_ptr,
-            n_size,
-            parts,
-            stride_bs,
-            stride_bn,
-            stride_br,
-            stride_dm,
-            stride_ds,
-            stride_dn,
-            PARTS_PER_PROG,
-            BLOCK_N,
-            UPCAST,
-            IEEE,
-        )
-    else:
-        o_ptrs = (
-            inter_ptr
-            + pair[:, None].to(tl.int64) * stride_om
-            + (q_part * stride_os + q_r * stride_or)[None, :]
-        )
-        o_mask = row_ok[:, None] & q_st[None, :]
-        if SPLIT:
-            tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")  # a reduction
-        else:
-            tl.store(o_ptrs, acc, mask=o_mask)
+    _lora_shrink(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        in_ptr, a_ptr, inter_ptr, sorted_pair_ids_ptr, tiles_ptr, num_tiles_ptr, row_div, parts,
+        part_groups, ranks_ptr, rank_offset, r_size, num_slots, k_dim, k_chunk, stride_im,
+        stride_ik, stride_al, stride_ae, stride_as, stride_ar, stride_ak, stride_om, stride_os,
+        stride_or, b_ptr, delta_ptr, n_size, stride_bl, stride_be, stride_bs, stride_bn,
+        stride_br, stride_dm, stride_ds, stride_dn, BLOCK_M, BLOCK_K, BLOCK_R, PARTS_PER_PROG,
+        BLOCK_L, FILL_BLOCK, SPLIT, ROWS_SORTED, EXPAND, BLOCK_N, UPCAST, IEEE,
+    )  # fmt: skip
 
 
-def lora_shrink(
+def lora_shrink(*args, **kwargs) -> torch.Tensor:
+    """Launches the LoRA shrink (arguments and result: lora_shrink_launch)."""
+    grid, kw, out = lora_shrink_launch(*args, **kwargs)
+    _lora_shrink_kernel[grid](**kw)
+    return out
+
+
+def lora_shrink_launch(
     inp: torch.Tensor,
     lora_a: torch.Tensor,
     aligned: AlignedPairs,
@@ -258,8 +337,11 @@ def lora_shrink(
     tile_rank: int | None = None,
     fill_block: int = 0,
     pdl: bool = False,
-) -> torch.Tensor:
-    """inp: x [T, H] (rows "tokens"), z [P, I] (rows "pairs") or z [P_pad, I] in the sorted
+) -> tuple[tuple[int, int, int], dict, torch.Tensor]:
+    """(grid, the kernel's keyword arguments, the result) of a LoRA shrink launch, checked
+    and allocated; lora_shrink launches it, down_lora_fused.py beside the down GEMM.
+
+    inp: x [T, H] (rows "tokens"), z [P, I] (rows "pairs") or z [P_pad, I] in the sorted
     order (rows "sorted"); lora_a [L, E, S, R, in] (w13) or
     [L, E, R, in] (w2, S = 1); aligned: with its LoRA tiles (align_pairs(lora_tile_m=...)).
     Returns inter [P, S, R] fp32; rows of slot -1 unwritten (zero when split_k > 1: the
@@ -322,7 +404,7 @@ def lora_shrink(
     part_groups = triton.cdiv(parts, per_prog)
     upcast, ieee = precision_flags(inp)
     grid = (aligned.max_lora_tiles, part_groups * triton.cdiv(rank, block_r), split)
-    _lora_shrink_kernel[grid](
+    kw = dict(
         in_ptr=inp,
         a_ptr=a5,
         inter_ptr=out,
@@ -360,4 +442,8 @@ def lora_shrink(
         PDL=pdl,
         launch_pdl=pdl,
     )
-    return out
+    return grid, kw, out
+
+
+# lora_shrink has lora_shrink_launch's parameters and docstring (help() and inspect show them)
+functools.update_wrapper(lora_shrink, lora_shrink_launch, assigned=("__doc__",), updated=())

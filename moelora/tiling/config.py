@@ -47,6 +47,7 @@ class TileConfig:
     up_tma: bool = False  # the up GEMM's w13 tiles by TMA (gate / up rows not interleaved)
     atomic_reduce: bool = False  # the down GEMM sums pairs into fp32 [T, H] (atomic_reduce.py)
     lora_stream: bool = False  # LoRA: the down LoRA on a side stream beside the down GEMM
+    fused_down_lora: bool = False  # the down GEMM and the z-side shrink_expand in one launch
 
 
 class Gemm(Enum):
@@ -103,6 +104,8 @@ KNOB_SPECS: tuple[Knob, ...] = (
     Knob("up_tma", (False, True), False, Gemm.UP, True, Search.LAYOUT),
     Knob("atomic_reduce", (False, True), False, Gemm.DOWN, True, Search.LAYOUT),
     Knob("lora_stream", (False, True), True, Gemm.LAYER, True, Search.LORA),
+    # not searched until measured on the device (kernels/down_lora_fused.py)
+    Knob("fused_down_lora", (False, True), True, Gemm.DOWN, True, Search.NONE),
     Knob("shrink_block_k", (128,), True, Gemm.LORA, False, Search.NONE),
     Knob("group_m", (8,), False, Gemm.BOTH, False, Search.NONE),
     Knob(
