@@ -14,8 +14,8 @@ REL_TOL: dict[torch.dtype, float] = {
     torch.float16: 2e-3,
     torch.bfloat16: 1e-2,
     # FP8 (e4m3) experts against the reference on the dequantized experts: bf16 activations,
-    # plus, under W8A8, e4m3 roundings of a GEMM input that flip where the kernel quantizes
-    # a bf16-stored row and the reference its fp32 value (one e4m3 step is 2^-4 relative).
+    # plus, under W8A8, e4m3 roundings of a GEMM input that flip where the kernel's z and
+    # the reference's differ by their summation order (one e4m3 step is 2^-4 relative).
     torch.float8_e4m3fn: 3e-2,
 }
 

@@ -108,7 +108,9 @@ def reference_forward(call: MoECall, experts: ExpertWeights, shape: MoEShape) ->
         z = apply_activation(
             shape.activation, h, alpha=shape.swiglu_alpha, limit=shape.swiglu_limit
         )
-        o = base_gemm_input(experts.quantization, z) @ experts.w2[expert].float().t()
+        # W8A8 quantizes z as the kernels (and transformers) hold it: in the serving dtype
+        stored = z.to(x.dtype).float() if experts.quantization.method.quantizes_inputs else z
+        o = base_gemm_input(experts.quantization, stored) @ experts.w2[expert].float().t()
         if experts.b2 is not None:
             o = o + experts.b2[expert].float()
         for slot in active:

@@ -39,6 +39,7 @@ from .checks import (
 )
 from .fp8_tiles import block_scaled
 from .launch_args import strides
+from .output import as_stored
 from .pdl import chain_point
 from .ranks import slot_ranks
 
@@ -239,7 +240,7 @@ def _decode_up_kernel(
             acc_u += tl.load(
                 b_base + (gate_rows + up_offset) * stride_bn, mask=n_mask, other=0.0
             ).to(tl.float32)
-    z = apply_act(acc_g, acc_u, ACT, alpha, limit).to(z_ptr.dtype.element_ty)
+    z = as_stored(apply_act(acc_g, acc_u, ACT, alpha, limit), z_ptr.dtype.element_ty)
     tl.store(z_ptr + pair * stride_zm + offs_n * stride_zn, z, mask=n_mask)
     if HAS_LORA:
         # z shrink of these units: z (as stored) times A2[slot, e][:, units], summed over the

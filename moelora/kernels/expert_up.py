@@ -36,6 +36,7 @@ from .checks import (
 )
 from .fp8_tiles import fp8_mma
 from .launch_args import strides
+from .output import as_stored
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
@@ -255,9 +256,8 @@ def _expert_up_kernel(
             z = apply_act(acc_g, acc_u, ACT, alpha, limit)
             z_row = z_rows(row0, pair, BLOCK_M >> v, Z_SORTED)
             z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_n[None, :] * stride_zn
-            tl.store(
-                z_ptrs, z.to(z_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :]
-            )
+            z = as_stored(z, z_ptr.dtype.element_ty)
+            tl.store(z_ptrs, z, mask=row_valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
