@@ -35,6 +35,7 @@ from .checks import (
 )
 from .fp8_tiles import block_scaled
 from .launch_args import strides
+from .output import as_stored
 from .pdl import chain_point
 from .ranks import slot_ranks
 
@@ -202,7 +203,7 @@ def _decode_down_kernel(
     y_ptrs = y_ptr + token * stride_ym + offs_n * stride_yn
     if ADD:
         y += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(y_ptrs, as_stored(y, y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def decode_down(

@@ -36,6 +36,7 @@ from .checks import (
 )
 from .fp8_tiles import fp8_mma
 from .launch_args import strides
+from .output import as_stored
 from .pdl import chain_point
 from .ranks import expand_layout
 from .tiles import (
@@ -241,7 +242,7 @@ def _expert_down(
                 o_ptrs = (
                     o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
                 )
-                tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=o_mask)
+                tl.store(o_ptrs, as_stored(acc, o_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ from ..tiling.geometry import rank_block
 from .align import AlignedPairs
 from .checks import check_shape, precision_flags, workspace
 from .launch_args import lora_tile_args, strides, with_parts
+from .output import as_stored
 from .pdl import chain_point
 from .ranks import slot_ranks
 from .tiles import RANK_STEP, expand_dot, lora_tile
@@ -66,7 +67,7 @@ def expand_tile(
     )
     d = expand_dot(t, b, tl.zeros((t.shape[0], offs_n.shape[0]), dtype=tl.float32), UPCAST, IEEE)
     d_ptrs = delta_ptr + pair[:, None].to(tl.int64) * stride_dm + offs_n[None, :] * stride_dn
-    tl.store(d_ptrs, d.to(delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(d_ptrs, as_stored(d, delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -131,7 +132,7 @@ def _lora_delta_kernel(
         )
         d = expand_dot(t, b, d, UPCAST, IEEE)
     d_ptrs = delta_ptr + part * stride_ds + pair[:, None] * stride_dm + offs_n[None, :] * stride_dn
-    tl.store(d_ptrs, d.to(delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(d_ptrs, as_stored(d, delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 def lora_delta(

@@ -18,14 +18,6 @@ BF16_BY_BITS = tl.constexpr(triton_interpreted())
 
 
 @triton.jit
-def store_y(y_ptrs, acc, mask, ADD: tl.constexpr):
-    """y[mask] = acc (fp32 tile), or y + acc with ADD; y_ptrs: the tile's pointers into y."""
-    if ADD:
-        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def as_stored(t, dtype: tl.constexpr):
     """t (fp32) converted to `dtype`, rounded to nearest even (ties to even) as on a GPU."""
     if BF16_BY_BITS:
@@ -34,3 +26,11 @@ def as_stored(t, dtype: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             t = bits.to(tl.float32, bitcast=True)
     return t.to(dtype)
+
+
+@triton.jit
+def store_y(y_ptrs, acc, mask, ADD: tl.constexpr):
+    """y[mask] = acc (fp32 tile), or y + acc with ADD; y_ptrs: the tile's pointers into y."""
+    if ADD:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, as_stored(acc, y_ptrs.dtype.element_ty), mask=mask)
