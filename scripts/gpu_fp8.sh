@@ -11,7 +11,8 @@
 # Knobs: VALIDATE_S / BENCH_S (each step's limit; 0 skips it), VALIDATE_MODELS, ITERS;
 # optional steps (off unless given seconds): CHANNEL_S (validate fp8_channel, quick),
 # PROFILE_S (profile_layer --quantization fp8 at PROFILE_TOKENS), SWEEP_S (fp8_sweep at
-# SWEEP_TOKENS: fp8_sweep.json / .log).
+# SWEEP_TOKENS: fp8_sweep.json / .log), GENERATE_S (benchmarks.fp8_generate at
+# GENERATE_LAYERS, default 48: fp8_generate.json / .log, one JSON line per step and result).
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
@@ -43,5 +44,10 @@ fi
 if [ "${SWEEP_S:-0}" -gt 0 ]; then  # FP8 tiles around the picked ones (benchmarks/fp8_sweep.py)
   timeout $((SWEEP_S + 60)) $PY -m benchmarks fp8_sweep --tokens "${SWEEP_TOKENS:-256,4096}" \
     --budget-s "$SWEEP_S" --json "$OUT/fp8_sweep.json" 2>&1 | tee "$OUT/fp8_sweep.log"
+fi
+if [ "${GENERATE_S:-0}" -gt 0 ]; then  # model level: an FP8 checkpoint through transformers
+  HF_HUB_OFFLINE=1 timeout "$GENERATE_S" $PY -u -m benchmarks.fp8_generate \
+    --layers "${GENERATE_LAYERS:-48}" --json "$OUT/fp8_generate.json" > "$OUT/fp8_generate.log" 2>&1
+  echo "fp8_generate exit: $?"; grep -v Warning "$OUT/fp8_generate.log" | tail -20
 fi
 echo "done in ${SECONDS}s"
