@@ -17,8 +17,10 @@ BF16_PTRS = {"x_ptr", "b_ptr", "z_ptr", "lora_b_ptr", "lora_a2_ptr", "y_ptr"}
 I32_PTRS = {"topk_ids_ptr", "slots_ptr", "ranks_ptr"}
 # the scale constexprs of each format (kernels/checks.py: fp8_scale_args)
 FORMATS = {
-    "block": dict(W_FP8=True, SCALE_N=128, SCALE_K=128),
-    "channel": dict(W_FP8=True, SCALE_N=1, SCALE_K=128),
+    "block": dict(W_FP8=True, SCALE_N=128, SCALE_K=128, SCALE_COLUMNS=False),
+    # the programs' rows share a scale block: the scales act on the input's columns
+    "block_columns": dict(W_FP8=True, SCALE_N=128, SCALE_K=128, SCALE_COLUMNS=True),
+    "channel": dict(W_FP8=True, SCALE_N=1, SCALE_K=128, SCALE_COLUMNS=False),
 }
 UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, WEIGHT_INPUT=False, BLOCK_N=16,
           BLOCK_K=128, BLOCK_R=16, EARLY=True)  # fmt: skip

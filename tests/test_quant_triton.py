@@ -219,29 +219,64 @@ def test_per_channel_gemm_steps_k_by_at_least_32(name, cfg, steps) -> None:
 
 
 DECODE = TileConfig(16, GemmTiles(16, 32), GemmTiles(16, 32), decode=True)
-# (id, shape, format, slots, early loads) - the decode GEMVs on FP8 rows
+# a K step of 128 columns: 4 scale blocks of B32 along K, the scales applied to the input's
+# columns (the rows of each program share a scale block)
+WIDE = TileConfig(16, GemmTiles(16, 128), GemmTiles(16, 128), decode=True)
+# the down GEMV's programs take 64 rows, two scale blocks of B32: it steps one block
+WIDE_ROWS = TileConfig(16, GemmTiles(16, 128), GemmTiles(64, 128), decode=True)
+# (id, shape, format, slots, early loads, tiles) - the decode GEMVs on FP8 rows
 DECODE_CASES = [
-    ("silu_lora", _shape("silu", torch.float32), B32, [0, -1, 1], False),
-    ("silu_early", _shape("silu", torch.float32), B32, [1, 0], True),  # first step loaded early
-    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), B32, [0, -1], False),
-    ("relu2_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), B32, [-1, 1, 0], True),
-    ("channel_early", _shape("silu", torch.float32), CHANNEL, [1, -1, 0], True),
+    ("silu_lora", _shape("silu", torch.float32), B32, [0, -1, 1], False, DECODE),
+    ("silu_early", _shape("silu", torch.float32), B32, [1, 0], True, DECODE),  # step 1 early
+    ("swigluoai_bias", _shape("swigluoai", torch.float32, bias=True), B32, [0, -1], False,
+     DECODE),
+    ("relu2_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), B32, [-1, 1, 0], True,
+     DECODE),
+    ("wide_silu_early", _shape("silu", torch.float32), B32, [1, -1, 0], True, WIDE),
+    ("wide_swigluoai_partial", _shape("swigluoai", torch.float32, h=72, i=48, bias=True), B32,
+     [0, 1, -1], False, WIDE),  # K 72: a partial step over 3 blocks, the last one partial
+    ("wide_bf16_lora", _shape("silu", torch.bfloat16), B32, [0, -1, 1, 1], False, WIDE),
+    ("straddle_silu", _shape("silu", torch.float32, h=72, i=40), B32, [0, -1, 1], True,
+     WIDE),  # I = 40: the up rows start mid-block, so the up GEMV steps one block
+    ("wide_rows_down", _shape("silu", torch.float32), B32, [1, 0, -1], False, WIDE_ROWS),
+    ("channel_early", _shape("silu", torch.float32), CHANNEL, [1, -1, 0], True, DECODE),
     ("channel_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), CHANNEL, [0, 1],
-     False),
+     False, DECODE),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "name,shape,quant,slots,early", DECODE_CASES, ids=[c[0] for c in DECODE_CASES]
+    "name,shape,quant,slots,early,tiles", DECODE_CASES, ids=[c[0] for c in DECODE_CASES]
 )
-def test_decode_path_on_fp8_rows(name, shape, quant, slots, early, seed) -> None:
+def test_decode_path_on_fp8_rows(name, shape, quant, slots, early, tiles, seed) -> None:
     from moelora.backends.triton import fused_moe_lora
 
     call, fp8 = _problem(shape, quant, len(slots), slots, seed)
-    cfg = dataclasses.replace(DECODE, pdl=early)
+    cfg = dataclasses.replace(tiles, pdl=early)
     out = fused_moe_lora(call, fp8, shape, config=cfg)
     ref = reference_forward(call, fp8.dequantize(), shape)
     assert_close(out, ref, FP8, tol=_tol(shape), what=name)
+
+
+# (id, shape, up / down BLOCK_K after the fit of WIDE to B32) - a decode GEMV keeps its step
+# where each program's rows share a scale block, else steps one block
+DECODE_STEPS = [
+    ("shared", _shape("silu", torch.bfloat16), (128, 128)),
+    ("interleaved", _shape("swigluoai", torch.bfloat16, i=48), (128, 128)),
+    ("up_rows_mid_block", _shape("silu", torch.bfloat16, h=72, i=40), (32, 128)),
+]
+# (id, shape, config, up / down BLOCK_K after the fit): the same for the down GEMV's rows
+DECODE_STEPS += [("down_rows_two_blocks", _shape("silu", torch.bfloat16), (128, 32))]
+
+
+@pytest.mark.parametrize("name,shape,steps", DECODE_STEPS, ids=[c[0] for c in DECODE_STEPS])
+def test_decode_gemv_keeps_its_step_where_rows_share_a_scale_block(
+    name, shape, steps, seed
+) -> None:
+    call, fp8 = _problem(shape, B32, 1, [0], seed)
+    cfg = WIDE_ROWS if name == "down_rows_two_blocks" else WIDE
+    plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=cfg)
+    assert (plan.up.tiles.block_k, plan.down.tiles.block_k) == steps
 
 
 def _layer(shape: MoEShape, quant: QuantConfig):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..activations import Activation
 from ..call import MoECall
 from ..comm import LoRAComm
 from ..config import AddInputs, MoEShape
@@ -220,6 +221,8 @@ def forward_plan(
             experts.quant,
             parts=shape.activation.width_factor,
             shared_memory=limits.shared_memory if limits is not None else None,
+            inter=experts.w2.shape[2],
+            interleaved=shape.activation is Activation.SWIGLUOAI,
         )
     return plan_forward(
         cfg,

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..errors import InputError
 from ..tiling.config import GemmTiles
-from ..tiling.geometry import rank_block
+from ..tiling.geometry import rank_block, rows_share_scale_block
 from .checks import (
     check_dtype_match,
     check_fp8_weight,
@@ -33,7 +33,7 @@ from .checks import (
     quantized_input_args,
     workspace,
 )
-from .fp8_tiles import block_scaled
+from .fp8_tiles import block_scaled, scaled_columns
 from .launch_args import strides
 from .output import as_stored
 from .pdl import chain_point
@@ -88,6 +88,7 @@ def _decode_down_kernel(
     W_FP8: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    SCALE_COLUMNS: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -127,6 +128,9 @@ def _decode_down_kernel(
         + expert[:, None] * stride_se
         + (tl.where(n_mask, offs_n, 0) // SCALE_N)[None, :] * stride_sn
     )
+    # SCALE_COLUMNS: the program's rows share one scale row per expert: its scales act on
+    # z's columns, and a step may span several scale blocks along K
+    s_rows = ws_ptr + expert[:, None] * stride_se + ((pid_n * BLOCK_N) // SCALE_N) * stride_sn
     if EARLY:  # the first K step's weight tile, loaded before the chain point: it streams
         # while the up kernel still runs (pdl.py) and depends on nothing that kernel writes
         k_ok = offs_k < inter_size
@@ -167,8 +171,11 @@ def _decode_down_kernel(
         else:
             zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             sa = 1.0  # unused: block_scaled passes serving-dtype products through
+        if SCALE_COLUMNS:
+            zt = scaled_columns(zt, zs_ptrs, stride_xsg, s_rows, stride_sk, offs_k[None, :],
+                                live[:, None] & k_ok[None, :], SCALE_K)  # fmt: skip
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
-        acc += block_scaled(d, sa, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K)
+        acc += block_scaled(d, sa, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K, SCALE_COLUMNS)
         z_ptrs += BLOCK_K * stride_zk
         if W_FP8:
             zq_ptrs += BLOCK_K * stride_xqk
@@ -181,9 +188,13 @@ def _decode_down_kernel(
         else:
             zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             sa = 1.0
+        if SCALE_COLUMNS:
+            zt = scaled_columns(zt, zs_ptrs, stride_xsg, s_rows, stride_sk,
+                                (k0 + offs_k)[None, :], live[:, None] & k_ok[None, :],
+                                SCALE_K)  # fmt: skip
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
-        acc += block_scaled(d, sa, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K)
+        acc += block_scaled(d, sa, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K, SCALE_COLUMNS)
         z_ptrs += BLOCK_K * stride_zk
         if W_FP8:
             zq_ptrs += BLOCK_K * stride_xqk
@@ -264,10 +275,13 @@ def decode_down(
     # a step's tile is [K, BLOCK_N, BLOCK_K] fp32 in registers: large top-k (K > 8) gets a
     # narrower K step so the tile stays at the 8 x 16 x 128 elements tried for K = 8
     block_k = max(16, min(tiles.block_k, MAX_TILE // (block_j * block_n)))
-    if fp8 and w_scale.dim() == 3:  # W8A8: a step is one activation group (the block's K)
+    # block scales shared by each program's rows act on z's columns (fp8_tiles.py); else a
+    # step is one scale block along K
+    columns = fp8 and w_scale.dim() == 3 and rows_share_scale_block(block_n, 1, 0, scale_block[0])
+    if fp8 and w_scale.dim() == 3 and not columns:
         block_k = scale_block[1]
     if fp8:
-        check_fp8_weight("w2", w2, w_scale, scale_block, block_k)
+        check_fp8_weight("w2", w2, w_scale, scale_block, block_k, columns)
     dummy = z  # never read: its constexpr flag is off
     grid = (num_tokens, triton.cdiv(hidden, block_n))
     _decode_down_kernel[grid](
@@ -309,6 +323,7 @@ def decode_down(
         num_stages=tiles.num_stages,
         launch_pdl=pdl and chained,
         **fp8_scale_args(w_scale, scale_block, block_k, dummy),
+        SCALE_COLUMNS=columns,
         **quantized_input_args("z", z, z_quant, fp8, w_scale, scale_block),
     )
     return out

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..activations import Activation
 from ..tiling.config import GemmTiles
+from ..tiling.geometry import gate_up_rows, rows_share_scale_block
 from .activation import act_code, apply_act
 from .checks import (
     check_dtype_match,
@@ -37,7 +38,7 @@ from .checks import (
     quantized_input_args,
     workspace,
 )
-from .fp8_tiles import block_scaled
+from .fp8_tiles import block_scaled, scaled_columns
 from .launch_args import strides
 from .output import as_stored
 from .pdl import chain_point
@@ -49,6 +50,23 @@ def _rows_dot(w_ptrs, xv, mask):
     """[BLOCK_N] fp32: each row of the [BLOCK_N, BLOCK_K] tile at w_ptrs dotted with xv."""
     w = tl.load(w_ptrs, mask=mask, other=0.0)
     return tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+
+
+@triton.jit
+def _scaled_inputs(
+    xv, xs_row, stride_xsg, sg_row, su_row, stride_sk, cols, k_ok, GATED: tl.constexpr,
+    SCALE_COLUMNS: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
+    """The step's x as the gate rows and the up rows read it: xv itself, or with
+    SCALE_COLUMNS each column times its activation-group scale and the rows' weight block
+    scale (the gate's at sg_row, the up's at su_row: fp8_tiles.scaled_columns)."""
+    xg = xv
+    xu = xv
+    if SCALE_COLUMNS:
+        xg = scaled_columns(xv, xs_row, stride_xsg, sg_row, stride_sk, cols, k_ok, SCALE_K)
+        if GATED:
+            xu = scaled_columns(xv, xs_row, stride_xsg, su_row, stride_sk, cols, k_ok, SCALE_K)
+    return xg, xu
 
 
 @triton.jit
@@ -111,6 +129,7 @@ def _decode_up_kernel(
     W_FP8: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    SCALE_COLUMNS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -146,6 +165,11 @@ def _decode_up_kernel(
     # and scales its row sums by the group's scale and the rows' block scales
     sg_ptrs = ws_ptr + expert * stride_se + (gate_rows // SCALE_N) * stride_sn
     su_ptrs = ws_ptr + expert * stride_se + ((gate_rows + up_offset) // SCALE_N) * stride_sn
+    # SCALE_COLUMNS: the program's rows share one scale row (gate, and up): its scales act
+    # on x's columns, and a step may span several scale blocks along K
+    first_row = pid_n * BLOCK_N * row_step
+    sg_row = ws_ptr + expert * stride_se + (first_row // SCALE_N) * stride_sn
+    su_row = ws_ptr + expert * stride_se + ((first_row + up_offset) // SCALE_N) * stride_sn
     if EARLY:  # the first K step's weight tiles, loaded before the chain point: they stream
         # while the kernel before still runs (pdl.py) and depend on nothing it writes
         k_ok = offs_k < hidden
@@ -188,6 +212,8 @@ def _decode_up_kernel(
     if W_FP8:
         xq_ptrs = xq_ptr + token * stride_xqm + offs_k * stride_xqk
         xs_row = xs_ptr + token * stride_xsm
+    else:
+        xs_row = x_ptr  # never read (SCALE_COLUMNS needs W_FP8)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if EARLY:  # the first step, from the tiles loaded early (the loop starts at the second)
@@ -197,11 +223,17 @@ def _decode_up_kernel(
         else:
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             sa = 1.0  # unused: block_scaled passes serving-dtype products through
-        d_g = tl.sum(w_g.to(tl.float32) * xv[None, :], axis=1)
-        acc_g += block_scaled(d_g, sa, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
+        xg, xu = _scaled_inputs(
+            xv, xs_row, stride_xsg, sg_row, su_row, stride_sk, offs_k, k_ok, GATED,
+            SCALE_COLUMNS, SCALE_K,
+        )  # fmt: skip
+        d_g = tl.sum(w_g.to(tl.float32) * xg[None, :], axis=1)
+        acc_g += block_scaled(d_g, sa, sg_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K, SCALE_COLUMNS)
         if GATED:
-            d_u = tl.sum(w_u.to(tl.float32) * xv[None, :], axis=1)
-            acc_u += block_scaled(d_u, sa, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K)
+            d_u = tl.sum(w_u.to(tl.float32) * xu[None, :], axis=1)
+            acc_u += block_scaled(
+                d_u, sa, su_ptrs, 0, stride_sk, n_mask, W_FP8, SCALE_K, SCALE_COLUMNS
+            )
         x_ptrs += BLOCK_K * stride_xk
         if W_FP8:
             xq_ptrs += BLOCK_K * stride_xqk
@@ -215,11 +247,19 @@ def _decode_up_kernel(
         else:
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             sa = 1.0
-        d_g = _rows_dot(wg_ptrs, xv, k_ok[None, :])
-        acc_g += block_scaled(d_g, sa, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
+        xg, xu = _scaled_inputs(
+            xv, xs_row, stride_xsg, sg_row, su_row, stride_sk, k0 + offs_k, k_ok, GATED,
+            SCALE_COLUMNS, SCALE_K,
+        )  # fmt: skip
+        d_g = _rows_dot(wg_ptrs, xg, k_ok[None, :])
+        acc_g += block_scaled(
+            d_g, sa, sg_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K, SCALE_COLUMNS
+        )
         if GATED:
-            d_u = _rows_dot(wu_ptrs, xv, k_ok[None, :])
-            acc_u += block_scaled(d_u, sa, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K)
+            d_u = _rows_dot(wu_ptrs, xu, k_ok[None, :])
+            acc_u += block_scaled(
+                d_u, sa, su_ptrs, k0, stride_sk, n_mask, W_FP8, SCALE_K, SCALE_COLUMNS
+            )
         x_ptrs += BLOCK_K * stride_xk
         if W_FP8:
             xq_ptrs += BLOCK_K * stride_xqk
@@ -276,8 +316,9 @@ def decode_up(
 ) -> torch.Tensor:
     """x [T, H], w13 [E, S*I, H] (x's dtype, or e4m3 with w_scale: fp32 block scales
     [E, ceil(S*I / bn), ceil(H / bk)] of scale_block [bn, bk], or per-channel [E, S*I];
-    then W8A8 as the GEMMs quantize: each step's x group (BLOCK_K == bk), or the row by its
-    whole-row scale; products summed in fp32), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
+    then W8A8 as the GEMMs quantize: each step's x group (BLOCK_K == bk; any BLOCK_K where
+    each program's rows share a scale block, the scales then applied to x's columns), or
+    the row by its whole-row scale; products summed in fp32), b13 [E, S*I] | None, topk_ids [T, K]; LoRA: inter
     [P, S, R] fp32 (decode_shrink, or its all-gather), lora_b (w13_b) [L, E, S, I, R],
     lora_a2 (w2_a) [L, E, R2, I] and z_inter [P, R2] fp32 zeros, into which the z shrink is
     added; lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R): the LoRA terms stop
@@ -298,8 +339,16 @@ def decode_up(
     check_shape("w13", w13, (num_experts, parts * inter_size, hidden))
     fp8 = w_scale is not None
     check_weight_dtype("w13", w13, x, fp8)
+    interleaved = activation is Activation.SWIGLUOAI  # gate / up rows interleaved
+    row_step, up_offset = gate_up_rows(parts, interleaved, inter_size)
+    # block scales shared by each program's rows act on x's columns (fp8_tiles.py)
+    columns = (
+        fp8
+        and w_scale.dim() == 3
+        and rows_share_scale_block(block_n, row_step, up_offset, scale_block[0])
+    )
     if fp8:
-        check_fp8_weight("w13", w13, w_scale, scale_block, block_k)
+        check_fp8_weight("w13", w13, w_scale, scale_block, block_k, columns)
     if b13 is not None:
         check_shape("b13", b13, (num_experts, rows))
     has_lora = lora_b is not None
@@ -312,7 +361,6 @@ def decode_up(
     z = workspace(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     rank = lora_b.shape[4] if has_lora else 1
     z_rank = lora_a2.shape[2] if has_lora else 1
-    swiglu = activation is Activation.SWIGLUOAI
     dummy = x  # never read: its constexpr flag is off
     grid = (num_pairs, triton.cdiv(inter_size, block_n))
     _decode_up_kernel[grid](
@@ -335,8 +383,8 @@ def decode_up(
         ranks_ptr=slot_ranks(lora_b, lora_ranks, 4) if has_lora else dummy,
         hidden=hidden,
         inter_size=inter_size,
-        up_offset=1 if swiglu else inter_size,
-        row_step=2 if swiglu else 1,
+        up_offset=up_offset,
+        row_step=row_step,
         alpha=alpha,
         limit=limit,
         **strides("x", x, "mk"),
@@ -361,6 +409,7 @@ def decode_up(
         num_stages=tiles.num_stages,
         launch_pdl=pdl and chained,
         **fp8_scale_args(w_scale, scale_block, block_k, dummy),
+        SCALE_COLUMNS=columns,
         **quantized_input_args("x", x, x_quant, fp8, w_scale, scale_block),
     )
     return z

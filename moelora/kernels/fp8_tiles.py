@@ -83,13 +83,30 @@ def row_scales(ptrs, rows_ok, width, stride_k, offs_k):
 
 
 @triton.jit
-def block_scaled(d, sa, s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr):
+def block_scaled(
+    d, sa, s_ptrs, k0, stride_sk, mask, W_FP8: tl.constexpr, SCALE_K: tl.constexpr,
+    SCALE_COLUMNS: tl.constexpr,
+):  # fmt: skip
     """A decode GEMV's K step sums d (fp32, the shape of mask) times the input's scales sa
-    (stored by quant_rows.py) and its rows' block scales at s_ptrs (W_FP8: e4m3 weights, the step one
-    scale block along K); d as is otherwise."""
-    if W_FP8:
+    (stored by quant_rows.py) and its rows' block scales at s_ptrs (W_FP8: e4m3 weights, the
+    step one scale block along K); d as is otherwise, and with SCALE_COLUMNS (the scales
+    were applied to the input's columns: scaled_columns)."""
+    if W_FP8 and not SCALE_COLUMNS:
         d = d * (sa * tl.load(s_ptrs + (k0 // SCALE_K) * stride_sk, mask=mask, other=0.0))
     return d
+
+
+@triton.jit
+def scaled_columns(v, xs_ptrs, stride_xsg, s_ptrs, stride_sk, cols, mask, SCALE_K: tl.constexpr):
+    """A decode GEMV's K step whose weight rows share one scale block along N (SCALE_COLUMNS;
+    tiling/geometry.py: rows_share_scale_block): v [..., BLOCK_K] (the input's e4m3 values in
+    fp32, columns `cols`) times each column's activation-group scale (at xs_ptrs [..., 1],
+    stored by quant_rows.py) and the rows' weight block scale of that column's K block (at
+    s_ptrs [..., 1]). The step may then span several scale blocks along K: the row sums of
+    the weights times this need no scaling after. Masked columns give 0."""
+    g = cols // SCALE_K
+    sa = tl.load(xs_ptrs + g * stride_xsg, mask=mask, other=0.0)
+    return v * (sa * tl.load(s_ptrs + g * stride_sk, mask=mask, other=0.0))
 
 
 @triton.jit

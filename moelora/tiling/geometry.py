@@ -80,3 +80,22 @@ def slots_per_dot(num_slots: int, block_r: int, lanes: int) -> int:
     while fit * 2 * block_r <= lanes:
         fit *= 2
     return min(fit, next_pow2(max(1, num_slots)))
+
+
+def gate_up_rows(parts: int, interleaved: bool, inter: int) -> tuple[int, int]:
+    """(row_step, up_offset) of w13's rows as the up GEMV reads them: parts 2 (gated) with
+    gate / up rows interleaved (swigluoai): (2, 1); stacked: (1, inter); one part: (1, 0)
+    (no up rows)."""
+    if parts == 1:
+        return 1, 0
+    return (2, 1) if interleaved else (1, inter)
+
+
+def rows_share_scale_block(block_n: int, row_step: int, up_offset: int, scale_n: int) -> bool:
+    """Whether every weight row one decode GEMV program reads lies in one block-scale block
+    of scale_n rows: its block_n rows, row_step apart from a multiple of block_n x row_step,
+    and, for gated weights, the same rows shifted by up_offset (0: none). Then one scale
+    per K block serves the whole program, and a K step may span several scale blocks
+    (kernels/fp8_tiles.py: scaled_columns)."""
+    span = block_n * row_step
+    return scale_n % span == 0 and (up_offset % span == 0 or up_offset < row_step)

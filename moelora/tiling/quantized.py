@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..quant.formats import QuantConfig
 from .config import GemmTiles, TileConfig
 from .fit import MARGIN
+from .geometry import gate_up_rows, rows_share_scale_block
 
 # The FP8 GEMM tiles from BLOCK_M 64 up (the bf16 rows there hold two fp32 accumulators of
 # [128, 128] plus each K step's scaled product: benchmarks/fp8_sweep.py on the H200 at
@@ -54,13 +55,21 @@ def _gemm_step(cfg: TileConfig, tiles: GemmTiles) -> int:
 
 
 def fit_to_fp8(
-    cfg: TileConfig, quant: QuantConfig, *, parts: int = 2, shared_memory: int | None = None
+    cfg: TileConfig,
+    quant: QuantConfig,
+    *,
+    parts: int = 2,
+    shared_memory: int | None = None,
+    inter: int = 0,
+    interleaved: bool = False,
 ) -> TileConfig:
     """cfg for e4m3 experts in `quant`'s format (W8A8): no TMA; FP8_BLOCK: BLOCK_K = bk (a
-    bk the K loop cannot step by is refused, naming the checkpoint's key); FP8_CHANNEL: the
-    picked BLOCK_K, at least MIN_STEP in the GEMMs (the activation scale spans the row).
-    parts: w13's row parts per program (2 gated), shared_memory: the GPU's per-block bytes
-    (None: no refit, the interpreter)."""
+    bk the K loop cannot step by is refused, naming the checkpoint's key), except in a
+    decode GEMV whose programs' rows share a scale block (it keeps the picked BLOCK_K: the
+    scales act on the input's columns); FP8_CHANNEL: the picked BLOCK_K, at least MIN_STEP
+    in the GEMMs (the activation scale spans the row). parts: w13's row parts per program
+    (2 gated), shared_memory: the GPU's per-block bytes (None: no refit, the interpreter),
+    inter / interleaved: w13's gate / up row layout (geometry.gate_up_rows)."""
     group = quant.activation_group
     if group is not None and (group & (group - 1) or not MIN_STEP <= group <= MAX_STEP):
         raise ConfigError(
@@ -74,10 +83,19 @@ def fit_to_fp8(
     limit = None if cfg.decode else shared_memory
     if not cfg.decode and cfg.block_m >= LARGE_M:
         cfg = dataclasses.replace(cfg, block_m=LARGE_M, up=LARGE_UP, down=LARGE_DOWN)
+    up_step = down_step = group
+    if cfg.decode and group is not None:  # GEMVs whose rows share a scale row keep theirs
+        rows = gate_up_rows(parts, interleaved, inter)
+        if rows_share_scale_block(cfg.up.block_n, *rows, quant.block[0]):
+            up_step = cfg.up.block_k
+        if rows_share_scale_block(cfg.down.block_n, 1, 0, quant.block[0]):
+            down_step = cfg.down.block_k
     return dataclasses.replace(
         cfg,
         up_tma=False,
         down_tma=False,
-        up=_step_is_block(cfg.block_m, cfg.up, group or _gemm_step(cfg, cfg.up), parts, limit),
-        down=_step_is_block(cfg.block_m, cfg.down, group or _gemm_step(cfg, cfg.down), 1, limit),
+        up=_step_is_block(cfg.block_m, cfg.up, up_step or _gemm_step(cfg, cfg.up), parts, limit),
+        down=_step_is_block(
+            cfg.block_m, cfg.down, down_step or _gemm_step(cfg, cfg.down), 1, limit
+        ),
     )
