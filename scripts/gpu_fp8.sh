@@ -10,6 +10,7 @@
 # Usage (device tool): MOELORA_COMMIT=<sha> bash scripts/gpu_fp8.sh
 # Knobs: VALIDATE_S / BENCH_S (each step's limit; 0 skips it), VALIDATE_MODELS, ITERS;
 # optional steps (off unless given seconds): CHANNEL_S (validate fp8_channel, quick),
+# CEILING_S (benchmarks.gemm_ceiling --fp8 at CEILING_TOKENS: gemm_ceiling_fp8.json / .log),
 # PROFILE_S (profile_layer --quantization fp8 at PROFILE_TOKENS), SWEEP_S (fp8_sweep at
 # SWEEP_TOKENS: fp8_sweep.json / .log), GENERATE_S (benchmarks.fp8_generate at
 # GENERATE_LAYERS, default 48: fp8_generate.json / .log, one JSON line per step and result).
@@ -36,6 +37,10 @@ if [ "${CHANNEL_S:-0}" -gt 0 ]; then  # per-channel scales (whole-row activation
   timeout "$CHANNEL_S" $PY -m moelora validate --quantization fp8_channel --quick \
     --models qwen3-30b-a3b 2>&1 | tee "$OUT/validate_fp8_channel.log"
   echo "validate fp8_channel exit: ${PIPESTATUS[0]}"
+fi
+if [ "${CEILING_S:-0}" -gt 0 ]; then  # torch's FP8 (and bf16) GEMMs on the layer's shapes
+  timeout "$CEILING_S" $PY -m benchmarks.gemm_ceiling --fp8 --tokens "${CEILING_TOKENS:-1024,4096,16384}" \
+    --iters 20 --json "$OUT/gemm_ceiling_fp8.json" 2>&1 | tee "$OUT/gemm_ceiling_fp8.log"
 fi
 if [ "${PROFILE_S:-0}" -gt 0 ]; then  # where the FP8 layer's time goes, kernel by kernel
   timeout "$PROFILE_S" $PY -m benchmarks profile_layer --quantization fp8 \
