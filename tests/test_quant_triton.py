@@ -258,23 +258,25 @@ def test_decode_path_on_fp8_rows(name, shape, quant, slots, early, tiles, seed) 
     assert_close(out, ref, FP8, tol=_tol(shape), what=name)
 
 
-# (id, shape, up / down BLOCK_K after the fit of WIDE to B32) - a decode GEMV keeps its step
-# where each program's rows share a scale block, else steps one block
+# a down GEMV of 4 rows per program: its step's two scale loads per column are not amortized
+NARROW_DOWN = TileConfig(16, GemmTiles(16, 128), GemmTiles(4, 128), decode=True)
+# (id, shape, config, up / down BLOCK_K after the fit to B32) - a decode GEMV keeps its step
+# where each program's rows share a scale block (the down GEMV from COLUMN_ROWS rows), else
+# steps one block
 DECODE_STEPS = [
-    ("shared", _shape("silu", torch.bfloat16), (128, 128)),
-    ("interleaved", _shape("swigluoai", torch.bfloat16, i=48), (128, 128)),
-    ("up_rows_mid_block", _shape("silu", torch.bfloat16, h=72, i=40), (32, 128)),
+    ("shared", _shape("silu", torch.bfloat16), WIDE, (128, 128)),
+    ("interleaved", _shape("swigluoai", torch.bfloat16, i=48), WIDE, (128, 128)),
+    ("up_rows_mid_block", _shape("silu", torch.bfloat16, h=72, i=40), WIDE, (32, 128)),
+    ("down_rows_two_blocks", _shape("silu", torch.bfloat16), WIDE_ROWS, (128, 32)),
+    ("down_rows_few", _shape("silu", torch.bfloat16), NARROW_DOWN, (128, 32)),
 ]
-# (id, shape, config, up / down BLOCK_K after the fit): the same for the down GEMV's rows
-DECODE_STEPS += [("down_rows_two_blocks", _shape("silu", torch.bfloat16), (128, 32))]
 
 
-@pytest.mark.parametrize("name,shape,steps", DECODE_STEPS, ids=[c[0] for c in DECODE_STEPS])
+@pytest.mark.parametrize("name,shape,cfg,steps", DECODE_STEPS, ids=[c[0] for c in DECODE_STEPS])
 def test_decode_gemv_keeps_its_step_where_rows_share_a_scale_block(
-    name, shape, steps, seed
+    name, shape, cfg, steps, seed
 ) -> None:
     call, fp8 = _problem(shape, B32, 1, [0], seed)
-    cfg = WIDE_ROWS if name == "down_rows_two_blocks" else WIDE
     plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=cfg)
     assert (plan.up.tiles.block_k, plan.down.tiles.block_k) == steps
 

@@ -54,12 +54,12 @@ def check_fp8_weight(
     scale: torch.Tensor | None,
     block: tuple[int, int],
     block_k: int,
-    columns: bool = False,
+    any_step: bool = False,
 ) -> None:
     """An e4m3 weight [E, N, K] with block scales [E, ceil(N / bn), ceil(K / bk)], its K
     loop one step per K block (W8A8: a step's products scaled by one activation group's and
-    one weight block's scales), any step when the scales act on the input's columns
-    (`columns`: a decode GEMV whose rows share a scale block), or with per-channel scales
+    one weight block's scales), any step where the scales can act on the input's columns
+    (`any_step`: a decode GEMV whose rows share a scale block), or with per-channel scales
     [E, N] (any step)."""
     if scale is None:
         raise InputError(f"{name} scale", None, f"the scales of the e4m3 {name}")
@@ -71,7 +71,7 @@ def check_fp8_weight(
         check_shape(f"{name} scale", scale, (e, -(-n // bn), -(-k // bk)))
     if scale.dtype != torch.float32 or scale.device != w.device:
         raise InputError(f"{name} scale", f"{scale.dtype} on {scale.device}", f"fp32 on {w.device}")
-    if scale.dim() == 3 and block_k != bk and not columns:
+    if scale.dim() == 3 and block_k != bk and not any_step:
         raise InputError(
             "BLOCK_K", block_k, f"the scale block's K side {bk} (tiling/quantized.py fits it)"
         )

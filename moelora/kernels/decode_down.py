@@ -275,13 +275,14 @@ def decode_down(
     # a step's tile is [K, BLOCK_N, BLOCK_K] fp32 in registers: large top-k (K > 8) gets a
     # narrower K step so the tile stays at the 8 x 16 x 128 elements tried for K = 8
     block_k = max(16, min(tiles.block_k, MAX_TILE // (block_j * block_n)))
-    # block scales shared by each program's rows act on z's columns (fp8_tiles.py); else a
-    # step is one scale block along K
-    columns = fp8 and w_scale.dim() == 3 and rows_share_scale_block(block_n, 1, 0, scale_block[0])
-    if fp8 and w_scale.dim() == 3 and not columns:
+    # where each program's rows share their block scales, a step other than one scale
+    # block applies them to z's columns (fp8_tiles.py); else a step is one scale block
+    shared = fp8 and w_scale.dim() == 3 and rows_share_scale_block(block_n, 1, 0, scale_block[0])
+    if fp8 and w_scale.dim() == 3 and not shared:
         block_k = scale_block[1]
+    columns = shared and block_k != scale_block[1]
     if fp8:
-        check_fp8_weight("w2", w2, w_scale, scale_block, block_k, columns)
+        check_fp8_weight("w2", w2, w_scale, scale_block, block_k, shared)
     dummy = z  # never read: its constexpr flag is off
     grid = (num_tokens, triton.cdiv(hidden, block_n))
     _decode_down_kernel[grid](

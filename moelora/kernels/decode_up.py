@@ -341,14 +341,16 @@ def decode_up(
     check_weight_dtype("w13", w13, x, fp8)
     interleaved = activation is Activation.SWIGLUOAI  # gate / up rows interleaved
     row_step, up_offset = gate_up_rows(parts, interleaved, inter_size)
-    # block scales shared by each program's rows act on x's columns (fp8_tiles.py)
-    columns = (
+    # where each program's rows share their block scales, a step other than one scale
+    # block applies them to x's columns (fp8_tiles.py)
+    shared = (
         fp8
         and w_scale.dim() == 3
         and rows_share_scale_block(block_n, row_step, up_offset, scale_block[0])
     )
+    columns = shared and block_k != scale_block[1]
     if fp8:
-        check_fp8_weight("w13", w13, w_scale, scale_block, block_k, columns)
+        check_fp8_weight("w13", w13, w_scale, scale_block, block_k, shared)
     if b13 is not None:
         check_shape("b13", b13, (num_experts, rows))
     has_lora = lora_b is not None

@@ -17,8 +17,9 @@ import triton.language as tl
 from .checks import check_shape
 from .fp8_tiles import quantize_by, quantize_rows, row_scales
 
-# rows per program: a [32, group] tile (4K values at group 128); not tuned (a pass over x
-# is small beside the GEMM that follows it)
+# rows per program: at most a [32, group] tile (4K values at group 128), fewer for fewer rows
+# (a decode step's one row of x took a 32-row tile, 31 rows masked: ~6 us a launch on the
+# H200 at T = 1); not tuned (a pass over x is small beside the GEMM that follows it)
 BLOCK_M = 32
 # columns per step of a whole-row pass (FP8_CHANNEL)
 ROW_STEP = 128
@@ -77,7 +78,8 @@ def quant_rows(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.
     s = torch.empty(num_rows, groups, dtype=torch.float32, device=x.device)
     if num_rows == 0:
         return q, s
-    grid = (triton.cdiv(num_rows, BLOCK_M), groups)
+    block_m = min(BLOCK_M, triton.next_power_of_2(num_rows))
+    grid = (triton.cdiv(num_rows, block_m), groups)
     _quant_rows_kernel[grid](
         x_ptr=x,
         q_ptr=q,
@@ -90,7 +92,7 @@ def quant_rows(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.
         stride_qk=q.stride(1),
         stride_sm=s.stride(0),
         stride_sg=s.stride(1),
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         GROUP=ROW_STEP if group is None else group,
         WHOLE_ROW=group is None,
     )

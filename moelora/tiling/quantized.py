@@ -20,6 +20,11 @@ from .geometry import gate_up_rows, rows_share_scale_block
 LARGE_M = 64
 LARGE_UP = GemmTiles(64, 128, 4, 3)
 LARGE_DOWN = GemmTiles(128, 128, 4, 3)
+# A decode GEMV step spanning several scale blocks loads each column's two scales (the
+# input's group, the rows' block) per pair: the down GEMV keeps such a step only from this
+# many rows per program (on the H200 at 1d0ea3b its 2-row programs over 256 columns took
+# 16.9 us at T = 1 against bf16's ~13); the up GEMV's rows (gate and up) share them.
+COLUMN_ROWS = 8
 # A K step of the FP8 dot: Hopper's e4m3 MMA takes K in steps of 32; a [BLOCK_M, 256] x tile
 # is the widest the fit below keeps in shared memory at BLOCK_M 128.
 MIN_STEP, MAX_STEP = 32, 256
@@ -88,7 +93,8 @@ def fit_to_fp8(
         rows = gate_up_rows(parts, interleaved, inter)
         if rows_share_scale_block(cfg.up.block_n, *rows, quant.block[0]):
             up_step = cfg.up.block_k
-        if rows_share_scale_block(cfg.down.block_n, 1, 0, quant.block[0]):
+        down = cfg.down.block_n
+        if down >= COLUMN_ROWS and rows_share_scale_block(down, 1, 0, quant.block[0]):
             down_step = cfg.down.block_k
     return dataclasses.replace(
         cfg,
