@@ -19,7 +19,7 @@ import torch
 from moelora.activations import Activation
 from moelora.backends.triton import fused_moe_lora
 from moelora.call import MoECall
-from moelora.compare import REL_TOL, assert_close, compare, poison_
+from moelora.compare import REL_TOL, assert_close, poison_
 from moelora.config import MoEShape
 from moelora.reference import moe_lora_reference
 from moelora.tiling.config import GemmTiles, TileConfig
@@ -128,28 +128,39 @@ def _cancelling_bank(lora: LoRABank, side: str, dtype: torch.dtype) -> LoRABank:
 ROUNDING = [(p, s) for p in PATHS for s in ("up", "down") if (p, s) != ("fused-down", "up")]
 
 
+def _closer_to_held(out: torch.Tensor, held: torch.Tensor, exact: torch.Tensor):
+    """(n, share): n output elements at which the held and the exact references are at
+    least 4 bf16 steps (2^-8 relative each) apart, and the share of those at which `out`
+    is closer to the held one. Per element, so that a rare row whose z rounds the other
+    way in the kernel than in the reference (its intermediate then rounds differently
+    there too) moves the share by that row alone."""
+    out, held, exact = (t.double() for t in (out, held, exact))
+    tells = (held - exact).abs() > 4 * 2**-8 * exact.abs()
+    closer = (out - held).abs() < (out - exact).abs()
+    return int(tells.sum()), closer[tells].double().mean().item()
+
+
 @pytest.mark.parametrize("path,side", ROUNDING, ids=[f"{p}-{s}" for p, s in ROUNDING])
 def test_one_dot_rounds_the_intermediate_to_bf16(path: str, side: str, seed: int) -> None:
     """With `side`'s factors cancelling (_cancelling), the bf16-held reference and the
-    exact one differ by several times the bf16 tolerance (checked: the case can tell them
-    apart). The knob on must be within a third of that distance of the held reference
-    (and so well away from the exact one), the knob off the other way round: an ignored
-    knob gives the off output (near the exact reference), a knob applied to the other
-    side only leaves this side exact, and rounding the wrong way (e.g. truncating) misses
-    the held reference; each fails. Every token has an adapter (no base rows to dilute
-    the difference)."""
+    exact one are several bf16 steps apart at many output elements (checked: the case can
+    tell them apart). At most of those the knob on must be closer to the held reference
+    and the knob off to the exact one: an ignored knob gives the same output on and off
+    (the two shares cannot both hold), a knob applied to the other side only leaves this
+    side exact, and a wrong rounding (e.g. truncating) misses the held reference; each
+    fails. The off output is also within tolerance of the exact reference and the on one
+    finite (NaN is closer to nothing). Every token has an adapter."""
     case = Case(f"{path}-{side}", path, BF16, slots=(0, 1, 2))
     shape, experts, lora, x, ids, weights, slots = _layer(case, seed)
     layer = (shape, experts, _cancelling_bank(lora, side, BF16), x, ids, weights, slots)
     exact, held = _reference(layer), _reference(layer, held=BF16)
-    apart = compare(held, exact, BF16).rel_err
-    assert apart > 2 * REL_TOL[BF16], f"the references are only {apart:.2e} apart"
     on, off = _forward(layer, path, one_dot=True), _forward(layer, path, one_dot=False)
-    on_held, on_exact = compare(on, held, BF16), compare(on, exact, BF16)
-    off_exact, off_held = compare(off, exact, BF16), compare(off, held, BF16)
-    report = f"apart {apart:.2e}; on: held {on_held}, exact {on_exact}; off: exact {off_exact}"
-    assert on_held.rel_err < apart / 3 < on_exact.rel_err, report
-    assert off_exact.rel_err < apart / 3 < off_held.rel_err, report
+    assert_close(off, exact, tol=REL_TOL[BF16], what=f"{case.id} off")
+    assert torch.isfinite(on).all()
+    n, on_share = _closer_to_held(on, held, exact)
+    _, off_share = _closer_to_held(off, held, exact)
+    assert n >= 100, f"the references tell apart only {n} elements"
+    assert on_share > 0.8 and off_share < 0.2, f"{n} elements: on {on_share}, off {off_share}"
 
 
 @pytest.mark.parametrize("path", ["in-gemm", "shrink-expand", "fused-down"])
