@@ -6,8 +6,11 @@ never read, for a table of cases: picked configs on the Qwen3-30B-A3B shape at e
 the bench, and explicit configs with each knob on, in bf16 and fp32, gated, interleaved
 and non-gated activations, biases, weights on the input, PDL, fully sharded LoRA. Each
 launch is recorded as its kernel, grid, constexprs, scalars and tensor shapes / strides /
-dtypes. Same kernel sources and the same records mean the same compiled code: a refactor
-of the host side can be checked against the tree it came from before any GPU run.
+dtypes, less the arguments passed at the kernel's own default (so a knob added off, as a
+defaulted constexpr, launches as the tree before it did). Same kernel sources and the same
+records mean the same compiled code: a refactor of the host side can be checked against
+the tree it came from before any GPU run. A knob case whose knob one tree lacks runs in the
+other only and is counted apart.
 
 Usage: python -m benchmarks.launch_diff --base .ab_base  (a tree exported by git archive)
        python -m benchmarks.launch_diff --dump FILE      (this tree's records, as JSON)
@@ -19,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import pkgutil
@@ -44,6 +48,11 @@ KNOB_CASES = [
     {"half_tail": 3, "expand_first": True},
     {"expand_first": True, "expand_lanes": 64},
     {"pdl": True},
+    {"expand_one_dot": True},
+    {"expand_one_dot": True, "expand_first": True},
+    {"expand_one_dot": True, "lora_delta": True},
+    {"expand_one_dot": True, "lora_delta": True, "shrink_expand": True},
+    {"expand_one_dot": True, "lora_stream": True, "shrink_expand": True, "fused_down_lora": True},
 ]
 
 
@@ -96,10 +105,30 @@ def _recorded():
 
     def record(fn, grid, kwargs):
         g = grid(kwargs) if callable(grid) else grid
-        calls.append([fn.__name__, list(g), {k: _value(v) for k, v in sorted(kwargs.items())}])
+        given = _given(fn, kwargs)
+        calls.append([fn.__name__, list(g), {k: _value(v) for k, v in sorted(given.items())}])
 
     with kernels_recording(record):
         yield calls
+
+
+def _given(fn, kwargs: dict) -> dict:
+    """kwargs without the arguments passed at the kernel's own default: a launch with a
+    parameter at its default compiles and runs as one without it, so a tree that adds a
+    defaulted constexpr (a knob, off) launches the same as the tree before it."""
+    params = inspect.signature(fn.fn).parameters
+    return {
+        k: v
+        for k, v in kwargs.items()
+        if k not in params
+        or params[k].default is inspect.Parameter.empty
+        or not _same(v, params[k].default)
+    }
+
+
+def _same(value, default) -> bool:
+    """value is the default itself (a tensor never is: no kernel defaults one)."""
+    return type(value) is type(default) and value == default
 
 
 def _entry():
@@ -215,6 +244,8 @@ def dump() -> list:
     small = (8, 4, 256, 128)
     base = TileConfig(32, GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 2))
     for knobs in KNOB_CASES:
+        if not all(hasattr(base, knob) for knob in knobs):
+            continue  # a knob this tree lacks: the case is the other tree's only
         cfg = dataclasses.replace(base, **knobs)
         for t in (3, 70):
             for lora in (False, True):
@@ -261,14 +292,16 @@ def main() -> int:
         subprocess.run(cmd, cwd="/tmp", env=env, check=True)
         with open(path) as f:
             records.append(json.load(f))
-    new, old = records
-    launches = sum(len(calls) for _, calls in new)
-    diffs = [label for (label, a), (_, b) in zip(new, old) if a != b]
-    if len(new) != len(old):
-        diffs.append(f"case count {len(new)} vs {len(old)}")
+    new, old = (dict((label, calls) for label, calls in r) for r in records)
+    both = [label for label in new if label in old]
+    launches = sum(len(new[label]) for label in both)
+    diffs = [label for label in both if new[label] != old[label]]
     for label in diffs:
         print(f"DIFFERENT: {label}")
-    print(f"launch_diff: {len(new)} cases, {launches} launches, {len(diffs)} different")
+    # cases with a knob only one tree has (a new knob's own cases): nothing to compare
+    alone = [f"{len(new) - len(both)} only here", f"{len(old) - len(both)} only in --base"]
+    print(f"launch_diff: {len(both)} cases, {launches} launches, {len(diffs)} different "
+          f"({', '.join(alone)})")  # fmt: skip
     return 1 if diffs else 0
 
 

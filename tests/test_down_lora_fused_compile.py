@@ -31,6 +31,7 @@ VARIANTS = [
     ("down-tma-half-tail", dict(down_tma=True, half_tail=2), "bf16"),
     ("lora-stream", dict(lora_delta=False, delta_in_reduce=False, lora_stream=True), "bf16"),
     ("rank-128", dict(extra_rank=128), "bf16"),
+    ("one-dot", dict(expand_one_dot=True), "bf16"),  # the LoRA tiles' expand as one dot
     ("fp32", {}, "fp32"),
 ]
 
@@ -84,6 +85,14 @@ def test_fused_launch_compiles_with_the_gemms_mma(compiled, key, dtype) -> None:
     # the LoRA branch's buffers fit in the GEMM's shared memory (the fit of the down GEMM's
     # tiles, tiling/fit.py, holds for the fused launch)
     assert got["fused_shared"] == got["unfused_shared"], got
+
+
+def test_one_dot_drops_the_lora_tiles_lo_dots(compiled) -> None:
+    """expand_one_dot: the LoRA tiles' expand is one dot per N tile instead of the hi / lo
+    pair, so the fused launch has fewer warp-level MMA; the GEMM's are unchanged."""
+    one, default = compiled["one-dot"], compiled["default"]
+    assert 0 < one["fused_mma_sync"] < default["fused_mma_sync"], (one, default)
+    assert one["fused_wgmma"] == default["fused_wgmma"]
 
 
 if __name__ == "__main__":

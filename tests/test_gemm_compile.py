@@ -30,12 +30,12 @@ BASE_UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, DELTA=False, WEI
                Z_SORTED=True, EXPAND_FIRST=False, TAIL_VARIANTS=1, W_TMA=False, BLOCK_M=128,
                BLOCK_N=128,
                BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8, UPCAST=False, IEEE=False,
-               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128)  # fmt: skip
+               PDL=False, W_FP8=False, SCALE_N=128, SCALE_K=128, ONE_DOT=False)  # fmt: skip
 BASE_DOWN = dict(HAS_BIAS=True, HAS_LORA=True, DELTA=False, Z_SORTED=True, TMA=False,
                  MUL_WEIGHT=True, ATOMIC=False, EXPAND_FIRST=False, TAIL_VARIANTS=1, BLOCK_M=128,
                  BLOCK_N=256, BLOCK_K=64, BLOCK_L=8, BLOCK_R=16, SLOTS_PER_DOT=2, GROUP_M=8,
                  UPCAST=False, IEEE=False, PDL=False, W_FP8=False, SCALE_N=128,
-                 SCALE_K=128)  # fmt: skip
+                 SCALE_K=128, ONE_DOT=False)  # fmt: skip
 KERNELS = {"up": ("_expert_up_kernel", BASE_UP), "down": ("_expert_down_kernel", BASE_DOWN)}
 
 
@@ -92,6 +92,12 @@ VARIANTS = {
     ),
     ("down", "atomic-pointer-loads-expand-first"): Variant(
         dict(atomic_reduce=True, expand_first=True), dict(ATOMIC=True, EXPAND_FIRST=True)
+    ),
+    # the LoRA expand as one 16-bit dot instead of the hi / lo pair (expand_one_dot)
+    ("up", "one-dot"): Variant(dict(expand_one_dot=True), dict(ONE_DOT=True)),
+    ("down", "one-dot"): Variant(dict(expand_one_dot=True), dict(ONE_DOT=True)),
+    ("down", "one-dot-expand-first"): Variant(
+        dict(expand_one_dot=True, expand_first=True), dict(ONE_DOT=True, EXPAND_FIRST=True)
     ),
     # other dtypes: fp16 MMA; fp32 with exact (IEEE) dots, which are not MMA instructions
     ("up", "fp16-half-tail-tma-expand-first"): Variant(
@@ -216,6 +222,13 @@ def test_atomic_reduce_adds_4_columns_per_reduction(compiled) -> None:
     makes 4x the reductions, one value each."""
     for key in ("down/atomic-half-tail-tma", "down/atomic-pointer-loads-expand-first"):
         assert compiled[key]["red_v4"] == compiled[key]["red"], compiled[key]
+
+
+def test_one_dot_expand_drops_the_lo_dots(compiled) -> None:
+    """expand_one_dot: the expand's dots are half the hi / lo pair's, so the kernel has
+    fewer MMA instructions than the default (the main K loop's are the same)."""
+    for name in ("up", "down"):
+        assert 0 < compiled[f"{name}/one-dot"]["wgmma"] < compiled[f"{name}/default"]["wgmma"]
 
 
 def test_half_tail_variant_adds_its_own_mma(compiled) -> None:

@@ -162,6 +162,9 @@ def _down_lora_fused_kernel(
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    # each kind's LoRA expand as one 16-bit dot (tiles.expand_dot)
+    SHRINK_ONE_DOT: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False,
     xq_ptr=None,
     xs_ptr=None,
     stride_xqm=0,
@@ -186,6 +189,7 @@ def _down_lora_fused_kernel(
             shrink_stride_ds, shrink_stride_dn, SHRINK_BLOCK_M, SHRINK_BLOCK_K, SHRINK_BLOCK_R,
             SHRINK_PARTS_PER_PROG, SHRINK_BLOCK_L, SHRINK_FILL_BLOCK, SHRINK_SPLIT,
             SHRINK_ROWS_SORTED, SHRINK_EXPAND, SHRINK_BLOCK_N, SHRINK_UPCAST, SHRINK_IEEE,
+            SHRINK_ONE_DOT,
         )  # fmt: skip
         return
     # the others: the GEMM's programs in their own order (the LoRA programs before pid
@@ -203,8 +207,8 @@ def _down_lora_fused_kernel(
         stride_ir, stride_ll, stride_le, stride_ln, stride_lr, stride_dm, stride_ds, stride_dn,
         num_pid_m, HAS_BIAS, HAS_LORA, DELTA, Z_SORTED, TMA, W_FP8, SCALE_N, SCALE_K,
         MUL_WEIGHT, ATOMIC, EXPAND_FIRST, TAIL_VARIANTS, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_L,
-        BLOCK_R, SLOTS_PER_DOT, GROUP_M, UPCAST, IEEE, xq_ptr, xs_ptr, stride_xqm, stride_xqk,
-        stride_xsm, stride_xsg,
+        BLOCK_R, SLOTS_PER_DOT, GROUP_M, UPCAST, IEEE, ONE_DOT, xq_ptr, xs_ptr, stride_xqm,
+        stride_xqk, stride_xsm, stride_xsg,
     )  # fmt: skip
 
 
@@ -250,6 +254,7 @@ def down_lora_fused(
         expand_b=lora_b,
         ranks=lora_ranks,
         tile_rank=tile_rank,
+        one_dot=gemm.expand_one_dot,
     )
     assert lora_grid[1:] == (1, 1), "shrink_expand of one part: one program per tile"
     num_lora, num_gemm = lora_grid[0], gemm_grid[0]

@@ -120,6 +120,7 @@ def _expert_down(
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    ONE_DOT: tl.constexpr,
     xq_ptr,
     xs_ptr,
     stride_xqm,
@@ -224,7 +225,7 @@ def _expert_down(
                         stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
                         num_slots, offs_n, n_mask, ranks_ptr, max_rank, lora_n_offset,
                         lora_n_size, HAS_LORA, DELTA, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE,
-                        EXPAND_FIRST,
+                        EXPAND_FIRST, ONE_DOT,
                     )  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(
@@ -315,6 +316,7 @@ def _expert_down_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,  # the LoRA expand as one 16-bit dot (tiles.expand_dot)
     # W_FP8 (W8A8): z quantized before the GEMM (quant_rows.py), e4m3 [rows of z, I] and
     # its scales [rows of z, G] (G = 1 per channel: read at stride 0). Unused otherwise.
     xq_ptr=None,
@@ -335,8 +337,8 @@ def _expert_down_kernel(
         stride_ir, stride_ll, stride_le, stride_ln, stride_lr, stride_dm, stride_ds, stride_dn,
         num_pid_m, HAS_BIAS, HAS_LORA, DELTA, Z_SORTED, TMA, W_FP8, SCALE_N, SCALE_K,
         MUL_WEIGHT, ATOMIC, EXPAND_FIRST, TAIL_VARIANTS, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_L,
-        BLOCK_R, SLOTS_PER_DOT, GROUP_M, UPCAST, IEEE, xq_ptr, xs_ptr, stride_xqm, stride_xqk,
-        stride_xsm, stride_xsg,
+        BLOCK_R, SLOTS_PER_DOT, GROUP_M, UPCAST, IEEE, ONE_DOT, xq_ptr, xs_ptr, stride_xqm,
+        stride_xqk, stride_xsm, stride_xsg,
     )  # fmt: skip
 
 
@@ -370,6 +372,7 @@ def _down_lora(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """The down kernel's LoRA term: the delta rows (lora_delta) or the expand of the fp32
     intermediate (b_ptr at this expert's B2); nothing without LoRA."""
@@ -387,6 +390,7 @@ def _down_lora(
                 acc, acc, inter_ptr, stride_im, 0, stride_ir, pair, slot, num_slots, b_ptr,
                 stride_ll, 0, stride_ln, stride_lr, tl.where(b_mask, offs_b, 0), b_mask,
                 ranks_ptr, max_rank, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, False, UPCAST, IEEE, PIPELINED,
+                ONE_DOT,
             )  # fmt: skip
     return acc
 
@@ -548,6 +552,7 @@ def expert_down_launch(
         num_stages=gemm.tiles.num_stages,
         PDL=pdl,
         launch_pdl=pdl,
+        ONE_DOT=gemm.expand_one_dot and lora_b is not None and delta is None,
         **fp8_scale_args(w_scale, scale_block, block_k, dummy),
         **quantized_input_args("z", z, z_quant, fp8, w_scale, scale_block),
     )

@@ -124,6 +124,7 @@ def _expert_up_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,  # the LoRA expand as one 16-bit dot (tiles.expand_dot)
     # W_FP8 (W8A8): x quantized before the GEMM (quant_rows.py), e4m3 xq [T, H] and its
     # scales xs [T, G] (G = 1 per channel: read at stride 0). Unused otherwise.
     xq_ptr=None,
@@ -238,7 +239,7 @@ def _expert_up_kernel(
                         stride_im, stride_is, stride_ir, stride_ll, stride_ls, stride_ln, stride_lr,
                         stride_dm, stride_ds, stride_dn, pair, slot, num_slots, offs_n, n_mask,
                         ranks_ptr, max_rank, HAS_LORA, DELTA, GATED, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST,
-                        IEEE, EXPAND_FIRST,
+                        IEEE, EXPAND_FIRST, ONE_DOT,
                     )  # fmt: skip
             if WEIGHT_INPUT:
                 g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
@@ -293,6 +294,7 @@ def _up_lora(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """The up kernel's LoRA term: the delta rows (lora_delta) or the expand of the fp32
     intermediate (b_ptr at this expert's B); nothing without LoRA."""
@@ -307,6 +309,7 @@ def _up_lora(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                 num_slots, b_ptr, stride_ll, stride_ls, stride_ln, stride_lr, offs_n, n_mask,
                 ranks_ptr, max_rank, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, GATED, UPCAST, IEEE, PIPELINED,
+                ONE_DOT,
             )  # fmt: skip
     return acc_g, acc_u
 
@@ -441,6 +444,7 @@ def expert_up(
         num_stages=gemm.tiles.num_stages,
         PDL=pdl,
         launch_pdl=pdl,
+        ONE_DOT=gemm.expand_one_dot and has_lora and delta is None,
         **fp8_scale_args(w_scale, scale_block, block_k, dummy),
         **quantized,
     )

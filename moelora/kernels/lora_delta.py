@@ -55,6 +55,7 @@ def expand_tile(
     stride_dn,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """delta rows [BLOCK_M, BLOCK_N] = t (fp32 [BLOCK_M, lanes]) @ B lanes, stored in the
     delta's dtype: B rows lane_r of one (slot, expert, part) at b_ptr (lanes not lane_ok
@@ -65,7 +66,8 @@ def expand_tile(
         mask=lane_ok[:, None] & n_ok[None, :],
         other=0.0,
     )
-    d = expand_dot(t, b, tl.zeros((t.shape[0], offs_n.shape[0]), dtype=tl.float32), UPCAST, IEEE)
+    d = tl.zeros((t.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    d = expand_dot(t, b, d, UPCAST, IEEE, ONE_DOT)
     d_ptrs = delta_ptr + pair[:, None].to(tl.int64) * stride_dm + offs_n[None, :] * stride_dn
     tl.store(d_ptrs, as_stored(d, delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -98,6 +100,7 @@ def _lora_delta_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,  # one 16-bit dot per step (tiles.expand_dot)
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     tile = tl.program_id(0)
@@ -130,7 +133,7 @@ def _lora_delta_kernel(
             mask=r_ok[:, None] & n_ok[None, :],
             other=0.0,
         )
-        d = expand_dot(t, b, d, UPCAST, IEEE)
+        d = expand_dot(t, b, d, UPCAST, IEEE, ONE_DOT)
     d_ptrs = delta_ptr + part * stride_ds + pair[:, None] * stride_dm + offs_n[None, :] * stride_dn
     tl.store(d_ptrs, as_stored(d, delta_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -143,10 +146,12 @@ def lora_delta(
     dtype: torch.dtype,
     ranks: torch.Tensor | None = None,
     pdl: bool = False,
+    one_dot: bool = False,
 ) -> torch.Tensor:
     """inter [P, S, R] fp32 (lora_shrink), lora_b [L, E, S, N, R] (w13_b) or [L, E, N, R]
     (w2_b, S = 1), aligned with its LoRA tiles; ranks [L] int32 (LoRABank.ranks; None: every
-    slot at R): a slot's expand stops at its real rank. Returns delta [P, S, N] in `dtype`,
+    slot at R): a slot's expand stops at its real rank. one_dot (16-bit): the intermediate
+    rounded to `dtype`, one dot per step (tiles.expand_dot). Returns delta [P, S, N] in `dtype`,
     rows of pairs without an adapter unwritten."""
     b5 = with_parts(lora_b)
     _, _, parts, n_size, rank = b5.shape
@@ -174,5 +179,6 @@ def lora_delta(
         IEEE=ieee,
         PDL=pdl,
         launch_pdl=pdl,
+        ONE_DOT=one_dot,
     )
     return delta

@@ -65,6 +65,7 @@ def _expand_rows(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """delta[pair, part, :] = acc's lanes of that part @ B[part]^T, for each part of the
     program, BLOCK_N columns at a time (lora_delta's product, from registers). b_ptr is at
@@ -95,6 +96,7 @@ def _expand_rows(
                 stride_dn,
                 UPCAST,
                 IEEE,
+                ONE_DOT,
             )
 
 
@@ -151,6 +153,7 @@ def _lora_shrink(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """One program of the shrink: LoRA tile `tile`, grid dimension 1 `pid_q` (rank chunk,
     part group) and 2 `pid_k` (K chunk); the kernels call it with their program ids
@@ -233,6 +236,7 @@ def _lora_shrink(
             BLOCK_N,
             UPCAST,
             IEEE,
+            ONE_DOT,
         )
     else:
         o_ptrs = (
@@ -298,6 +302,7 @@ def _lora_shrink_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,  # EXPAND: one 16-bit dot per N tile (tiles.expand_dot)
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     _lora_shrink(
@@ -307,7 +312,7 @@ def _lora_shrink_kernel(
         stride_ik, stride_al, stride_ae, stride_as, stride_ar, stride_ak, stride_om, stride_os,
         stride_or, b_ptr, delta_ptr, n_size, stride_bl, stride_be, stride_bs, stride_bn,
         stride_br, stride_dm, stride_ds, stride_dn, BLOCK_M, BLOCK_K, BLOCK_R, PARTS_PER_PROG,
-        BLOCK_L, FILL_BLOCK, SPLIT, ROWS_SORTED, EXPAND, BLOCK_N, UPCAST, IEEE,
+        BLOCK_L, FILL_BLOCK, SPLIT, ROWS_SORTED, EXPAND, BLOCK_N, UPCAST, IEEE, ONE_DOT,
     )  # fmt: skip
 
 
@@ -337,6 +342,7 @@ def lora_shrink_launch(
     tile_rank: int | None = None,
     fill_block: int = 0,
     pdl: bool = False,
+    one_dot: bool = False,
 ) -> tuple[tuple[int, int, int], dict, torch.Tensor]:
     """(grid, the kernel's keyword arguments, the result) of a LoRA shrink launch, checked
     and allocated; lora_shrink launches it, down_lora_fused.py beside the down GEMM.
@@ -350,7 +356,8 @@ def lora_shrink_launch(
     expand_b (lora_b: w13_b [L, E, S, N, R] or w2_b [L, E, N, R]): the expand follows in the
     same program (lora_delta's product, the intermediate never stored; split_k ignored, a
     whole-K intermediate is needed) and the result is the delta [P, S, N] in inp's dtype,
-    rows of pairs without an adapter unwritten.
+    rows of pairs without an adapter unwritten; one_dot (16-bit): that expand's intermediate
+    rounded to inp's dtype, one dot per N tile (tiles.expand_dot).
 
     ranks [L] int32 (LoRABank.ranks; None: every slot at R): a slot's programs stop at its
     real rank r; the intermediate's columns [r, width) of its rows are written as zeros
@@ -441,6 +448,7 @@ def lora_shrink_launch(
         num_stages=num_stages,
         PDL=pdl,
         launch_pdl=pdl,
+        ONE_DOT=one_dot and b5 is not None,
     )
     return grid, kw, out
 

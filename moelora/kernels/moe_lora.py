@@ -331,7 +331,9 @@ def _lora_side(
     if plan.delta_by_shrink and path is LoRAPath.DELTA:
         # no collective between shrink and expand: the plan takes DELTA only unsharded
         assert collect is None, "shrink_expand needs whole intermediates"
-        return None, lora_shrink(inp, lora_a, aligned, expand_b=lora_b, ranks=ranks, **kw)
+        return None, lora_shrink(
+            inp, lora_a, aligned, expand_b=lora_b, ranks=ranks, one_dot=plan.expand_one_dot, **kw
+        )
     inter = lora_shrink(
         inp, lora_a, aligned, ranks=ranks, rank_offset=rank_offset, fill_block=fill, **kw
     )
@@ -339,7 +341,15 @@ def _lora_side(
         inter = collect(inter)
     if path is not LoRAPath.DELTA:
         return inter, None
-    return inter, lora_delta(inter, lora_b, aligned, dtype=inp.dtype, ranks=ranks, pdl=plan.pdl)
+    return inter, lora_delta(
+        inter,
+        lora_b,
+        aligned,
+        dtype=inp.dtype,
+        ranks=ranks,
+        pdl=plan.pdl,
+        one_dot=plan.expand_one_dot,
+    )
 
 
 def _decode(plan: ForwardPlan, c: _Layer) -> torch.Tensor:

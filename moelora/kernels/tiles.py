@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ..tiling.geometry import RANK_STEP as _STEP
+from .output import as_stored
 
 RANK_STEP = tl.constexpr(_STEP)  # a jit function reads only constexpr globals
 
@@ -87,11 +88,20 @@ def tail_variants(half_tail: bool, block_m: int) -> int:
 
 
 @triton.jit
-def expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """acc += t (fp32) @ b. 16-bit b: t is split into a high and a low 16-bit part, so two
-    native dots keep ~16 mantissa bits of the fp32 intermediate."""
-    if UPCAST or IEEE:
+def expand_dot(t, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr, ONE_DOT: tl.constexpr):
+    """acc += t (fp32) @ b. fp32 b (IEEE): one exact dot, whatever ONE_DOT says. 16-bit b:
+    t is split into a high and a low 16-bit part, so two native dots keep ~16 mantissa bits
+    of the fp32 intermediate; with ONE_DOT, t rounded to b's dtype (to nearest even) and
+    one native dot, the intermediate in the serving dtype as HF + PEFT (lora_B(lora_A(x)))
+    and vLLM compute it. UPCAST (the interpreter's bf16): the same t, then an fp32 dot."""
+    if IEEE or (UPCAST and not ONE_DOT):
         acc = tl.dot(t, b.to(tl.float32), acc, input_precision="ieee")
+    elif ONE_DOT:
+        t_16 = as_stored(t, b.dtype)  # the GPU's cast; in the interpreter rounded by bits
+        if UPCAST:
+            acc = tl.dot(t_16.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(t_16, b, acc)
     else:
         t_hi = t.to(b.dtype)
         t_lo = (t - t_hi.to(tl.float32)).to(b.dtype)
@@ -136,6 +146,7 @@ def lora_expand(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PIPELINED: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += per row: inter[pair] (fp32) @ B[slot]^T over the slot's
     rank, for the gate part into acc_g and (TWO_PARTS) the up part into acc_u.
@@ -159,6 +170,7 @@ def lora_expand(
     loaded for each of its slots below num_slots, used by a row of the block or not, and
     multiply zeros there. Masking B by slot use measured 4-9% slower with LoRA on the H200
     (1504b23: T = 4096 0.930 -> 1.016 ms).
+    ONE_DOT: each dot's intermediate rounded to B's dtype first (expand_dot).
     inter_ptr is at part 0 (part stride stride_is); b_ptr at (slot 0, expert, part 0)."""
     passes = tl.cdiv(max_width(ranks_ptr, num_slots, BLOCK_L), BLOCK_R)
     offs_q = tl.arange(0, SLOTS_PER_DOT * BLOCK_R)
@@ -176,7 +188,7 @@ def lora_expand(
             acc_g, acc_u = _expand_group(
                 acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot, num_slots,
                 b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n, n_mask, q_slot, cols,
-                cols < max_rank, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE,
+                cols < max_rank, g * SLOTS_PER_DOT, TWO_PARTS, UPCAST, IEEE, ONE_DOT,
             )  # fmt: skip
     else:
         # one flat loop too (a nested pass loop would be software-pipelined on its own,
@@ -189,7 +201,7 @@ def lora_expand(
                 acc_g, acc_u = _expand_group(
                     acc_g, acc_u, inter_ptr, stride_im, stride_is, stride_ir, pair, slot,
                     num_slots, b_ptr, stride_bl, stride_bs, stride_bn, stride_br, offs_n,
-                    n_mask, q_slot, cols, cols < max_rank, s0, TWO_PARTS, UPCAST, IEEE,
+                    n_mask, q_slot, cols, cols < max_rank, s0, TWO_PARTS, UPCAST, IEEE, ONE_DOT,
                 )  # fmt: skip
     return acc_g, acc_u
 
@@ -219,6 +231,7 @@ def _expand_group(
     TWO_PARTS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """One expand dot of lora_expand: the slots [s0, s0 + SLOTS_PER_DOT), columns q_r."""
     lane_slot = s0 + q_slot
@@ -236,10 +249,10 @@ def _expand_group(
     if TWO_PARTS:
         t_u = tl.load(t_ptrs + stride_is, mask=sel, other=0.0)
         b_u = tl.load(b_ptrs + stride_bs, mask=b_mask, other=0.0)
-        acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
-        acc_u = expand_dot(t_u, b_u, acc_u, UPCAST, IEEE)
+        acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE, ONE_DOT)
+        acc_u = expand_dot(t_u, b_u, acc_u, UPCAST, IEEE, ONE_DOT)
     else:
-        acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE)
+        acc_g = expand_dot(t_g, b_g, acc_g, UPCAST, IEEE, ONE_DOT)
     return acc_g, acc_u
 
 

@@ -48,6 +48,7 @@ class TileConfig:
     atomic_reduce: bool = False  # the down GEMM sums pairs into fp32 [T, H] (atomic_reduce.py)
     lora_stream: bool = False  # LoRA: the down LoRA on a side stream beside the down GEMM
     fused_down_lora: bool = False  # the down GEMM and the z-side shrink_expand in one launch
+    expand_one_dot: bool = False  # 16-bit: each LoRA expand one dot of t rounded to x's dtype
 
 
 class Gemm(Enum):
@@ -106,6 +107,9 @@ KNOB_SPECS: tuple[Knob, ...] = (
     Knob("lora_stream", (False, True), True, Gemm.LAYER, True, Search.LORA),
     # not searched until measured on the device (kernels/down_lora_fused.py)
     Knob("fused_down_lora", (False, True), True, Gemm.DOWN, True, Search.NONE),
+    # every LoRA expand (in both GEMMs, the delta kernel, the shrink_expand); not searched
+    # until measured on the device (kernels/tiles.py, expand_dot)
+    Knob("expand_one_dot", (False, True), True, Gemm.LORA, True, Search.NONE),
     Knob("shrink_block_k", (128,), True, Gemm.LORA, False, Search.NONE),
     Knob("group_m", (8,), False, Gemm.BOTH, False, Search.NONE),
     Knob(

@@ -41,6 +41,7 @@ class GemmPlan:
     half_tail: bool  # half-height variant for blocks whose second half is padding
     tma: bool  # weight (and, down: z) tiles by TMA where the layout allows
     z_sorted: bool  # z rows in the sorted pair order
+    expand_one_dot: bool  # 16-bit: the in-GEMM expand as one dot of t rounded to x's dtype
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class ForwardPlan:
     down_lora: LoRAPath  # the down side's path: DELTA when the reduce adds its delta
     lora_stream: bool  # the down side's shrink and delta on a side stream beside the down GEMM
     fused_down_lora: bool  # the LoRA-free down GEMM and the z-side shrink_expand: one launch
+    expand_one_dot: bool  # 16-bit: every LoRA expand one dot of t rounded to x's dtype
     top_k_sum: TopKSum
     pdl: bool  # the layer's kernels after the first launched with PDL
     early_loads: bool  # decode: each kernel's first weight step loaded before its wait
@@ -104,6 +106,8 @@ def plan_forward(
       atomic_reduce), the GEMM and the z-side shrink_expand run as one launch
       (kernels/down_lora_fused.py); it replaces lora_stream's side stream. Elsewhere
       ignored.
+    - expand_one_dot: only where a LoRA expand runs (LoRA on, the aligned path: the decode
+      GEMVs expand in fp32 registers); the kernels ignore it on fp32 inputs (exact dots).
     """
     pdl = cfg.pdl and pdl_supported and not interpreted and not sharded
     if not lora:
@@ -117,6 +121,7 @@ def plan_forward(
     in_reduce = (delta and cfg.delta_in_reduce) or stream
     z_sorted = cfg.z_sorted or cfg.down_tma
     fused = cfg.fused_down_lora and in_reduce and cfg.shrink_expand and not cfg.atomic_reduce
+    one_dot = cfg.expand_one_dot and lora and not cfg.decode
 
     def gemm(tiles: GemmTiles, half_tail_bit: int, tma: bool) -> GemmPlan:
         return GemmPlan(
@@ -127,6 +132,7 @@ def plan_forward(
             half_tail=bool(cfg.half_tail & half_tail_bit),
             tma=tma,
             z_sorted=z_sorted,
+            expand_one_dot=one_dot,
         )
 
     return ForwardPlan(
@@ -138,6 +144,7 @@ def plan_forward(
         down_lora=LoRAPath.DELTA if in_reduce else path,
         lora_stream=stream and not interpreted and not fused,
         fused_down_lora=fused,
+        expand_one_dot=one_dot,
         top_k_sum=TopKSum.ATOMIC if cfg.atomic_reduce and not in_reduce else TopKSum.REDUCE,
         pdl=pdl,
         early_loads=cfg.pdl and (pdl or interpreted),
