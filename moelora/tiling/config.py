@@ -107,9 +107,9 @@ KNOB_SPECS: tuple[Knob, ...] = (
     Knob("lora_stream", (False, True), True, Gemm.LAYER, True, Search.LORA),
     # not searched until measured on the device (kernels/down_lora_fused.py)
     Knob("fused_down_lora", (False, True), True, Gemm.DOWN, True, Search.NONE),
-    # every LoRA expand (in both GEMMs, the delta kernel, the shrink_expand); not searched
-    # until measured on the device (kernels/tiles.py, expand_dot)
-    Knob("expand_one_dot", (False, True), True, Gemm.LORA, True, Search.NONE),
+    # every LoRA expand (in both GEMMs, the delta kernel, the shrink_expand; kernels/tiles.py,
+    # expand_dot); H200 A/B at 5a2d445: -2..-3.5% at T = 4096, within noise elsewhere
+    Knob("expand_one_dot", (False, True), True, Gemm.LORA, True, Search.LORA),
     Knob("shrink_block_k", (128,), True, Gemm.LORA, False, Search.NONE),
     Knob("group_m", (8,), False, Gemm.BOTH, False, Search.NONE),
     Knob(
