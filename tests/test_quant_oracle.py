@@ -136,7 +136,7 @@ def test_fp8_is_reported_validated_only_where_an_fp8_run_was(tmp_path) -> None:
     from moelora.backends.registry import REGISTRY
 
     triton = REGISTRY["triton"].capabilities
-    # the W8A8 kernels passed validate on the H200 in bf16 (0026125), both formats; no
+    # the W8A8 kernels passed validate on the H200 in bf16 (1d0ea3b; per-channel 0026125); no
     # other GPU ran them, nor fp16 serving on the H200
     assert validation_status(triton, _dep(BLOCK, "h200")).validated
     assert validation_status(triton, _dep(CHANNEL, "h200")).validated

@@ -47,8 +47,9 @@ VALIDATED_ON = (
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-12-01",
                "scripts/gpu_ranks_check.py at 310c49a: 50/50 pass (qwen3-30b-a3b; mixed ranks "
                "8-128, rank 256, 64 and 128 slots, garbage past each slot's rank; T 1..4096, "
-               "eager and graphs); validate --lora-sweep at f01537b: 16/16",
-               "docs/history/benchmarks.md, 2026-12-01 (LoRA configurations)"),
+               "eager and graphs); validate --lora-sweep at f01537b: 16/16, at 5a2d445: 16/16, "
+               "--tokens 2048,4096,8192 at ad73e7f (expand_one_dot rows): 18/18",
+               "docs/history/benchmarks.md, 2026-12-01 (LoRA configurations), 2026-12-02"),
     Validation(_H200, "cuda", _SM90, frozenset({torch.float16}), "2026-11-30",
                "moelora validate --quick --tokens 1,7,64,1024 --dtype fp16 at 4aa3e56: 20/20 "
                "pass (the five models)", f"{_BENCH} (sixth session)"),
@@ -57,11 +58,12 @@ VALIDATED_ON = (
                "T 1..4096); --rank 128 --tokens 4096 at c2185c0: 2/2 (qwen3-30b-a3b, "
                "gpt-oss-20b)", f"{_BENCH} (sixth session)"),
     Validation(_H200, "cuda", _SM90, frozenset({torch.bfloat16}), "2026-12-01",
-               "moelora validate --quantization fp8 --ref-tokens 1024 at 0026125: 44/44 pass "
+               "moelora validate --quantization fp8 --ref-tokens 1024 at 1d0ea3b: 44/44 pass "
                "(qwen3-30b-a3b, deepseek-v3; T 1..16384, CUDA graphs, ranks 8-128, the "
-               "LoRA-free path); --quantization fp8_channel --quick: 9/9 (qwen3-30b-a3b)",
-               "docs/history/benchmarks.md, 2026-12-01 (FP8 experts); "
-               "h200_0026125_fp8_validate_fp8.log in benchmarks/results/h200_validate.txt",
+               "LoRA-free path), the decode path at 5a2d445 (T 1, 2, 7): 6/6; "
+               "--quantization fp8_channel --quick at 0026125: 9/9 (qwen3-30b-a3b)",
+               "docs/history/benchmarks.md, 2026-12-02 (FP8 experts); "
+               "h200_1d0ea3b_s14call2_call2.log in benchmarks/results/h200_bench.txt",
                frozenset({Quantization.FP8_BLOCK, Quantization.FP8_CHANNEL})),
     Validation("cpu", "cpu", None, frozenset({torch.float16, torch.float32}), "every commit",
                "the test suite under TRITON_INTERPRET=1 against the reference (FP8 "
@@ -85,12 +87,12 @@ CAPABILITIES = Capabilities(
     # Routing happens before the backend; weights_on_input (Llama-4) is fused in the up GEMM.
     routing_methods=ALL_ROUTING,
     expert_bias=True,
-    # e4m3 experts, W8A8: each K step of the GEMMs quantizes its input rows per token in
-    # registers and runs an FP8 dot (sm89+; e4m3 MMA from BLOCK_M 64), scaled by both
-    # sides' scales; the decode GEMVs compute the same products in fp32. Block scales: a step is one
-    # activation group (the block's K side). Per-channel scales: each row's activation
-    # scale spans all of K, from a pass over the row before the K loop. The LoRA seams are
-    # the bf16 ones (unquantized x and z).
+    # e4m3 experts, W8A8: each base GEMM input is quantized per token and group before the
+    # kernel that reads it (kernels/quant_rows.py); each K step of the GEMMs runs an FP8 dot
+    # (sm89+; e4m3 MMA from BLOCK_M 64) scaled by both sides' scales, the decode GEMVs compute
+    # the same products in fp32. Block scales: a GEMM step is one activation group (the
+    # block's K side). Per-channel scales: each row's activation scale spans all of K. The
+    # LoRA seams are the bf16 ones (unquantized x and z).
     quantizations={
         Quantization.NONE: None,
         Quantization.FP8_BLOCK: (8, 9),
