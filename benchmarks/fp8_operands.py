@@ -44,8 +44,9 @@ class QuantizedRows:
 
     def dequantized(self) -> Tensor:
         """fp32 [P, K]: q times its row's (or group's) scale."""
-        width = self.q.shape[1] // self.scale.shape[1]
-        return self.q.float() * self.scale.repeat_interleave(width, dim=1)
+        k = self.q.shape[1]
+        width = k if self.scale.shape[1] == 1 else BLOCK  # a partial last group: cut at K
+        return self.q.float() * self.scale.repeat_interleave(width, dim=1)[:, :k]
 
 
 @dataclass(frozen=True)

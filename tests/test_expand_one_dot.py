@@ -123,42 +123,52 @@ def _cancelling_bank(lora: LoRABank, side: str, dtype: torch.dtype) -> LoRABank:
     return LoRABank(*factors, ranks=lora.ranks, tile_rank=lora.tile_rank)
 
 
-# (path, side): the side whose expand is shown to round; the fused launch holds the down
-# side's only
-ROUNDING = [(p, s) for p in PATHS for s in ("up", "down") if (p, s) != ("fused-down", "up")]
+# (path, side, dtype): the side whose expand is shown to round; the fused launch holds the
+# down side's only. bf16 runs the interpreter's upcast branch, fp16 the native dot GPUs run.
+ROUNDING = [
+    (p, s, d)
+    for p in PATHS
+    for s in ("up", "down")
+    for d in (BF16, FP16)
+    if (p, s) != ("fused-down", "up")
+]
+# a 16-bit output step (relative): what the held and the exact references must differ by
+STEP = {BF16: 2**-8, FP16: 2**-11}
 
 
-def _closer_to_held(out: torch.Tensor, held: torch.Tensor, exact: torch.Tensor):
+def _closer_to_held(out: torch.Tensor, held: torch.Tensor, exact: torch.Tensor, step: float):
     """(n, share): n output elements at which the held and the exact references are at
-    least 4 bf16 steps (2^-8 relative each) apart, and the share of those at which `out`
+    least 4 output steps (`step` relative each) apart, and the share of those at which `out`
     is closer to the held one. Per element, so that a rare row whose z rounds the other
     way in the kernel than in the reference (its intermediate then rounds differently
     there too) moves the share by that row alone."""
     out, held, exact = (t.double() for t in (out, held, exact))
-    tells = (held - exact).abs() > 4 * 2**-8 * exact.abs()
+    tells = (held - exact).abs() > 4 * step * exact.abs()
     closer = (out - held).abs() < (out - exact).abs()
     return int(tells.sum()), closer[tells].double().mean().item()
 
 
-@pytest.mark.parametrize("path,side", ROUNDING, ids=[f"{p}-{s}" for p, s in ROUNDING])
-def test_one_dot_rounds_the_intermediate_to_bf16(path: str, side: str, seed: int) -> None:
-    """With `side`'s factors cancelling (_cancelling), the bf16-held reference and the
-    exact one are several bf16 steps apart at many output elements (checked: the case can
+@pytest.mark.parametrize(
+    "path,side,dtype", ROUNDING, ids=[f"{p}-{s}-{str(d)[6:]}" for p, s, d in ROUNDING]
+)
+def test_one_dot_rounds_the_intermediate(path: str, side: str, dtype, seed: int) -> None:
+    """With `side`'s factors cancelling (_cancelling), the reference holding the LoRA branch
+    in `dtype` and the exact one are several output steps apart at many elements (checked: the case can
     tell them apart). At most of those the knob on must be closer to the held reference
     and the knob off to the exact one: an ignored knob gives the same output on and off
     (the two shares cannot both hold), a knob applied to the other side only leaves this
     side exact, and a wrong rounding (e.g. truncating) misses the held reference; each
     fails. The off output is also within tolerance of the exact reference and the on one
     finite (NaN is closer to nothing). Every token has an adapter."""
-    case = Case(f"{path}-{side}", path, BF16, slots=(0, 1, 2))
+    case = Case(f"{path}-{side}", path, dtype, slots=(0, 1, 2))
     shape, experts, lora, x, ids, weights, slots = _layer(case, seed)
-    layer = (shape, experts, _cancelling_bank(lora, side, BF16), x, ids, weights, slots)
-    exact, held = _reference(layer), _reference(layer, held=BF16)
+    layer = (shape, experts, _cancelling_bank(lora, side, dtype), x, ids, weights, slots)
+    exact, held = _reference(layer), _reference(layer, held=dtype)
     on, off = _forward(layer, path, one_dot=True), _forward(layer, path, one_dot=False)
-    assert_close(off, exact, tol=REL_TOL[BF16], what=f"{case.id} off")
+    assert_close(off, exact, tol=REL_TOL[dtype], what=f"{case.id} off")
     assert torch.isfinite(on).all()
-    n, on_share = _closer_to_held(on, held, exact)
-    _, off_share = _closer_to_held(off, held, exact)
+    n, on_share = _closer_to_held(on, held, exact, STEP[dtype])
+    _, off_share = _closer_to_held(off, held, exact, STEP[dtype])
     assert n >= 100, f"the references tell apart only {n} elements"
     assert on_share > 0.8 and off_share < 0.2, f"{n} elements: on {on_share}, off {off_share}"
 

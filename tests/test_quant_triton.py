@@ -222,6 +222,7 @@ DECODE = TileConfig(16, GemmTiles(16, 32), GemmTiles(16, 32), decode=True)
 # a K step of 128 columns: 4 scale blocks of B32 along K, the scales applied to the input's
 # columns (the rows of each program share a scale block)
 WIDE = TileConfig(16, GemmTiles(16, 128), GemmTiles(16, 128), decode=True)
+K16 = TileConfig(16, GemmTiles(16, 16), GemmTiles(16, 16), decode=True)
 # the down GEMV's programs take 64 rows, two scale blocks of B32: it steps one block
 WIDE_ROWS = TileConfig(16, GemmTiles(16, 128), GemmTiles(64, 128), decode=True)
 # (id, shape, format, slots, early loads, tiles) - the decode GEMVs on FP8 rows
@@ -239,6 +240,10 @@ DECODE_CASES = [
     ("straddle_silu", _shape("silu", torch.float32, h=72, i=40), B32, [0, -1, 1], True,
      WIDE),  # I = 40: the up rows start mid-block, so the up GEMV steps one block
     ("wide_rows_down", _shape("silu", torch.float32), B32, [1, 0, -1], False, WIDE_ROWS),
+    # steps narrower than a scale block: the columns' scales, a block over two steps
+    ("k16_columns", _shape("silu", torch.float32), B32, [0, -1, 1], True, K16),
+    ("channel_wide_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), CHANNEL,
+     [1, 0, -1], False, WIDE),
     ("channel_early", _shape("silu", torch.float32), CHANNEL, [1, -1, 0], True, DECODE),
     ("channel_partial", _shape("relu2_no_mul", torch.float32, h=72, i=40), CHANNEL, [0, 1],
      False, DECODE),
@@ -269,6 +274,13 @@ DECODE_STEPS = [
     ("up_rows_mid_block", _shape("silu", torch.bfloat16, h=72, i=40), WIDE, (32, 128)),
     ("down_rows_two_blocks", _shape("silu", torch.bfloat16), WIDE_ROWS, (128, 32)),
     ("down_rows_few", _shape("silu", torch.bfloat16), NARROW_DOWN, (128, 32)),
+    # interleaved gate / up rows: 32 units read 64 rows, two scale blocks of B32
+    (
+        "interleaved_two_blocks",
+        _shape("swigluoai", torch.bfloat16, i=48),
+        dataclasses.replace(WIDE, up=GemmTiles(32, 128)),
+        (32, 128),
+    ),
 ]
 
 
@@ -279,6 +291,51 @@ def test_decode_gemv_keeps_its_step_where_rows_share_a_scale_block(
     call, fp8 = _problem(shape, B32, 1, [0], seed)
     plan = forward_plan(call.x, call.topk_ids, fp8, call.lora, shape, config=cfg)
     assert (plan.up.tiles.block_k, plan.down.tiles.block_k) == steps
+
+
+# (id, block_n, row_step, up_offset, scale_n, shared) - the rows one decode GEMV program reads
+SHARE_CASES = [
+    ("stacked_aligned", 16, 1, 80, 32, True),  # up rows start at 80 = 5 x 16
+    ("stacked_mid_block", 16, 1, 40, 32, False),  # up rows 40..55 straddle 32..63 and 64..
+    ("interleaved", 16, 2, 1, 32, True),  # 32 rows from a multiple of 32
+    ("interleaved_two_blocks", 32, 2, 1, 32, False),  # 64 rows: two blocks
+    ("one_part_wide", 64, 1, 0, 32, False),
+    ("one_part", 4, 1, 0, 128, True),
+]
+
+
+@pytest.mark.parametrize(
+    "name,block_n,row_step,up_offset,scale_n,shared", SHARE_CASES,
+    ids=[c[0] for c in SHARE_CASES],
+)  # fmt: skip
+def test_rows_share_scale_block(name, block_n, row_step, up_offset, scale_n, shared) -> None:
+    from moelora.tiling.geometry import rows_share_scale_block
+
+    assert rows_share_scale_block(block_n, row_step, up_offset, scale_n) is shared
+
+    # and by enumeration: the gate rows of each of 8 programs in one block, and so the up
+    # rows (up_offset after them; each set has its own scale row)
+    def one_block(shift: int) -> bool:
+        first = [p * block_n * row_step + shift for p in range(8)]
+        return all(len({(f + i * row_step) // scale_n for i in range(block_n)}) == 1 for f in first)
+
+    assert (one_block(0) and one_block(up_offset)) is shared
+
+
+def test_gate_up_rows_of_each_layout() -> None:
+    from moelora.tiling.geometry import gate_up_rows
+
+    assert gate_up_rows(1, False, 768) == (1, 0)
+    assert gate_up_rows(2, False, 768) == (1, 768)
+    assert gate_up_rows(2, True, 768) == (2, 1)
+
+
+def test_fp8_fit_without_the_layout_steps_one_block() -> None:
+    """fit_to_fp8 told no inter (the layout unknown) keeps no wider decode step."""
+    from moelora.tiling.quantized import fit_to_fp8
+
+    fitted = fit_to_fp8(WIDE, B32)
+    assert (fitted.up.block_k, fitted.down.block_k) == (32, 32)
 
 
 def _layer(shape: MoEShape, quant: QuantConfig):
@@ -390,7 +447,7 @@ def _rows_with_ties(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
     pick = ties[torch.randint(0, ties.numel(), (cols,), generator=g)]
     x[0] = pick * torch.where(torch.rand(cols, generator=g) < 0.5, -1.0, 1.0)
     x[0, 0] = 448.0
-    x[1] = 0.0
+    x[1:2] = 0.0  # (a one-row x keeps the ties only)
     return x
 
 
@@ -411,6 +468,8 @@ def test_kernel_quantization_equals_the_reference_bit_for_bit(dtype, seed) -> No
 
 # (id, rows, columns, group) - quant_rows' edges
 QUANT_ROWS_CASES = [
+    ("one_row", 1, 72, 32),  # a decode step's x: a 1-row program
+    ("one_row_whole", 1, 300, None),
     ("partial_group_and_block", 37, 72, 32),  # 72 = 2 groups + 8 columns; 37 rows: 2 programs
     ("one_group_128", 5, 128, 128),
     ("whole_row", 37, 300, None),  # FP8_CHANNEL: 300 columns in 3 steps, one scale a row

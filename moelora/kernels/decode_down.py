@@ -121,8 +121,8 @@ def _decode_down_kernel(
         + tl.where(n_mask, offs_n, 0)[None, :, None] * stride_wn
         + offs_k[None, None, :] * stride_wk
     )
-    # W_FP8 (W8A8): e4m3 rows; each K step (one scale block along K) quantizes each pair's
-    # z group and scales the row sums by the group's scale and the rows' block scales
+    # W_FP8 (W8A8): e4m3 rows; a K step of one scale block scales each pair's row sums by
+    # its z group's scale and the rows' block scales (else SCALE_COLUMNS, below)
     s_ptrs = (
         ws_ptr
         + expert[:, None] * stride_se
@@ -241,7 +241,9 @@ def decode_down(
 ) -> torch.Tensor:
     """z [P, I] (decode_up), w2 [E, H, I] (z's dtype, or e4m3 with w_scale: fp32 block
     scales [E, ceil(H / bn), ceil(I / bk)] of scale_block [bn, bk], or per-channel
-    [E, H]; then W8A8 as decode_up: a step of bk columns, or whole-row scales per pair), b2 [E, H] | None, topk_ids [T, K]; LoRA: z_inter
+    [E, H]; then W8A8 as decode_up: a step of bk columns, or any step where each program's
+    rows share a scale block, or whole-row scales per pair), b2 [E, H] | None, topk_ids
+    [T, K]; LoRA: z_inter
     [P, R] fp32 and lora_b (w2_b) [L, E, H_b, R] holding y's columns [lora_n_offset, + H_b);
     lora_ranks [L] int32 (LoRABank.ranks; None: every slot at R); topk_weights [T, K]
     (None: applied to the input). Returns y [T, H] in z's dtype (into

@@ -161,8 +161,8 @@ def _decode_up_kernel(
     w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
     wg_ptrs = w_base + gate_rows[:, None] * stride_wn
     wu_ptrs = w_base + (gate_rows + up_offset)[:, None] * stride_wn
-    # W_FP8 (W8A8): e4m3 rows; each K step (one scale block along K) quantizes the x group
-    # and scales its row sums by the group's scale and the rows' block scales
+    # W_FP8 (W8A8): e4m3 rows; a K step of one scale block scales its row sums by the x
+    # group's scale and the rows' block scales (else SCALE_COLUMNS, below)
     sg_ptrs = ws_ptr + expert * stride_se + (gate_rows // SCALE_N) * stride_sn
     su_ptrs = ws_ptr + expert * stride_se + ((gate_rows + up_offset) // SCALE_N) * stride_sn
     # SCALE_COLUMNS: the program's rows share one scale row (gate, and up): its scales act

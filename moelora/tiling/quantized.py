@@ -1,7 +1,9 @@
 """What FP8 experts (W8A8) ask of a tile config: no TMA weight tiles (their boxes are
 sized for 2-byte elements); for block scales, BLOCK_K equal to the scale block's K side in
-every K loop, GEMM and decode GEMV alike: a step reads one activation group's scale per row
-and one weight scale per column. The inputs arrive quantized (kernels/quant_rows.py), so the
+the GEMMs (a step reads one activation group's scale per row and one weight scale per
+column) and in the decode GEMVs whose programs' rows straddle scale blocks; a GEMV whose
+rows share one scale block keeps its picked step (the scales then act on the input's
+columns, kernels/fp8_tiles.py). The inputs arrive quantized (kernels/quant_rows.py), so the
 pipeline's stages are refitted to the shared memory for e4m3 tiles on both sides."""
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from .geometry import gate_up_rows, rows_share_scale_block
 LARGE_M = 64
 LARGE_UP = GemmTiles(64, 128, 4, 3)
 LARGE_DOWN = GemmTiles(128, 128, 4, 3)
-# A decode GEMV step spanning several scale blocks loads each column's two scales (the
-# input's group, the rows' block) per pair: the down GEMV keeps such a step only from this
-# many rows per program (on the H200 at 1d0ea3b its 2-row programs over 256 columns took
-# 16.9 us at T = 1 against bf16's ~13); the up GEMV's rows (gate and up) share them.
+# A decode GEMV step other than one scale block loads two scales per column (the input's
+# group, the rows' block) for every pair of the program: the down GEMV keeps such a step
+# only from this many rows per program, where those loads are at most a quarter of the
+# weight loads (a reasoned bound, not a sweep: on the H200 at 1d0ea3b its 2-row programs
+# over 256 columns took 16.9 us at T = 1 against 9.8 us with one-block steps at 5a2d445).
+# The up GEMV's programs read 2 x BLOCK_N rows per x column (gate and up, each with its own
+# block scale), and its widest measured step won at 4 rows (T = 1: 14.8 us, 0.074 -> 0.047
+# ms for the layer), so it keeps its step at any BLOCK_N.
 COLUMN_ROWS = 8
 # A K step of the FP8 dot: Hopper's e4m3 MMA takes K in steps of 32; a [BLOCK_M, 256] x tile
 # is the widest the fit below keeps in shared memory at BLOCK_M 128.
@@ -65,7 +71,7 @@ def fit_to_fp8(
     *,
     parts: int = 2,
     shared_memory: int | None = None,
-    inter: int = 0,
+    inter: int | None = None,
     interleaved: bool = False,
 ) -> TileConfig:
     """cfg for e4m3 experts in `quant`'s format (W8A8): no TMA; FP8_BLOCK: BLOCK_K = bk (a
@@ -74,7 +80,8 @@ def fit_to_fp8(
     scales act on the input's columns); FP8_CHANNEL: the picked BLOCK_K, at least MIN_STEP
     in the GEMMs (the activation scale spans the row). parts: w13's row parts per program
     (2 gated), shared_memory: the GPU's per-block bytes (None: no refit, the interpreter),
-    inter / interleaved: w13's gate / up row layout (geometry.gate_up_rows)."""
+    inter / interleaved: w13's gate / up row layout (geometry.gate_up_rows; None: unknown,
+    and every decode GEMV steps one scale block)."""
     group = quant.activation_group
     if group is not None and (group & (group - 1) or not MIN_STEP <= group <= MAX_STEP):
         raise ConfigError(
@@ -89,7 +96,7 @@ def fit_to_fp8(
     if not cfg.decode and cfg.block_m >= LARGE_M:
         cfg = dataclasses.replace(cfg, block_m=LARGE_M, up=LARGE_UP, down=LARGE_DOWN)
     up_step = down_step = group
-    if cfg.decode and group is not None:  # GEMVs whose rows share a scale row keep theirs
+    if cfg.decode and group is not None and inter is not None:  # rows sharing a scale row
         rows = gate_up_rows(parts, interleaved, inter)
         if rows_share_scale_block(cfg.up.block_n, *rows, quant.block[0]):
             up_step = cfg.up.block_k
