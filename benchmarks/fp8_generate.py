@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.hf_generate import add_run_args
+
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
@@ -44,14 +46,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--batches", default="1,16,64")
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new", type=int, default=64)
-    p.add_argument("--adapters", type=int, default=8)
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2, help="timed passes per configuration")
-    p.add_argument("--check-new", type=int, default=8, help="tokens checked per row")
+    add_run_args(p, layers=48)
     p.add_argument("--check-prompt", type=int, default=32, help="prompt tokens of the check")
     p.add_argument("--block", type=int, default=128, help="the weight_block_size side")
     p.add_argument("--layout", choices=("per_expert", "fused"), default="per_expert",
@@ -61,7 +56,6 @@ def parse(argv=None) -> argparse.Namespace:
                    help="the model's dtype (fp32: the tests' exact check)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weights, factors and prompts")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU tests)")
-    p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 

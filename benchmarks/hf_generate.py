@@ -26,17 +26,22 @@ from pathlib import Path
 import torch
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
+def add_run_args(p: argparse.ArgumentParser, layers: int) -> None:
+    """The options a model-level generate benchmark shares (this one, fp8_generate.py)."""
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="timed passes per configuration")
-    p.add_argument("--check-new", type=int, default=8, help="tokens checked against HF+PEFT")
+    p.add_argument("--check-new", type=int, default=8, help="tokens checked per row")
     p.add_argument("--json", default=None)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(p, layers=4)
     return p.parse_args()
 
 
