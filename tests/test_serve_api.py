@@ -298,8 +298,12 @@ def test_run_batch_lines_match_the_servers_answers(served, client, tmp_path, see
             "--lora-modules", *[f"{n}={served.dirs[n]}" for n in ADAPTERS]]  # fmt: skip
     assert sf.run_child(argv, tmp_path / "batch.log") == 0, (tmp_path / "batch.log").read_text()
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [r["custom_id"] for r in records] == [g[0] for g in good] + ["unknown", "bad-url", None]
-    for (cid, adapter, prompt), record in zip(good, records):
+    # completion order: records are matched by custom_id (each at most once), as OpenAI's are
+    by_id = {r["custom_id"]: r for r in records}
+    assert len(by_id) == len(records) == len(good) + 3
+    assert set(by_id) == {g[0] for g in good} | {"unknown", "bad-url", None}
+    for cid, adapter, prompt in good:
+        record = by_id[cid]
         server_text = (
             client.completions.create(model=adapter, prompt=prompt, max_tokens=3, temperature=0)
             .choices[0]
@@ -307,7 +311,7 @@ def test_run_batch_lines_match_the_servers_answers(served, client, tmp_path, see
         )
         assert record["error"] is None
         assert record["response"]["body"]["choices"][0]["text"] == server_text, cid
-    errors = {r["custom_id"]: r["error"] for r in records[len(good) :]}
+    errors = {cid: by_id[cid]["error"] for cid in ("unknown", "bad-url", None)}
     assert errors["unknown"]["code"] == 404 and "fused-r8" in errors["unknown"]["message"]
     assert errors["bad-url"]["code"] == 400 and "/v1/embeddings" in errors["bad-url"]["message"]
     assert errors[None]["code"] == 400 and "invalid JSON" in errors[None]["message"]
