@@ -13,8 +13,9 @@ import logging
 import sys
 
 from . import __version__
-from .commands.flag_terms import in_flag_terms
-from .errors import EXIT_USAGE, MoeloraError, exit_code
+from .commands.flag_terms import error_text
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, MoeloraError, exit_code
+from .extras import missing_extra
 
 DESCRIPTION = (
     "moelora runs the expert layers of Mixture-of-Experts models with many LoRA adapters in "
@@ -28,8 +29,8 @@ DESCRIPTION = (
 EPILOG = (
     "exit codes (every command): 0 done or accepted; 1 a result differed from the reference; "
     "2 bad usage or configuration (nothing ran); 3 refused by the backend oracle (the message "
-    "names each failing capability and the nearest deployment that runs). "
-    "Start with: moelora generate"
+    "names each failing capability and the nearest deployment that runs); 130 interrupted "
+    "(Ctrl-C). Start with: moelora generate"
 )
 
 # Fixed order; a module listed here that is not installed yet is skipped with a clear note.
@@ -68,18 +69,38 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_parser(sub)
+    for command in sub.choices.values():  # the flags a refusal's fix may tell its user to pass:
+        shown = [a for a in command._actions if a.help is not argparse.SUPPRESS]  # its --help's
+        command.set_defaults(command_flags=frozenset(f for a in shown for f in a.option_strings))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    command = None
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(argv)
+        command = args.command
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; 130 as the shell says it
+        print(
+            f"moelora {command}: interrupted" if command else "moelora: interrupted",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    try:
+        return build_parser().parse_args(argv)
     except UsageExit as exit_:
         if exit_.command in JSON_COMMANDS and "--json" in argv:  # machines get an answer too
             error = {"accepted": False, "verdict": "ERROR", "exit_code": EXIT_USAGE}
             print(json.dumps(error | {"error": exit_.message}, indent=2))
         raise
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
@@ -89,9 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except MoeloraError as err:  # a refusal (3) or bad input (2): the message says what to fix
-        message = in_flag_terms(str(err), getattr(args, "flag_terms", {}))
-        print(f"moelora {args.command}: {message}", file=sys.stderr)
-        return exit_code(err)
+        return _error(args, err)
+    except ModuleNotFoundError as err:  # an extra this command needs is not installed
+        missing = missing_extra(err)
+        if missing is None:
+            raise
+        return _error(args, missing)
+
+
+def _error(args: argparse.Namespace, err: MoeloraError) -> int:
+    message = error_text(err, args.command_flags, getattr(args, "flag_terms", {}))
+    print(f"moelora {args.command}: {message}", file=sys.stderr)
+    return exit_code(err)
 
 
 if __name__ == "__main__":

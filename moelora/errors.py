@@ -12,6 +12,7 @@ EXIT_OK = 0  # done: accepted (plan), or ran and every check that ran passed
 EXIT_FAILED = 1  # ran, and a result differed from the reference (demo, validate, bench)
 EXIT_USAGE = 2  # bad usage, configuration or input; nothing ran (argparse's code too)
 EXIT_REFUSED = 3  # well formed, but the backend oracle refused it: no backend asked for runs it
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it
 
 
 class MoeloraError(Exception):

@@ -342,3 +342,71 @@ def test_the_handle_names_every_refusal(tmp_path) -> None:
     assert "post_attention_layernorm" in keys[1], keys
     assert "--fused-orientation" in info.value.problems[0].fix
     assert handle.adapters == []
+
+
+# ---- one fault met by two checks: listed once -------------------------------------------
+
+HEADER = ("a.safetensors", "<header>", "an unreadable file", "a complete safetensors file",
+          "the file is truncated or corrupt: copy or save it again")  # fmt: skip
+
+
+def _error(**changes) -> AdapterError:
+    file, key, found, expected, fix = HEADER
+    return AdapterError(**{**dict(file=file, key=key, found=found, expected=expected, fix=fix),
+                           **changes})  # fmt: skip
+
+
+# (id, the error each check raises, how many problems the refusal lists)
+REPEATS = [
+    ("identical-twice", [_error(), _error()], 1),
+    # one field apart: two problems, both listed
+    ("other-key", [_error(), _error(key="w")], 2),
+    ("other-found", [_error(), _error(found="3 NaN/Inf values")], 2),
+    ("other-fix", [_error(), _error(fix="save it again")], 2),
+    ("other-file", [_error(), _error(file="b.safetensors")], 2),
+    # a check that raises several at once: flattened, and its repeat of an earlier one dropped
+    ("inside-a-list", [_error(), AdapterProblems([_error(), _error(key="w")])], 2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REPEATS, ids=[c[0] for c in REPEATS])
+def test_an_error_identical_to_one_kept_is_listed_once(case) -> None:
+    from moelora.lora.refusals import Refusals
+
+    _, raised, count = case
+    refusals = Refusals()
+    for err in raised:
+        with refusals.check():
+            raise err
+    with pytest.raises(AdapterError) as info:
+        refusals.raise_any()
+    problems = getattr(info.value, "problems", (info.value,))
+    assert len(problems) == count, str(info.value)
+    assert isinstance(info.value, AdapterProblems) == (count > 1), str(info.value)
+
+
+def test_a_truncated_file_is_one_problem(tmp_path, capsys) -> None:
+    """The issue's case: a truncated adapter_model.safetensors fails the handle's experts read
+    and its modules read alike; the error names it once (it said "2 problems" with two
+    identical lines), through the handle and through `moelora generate`."""
+    from moelora.cli import main
+    from moelora.hf import attach, toy
+
+    base = toy.build_model("qwen3_moe", seed=1)
+    adapter = tmp_path / "a"
+    toy.write_peft_adapter(base, adapter, seed=2, **toy.demo_adapters(base)["fused-r4-attn"])
+    data = (adapter / SAFE).read_bytes()
+    (adapter / SAFE).write_bytes(data[: len(data) // 2])
+    handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
+    with pytest.raises(AdapterError) as info:
+        handle.load_adapter(adapter, name="x")
+    assert not isinstance(info.value, AdapterProblems), str(info.value)
+    assert info.value.key == "<header>" and "truncated or corrupt" in info.value.fix
+    assert handle.adapters == []
+    base.save_pretrained(tmp_path / "model")
+    argv = ["generate", "--model", str(tmp_path / "model"), "--adapter", f"x={adapter}",
+            "--max-new-tokens", "1", "--moe-backend", "reference"]  # fmt: skip
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("truncated or corrupt") == 1 and "problems" not in err, err

@@ -46,6 +46,6 @@ def test_select_cases_by_tokens_and_id_pieces() -> None:
         "qwen3-30b-a3b/T=4096/L=8/R=128/ranks=8",
         "qwen3-30b-a3b/T=4096/L=8/R=128/ranks=8,16,64,128,8,16,64,128",  # a piece, not a whole id
     }
-    assert [c.id for c in select_cases(sweep, "256", "R=256")] == ["qwen3-30b-a3b/T=256/L=8/R=256"]
+    assert [c.id for c in select_cases(sweep, (256,), "R=256")] == ["qwen3-30b-a3b/T=256/L=8/R=256"]
     assert select_cases(sweep, None, None) == sweep
-    assert select_cases(sweep, "3", None) == []
+    assert select_cases(sweep, (3,), None) == []

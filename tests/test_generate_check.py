@@ -1,6 +1,6 @@
-"""`moelora generate`'s verdict rule, its input refusals and its fix lines, GPU-free and
-without a model: case tables over the functions the command calls (the command itself runs
-in tests/test_generate_cli.py)."""
+"""`moelora generate`'s verdict rule and its input refusals, GPU-free and without a model:
+case tables over the functions the command calls (the command itself runs in
+tests/test_generate_cli.py; its fix lines in tests/test_command_fixes.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moelora.commands.generate_check import RowCheck, verdict
-from moelora.commands.generate_inputs import check_positions, for_generate
+from moelora.commands.generate_inputs import check_positions
 from moelora.commands.hf_truth import Noise
-from moelora.errors import ConfigError, UnsupportedDeploymentError
+from moelora.errors import ConfigError
 
 BF16, FP32 = torch.bfloat16, torch.float32
 SAME = [5, 6, 7, 8]
@@ -77,27 +77,3 @@ def test_positions_past_the_model_are_refused(case):
         check_positions(prompts, new, _Config())
     assert err.value.key == field and fix in err.value.fix
     assert "max_position_embeddings" in str(err.value) and "16" in str(err.value)
-
-
-# (id, nearest deployments as the oracle names them for `moelora plan`, generate's fix)
-FIXES = [
-    ("device-becomes-a-gpu", [("grouped_mm", ("--device h200 --enforce-eager",))],
-     "run on a GPU like h200 (grouped_mm then accepts it)"),
-    ("generate-flags-kept", [("triton", ("--max-lora-rank 256",)), ("ref", ("--dtype float32",))],
-     "--max-lora-rank 256 (triton then accepts it); or --dtype float32 (ref then accepts it)"),
-    # generate has no -tp, --enforce-eager or --lora-add-inputs: those remedies are left out
-    ("plan-only-flags-dropped", [("a", ("-tp 1",)), ("b", ("--enforce-eager",)),
-                                 ("c", ("--max-loras 8", "--lora-add-inputs add"))],
-     "no setting of this deployment that moelora can change"),
-    ("environment-kept", [("triton", ("export TRITON_INTERPRET=1",))],
-     "export TRITON_INTERPRET=1 (triton then accepts it)"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("case", FIXES, ids=[c[0] for c in FIXES])
-def test_a_refusal_fix_names_only_generates_flags(case):
-    _, nearest, fix = case
-    err = for_generate(UnsupportedDeploymentError("auto", {"x": []}, [], nearest))
-    assert err.fix.startswith(fix) or err.fix == fix, err.fix
-    for flag in ("--device", "--enforce-eager", "-tp", "--lora-add-inputs"):
-        assert flag not in err.fix, err.fix

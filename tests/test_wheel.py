@@ -7,48 +7,27 @@ moelora: a .pth line adds a folder, the .pth files inside it are not run)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from venvs import ROOT, build_wheel, fresh_venv
+from venvs import run as _run
 
 # ~8 s here (a build, a venv, an install, four interpreters): not marked slow
-
-
-def _run(cmd: list, cwd: Path, **kw) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, **kw)
-    assert done.returncode == 0, f"{cmd}: {done.returncode}\n{done.stdout}\n{done.stderr}"
-    return done
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The bin folder of a fresh venv with the wheel of this tree installed."""
     tmp = tmp_path_factory.mktemp("wheel")
-    pip = [sys.executable, "-m", "pip"]
-    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp, ROOT], cwd=tmp)
-    (wheel,) = tmp.glob("moelora-*.whl")
+    wheel = build_wheel(tmp)
     names = zipfile.ZipFile(wheel).namelist()
     assert "moelora/tiling/h200_table.json" in names and "moelora/bench/runner.py" in names
     assert not any(n.startswith("benchmarks/") for n in names)
-    venv = tmp / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp)
-    python = venv / "bin" / "python"
-    site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp)
-    Path(site.stdout.strip(), "deps_from_test_venv.pth").write_text(
-        sysconfig.get_paths()["purelib"] + "\n"
-    )
-    _run([*pip, "--python", python, "install", "-q", "--no-deps", "--no-index",
-          "--ignore-installed", wheel], cwd=tmp)  # fmt: skip
-    return venv / "bin"
+    return fresh_venv(tmp, wheel, Path(sysconfig.get_paths()["purelib"]))
 
 
 def test_the_wheel_runs_the_cli_outside_the_checkout(installed: Path, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, UnsupportedDeploymentError
+from .flag_types import positive_int, positive_ints
 
 
 def _suites() -> list[str]:
@@ -36,7 +37,9 @@ def add_parser(subparsers) -> None:
         choices=suites,
         help="case list in moelora/bench/cases.py: " + ", ".join(suites),
     )
-    p.add_argument("--tokens", default=None, help="comma-separated subset of the suite's T")
+    p.add_argument(
+        "--tokens", type=positive_ints, default=None, help="comma-separated subset of the suite's T"
+    )
     p.add_argument(
         "--cases",
         default=None,
@@ -49,7 +52,7 @@ def add_parser(subparsers) -> None:
         help="comma-separated backends to time (default triton; also grouped_mm, reference)",
     )
     p.add_argument(
-        "--iters", type=int, default=100, help="graph replays timed per case (default 100)"
+        "--iters", type=positive_int, default=100, help="graph replays timed per case (default 100)"
     )
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument(
@@ -80,12 +83,11 @@ def select_backend(name: str, case):
     )
 
 
-def select_cases(cases: list, tokens: str | None, pieces: str | None) -> list:
-    """The cases at the comma-separated T of `tokens` whose id contains one of the
-    comma-separated `pieces` (None: no filter)."""
+def select_cases(cases: list, tokens: tuple[int, ...] | None, pieces: str | None) -> list:
+    """The cases at one of the T of `tokens` whose id contains one of the comma-separated
+    `pieces` (None: no filter)."""
     if tokens:
-        keep = {int(t) for t in tokens.split(",")}
-        cases = [c for c in cases if c.tokens in keep]
+        cases = [c for c in cases if c.tokens in tokens]
     if pieces:
         wanted = [p for p in pieces.split(",") if p]
         cases = [c for c in cases if any(p in c.id for p in wanted)]
@@ -110,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     cases = select_cases(CASES[args.suite], args.tokens, args.cases)
     if not cases:
         print(
-            f"moelora bench: no case of suite {args.suite!r} matches --tokens {args.tokens} "
+            f"moelora bench: no case of suite {args.suite!r} matches --tokens "
+            f"{','.join(map(str, args.tokens or ()))} "
             f"--cases {args.cases}. Fix: `moelora bench --suite {args.suite}` without them "
             "runs every case (ids in moelora/bench/cases.py)",
             file=sys.stderr,

@@ -38,6 +38,8 @@ from ..reference import moe_lora_reference
 from ..routing import route
 from ..weights import random_expert_weights, random_lora_bank
 from .cpu_cost import demo_cost
+from .flag_terms import run_on
+from .flag_types import positive_int
 
 REFERENCE = "reference"
 
@@ -58,9 +60,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: tiny, seconds on a CPU; the others take minutes and GBs there: the demo "
         "warns first)",
     )
-    p.add_argument("--tokens", type=_positive, default=48, help="tokens in the batch (default 48)")
-    p.add_argument("--adapters", type=_positive, default=4, help="adapters in slots (default 4)")
-    p.add_argument("--rank", type=_positive, default=8, help="max LoRA rank R (default 8)")
+    p.add_argument(
+        "--tokens", type=positive_int, default=48, help="tokens in the batch (default 48)"
+    )
+    p.add_argument("--adapters", type=positive_int, default=4, help="adapters in slots (default 4)")
+    p.add_argument("--rank", type=positive_int, default=8, help="max LoRA rank R (default 8)")
     p.add_argument(
         "--moe-backend",
         default=AUTO,
@@ -74,13 +78,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "reference then runs, and nothing independent checks it)",
     )
     p.set_defaults(run=run)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: expected a positive integer")
-    return value
 
 
 def _write_adapters(model, count: int, rank: int, root: Path, gen) -> list[Path]:
@@ -293,7 +290,7 @@ def demo_speak(changes: tuple[str, ...], no_interpret: bool) -> str:
     GPU it runs bf16 and eager by itself, so a device change reads as 'run on a GPU'."""
     device = next((c.split()[1] for c in changes if c.startswith("--device")), None)
     if device is not None:
-        return f"run it on a GPU ({device} or alike)"
+        return run_on(device)
     text = " ".join(changes)
     for plan_flag, demo_flag in _DEMO_FLAGS:
         text = text.replace(plan_flag, demo_flag)

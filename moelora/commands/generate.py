@@ -26,16 +26,10 @@ import torch
 
 from ..config import parse_dtype
 from ..deployment import dtype_name
-from ..errors import (
-    AdapterError,
-    AdapterProblems,
-    ConfigError,
-    UnsupportedDeploymentError,
-    adapter_refusal,
-)
-from . import generate_fp8
+from ..errors import AdapterError, AdapterProblems, ConfigError, adapter_refusal
 from . import generate_inputs as inputs
 from .flag_terms import VLLM_LORA_FLAGS
+from .flag_types import positive_int, utf8_text
 from .generate_check import CheckResult, check_row, verdict
 from .generate_report import Run, as_json, exit_code, rank_note, text
 from .hf_truth import measure_noise, peft_truth, runnable_implementation, set_implementation
@@ -65,10 +59,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--rows", help="comma-separated adapter name per row, 'base' for none "
         "(default: each adapter once, then a base row)",
     )  # fmt: skip
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (needs a tokenizer)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate (default 8)")
-    p.add_argument("--max-loras", type=int, default=None, help="adapter slots (default: enough)")
-    p.add_argument("--max-lora-rank", type=int, default=16, help="max LoRA rank (default 16)")
+    p.add_argument(
+        "--prompt", action="append", default=[], type=utf8_text,
+        help="a prompt (needs a tokenizer)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, default=8, help="tokens to generate (default 8)"
+    )
+    p.add_argument(
+        "--max-loras", type=positive_int, default=None, help="adapter slots (default: enough)"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=positive_int, default=16, help="max LoRA rank (default 16)"
+    )
     p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
     p.add_argument("--dtype", default="auto", help="auto (fp32: exact check) or bf16 / fp16")
     p.add_argument(
@@ -137,16 +140,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _attach(attach, model, args, adapters):
-    """moelora on `model`; an oracle refusal restated in generate's own flags."""
-    try:
-        return attach(
-            model,
-            num_slots=args.max_loras or max(1, len(adapters)),
-            max_rank=args.max_lora_rank,
-            moe_backend=args.moe_backend,
-        )
-    except UnsupportedDeploymentError as err:
-        raise inputs.for_generate(err) from None
+    """moelora on `model` (an oracle refusal reaches the user in generate's own flags:
+    cli.py prints it through flag_terms.error_text)."""
+    return attach(
+        model,
+        num_slots=args.max_loras or max(1, len(adapters)),
+        max_rank=args.max_lora_rank,
+        moe_backend=args.moe_backend,
+    )
 
 
 def _load(handle, path: Path, name: str, orientation: str | None) -> str:
@@ -185,6 +186,8 @@ class Batch:
 
 
 def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
+    from . import generate_fp8  # imports transformers: only once a run needs it
+
     unknown = [r for r in rows if r is not None and r not in adapters]
     if unknown:
         raise ConfigError("--rows", unknown[0], f"'base' or a loaded adapter {sorted(adapters)}")

@@ -1,15 +1,15 @@
 """What `moelora generate` reads from its flags: adapters, rows, prompts and the model
 directory, each refused (exit 2, naming the flag, the value and the fix) before anything
-runs; and an oracle refusal's fix restated in generate's own flags."""
+runs (an oracle refusal's fix reaches the user in generate's own flags through
+flag_terms.error_text)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, UnsupportedDeploymentError
+from ..errors import ConfigError
 
 
 def parse_adapters(texts: list[str]) -> dict[str, Path]:
@@ -108,29 +108,3 @@ def load_model(path: str, dtype, device):
         )
     model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
     return model.to(device).eval()
-
-
-# The oracle's remedies are `moelora plan` flags; generate has only these of them.
-GENERATE_FLAGS = ("--dtype", "--max-lora-rank", "--max-loras")
-_DEVICE = re.compile(r"^--device (\S+)( --enforce-eager)?$")
-
-
-def _in_generate_terms(change: str) -> str | None:
-    """One remedy as generate can apply it, or None when generate has no such setting."""
-    device = _DEVICE.match(change)
-    if device:  # generate runs where it is started: the remedy is another machine
-        return f"run on a GPU like {device.group(1)}"
-    if change.startswith(("export ", "pip install ")) or change.split()[0] in GENERATE_FLAGS:
-        return change
-    return None
-
-
-def for_generate(err: UnsupportedDeploymentError) -> UnsupportedDeploymentError:
-    """The refusal with its nearest deployments restated in generate's flags; a remedy
-    that needs a setting generate lacks (tensor parallel, --enforce-eager, ...) is left out."""
-    nearest = []
-    for backend, changes in err.nearest:
-        restated = [_in_generate_terms(c) for c in changes]
-        if all(restated):
-            nearest.append((backend, tuple(restated)))
-    return UnsupportedDeploymentError(err.requested, err.reasons, err.accepting, nearest)

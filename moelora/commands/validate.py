@@ -27,6 +27,7 @@ import torch
 from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
 from ..oracle import default_registry
 from ..presets import PRESETS
+from .flag_types import positive_int
 from .validate_cases import (
     CPU_MODELS,
     CPU_TOKENS,
@@ -71,7 +72,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--ref-tokens",
-        type=int,
+        type=positive_int,
         default=4096,
         help="compare the first N tokens' rows (reference cost grows with T)",
     )

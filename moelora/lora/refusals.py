@@ -11,7 +11,9 @@ load_adapter: its AdapterProblems is flattened into the list.
         check_tensors(...)
     refusals.raise_any()      # raises one error naming them all (errors.adapter_refusal)
 
-A check whose result a later one needs stays outside: the later one could not run.
+A check whose result a later one needs stays outside: the later one could not run. Two
+checks that read the same file can both meet one fault (a truncated safetensors file): an
+error identical to one already kept is dropped, so each problem is listed once.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import AdapterError, adapter_refusal
+from ..errors import AdapterError, AdapterProblems, adapter_refusal
 
 
 class Refusals:
@@ -34,9 +36,19 @@ class Refusals:
         try:
             yield
         except AdapterError as err:
-            self.errors.append(err)
+            problems = err.problems if isinstance(err, AdapterProblems) else (err,)
+            kept = {_identity(e) for e in self.errors}
+            for problem in problems:
+                if _identity(problem) not in kept:
+                    self.errors.append(problem)
+                    kept.add(_identity(problem))
 
     def raise_any(self) -> None:
         """Raise the kept errors as one (nothing when every check passed)."""
         if self.errors:
             raise adapter_refusal(self.errors)
+
+
+def _identity(err: AdapterError) -> tuple:
+    """What the user reads of one problem: its type, file, key, found, expected and fix."""
+    return type(err), err.file, err.key, str(err.found), err.expected, err.fix

@@ -46,6 +46,7 @@ from ...lora import SlotManager
 from ...presets import preset_dict
 from ...routing import route
 from ...weights import ExpertWeights
+from ..flag_types import positive_int
 from . import serving_measure as measure
 from .adapters import random_adapter
 from .serving_report import print_summary
@@ -258,7 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       ("forwards", "forwards per timed stream"),
                       ("load-rounds", "passes over the cold adapters")):  # fmt: skip
         gpu, cpu = DEFAULTS[key.replace("-", "_")]
-        group.add_argument(f"--serving-{key}", type=int, default=None, metavar="N",
+        group.add_argument(f"--serving-{key}", type=positive_int, default=None, metavar="N",
                            help=f"{what} (default {gpu} / {cpu})")  # fmt: skip
     group.add_argument("--serving-json", default=None, metavar="PATH",
                        help="write every measurement of the run as JSON")  # fmt: skip
