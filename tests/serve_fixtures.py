@@ -59,6 +59,18 @@ def build(root: Path, seed: int = 3, max_positions: int = 128) -> Served:
     return Served(root, base, truths, dirs, tok)
 
 
+def truth_text(served: Served, adapter: str | None, prompt_ids: list[int], n: int, **kw) -> str:
+    """HF + PEFT generating the prompt alone with `adapter` (a name of served.truths; any
+    other name is the base model), greedy unless kw says otherwise: the new tokens' text."""
+    model = served.truths.get(adapter, served.base)
+    ids = torch.tensor([prompt_ids])
+    kw = dict(do_sample=False) | kw
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)  # fmt: skip
+    return served.tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,10 +84,10 @@ class Server:
     log: Path
     returncode: int | None = field(default=None)
 
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM, then the exit code (killed after `timeout`: the test then fails)."""
+    def stop(self, timeout: float = 60.0, sig: int = signal.SIGTERM) -> int:
+        """`sig` (SIGTERM), then the exit code (killed after `timeout`: the test then fails)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
         try:
             self.returncode = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -99,7 +99,9 @@ SAMPLING_CASES = [
     ("temperature", dict(temperature=0.7)),
     ("top_k", dict(temperature=1.0, top_k=5)),
     ("top_p", dict(temperature=1.3, top_p=0.8)),
-    ("all", dict(temperature=0.9, top_k=20, top_p=0.9)),
+    ("min_p", dict(temperature=1.2, min_p=0.1)),
+    ("repetition_penalty", dict(temperature=0.8, repetition_penalty=1.5)),
+    ("all", dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2)),
 ]
 
 
@@ -122,9 +124,37 @@ def test_seeded_sampling_equals_hf(qwen, seed, fields):
     assert runs[0] == runs[1]
     torch.manual_seed(seed % 1000)
     hf_kwargs = dict(do_sample=True, temperature=fields["temperature"],
-                     top_k=fields.get("top_k", 0), top_p=fields.get("top_p", 1.0))  # fmt: skip
+                     top_k=fields.get("top_k", 0), top_p=fields.get("top_p", 1.0),
+                     min_p=fields.get("min_p"),
+                     repetition_penalty=fields.get("repetition_penalty", 1.0))  # fmt: skip
     want = greedy_alone(qwen.truth("fused-r2"), torch.tensor(prompt), 8, **hf_kwargs)
     assert runs[0] == want
+    engine.close()
+
+
+GREEDY_CASES = [
+    # (id, sampling fields, HF generate's): what decodes greedily
+    ("tiny-temperature", dict(temperature=1e-300, seed=5), dict()),  # below 1e-5: greedy
+    ("repetition-penalty", dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
+    ("penalty-below-1", dict(repetition_penalty=0.6), dict(repetition_penalty=0.6)),
+]
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES, ids=[c[0] for c in GREEDY_CASES])
+def test_greedy_rows_equal_hf(qwen, seed, case):
+    """A temperature below vLLM's 1e-5 decodes greedily (it used to divide the logits into
+    inf / NaN and end the step); the repetition penalty acts on greedy rows as HF's does."""
+    _, fields, hf = case
+    engine = Engine(_attached(qwen), max_rows=2, max_len=40, enforce_eager=True)
+    prompt = _prompt(seed, 6)
+    got = run_all(engine, {0: [Request("x", prompt, "fused-r8", Sampling(max_new_tokens=8, **fields)),
+                               Request("y", _prompt(seed + 1, 4), None, Sampling(max_new_tokens=8))]})  # fmt: skip
+    assert got["x"] == (
+        greedy_alone(qwen.truth("fused-r8"), torch.tensor(prompt), 8, **hf),
+        "length",
+    )
+    if hf:  # the penalty changed the row (else the case would not test it)
+        assert got["x"][0] != greedy_alone(qwen.truth("fused-r8"), torch.tensor(prompt), 8)
     engine.close()
 
 
@@ -163,6 +193,10 @@ REFUSED = [
     ),
     ("bad-token", Request("x", (1, 500), None), ["500", "[0, 96)"]),
     ("bad-top-p", Request("x", (1,), None, Sampling(top_p=0.0)), ["top_p", "(0, 1]"]),
+    ("seed-past-int64", Request("x", (1,), None, Sampling(seed=2**70)), ["seed", str(2**70)]),
+    ("seed-below-int64", Request("x", (1,), None, Sampling(seed=-(2**63) - 1)), ["seed"]),
+    ("nan-min-p", Request("x", (1,), None, Sampling(min_p=float("nan"))), ["min_p"]),
+    ("zero-penalty", Request("x", (1,), None, Sampling(repetition_penalty=0.0)), ["repetition"]),
 ]
 
 

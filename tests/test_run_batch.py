@@ -87,7 +87,7 @@ BAD = [
     ("unknown-model", line("nope", completion("nope", "w1", 2)), "nope", 404,
      ["'nope'", "fused-r8"]),
     ("bad-field", line("cold", completion("fused-r8", "w1", 2, temperature=-1)), "cold", 400,
-     ["body field 'temperature' = -1"]),
+     ["body: field 'temperature' = -1"]),
     # outside int64: torch.Generator cannot take it; the line is refused, the engine lives on
     ("seed-past-int64", line("seed", completion("fused-r8", "w1 w2", 3, temperature=1.0,
                                                 seed=2**70)), "seed", 400, ["seed"]),

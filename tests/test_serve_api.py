@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import serve_fixtures as sf
-import torch
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -49,13 +48,7 @@ def words(count: int, rng: random.Random) -> str:
 
 
 def truth_text(served, adapter: str | None, prompt_ids: list[int], n: int) -> str:
-    """HF + PEFT generating the prompt alone with the adapter, greedy: the new tokens' text."""
-    model = served.base if adapter in (None, BASE) else served.truths[adapter]
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=n, min_new_tokens=n, pad_token_id=0)  # fmt: skip
-    return served.tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+    return sf.truth_text(served, adapter, prompt_ids, n)
 
 
 def prompt_ids(served, text: str) -> list[int]:

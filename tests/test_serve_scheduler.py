@@ -1,6 +1,8 @@
 """The scheduler against a scripted engine double (the engine contract, no model): FIFO
 admission held while admissible() says wait and never refused for it, check() refusals,
-cancellation of queued and running requests, stop() finishing then cancelling rows."""
+cancellation of queued and running requests, stop() finishing then cancelling rows, and
+faults: a check, an add or a step that raises fails only its requests, and a dead thread
+refuses everything and says so (`alive`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,14 @@ import pytest
 
 from moelora.errors import InputError
 from moelora.hf.engine import Request, Sampling, TokenEvent
-from moelora.serve.scheduler import Accepted, Refused, Scheduler
+from moelora.serve.scheduler import (
+    Accepted,
+    Admitted,
+    EngineDead,
+    Refused,
+    Scheduler,
+    ShuttingDown,
+)
 
 
 class ScriptedEngine:
@@ -133,9 +142,9 @@ def test_every_request_runs_in_fifo_order_and_none_is_refused(case, seed):
     assert engine.most_adapters <= slots
     for r in reqs:
         items = got.items[r.request_id]
-        assert isinstance(items[0], Accepted)
+        assert isinstance(items[0], Accepted) and isinstance(items[1], Admitted)
         want = [token(r.request_id, i) for i in range(1, r.sampling.max_new_tokens + 1)]
-        assert [e.token_id for e in items[1:]] == want
+        assert [e.token_id for e in items[2:]] == want
         assert items[-1].finished and items[-1].finish_reason == "length"
 
 
@@ -186,7 +195,8 @@ def test_stop_finishes_running_rows_within_grace_then_cancels():
     threading.Timer(0.2, scheduler.stop, kwargs={"grace_s": 0.3}).start()
     assert got.done.wait(30)
     assert got.items["short"][-1].finish_reason == "length"
-    assert got.items["endless"][-1].finish_reason == "cancelled"
+    ended = got.items["endless"][-1]  # cancelled at the deadline; its reader told why
+    assert isinstance(ended, Refused) and isinstance(ended.error, ShuttingDown)
     late = Collector()
     late.expected = 1
     scheduler.submit(request("late", None, 1), late.sink("late"))
@@ -214,3 +224,92 @@ def test_a_queued_request_whose_adapter_was_unloaded_is_refused():
     assert got.items["first"][-1].finish_reason == "length"
     assert got.items["third"][-1].finish_reason == "length"  # the queue went on behind it
     assert engine.added == ["first", "third"]
+
+
+class FaultyEngine(ScriptedEngine):
+    """ScriptedEngine whose check / add / step raise for requests named in `faults`
+    (request id -> where), and whose has_work raises once `die` is set (a scheduler bug)."""
+
+    def __init__(self, faults: dict[str, str], **kw) -> None:
+        super().__init__(**kw)
+        self.faults, self.die = faults, False
+
+    def check(self, r) -> None:
+        if self.faults.get(r.request_id) == "check":
+            raise OverflowError("Overflow when unpacking long long")  # not an InputError
+        super().check(r)
+
+    def add(self, r) -> None:
+        if self.faults.get(r.request_id) == "add":
+            raise OverflowError("Overflow when unpacking long long")
+        super().add(r)
+
+    def step(self) -> list:
+        if any(self.faults.get(rid) == "step" for rid in self.running_rows):
+            self.faults = {k: v for k, v in self.faults.items() if v != "step"}
+            raise RuntimeError("injected step fault")
+        return super().step()
+
+    @property
+    def has_work(self) -> bool:
+        if self.die:
+            raise RuntimeError("injected scheduler fault")
+        return super().has_work
+
+
+FAULTS = [
+    # (id, where the fault is): the request it concerns fails, the others run, the thread lives
+    ("check-raises", "check"),  # a check that raises something other than InputError
+    ("add-raises", "add"),  # torch.Generator.manual_seed(2**70) raised here: the thread died
+    ("step-raises", "step"),  # a step fault beyond the engine's own row isolation
+]
+
+
+@pytest.mark.parametrize("case", FAULTS, ids=[c[0] for c in FAULTS])
+def test_a_fault_fails_only_its_requests_and_the_thread_serves_on(case):
+    _, where = case
+    engine = FaultyEngine({"bad": where}, rows=4, slots=4)
+    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    got = Collector()
+    got.expected = 2
+    for rid in ("before", "bad"):
+        scheduler.submit(request(rid, None, 3), got.sink(rid))
+    assert got.done.wait(30)
+    after = Collector()  # submitted once the fault has happened
+    after.expected = 1
+    scheduler.submit(request("after", "a", 2), after.sink("after"))
+    assert after.done.wait(30)
+    assert scheduler.alive
+    scheduler.stop()
+    failed = got.items["bad"][-1]
+    assert isinstance(failed, Refused)
+    assert "injected step fault" in str(failed.error) or "Overflow" in str(failed.error)
+    assert after.items["after"][-1].finish_reason == "length"
+    if where != "step":  # a step fault also ends the rows running beside it
+        assert got.items["before"][-1].finish_reason == "length"
+
+
+def test_a_dead_thread_refuses_everything_and_says_so():
+    engine = FaultyEngine({}, rows=1, slots=1)
+    engine.gate.clear()  # "running" holds the only row; "queued" waits behind it
+    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    got = Collector()
+    got.expected = 3
+    scheduler.submit(request("running", None, 50), got.sink("running"))
+    scheduler.submit(request("queued", None, 5), got.sink("queued"))
+    for _ in range(3000):  # bounded: until "running" is added and its step blocked
+        if engine.added:
+            break
+        threading.Event().wait(0.01)
+    engine.die = True
+    engine.gate.set()
+    for _ in range(3000):  # bounded: until the thread has ended
+        if not scheduler.alive:
+            break
+        threading.Event().wait(0.01)
+    assert not scheduler.alive and "injected scheduler fault" in repr(scheduler.fault)
+    scheduler.submit(request("late", None, 1), got.sink("late"))
+    assert got.done.wait(30)
+    for rid in ("running", "queued", "late"):
+        item = got.items[rid][-1]
+        assert isinstance(item, Refused) and isinstance(item.error, EngineDead), rid

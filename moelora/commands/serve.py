@@ -1,9 +1,10 @@
 """`moelora serve MODEL_DIR`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the
 decode engine, one adapter per request (the request's `model` names it), continuous batching.
 
-Flags carry vLLM's names. The oracle's verdict and selection line are printed before the
-weights load. SIGTERM (or Ctrl-C) stops accepting, lets running rows finish for
---shutdown-timeout seconds, cancels what is left and exits 0. docs/serve.md has the rest.
+Flags carry vLLM's names; vLLM flags with no meaning here are refused with the reason
+(vllm_serve_flags.py). The port is bound and the oracle's verdict printed before the weights
+load. SIGTERM (or Ctrl-C) stops accepting, lets running rows finish for --shutdown-timeout
+seconds, cancels what is left and exits 0. docs/serve.md has the rest.
 """
 
 from __future__ import annotations
@@ -11,6 +12,52 @@ from __future__ import annotations
 import argparse
 
 from .flag_terms import VLLM_LORA_FLAGS
+from .flag_types import positive_int
+from .vllm_serve_flags import add_refused
+
+# The engine's words for what the user set with serve's flags (errors print the flags).
+SERVE_FLAGS = VLLM_LORA_FLAGS | {
+    "max_rows": "--max-num-seqs",
+    "max_len": "--max-model-len",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number in 1..65535")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds >= 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in (0, 1]")
+    return value
+
+
+def model_len(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 2")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,13 +70,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(config.json, weights, tokenizer)")  # fmt: skip
     add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=port, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--served-model-name", default=None,
                    help="the base model's name in requests (default: MODEL_DIR as given)")  # fmt: skip
     p.add_argument("--enable-runtime-lora", action="store_true",
                    help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")  # fmt: skip
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--allowed-local-lora-path", default=None, metavar="DIR",
+                   help="runtime loads read only directories under DIR (a relative lora_path "
+                   "is taken from DIR; default: any directory the server can read)")  # fmt: skip
+    p.add_argument("--chat-template", default=None,
+                   help="the chat template: a file, or the Jinja template itself (default: "
+                   "the tokenizer's)")  # fmt: skip
+    p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                    help="seconds running requests may finish after SIGTERM (default 30)")  # fmt: skip
     p.set_defaults(run=run)
 
@@ -37,27 +90,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The flags `serve` and `run-batch` share (vLLM's names)."""
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
-                   help="PEFT adapter directories loaded at start")  # fmt: skip
+                   help="PEFT adapter directories loaded at start: NAME=DIR, or vLLM's JSON "
+                   '\'{"name": NAME, "path": DIR, "base_model_name": BASE}\'')  # fmt: skip
+    p.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM's command lines: LoRA is always on here")  # fmt: skip
     p.add_argument(
-        "--max-loras", type=int, default=4, help="adapter slots on the device (default 4)"
+        "--max-loras", type=positive_int, default=4, help="adapter slots on the device (default 4)"
     )
-    p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank (default 16)")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
+    p.add_argument("--max-lora-rank", type=positive_int, default=16,
+                   help="largest LoRA rank (default 16)")  # fmt: skip
+    p.add_argument("--max-cpu-loras", type=positive_int, default=None,
                    help="adapters kept parsed in host memory; the others are re-read from "
                    "their directory when a request needs them (default: --max-loras)")  # fmt: skip
     p.add_argument(
-        "--max-num-seqs", type=int, default=64, help="rows decoding at once (default 64)"
+        "--max-num-seqs", type=positive_int, default=64, help="rows decoding at once (default 64)"
     )
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=model_len, default=None,
                    help="longest prompt + output (default: the model's max positions)")  # fmt: skip
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=None,
                    help="size the KV cache to fill this fraction of the GPU's memory after "
                    "weights and adapter banks (at most --max-num-seqs rows; GPU only)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the generator requests without a seed sample from")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, "
                    "fp16 or fp32")  # fmt: skip
     p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.set_defaults(flag_terms=VLLM_LORA_FLAGS)  # errors name --max-loras, not num_slots
+    add_refused(p)
+    p.set_defaults(flag_terms=SERVE_FLAGS)  # errors name --max-loras, not num_slots
 
 
 def run(args: argparse.Namespace) -> int:

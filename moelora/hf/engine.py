@@ -6,7 +6,10 @@ replaced and unloaded through the handle from any thread at any time, and a requ
 the adapter version it held at add() until it finishes. step(): prefill the requests added
 since the last step (eagerly, one at a time, into their cache rows), then one decode step of
 every running row (input_ids [b, 1], each row at its own position; b = the highest busy row
-+ 1, padded up to a graph bucket on a GPU). Legend: N max_rows, M max_len, V vocabulary.
++ 1, padded up to a graph bucket on a GPU). A failure inside a step fails only the rows it
+concerns: a forward that raises is run again one row at a time (eagerly), and a row whose
+logits give no token fails alone; each failed row ends with finish reason "error" and its
+error. Legend: N max_rows, M max_len, V vocabulary.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from . import graphs as layer_graphs
 from .engine_support import engine_support
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
-from .sampling import RowSampler, Sampling, next_tokens
+from .sampling import RowSampler, Sampling, SamplingFault, next_tokens
 
 __all__ = ["Engine", "Request", "Sampling", "TokenEvent"]
 
@@ -42,9 +45,10 @@ class Request:
 @dataclass(frozen=True)
 class TokenEvent:
     request_id: str
-    token_id: int  # -1 when a request ends without a token (cancelled)
+    token_id: int  # -1 when a request ends without a token (cancelled, error)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "cancelled" | None
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" | None
+    error: Exception | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass(eq=False)  # identity: two requests are never the same row
@@ -202,7 +206,9 @@ class Engine:
         row = next(i for i in range(self.max_rows) if i not in busy)
         if hold is None:
             hold = self.handle.hold(request.adapter)  # the version current now, until the finish
-        sampler = RowSampler.make(request.sampling, self._eos, self.device)
+        sampler = RowSampler.make(
+            request.sampling, self._eos, self.device, request.prompt_ids, self._vocab
+        )
         state = _Row(request, row, hold, sampler)
         self._rows[request.request_id] = state
         self._waiting.append(state)
@@ -213,15 +219,36 @@ class Engine:
             self._cancelled.append(request_id)
 
     def step(self) -> list[TokenEvent]:
-        """Prefill the requests added since the last step, then decode every running row."""
+        """Prefill the requests added since the last step, then decode every running row.
+        A forward that raises is retried row by row: only the rows that fail alone end, with
+        finish reason "error" (see the module doc)."""
         events = [self._finish(rid, -1, "cancelled") for rid in self._cancelled]
         self._cancelled.clear()
         waiting, self._waiting = self._waiting, []
         decode = [r for r in self._rows.values() if r not in waiting]
         for group in _same_length(waiting):
-            events += self._accept(group, self._prefill(group))
+            events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
         if decode:
-            events += self._accept(decode, self._decode(decode))
+            events += self._isolated(decode, self._decode, self._decode_alone)
+        return events
+
+    def _isolated(self, rows: list[_Row], forward, alone) -> list[TokenEvent]:
+        """The events of `forward(rows)`; if it raises, of `alone(row)` for each row, a row
+        whose own forward raises failing with its error."""
+        try:
+            return self._accept(rows, forward(rows))
+        except Exception as err:
+            if len(rows) == 1:
+                log.warning("request %s failed: %r", rows[0].request.request_id, err)
+                return [self._fail(rows[0], err)]
+            log.warning("a step of %d rows failed (%r); running them one by one", len(rows), err)
+        events = []
+        for r in rows:
+            try:
+                events += self._accept([r], alone(r))
+            except Exception as err:
+                log.warning("request %s failed: %r", r.request.request_id, err)
+                events.append(self._fail(r, err))
         return events
 
     def warmup(self) -> decode_graphs.CaptureReport | None:
@@ -281,14 +308,15 @@ class Engine:
         masks = build_masks(self._rule, plan.positions, plan.kv_len, self.dtype)
         return self._forward(ids, plan.positions, masks, adapters)
 
-    def _decode(self, running: list[_Row]) -> Tensor:
-        """One token of every running row; logits [len(running), V] in their order."""
+    def _decode(self, running: list[_Row], eager: bool = False) -> Tensor:
+        """One token of every running row; logits [len(running), V] in their order.
+        eager: no graph replay (a retry of one row after a step failed)."""
         width = max(r.row for r in running) + 1
         # the served modules with LoRA: a Python branch in each module's hook, fixed in a
         # graph, so one set for every step while the loaded adapters' set stays (rows without
         # factors on a module add exactly 0); rows of a retired version add theirs
         modules = self.handle.lora_modules.union(*(r.hold.modules for r in running))
-        graphed = self.graphs is not None
+        graphed = self.graphs is not None and not eager
         width = self.graphs.bucket(width) if graphed else width
         self._fill(running, width)
         if graphed:
@@ -297,6 +325,9 @@ class Engine:
             kv_len = max(r.position for r in running) + 1
             logits = self._decode_step(width, kv_len, modules)
         return logits[[r.row for r in running]]
+
+    def _decode_alone(self, row: _Row) -> Tensor:
+        return self._decode([row], eager=True)
 
     def _fill(self, running: list[_Row], width: int) -> None:
         """The static buffers for rows 0 .. width-1: padding rows (free rows, and rows
@@ -336,7 +367,11 @@ class Engine:
         tokens = next_tokens(logits, [r.sampler for r in rows], [len(r.generated) for r in rows])
         events = []
         for state, token in zip(rows, tokens):
+            if isinstance(token, SamplingFault):
+                events.append(self._fail(state, token))
+                continue
             state.generated.append(token)
+            state.sampler.note(token)
             reason = None
             if token in state.sampler.stop_ids:
                 reason = "stop"
@@ -348,12 +383,18 @@ class Engine:
                 events.append(self._finish(state.request.request_id, token, reason))
         return events
 
-    def _finish(self, request_id: str, token: int, reason: str) -> TokenEvent:
+    def _finish(
+        self, request_id: str, token: int, reason: str, error: Exception | None = None
+    ) -> TokenEvent:
         state = self._rows.pop(request_id)
         if state in self._waiting:
             self._waiting.remove(state)
         state.hold.release()
-        return TokenEvent(request_id, token, True, reason)
+        return TokenEvent(request_id, token, True, reason, error)
+
+    def _fail(self, state: _Row, error: Exception) -> TokenEvent:
+        """End a row that failed inside a step (finish reason "error")."""
+        return self._finish(state.request.request_id, -1, "error", error)
 
 
 # Tokens of one prefill forward at most: the MoE layers' largest tuned T (and the activation

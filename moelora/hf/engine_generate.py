@@ -175,6 +175,8 @@ def _run(engine: Engine, requests: list[Request]) -> list[list[int]]:
             added += 1
         while engine.has_work:
             for event in engine.step():
+                if event.error is not None:  # a row that failed in the step: the call fails
+                    raise event.error
                 if event.token_id >= 0:
                     tokens[event.request_id].append(event.token_id)
     except BaseException:

@@ -93,11 +93,9 @@ def _parse(number: int, raw: bytes, seen: dict[str, int]) -> BatchLine:
     model, chat = ROUTES[url]
     try:
         body = model.model_validate(record.get("body"))
-    except ValidationError as err:
-        first = err.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "body"
-        raise LineRefused(number, f"body field '{field}' = {first.get('input')!r}: "
-                          f"{first['msg']}", custom_id) from None  # fmt: skip
+    except ValidationError as err:  # worded as the server words it (protocol.refusal)
+        message, _ = protocol.refusal(err)
+        raise LineRefused(number, f"body: {message}", custom_id) from None
     return BatchLine(number, custom_id, body, chat)
 
 

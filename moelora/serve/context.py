@@ -1,19 +1,26 @@
 """What the HTTP app and run-batch share: the handle, the engine's scheduler, the tokenizer,
-the served names, and the translation of an OpenAI body into an engine Request.
+the served names, and the translation of an OpenAI body into engine Requests (one per
+prompt), checked here in the words the client used (`max_tokens`, `--max-model-len`).
 
 Errors a client can cause raise ServeError (HTTP status + OpenAI error type), whose message
-names the field, the value and what was expected.
+names the field, the value and what was expected. `prepare` tokenizes: the app runs it off
+the event loop.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..hf.engine import Request, Sampling
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .protocol import ChatCompletionRequest, SamplingFields, new_id
 from .scheduler import Scheduler
+
+# Characters of a text prompt tokenized first, per token of --max-model-len: a prompt whose
+# first characters already make more tokens than the limit is refused without tokenizing the
+# rest (a token rarely spans more than a few characters; 16 leaves a wide margin).
+PREFIX_CHARS_PER_TOKEN = 16
 
 
 class ServeError(Exception):
@@ -24,6 +31,19 @@ class ServeError(Exception):
         self.status, self.kind, self.param = status, kind, param
 
 
+def bad_request(message: str, param: str | None = None) -> ServeError:
+    return ServeError(400, message, "BadRequestError", param)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An OpenAI body as the engine runs it: one Request per prompt, and the stop strings."""
+
+    requests: list[Request]
+    stop: tuple[str, ...]
+    response_id: str
+
+
 @dataclass
 class ServeContext:
     handle: object  # moelora.hf.MoELoRAModel
@@ -32,13 +52,19 @@ class ServeContext:
     served_model_name: str
     api_key: str | None = None
     runtime_lora: bool = False
+    allowed_lora_root: Path | None = None  # runtime loads only below it (None: anywhere)
+    parents: dict[str, str] = field(default_factory=dict)  # adapter -> base_model_name given
     metrics: Metrics = field(default_factory=Metrics)
-    _ids: itertools.count = field(default_factory=itertools.count)
 
     @property
     def models(self) -> list[str]:
         """The names a request's `model` may take: the base model, then every adapter."""
         return [self.served_model_name, *self.handle.adapters]
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + completion a request may have (--max-model-len)."""
+        return self.scheduler.engine.max_len
 
     def adapter_of(self, model: str) -> str | None:
         """The adapter a request's `model` names (None: the base model); 404 otherwise."""
@@ -48,68 +74,121 @@ class ServeContext:
             return model
         raise ServeError(
             404,
-            f"model {model!r} does not exist: expected one of {self.models} (the base model or "
-            "a loaded adapter; GET /v1/models lists them)",
+            f"model {model[:200]!r} does not exist: expected one of {self.models} (the base "
+            "model or a loaded adapter; GET /v1/models lists them)",
             "NotFoundError",
             "model",
         )
 
-    def request(self, body: SamplingFields) -> tuple[Request, tuple[str, ...]]:
-        """The engine Request of an OpenAI body, and its stop strings."""
+    def prepare(self, body: SamplingFields) -> Prepared:
+        """The engine Requests of an OpenAI body (one per prompt) and its stop strings."""
         adapter = self.adapter_of(body.model)
-        prompt = self._prompt_ids(body)
-        if not prompt:
-            raise ServeError(
-                400, "prompt is empty: expected at least one token", "BadRequestError", "prompt"
+        chat = isinstance(body, ChatCompletionRequest)
+        prompts = [self._chat_ids(body)] if chat else [self._ids(p) for p in body.prompts()]
+        self._check_stop_ids(body)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            sampling = Sampling(
+                max_new_tokens=self._max_new(body, len(prompt), where),
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0),
+                min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty,
+                seed=body.seed,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                min_new_tokens=body.min_tokens,
+                ignore_eos=body.ignore_eos,
             )
-        if body.max_tokens is not None:
-            max_new = body.max_tokens
-        elif isinstance(body, ChatCompletionRequest):  # vLLM: the room the context leaves
-            max_new = max(1, self.scheduler.engine.max_len - len(prompt))
-        else:
-            max_new = 16  # OpenAI's default for completions
-        sampling = Sampling(
-            max_new_tokens=max_new,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(body.top_k, 0),
-            seed=body.seed,
-            min_new_tokens=body.min_tokens,
-            ignore_eos=body.ignore_eos,
-        )
-        rid = (
-            f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{next(self._ids)}"
-        )
-        return Request(rid, tuple(prompt), adapter, sampling), body.stop_strings()
+            requests.append(Request(f"{rid}-{i}", tuple(prompt), adapter, sampling))
+        return Prepared(requests, body.stop_strings(), rid)
 
-    def _prompt_ids(self, body: SamplingFields) -> list[int]:
-        if isinstance(body, CompletionRequest):
-            if isinstance(body.prompt, list):
-                return self._checked_ids(body.prompt)
-            return list(self.tokenizer(body.prompt)["input_ids"])
-        messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+    def _max_new(self, body: SamplingFields, prompt_len: int, where: str) -> int:
+        """The completion's token limit, checked against --max-model-len in API words."""
+        room = self.max_model_len - prompt_len
+        limit = body.completion_limit()
+        if limit is None:
+            if isinstance(body, ChatCompletionRequest):  # vLLM: the room the context leaves
+                limit = room
+            else:
+                limit = 16  # OpenAI's default for completions
+        if prompt_len + limit > self.max_model_len:
+            name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else (
+                "max_tokens")  # fmt: skip
+            raise bad_request(
+                f"{where} has {prompt_len} tokens and {name} = {limit}: {prompt_len + limit} "
+                f"is more than this server's --max-model-len {self.max_model_len} (the longest "
+                f"prompt + completion it runs): shorten the prompt or lower {name} (at most "
+                f"{max(room, 0)} here)",
+                "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
+        return limit
+
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return self._checked_ids(prompt)
+        return self._tokenize(prompt, add_special_tokens=True)
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`; a text whose first characters already exceed --max-model-len
+        is refused before the rest is tokenized."""
+        limit = self.max_model_len
+        head = limit * PREFIX_CHARS_PER_TOKEN
+        if len(text) > head:
+            ids = self.tokenizer(text[:head], add_special_tokens=add_special_tokens)["input_ids"]
+            if len(ids) > limit + 8:  # a margin for the token the cut may have split
+                raise bad_request(
+                    f"prompt has more than {limit} tokens (its first {head} characters make "
+                    f"{len(ids)}): expected at most this server's --max-model-len {limit} "
+                    "tokens, prompt and completion together",
+                    "prompt",
+                )
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ServeError(
-                400,
+            raise bad_request(
                 "this model's tokenizer has no chat template: expected one in "
-                "tokenizer_config.json (chat_template) for /v1/chat/completions; use "
-                "/v1/completions with a prompt instead",
-                "BadRequestError",
+                "tokenizer_config.json (chat_template) or the server started with "
+                "--chat-template; or use /v1/completions with a prompt",
                 "messages",
             )
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        messages = [m.for_template() for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tokenize=False,
+                **(body.chat_template_kwargs or {}),
+            )
+        except Exception as err:  # the template's own error (jinja raise_exception, ...)
+            raise bad_request(
+                f"the chat template refused these messages: {err}", "messages"
+            ) from None
+        return self._tokenize(text, add_special_tokens=False)
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         vocab = len(self.tokenizer)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise ServeError(
-                400,
-                f"prompt token id {bad[0]} is out of range: expected 0 <= id < {vocab}",
-                "BadRequestError",
+            raise bad_request(
+                f"prompt token id {bad[0]} is out of range: expected 0 <= id < {vocab}", "prompt"
+            )
+        if len(ids) > self.max_model_len:
+            raise bad_request(
+                f"prompt has {len(ids)} tokens: expected at most this server's --max-model-len "
+                f"{self.max_model_len}, prompt and completion together",
                 "prompt",
             )
         return ids
+
+    def _check_stop_ids(self, body: SamplingFields) -> None:
+        vocab = len(self.tokenizer)
+        bad = [i for i in body.stop_token_ids or () if not 0 <= i < vocab]
+        if bad:
+            raise bad_request(
+                f"stop_token_ids holds {bad[0]}: expected token ids in [0, {vocab})",
+                "stop_token_ids",
+            )

@@ -2,6 +2,11 @@
 printed, the weights and adapters loaded, the decode engine warmed, the scheduler running,
 and (serve) the ASGI app under uvicorn. The commands parse flags; this module runs them, so
 tools (benchmarks/serve_load.py) start a server without importing the CLI.
+
+serve binds its port before any weight is read (a port in use is refused at once, exit 2),
+and a signal (SIGTERM, or Ctrl-C) stops the scheduler from accepting at once: queued
+requests are refused (503), running ones get --shutdown-timeout seconds, then are cancelled
+with a 503 error their clients read; the process exits 0.
 """
 
 from __future__ import annotations
@@ -9,11 +14,20 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
+
+# Seconds a connection may take to send a whole request head, and then each part of its
+# body: a client slower than this holds a connection for nothing (uvicorn waits forever).
+HEAD_TIMEOUT_S = 30.0
+BODY_READ_TIMEOUT_S = 30.0
+# uvicorn's wait for open responses after a signal, past --shutdown-timeout: the time the
+# cancelled rows' error bodies need to be written.
+SHUTDOWN_MARGIN_S = 5.0
 
 
 def settings_of(args: argparse.Namespace):
@@ -25,6 +39,7 @@ def settings_of(args: argparse.Namespace):
         max_cpu_loras=args.max_cpu_loras, dtype=args.dtype, moe_backend=args.moe_backend,
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        chat_template=getattr(args, "chat_template", None),
     )  # fmt: skip
 
 
@@ -40,7 +55,10 @@ def start(args: argparse.Namespace, model=None):
     from .scheduler import Scheduler
 
     settings = settings_of(args)
+    allowed = _allowed_root(getattr(args, "allowed_local_lora_path", None))
     print(f"moelora {args.command}: {model_dir.preflight(settings)}", flush=True)
+    if getattr(args, "seed", None) is not None:
+        torch.manual_seed(args.seed)  # requests without a seed draw from this generator
     handle, tokenizer = model_dir.load(settings, model)
     from ..hf.engine import Engine
 
@@ -53,10 +71,13 @@ def start(args: argparse.Namespace, model=None):
     metrics = Metrics()
     scheduler = Scheduler(engine, metrics).start()
     name = getattr(args, "served_model_name", None) or args.model
+    parents = {n: m.base_model_name for n, m in settings.lora_modules.items()
+               if m.base_model_name}  # fmt: skip
     return ServeContext(
         handle, scheduler, tokenizer, name,
         api_key=getattr(args, "api_key", None),
-        runtime_lora=getattr(args, "enable_runtime_lora", False), metrics=metrics,
+        runtime_lora=getattr(args, "enable_runtime_lora", False),
+        allowed_lora_root=allowed, parents=parents, metrics=metrics,
     )  # fmt: skip
 
 
@@ -64,10 +85,23 @@ def _need_serve_extra() -> None:
     """A clear refusal, before any weight loads, when the serve extra is not installed."""
     import importlib.util
 
-    missing = [m for m in ("fastapi", "uvicorn", "tqdm") if importlib.util.find_spec(m) is None]
+    from ..extras import EXTRA_OF
+
+    needed = [m for m, extra in EXTRA_OF.items() if extra == "serve"]
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError("package", missing[0], "installed (the serve extra)",
                           "pip install 'moelora[serve]'")  # fmt: skip
+
+
+def _allowed_root(value: str | None) -> Path | None:
+    if value is None:
+        return None
+    root = Path(value).resolve()
+    if not root.is_dir():
+        raise ConfigError("--allowed-local-lora-path", value, "an existing directory",
+                          "create it, or pass the directory runtime loads may read")  # fmt: skip
+    return root
 
 
 def _engine_rows(args, settings, handle) -> int:
@@ -85,18 +119,45 @@ def _engine_rows(args, settings, handle) -> int:
     return rows
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads (uvicorn's options: SO_REUSEADDR,
+    inheritable); a port that cannot be bound is refused naming --host / --port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ConfigError("--host / --port", f"{host}:{port}", "an address this machine can "
+                          f"listen on ({err.strerror or err})",
+                          "pick another --port, or stop what listens there") from None  # fmt: skip
+    sock.set_inheritable(True)
+    return sock
+
+
 def run(args: argparse.Namespace, model=None) -> int:
     import uvicorn
 
     from .app import build_app
+    from .limits import timed_h11
 
-    ctx = start(args, model)
-    app = build_app(ctx, shutdown_grace_s=args.shutdown_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
+    sock = bind(args.host, args.port)
+    try:
+        ctx = start(args, model)
+    except BaseException:
+        sock.close()
+        raise
+    app = build_app(ctx, args.shutdown_timeout, BODY_READ_TIMEOUT_S)
+    config = uvicorn.Config(
+        app, log_level="warning", http=timed_h11(HEAD_TIMEOUT_S),
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S,
+    )  # fmt: skip
+    server = _server_class()(config)
+    server.on_signal = lambda: ctx.scheduler.begin_stop(args.shutdown_timeout)
     print(f"moelora serve: {ctx.models[0]} and adapters {ctx.models[1:]} on "
           f"http://{args.host}:{args.port}/v1", flush=True)  # fmt: skip
-    _server_class()(config).run()  # returns after SIGTERM / SIGINT, once shut down
+    server.run(sockets=[sock])  # returns after SIGTERM / SIGINT, once shut down
     ctx.scheduler.stop(0.0)  # idempotent: the app's shutdown already stopped it
     ctx.scheduler.engine.close()
     return 0
@@ -106,12 +167,19 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn re-raises SIGTERM after its graceful shutdown (the process then dies of
-        it); a stop the operator asked for is a clean exit here: code 0, as vLLM's."""
+        """A signal starts the scheduler's stop at once (so the grace period and uvicorn's
+        wait for open responses run together), and is not re-raised after the graceful
+        shutdown (uvicorn re-raises it: the process would die of it, with a traceback for
+        SIGINT): a stop the operator asked for is a clean exit, code 0, as vLLM's."""
+
+        on_signal = None
 
         def handle_exit(self, sig: int, frame) -> None:
+            if self.on_signal is not None:
+                self.on_signal()
             super().handle_exit(sig, frame)
-            if sig == signal.SIGTERM and sig in self._captured_signals:
-                self._captured_signals.remove(sig)
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                while sig in self._captured_signals:
+                    self._captured_signals.remove(sig)
 
     return Server

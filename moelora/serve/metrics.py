@@ -1,8 +1,11 @@
 """Prometheus metrics of the server, written in the text exposition format (no dependency).
 
-Counters: requests by finish reason, prompt and generated tokens, runtime adapter loads and
-unloads, adapter copies into slots and slot evictions; gauges: requests queued, rows running; histograms: time to first token and
-inter-token latency. The scheduler thread writes, the /metrics handler reads (one lock).
+Counters: requests started (they passed the engine's check) and requests ended by the
+reason their client read (stop, length, cancelled, error: every started request ends in
+exactly one), requests refused before they started, prompt and generated tokens, runtime
+adapter loads and unloads, adapter copies into slots and slot evictions; gauges: requests
+queued, rows running; histograms: time to first token and inter-token latency. The
+scheduler thread and the readers write, the /metrics handler reads (one lock).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()  # finish reason -> requests
+        self.started_requests = 0
+        self.refused_requests = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.adapter_loads = 0
@@ -52,9 +57,16 @@ class Metrics:
     def set_load(self, queued: int, running: int) -> None:
         self.queued, self.running = queued, running
 
-    def prompt(self, tokens: int) -> None:
+    def started(self, prompt_tokens: int) -> None:
+        """A request passed the engine's check: it is counted again when it ends."""
         with self._lock:
-            self.prompt_tokens += tokens
+            self.started_requests += 1
+            self.prompt_tokens += prompt_tokens
+
+    def refused(self) -> None:
+        """A request refused before it started (the engine's check, a shutdown)."""
+        with self._lock:
+            self.refused_requests += 1
 
     def token(self, since: float, previous: float | None) -> None:
         """A generated token, `since` seconds after the last one (or the submission)."""
@@ -81,6 +93,8 @@ class Metrics:
             lines += [f'moelora_requests_total{{finish_reason="{r}"}} {n}'
                       for r, n in sorted(self.requests.items())]  # fmt: skip
             for name, kind, value in (
+                ("requests_started_total", "counter", self.started_requests),
+                ("requests_refused_total", "counter", self.refused_requests),
                 ("prompt_tokens_total", "counter", self.prompt_tokens),
                 ("generation_tokens_total", "counter", self.generation_tokens),
                 ("adapter_loads_total", "counter", self.adapter_loads),

@@ -6,6 +6,7 @@ Used by `moelora serve`, `moelora run-batch` and the load generator.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,19 @@ log = logging.getLogger("moelora.serve")
 
 
 @dataclass(frozen=True)
+class LoraModule:
+    """One --lora-modules entry: NAME=DIR, or vLLM's JSON form with base_model_name."""
+
+    path: Path
+    base_model_name: str | None = None
+
+
+@dataclass(frozen=True)
 class ServeSettings:
     """The vLLM-named flags that shape the served model (docs/serve.md)."""
 
     model: Path
-    lora_modules: dict[str, Path] = field(default_factory=dict)
+    lora_modules: dict[str, LoraModule] = field(default_factory=dict)
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
@@ -36,17 +45,41 @@ class ServeSettings:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None  # None: --max-num-seqs rows of KV cache
+    chat_template: str | None = None  # --chat-template: a file, or the template itself
 
 
-def parse_lora_modules(items: list[str]) -> dict[str, Path]:
-    """--lora-modules name=DIR ... -> {name: DIR}."""
-    out = {}
+def parse_lora_modules(items: list[str]) -> dict[str, LoraModule]:
+    """--lora-modules entries -> {name: LoraModule}: NAME=DIR, or vLLM's JSON form
+    '{"name": ..., "path": ..., "base_model_name": ...}'. A name given twice is refused."""
+    out: dict[str, LoraModule] = {}
     for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ConfigError("--lora-modules", item, "NAME=DIR", "e.g. --lora-modules math=./math")
-        out[name] = Path(path)
+        name, module = _lora_module(item)
+        if name in out:
+            raise ConfigError("--lora-modules", f"{name!r} twice ({out[name].path} and "
+                              f"{module.path})", "each adapter name once",
+                              "give each adapter its own name")  # fmt: skip
+        out[name] = module
     return out
+
+
+def _lora_module(item: str) -> tuple[str, LoraModule]:
+    expected = 'NAME=DIR or \'{"name": NAME, "path": DIR, "base_model_name": BASE}\''
+    if item.lstrip().startswith("{"):
+        try:
+            entry = json.loads(item)
+        except json.JSONDecodeError as err:
+            raise ConfigError("--lora-modules", item, expected, f"fix the JSON ({err})") from None
+        known = {"name", "path", "base_model_name"}
+        name, path, base = entry.get("name"), entry.get("path"), entry.get("base_model_name")
+        if set(entry) - known or not isinstance(name, str) or not name or not isinstance(
+                path, str) or not path or not isinstance(base, (str, type(None))):  # fmt: skip
+            raise ConfigError("--lora-modules", item, expected,
+                              f"JSON with the keys {sorted(known)}; name and path strings")  # fmt: skip
+        return name, LoraModule(Path(path), base)
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError("--lora-modules", item, expected, "e.g. --lora-modules math=./math")
+    return name, LoraModule(Path(path))
 
 
 def device_and_dtype(settings: ServeSettings) -> tuple[str, torch.dtype]:
@@ -64,6 +97,7 @@ def preflight(settings: ServeSettings) -> str:
     if not config.is_file():
         raise ConfigError("MODEL_DIR", str(settings.model), "a model directory with config.json",
                           "save_pretrained the model there")  # fmt: skip
+    _check_model_len(settings, config)
     device, dtype = device_and_dtype(settings)
     model_config = from_hf(config)
     deployment = Deployment.for_model(
@@ -82,6 +116,47 @@ def preflight(settings: ServeSettings) -> str:
     return select(deployment).log_line()
 
 
+def _check_model_len(settings: ServeSettings, config: Path) -> None:
+    """--max-model-len past the model's positions is refused (as vLLM refuses it)."""
+    if settings.max_model_len is None:
+        return
+    raw = json.loads(config.read_text())
+    raw = raw.get("text_config", raw)  # multimodal configs (Llama 4) nest the text model's
+    positions = raw.get("max_position_embeddings")
+    if positions is not None and settings.max_model_len > int(positions):
+        raise ConfigError("--max-model-len", settings.max_model_len,
+                          f"at most the model's max_position_embeddings ({positions})",
+                          f"pass --max-model-len {positions} or less, or leave it out")  # fmt: skip
+
+
+def chat_template(value: str) -> str:
+    """--chat-template: a file's contents when `value` names a file, else the template."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return _parsed(path.read_text())
+    except OSError as err:
+        raise ConfigError("--chat-template", value, "a readable file or a Jinja template",
+                          f"fix the path ({err.strerror})") from None  # fmt: skip
+    if "{" not in value:  # neither a file nor a template: most likely a mistyped path
+        raise ConfigError("--chat-template", value, "a file that exists, or a Jinja template "
+                          "({% ... %} / {{ ... }})", "check the path")  # fmt: skip
+    return _parsed(value)
+
+
+def _parsed(template: str) -> str:
+    """The template, once Jinja parses it (a syntax error is refused at start, not at the
+    first chat request)."""
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise ConfigError("--chat-template", template[:80], "a Jinja template",
+                          f"fix line {err.lineno}: {err.message}") from None  # fmt: skip
+    return template
+
+
 def load(settings: ServeSettings, model=None):
     """(handle, tokenizer): the weights on the device, attached, startup adapters loaded.
     model: a transformers model already built on the device (the load generator's random
@@ -94,12 +169,14 @@ def load(settings: ServeSettings, model=None):
     if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ConfigError("MODEL_DIR", str(root), "a model directory with a tokenizer "
                           "(tokenizer.json)", "save the tokenizer beside the model")  # fmt: skip
-    for name, path in settings.lora_modules.items():  # refusals before the weights load
-        if not (path / "adapter_config.json").is_file():
-            raise ConfigError("--lora-modules", f"{name}={path}",
+    for name, module in settings.lora_modules.items():  # refusals before the weights load
+        if not (module.path / "adapter_config.json").is_file():
+            raise ConfigError("--lora-modules", f"{name}={module.path}",
                               "a PEFT adapter directory (adapter_config.json)")  # fmt: skip
     device, dtype = device_and_dtype(settings)
     tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    if settings.chat_template is not None:
+        tokenizer.chat_template = chat_template(settings.chat_template)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
     handle = attach(
@@ -110,6 +187,6 @@ def load(settings: ServeSettings, model=None):
         enforce_eager=settings.enforce_eager,
         max_cpu_loras=settings.max_cpu_loras,
     )
-    for name, path in settings.lora_modules.items():
-        handle.load_adapter(path, name=name)
+    for name, module in settings.lora_modules.items():
+        handle.load_adapter(module.path, name=name)
     return handle, tokenizer

@@ -1,12 +1,17 @@
 """The scheduler: one background thread drives Engine.step(); requests from any thread.
 
 A request is submitted with a sink (a callable the scheduler thread calls with each item for
-it: Accepted or Refused first, then the engine's TokenEvents). The thread checks it
-(Engine.check: a request that can never run is refused at once), queues it FIFO and adds the
-head of the queue whenever Engine.admissible() says it runs at the next step; a request that
-must wait (no free row, every adapter slot held by other adapters' rows) waits, it is never
-refused for it. Rows join at the next step and leave when they finish (continuous batching).
-The engine is touched by this thread only (it is not thread-safe).
+it: Accepted or Refused first, then Admitted when it joins the engine, then the engine's
+TokenEvents). The thread checks it (Engine.check: a request that can never run is refused at
+once), queues it FIFO and adds the head of the queue whenever Engine.admissible() says it
+runs at the next step; a request that must wait (no free row, every adapter slot held by
+other adapters' rows) waits, it is never refused for it. Rows join at the next step and
+leave when they finish (continuous batching). The engine is touched by this thread only.
+
+No request can stop the thread: a check, an add or a step that raises fails only the
+requests it concerns (the engine itself fails only the rows of a step that fail alone). If
+the thread still dies (a bug), every request it holds is refused with EngineDead, later
+submissions too, and `alive` is False (the server's /health answers 503).
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import MoeloraError
 from .metrics import Metrics
 
 log = logging.getLogger("moelora.serve")
@@ -32,11 +36,27 @@ class Accepted:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """The request joined the engine: its tokens follow from the next step."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Refused:
     """The request never ran, or stopped without its tokens: `error` says why."""
 
     request_id: str
     error: Exception
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: queued requests are refused, and rows still running at the
+    end of the grace period are cancelled with this error."""
+
+
+class EngineDead(Exception):
+    """The scheduler thread has ended on an error: nothing runs any more."""
 
 
 Sink = Callable[[object], None]
@@ -63,8 +83,9 @@ class Scheduler:
         self._waiting: collections.deque[_Ticket] = collections.deque()  # checked, FIFO
         self._running: dict[str, _Ticket] = {}
         self._accepting = True
-        self._deadline: float | None = None  # set by stop(): cancel what still runs then
-        self._thread = threading.Thread(target=self._loop, name="moelora-scheduler", daemon=True)
+        self._deadline: float | None = None  # set by begin_stop(): cancel what still runs then
+        self.fault: BaseException | None = None  # why the thread ended, if it died
+        self._thread = threading.Thread(target=self._main, name="moelora-scheduler", daemon=True)
 
     # ---- any thread -------------------------------------------------------------------------
 
@@ -72,19 +93,28 @@ class Scheduler:
         self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs (False once it has ended: after stop(), or on a fault)."""
+        return self._thread.is_alive()
+
     def submit(self, request, sink: Sink) -> None:
-        """Queue `request`; `sink` gets Accepted or Refused, then its TokenEvents."""
+        """Queue `request`; `sink` gets Accepted or Refused, then Admitted and TokenEvents."""
         with self._cond:
-            if not self._accepting:
-                sink(Refused(request.request_id, RuntimeError("the server is shutting down")))
+            refusal = None
+            if self.fault is not None:
+                refusal = EngineDead(f"the engine stopped on an error: {self.fault!r}")
+            elif not self._accepting:
+                refusal = ShuttingDown("the server is shutting down")
+            if refusal is None:
+                self._inbox.append(_Ticket(request, sink))
+                self._cond.notify()
                 return
-            self._inbox.append(_Ticket(request, sink))
-            self._cond.notify()
+        _send(_Ticket(request, sink), Refused(request.request_id, refusal))
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (its client left, or a stop string ended its text): its row is
-        freed at the next step. Finished requests are counted in the metrics by their
-        reader (generation.py), under the reason its client read."""
+        freed at the next step."""
         with self._cond:
             self._cancels.add(request_id)
             self._cond.notify()
@@ -98,17 +128,37 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """Stop accepting; running rows finish for up to `grace_s`, then are cancelled;
-        requests still queued are refused. Returns when the thread has ended."""
+    def begin_stop(self, grace_s: float = 30.0) -> None:
+        """Stop accepting (queued requests are refused with ShuttingDown); running rows
+        finish for up to `grace_s`, then are cancelled with ShuttingDown. Returns at once."""
         with self._cond:
             self._accepting = False
-            self._deadline = time.monotonic() + grace_s
+            deadline = time.monotonic() + grace_s
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
             self._cond.notify()
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """begin_stop(grace_s), then wait for the thread to end."""
+        self.begin_stop(grace_s)
         if self._thread.is_alive():
             self._thread.join()
 
     # ---- the scheduler thread ------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # a bug: say so everywhere rather than hang requests
+            log.exception("the scheduler thread died; every request it held is refused")
+            with self._cond:
+                self.fault = err
+                tickets = [*self._inbox, *self._waiting, *self._running.values()]
+                self._inbox, self._running = [], {}
+                self._waiting.clear()
+            dead = EngineDead(f"the engine stopped on an error: {err!r}")
+            for ticket in tickets:
+                _send(ticket, Refused(ticket.request.request_id, dead))
+            self.metrics.set_load(queued=0, running=0)
 
     def _loop(self) -> None:
         while True:
@@ -123,7 +173,7 @@ class Scheduler:
             elif stopping and not self._waiting:
                 return
 
-    def _take(self) -> tuple[list[_Ticket], dict[str, str], bool]:
+    def _take(self) -> tuple[list[_Ticket], set[str], bool]:
         with self._cond:
             if not self._inbox and not self._cancels and not self.engine.has_work:
                 if self._deadline is None:
@@ -136,11 +186,12 @@ class Scheduler:
         for ticket in inbox:
             try:
                 self.engine.check(ticket.request)
-            except MoeloraError as err:
-                self._send(ticket, Refused(ticket.request.request_id, err))
+            except Exception as err:  # a refusal (InputError) or a fault of this request
+                _send(ticket, Refused(ticket.request.request_id, err))
                 continue
-            self._send(ticket, Accepted(ticket.request.request_id))
+            _send(ticket, Accepted(ticket.request.request_id))
             self._waiting.append(ticket)
+        self._report_load()
 
     def _cancel(self, cancels: set[str]) -> None:
         for request_id in cancels:
@@ -150,58 +201,70 @@ class Scheduler:
             for ticket in list(self._waiting):
                 if ticket.request.request_id == request_id:
                     self._waiting.remove(ticket)
-                    self._send(ticket, Refused(request_id, RuntimeError("cancelled")))
+                    _send(ticket, Refused(request_id, RuntimeError("cancelled")))
 
     def _shutdown_step(self) -> None:
-        """While stopping: queued requests are refused; past the deadline, rows cancelled."""
+        """While stopping: queued requests are refused; past the deadline, running rows are
+        cancelled and their readers told why."""
         while self._waiting:
             ticket = self._waiting.popleft()
-            self._send(ticket, Refused(ticket.request.request_id, RuntimeError("shutting down")))
-        if time.monotonic() > self._deadline:
-            for request_id in self._running:
-                self.engine.cancel(request_id)
+            error = ShuttingDown("the server is shutting down; the request did not start")
+            _send(ticket, Refused(ticket.request.request_id, error))
+        if self._running and time.monotonic() > self._deadline:
+            error = ShuttingDown("the server shut down before the request finished")
+            for request_id, ticket in self._running.items():
+                self.engine.cancel(request_id)  # its cancelled event is dropped by _step
+                _send(ticket, Refused(request_id, error))
+            self._running.clear()
 
     def _admit(self) -> None:
-        """FIFO: add the head while the engine says it runs at the next step. A request
-        whose adapter was unloaded while it waited is refused (admissible / add raise)."""
+        """FIFO: add the head while the engine says it runs at the next step. A request the
+        engine refuses now (its adapter was unloaded while it waited) is refused."""
         while self._waiting:
             ticket = self._waiting[0]
             try:
                 if self.engine.admissible(ticket.request) is not None:
                     break
                 self.engine.add(ticket.request)
-            except MoeloraError as err:
+            except Exception as err:
                 self._waiting.popleft()
-                self._send(ticket, Refused(ticket.request.request_id, err))
+                _send(ticket, Refused(ticket.request.request_id, err))
                 continue
             self._waiting.popleft()
             self._running[ticket.request.request_id] = ticket
-        self.metrics.set_load(queued=self.queued, running=len(self._running))
+            _send(ticket, Admitted(ticket.request.request_id))
+        self._report_load()
 
     def _step(self) -> None:
         try:
             events = self.engine.step()
-        except Exception as err:  # a fault of the engine: every running request hears it
+        except Exception as err:  # the engine fails rows itself; this is a fault beyond them
             log.exception("engine step failed; its running requests are ended")
             for request_id, ticket in self._running.items():
                 self.engine.cancel(request_id)
-                self._send(ticket, Refused(request_id, err))
+                _send(ticket, Refused(request_id, err))
             self._running.clear()
+            self._report_load()
             return
         now = time.perf_counter()
         for event in events:
             ticket = self._running.get(event.request_id)
-            if ticket is None:
+            if ticket is None:  # cancelled at shutdown (its reader was told) or unknown
                 continue
             if event.token_id >= 0:
                 self.metrics.token(now - (ticket.last_token or ticket.submitted), ticket.last_token)
                 ticket.last_token = now
             if event.finished:
                 del self._running[event.request_id]
-            self._send(ticket, event)
+            _send(ticket, event)
+        self._report_load()
 
-    def _send(self, ticket: _Ticket, item: object) -> None:
-        try:
-            ticket.sink(item)
-        except Exception:  # a sink whose client has gone (its event loop closed): drop it
-            log.debug("dropped an item for %s", ticket.request.request_id, exc_info=True)
+    def _report_load(self) -> None:
+        self.metrics.set_load(queued=self.queued, running=len(self._running))
+
+
+def _send(ticket: _Ticket, item: object) -> None:
+    try:
+        ticket.sink(item)
+    except Exception:  # a sink whose client has gone (its event loop closed): drop it
+        log.debug("dropped an item for %s", ticket.request.request_id, exc_info=True)
