@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from .flag_terms import VLLM_LORA_FLAGS
-from .flag_types import positive_int
+from .flag_types import float_in, int_at_least, port, positive_int
 from .vllm_serve_flags import add_refused
 
 # The engine's words for what the user set with serve's flags (errors print the flags).
@@ -23,41 +23,9 @@ SERVE_FLAGS = VLLM_LORA_FLAGS | {
 }
 
 
-def port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number in 1..65535")
-    return value
-
-
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds >= 0")
-    return value
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in (0, 1]")
-    return value
-
-
-def model_len(text: str) -> int:
-    value = positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 2")
-    return value
+seconds = float_in(0.0, 1e6, False, "a number of seconds in [0, 1e6]")
+fraction = float_in(0.0, 1.0, True, "a fraction in (0, 1]")
+model_len = int_at_least(2)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
