@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from moelora.quant.formats import QuantConfig, Quantization
 from moelora.quant.fp8_experts import quantize_experts
+from moelora.quantization import QuantConfig, Quantization
 from moelora.weights import ExpertWeights
 
 # per_expert: `mlp.experts.{e}.{gate,up,down}_proj.weight` and `.weight_scale_inv`, as the

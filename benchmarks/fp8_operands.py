@@ -27,8 +27,8 @@ from torch import Tensor
 
 from benchmarks.ceiling_operands import Operands, Variant
 from moelora.quant.activation_quant import quantize_activations
-from moelora.quant.formats import QuantConfig, Quantization
 from moelora.quant.fp8_experts import FP8ExpertWeights, dequantize, quantize_experts
+from moelora.quantization import QuantConfig, Quantization
 from moelora.weights import ExpertWeights
 
 BLOCK = 128  # moelora's FP8_BLOCK side (formats.DEFAULT_BLOCK), the only block cuBLAS takes

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from moelora.quant.formats import resolve_quantization
 from moelora.quant.fp8_experts import quantize_experts
+from moelora.quantization import resolve_quantization
 from moelora.tiling.config import GemmTiles, TileConfig
 from moelora.tiling.pick import pick_config
 

@@ -28,8 +28,8 @@ from moelora.bench.runner import FLUSH_BYTES, time_graph
 from moelora.call import MoECall
 from moelora.inputs import build_experts, build_inputs, build_lora
 from moelora.presets import resolve_model
-from moelora.quant.formats import resolve_quantization
 from moelora.quant.fp8_experts import quantize_experts
+from moelora.quantization import resolve_quantization
 from moelora.tiling.pick import pick_config
 
 FLUSH_TAG = "bitwise_not"  # the flush kernel's name contains this; it is left out

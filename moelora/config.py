@@ -19,7 +19,7 @@ import torch
 from .activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Activation
 from .errors import ConfigError
 from .hf_keys import hf_fields
-from .quant.formats import QuantConfig, from_hf_quantization
+from .quantization import QuantConfig, from_hf_quantization
 from .routing import RoutingConfig, RoutingMethod
 
 DTYPES: dict[str, torch.dtype] = {

@@ -15,7 +15,7 @@ import torch
 
 from .config import DeviceFacts, LoRAConfig, ModelConfig, MoEShape, ParallelConfig, parse_dtype
 from .errors import ConfigError
-from .quant.formats import QuantConfig, resolve_quantization
+from .quantization import QuantConfig, resolve_quantization
 from .routing import RoutingConfig
 
 AUTO = "auto"

@@ -14,8 +14,8 @@ from .call import MoECall, check_tensor
 from .config import AddInputs, MoEShape
 from .deployment import Deployment, LoRASharding
 from .errors import InputError
-from .quant.formats import QuantConfig
 from .quant.fp8_experts import FP8ExpertWeights
+from .quantization import QuantConfig
 from .weights import ExpertWeights, LoRABank
 
 NO_QUANT = QuantConfig()

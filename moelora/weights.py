@@ -11,7 +11,7 @@ import torch
 
 from .config import MoEShape
 from .errors import InputError
-from .quant.formats import QuantConfig
+from .quantization import QuantConfig
 
 FULL_PRECISION = QuantConfig()  # experts in the serving dtype
 

@@ -58,8 +58,8 @@ def forward_launches(
     w13, w2 = empty(experts, 2 * inter, hidden), empty(experts, hidden, inter)
     weights = ExpertWeights(w13, w2, *biases)
     if fp8:
-        from moelora.quant.formats import QuantConfig, Quantization
         from moelora.quant.fp8_experts import FP8ExpertWeights, scale_shape
+        from moelora.quantization import QuantConfig, Quantization
 
         quant, e4m3 = QuantConfig(Quantization(fp8)), torch.float8_e4m3fn
         w13, w2 = w13.to(e4m3), w2.to(e4m3)

@@ -23,7 +23,7 @@ from moelora.deployment import AUTO, Deployment, LoRASharding, ParallelMode
 from moelora.device import TARGETS, target
 from moelora.errors import UnsupportedDeploymentError
 from moelora.oracle import select
-from moelora.quant.formats import QuantConfig, Quantization
+from moelora.quantization import QuantConfig, Quantization
 from moelora.routing import RoutingConfig, RoutingMethod
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

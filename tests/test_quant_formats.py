@@ -10,8 +10,8 @@ import torch
 from moelora import MoEShape, random_expert_weights
 from moelora.compare import assert_close
 from moelora.errors import ConfigError, WeightsError
-from moelora.quant.formats import QuantConfig, Quantization, from_hf_quantization
 from moelora.quant.fp8_experts import FP8ExpertWeights, quantize_experts
+from moelora.quantization import QuantConfig, Quantization, from_hf_quantization
 
 BLOCK, CHANNEL = QuantConfig(Quantization.FP8_BLOCK), QuantConfig(Quantization.FP8_CHANNEL)
 

@@ -21,7 +21,7 @@ from moelora.device import target
 from moelora.errors import UnsupportedDeploymentError
 from moelora.oracle import select
 from moelora.presets import load_preset, preset_dict
-from moelora.quant.formats import QuantConfig, Quantization
+from moelora.quantization import QuantConfig, Quantization
 
 BLOCK = QuantConfig(Quantization.FP8_BLOCK)
 NO_FP8 = dataclasses.replace(TRITON_LIKE.capabilities, quantizations=FULL_PRECISION_ONLY)

@@ -11,8 +11,8 @@ import torch
 
 from moelora import MoEShape, moe_lora_reference, random_expert_weights, random_lora_bank
 from moelora.compare import REL_TOL, assert_close, compare
-from moelora.quant.formats import QuantConfig, Quantization
 from moelora.quant.fp8_experts import quantize_experts
+from moelora.quantization import QuantConfig, Quantization
 
 E4M3_MAX = 448.0
 # The fp64 loop computes z in fp64, the reference in fp32: an element of z within ~1e-7 of an

@@ -22,8 +22,8 @@ from moelora.compare import assert_close, compare
 from moelora.errors import InputError
 from moelora.kernels.fp8_tiles import quantize_rows
 from moelora.quant.activation_quant import quantize_activations
-from moelora.quant.formats import QuantConfig, Quantization
 from moelora.quant.fp8_experts import quantize_experts
+from moelora.quantization import QuantConfig, Quantization
 from moelora.reference import reference_forward
 from moelora.tiling.config import GemmTiles, TileConfig
 

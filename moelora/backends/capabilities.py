@@ -19,7 +19,7 @@ import torch
 from ..activations import Activation
 from ..config import AddInputs
 from ..deployment import LoRASharding, ParallelMode
-from ..quant.formats import Quantization
+from ..quantization import Quantization
 from ..routing import RoutingMethod
 
 

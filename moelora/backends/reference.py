@@ -9,8 +9,8 @@ from torch import Tensor
 
 from ..call import MoECall
 from ..config import MoEShape
-from ..quant.formats import Quantization
 from ..quant.fp8_experts import FP8ExpertWeights
+from ..quantization import Quantization
 from ..reference import reference_forward
 from ..weights import ExpertWeights
 from .base import write_output

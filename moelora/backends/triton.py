@@ -20,8 +20,8 @@ from ..config import AddInputs, MoEShape
 from ..deployment import LoRASharding, ParallelMode
 from ..device import gpu_limits, triton_interpreted
 from ..errors import InputError
-from ..quant.formats import Quantization
 from ..quant.fp8_experts import FP8ExpertWeights
+from ..quantization import Quantization
 from ..tiling.config import TileConfig
 from ..tiling.fit import fit_to_device
 from ..tiling.pick import pick_config

@@ -19,8 +19,8 @@ from ..compare import compare
 from ..device import probe
 from ..inputs import build_bank, build_experts, build_inputs
 from ..presets import resolve_model
-from ..quant.formats import resolve_quantization
 from ..quant.fp8_experts import quantize_experts
+from ..quantization import resolve_quantization
 from ..reference import reference_forward
 from .cases import BenchCase
 from .floors import Ceilings, layer_work

@@ -20,8 +20,8 @@ from ..config import ModelConfig
 from ..device import probe
 from ..inputs import build_bank, build_experts, build_inputs, build_lora, with_padding_garbage
 from ..presets import resolve_model
-from ..quant.formats import resolve_quantization
 from ..quant.fp8_experts import FP8ExpertWeights, quantize_experts
+from ..quantization import resolve_quantization
 from ..reference import moe_lora_reference
 from ..weights import ExpertWeights
 from .case_backend import case_backend

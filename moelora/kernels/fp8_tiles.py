@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..device import triton_interpreted
 from ..quant.activation_quant import MIN_SCALE as _MIN_SCALE
-from ..quant.formats import FP8_E4M3_MAX as _E4M3_MAX
+from ..quantization import FP8_E4M3_MAX as _E4M3_MAX
 
 E4M3_MAX = tl.constexpr(_E4M3_MAX)  # a jit function reads only constexpr globals
 MIN_SCALE = tl.constexpr(_MIN_SCALE)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .formats import FP8_E4M3_MAX, QuantConfig
+from ..quantization import FP8_E4M3_MAX, QuantConfig
 
 MIN_SCALE = 1e-12  # an all-zero group keeps a finite scale (its values quantize to 0)
 

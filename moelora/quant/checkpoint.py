@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..errors import WeightsError
-from .formats import Quantization
+from ..quantization import Quantization
 from .fp8_experts import FP8ExpertWeights, checked_fp8_pair
 
 INDEX = "model.safetensors.index.json"

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from ..errors import WeightsError
+from ..quantization import FP8_E4M3_MAX, QuantConfig, Quantization
 from ..weights import ExpertWeights
-from .formats import FP8_E4M3_MAX, QuantConfig, Quantization
 
 IN_MEMORY = "in memory"
 _FIX_RESAVE = "re-export the checkpoint with its scales (or quantize the bf16 one again)"

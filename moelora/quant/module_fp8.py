@@ -16,8 +16,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import WeightsError
+from ..quantization import QuantConfig
 from .checkpoint import read_fp8_experts
-from .formats import QuantConfig
 from .fp8_experts import FP8ExpertWeights
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
-from ..quant.formats import QuantConfig
+from ..quantization import QuantConfig
 from .config import GemmTiles, TileConfig
 from .fit import MARGIN
 from .geometry import gate_up_rows, rows_share_scale_block

@@ -1,5 +1,7 @@
 """`Quantization`: the base experts' storage formats, and their reading from a Hugging Face
-config's `quantization_config` (the block size comes from there).
+config's `quantization_config` (the block size comes from there). Data at the config tier
+(config.py, weights.py and deployment.py hold it; quant/ holds the FP8 weights built on it):
+imports nothing of moelora but errors.
 
 FP8 is e4m3 (max 448). LoRA factors stay in the serving dtype whatever the format, and the
 LoRA branch always sees the unquantized activations.
@@ -13,7 +15,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 / Qwen3-FP8's weight_block_size
