@@ -10,7 +10,7 @@ transformers' own FP8 model; one process, one JSON line per result.
    views them, else it holds them dequantized and moelora reads the files.
 3. Check: one mixed batch (each adapter, then a base row), its first --check-new tokens and
    its prompt logits: the base row against transformers' own FP8 model generating alone,
-   the adapter rows against the W8A8 truth (moelora/hf/fp8_truth.py: transformers'
+   the adapter rows against the W8A8 truth (moelora/truth/w8a8.py: transformers'
    eager experts loop, base GEMMs on quantized inputs, PEFT's delta on the unquantized
    rows). The noise: the base row under transformers' own FP8 experts against the truth;
    every row must be within generate's tolerance (max(bf16 table, 2 x that noise)).

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from moelora.compare import NOISE_FACTOR, REL_TOL, compare
-from moelora.hf import fp8_truth
+from moelora.truth import w8a8
 
 
 def load(root: Path, device: str, dtype: torch.dtype):
@@ -31,9 +31,9 @@ def truth_layers(model, root: Path, block: int, device: str) -> tuple[dict, dict
     layers, held, worst = {}, set(), None
     for index, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
-        found = fp8_truth.fp8_layer_from_module(experts, (block, block))
+        found = w8a8.fp8_layer_from_module(experts, (block, block))
         if found is None:
-            found = fp8_truth.fp8_layer_from_files(root, index, (block, block), device)
+            found = w8a8.fp8_layer_from_files(root, index, (block, block), device)
             w13, w2 = found.expert(0)
             for mine, exact in ((experts.gate_up_proj[0], w13), (experts.down_proj[0], w2)):
                 err = compare(mine.float(), exact, tol=float("inf")).rel_err
@@ -70,7 +70,7 @@ def fp8_phase(a, root: Path, adapters: dict[str, Path], emit, device: str) -> No
     emit(kind="fp8_setup", **about, hf_kept_quantization_config=kept,
          hf_experts_implementation=hf_own, backend=handle.backend_name,
          moelora_served=f"{type(served).__name__} from {getattr(served, 'source', 'module')}")  # fmt: skip
-    truth = fp8_truth.install(model, layers, adapters)
+    truth = w8a8.install(model, layers, adapters)
     runs = Runs(model, handle, a.adapters, hf_own, Clock(device))
     hf_runs = _hf_runs(runs, device, emit)
     emit(**check(a, runs, truth, device, hf_runs, twin))
@@ -129,7 +129,7 @@ def check(a, runs, truth, device: str, hf_runs: bool, twin) -> dict:
     for row, name in enumerate(names):
         own = name is None and hf_runs
         truth.select(name)
-        want = _prompt_logits(runs, runs.hf_own if own else fp8_truth.NAME, ids[[row]])
+        want = _prompt_logits(runs, runs.hf_own if own else w8a8.NAME, ids[[row]])
         with torch.no_grad():
             ref = runs.model.generate(input_ids=ids[[row]], max_new_tokens=n, min_new_tokens=n,
                                       **runs.kw)  # fmt: skip
@@ -169,7 +169,7 @@ def _noise(runs, truth, ids, mine, names, hf_runs: bool, twin) -> dict:
     first adapter's effect on its row; the base row against the W8A8 truth)."""
     base = len(names) - 1
     truth.select(None)
-    w8a8_base = _prompt_logits(runs, fp8_truth.NAME, ids[[base]])
+    w8a8_base = _prompt_logits(runs, w8a8.NAME, ids[[base]])
     noise = {"hf_own_vs_w8a8": None, "w8a8_vs_w8a8_fp32": None}
     if twin is not None:  # the shared experts run the truth: `model` has it selected
         with torch.no_grad():
@@ -177,9 +177,9 @@ def _noise(runs, truth, ids, mine, names, hf_runs: bool, twin) -> dict:
         noise["w8a8_vs_w8a8_fp32"] = _rel(w8a8_base, exact)
     if hf_runs:
         noise["hf_own_vs_w8a8"] = _rel(_prompt_logits(runs, runs.hf_own, ids[[base]]), w8a8_base)
-    plain = _prompt_logits(runs, fp8_truth.NAME, ids[[0]])
+    plain = _prompt_logits(runs, w8a8.NAME, ids[[0]])
     truth.select(names[0])
-    effect = _rel(_prompt_logits(runs, fp8_truth.NAME, ids[[0]]), plain)
+    effect = _rel(_prompt_logits(runs, w8a8.NAME, ids[[0]]), plain)
     table = REL_TOL[runs.model.dtype]
     measured = [v for v in noise.values() if v is not None]
     tol = max([table] + [NOISE_FACTOR * v for v in measured])

@@ -9,8 +9,8 @@ import torch
 
 from moelora.commands.generate_check import RowCheck, verdict
 from moelora.commands.generate_inputs import check_positions
-from moelora.commands.hf_truth import Noise
 from moelora.errors import ConfigError
+from moelora.truth.hf_peft import Noise
 
 BF16, FP32 = torch.bfloat16, torch.float32
 SAME = [5, 6, 7, 8]

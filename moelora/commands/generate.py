@@ -7,7 +7,7 @@ save_pretrained (two PEFT layouts, ranks 1 to 8, one with attention LoRA), loads
 generates a left-padded batch of five rows (four adapters and a base row). Each row is
 checked against HF + PEFT generating that row alone with its adapter (generate_check.py:
 equal tokens in fp32; in bf16 / fp16 logits within a tolerance calibrated in the run
-against the noise between two of HF's own experts implementations, hf_truth.py).
+against the noise between two of HF's own experts implementations, truth/hf_peft.py).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import torch
 from ..config import parse_dtype
 from ..deployment import dtype_name
 from ..errors import AdapterError, AdapterProblems, ConfigError, adapter_refusal
+from ..truth.hf_peft import measure_noise, peft_truth, runnable_implementation, set_implementation
 from . import generate_inputs as inputs
 from .flag_terms import VLLM_LORA_FLAGS
 from .flag_types import positive_int, utf8_text
 from .generate_check import CheckResult, check_row, verdict
 from .generate_report import Run, as_json, exit_code, rank_note, text
-from .hf_truth import measure_noise, peft_truth, runnable_implementation, set_implementation
 
 DEFAULT_ROWS = ["fused-r8", "fused-r4-attn", None, "modules-r4", "fused-r2"]
 # The GPU default: bigger than the CPU toy, still seconds to build (random weights).
@@ -254,7 +254,7 @@ def _generate(handle, rows, prompts, pad: int, max_new_tokens: int) -> tuple[Bat
 
 
 def _check(base, adapters, truths, batch: Batch, handle, dtype) -> CheckResult:
-    """Each row against HF + PEFT alone (hf_truth), and the verdict (generate_check)."""
+    """Each row against HF + PEFT alone (truth/hf_peft.py), and the verdict (generate_check)."""
     rows, prompts = batch.rows, batch.prompts
     # HF in fp32, for the noise of 16-bit runs: copied before PEFT wraps `base` in place
     base32 = copy.deepcopy(base).float() if dtype != torch.float32 else None

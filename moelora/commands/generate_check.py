@@ -5,8 +5,8 @@ fp32 (the default): both sides compute IEEE fp32 dots, so the row's new tokens m
 equal and its prompt logits within the fp32 table tolerance. 16-bit (what serving runs):
 two correct implementations round differently, so greedy rows may part after a few tokens;
 only the prompt logits are held, to max(the dtype's table tolerance, 2 x HF's own noise)
-measured in the run (hf_truth.measure_noise: two of HF's experts implementations, and HF
-against itself in fp32). Why twice: if moelora and HF are each within the noise of the
+measured in the run (measure_noise in truth/hf_peft.py: two of HF's experts implementations,
+and HF against itself in fp32). Why twice: if moelora and HF are each within the noise of the
 exact result, they are within twice it of each other.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from ..compare import NOISE_FACTOR, REL_TOL, compare
 from ..deployment import dtype_name
-from .hf_truth import Noise
+from ..truth.hf_peft import Noise
 
 
 @dataclass(frozen=True)

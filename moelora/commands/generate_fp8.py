@@ -2,7 +2,7 @@
 quantization_config kept: transformers holds the experts as its FP8Experts, on a GPU >=
 sm89, or the config says FP8 while the experts were dequantized): PEFT cannot be the truth
 there (it merges its delta into a weight an e4m3 tensor cannot hold), so every row is
-checked against the W8A8 truth (hf/fp8_truth.py: transformers' eager experts loop, base GEMMs
+checked against the W8A8 truth (truth/w8a8.py: transformers' eager experts loop, base GEMMs
 on inputs quantized per token and block, PEFT's delta weight on the unquantized rows),
 alone. The noise: the rows' prompts on the base model under transformers' own FP8 experts
 against that truth (none where transformers' FP8 kernels do not run here).
@@ -22,9 +22,9 @@ import torch
 from ..compare import compare
 from ..config import from_hf
 from ..errors import ConfigError
-from ..hf import fp8_truth
+from ..truth import w8a8
+from ..truth.hf_peft import Noise
 from .generate_check import CheckResult, check_row, verdict
-from .hf_truth import Noise
 
 
 def is_fp8(model) -> bool:
@@ -37,21 +37,21 @@ class W8A8Truth:
     experts implementation with adapter `name` (None: the base), called or generating as
     check_row calls HF + PEFT."""
 
-    def __init__(self, model, deltas: fp8_truth.PeftDeltas, name: str | None) -> None:
+    def __init__(self, model, deltas: w8a8.PeftDeltas, name: str | None) -> None:
         self.model, self.deltas, self.name = model, deltas, name
 
     def __call__(self, **kwargs):
         self.deltas.select(self.name)
-        self.model.set_experts_implementation(fp8_truth.NAME)
+        self.model.set_experts_implementation(w8a8.NAME)
         return self.model(**kwargs)
 
     def generate(self, **kwargs):
         self.deltas.select(self.name)
-        self.model.set_experts_implementation(fp8_truth.NAME)
+        self.model.set_experts_implementation(w8a8.NAME)
         return self.model.generate(**kwargs)
 
 
-def install_truth(base, model_dir: str, adapters: dict[str, Path]) -> fp8_truth.PeftDeltas:
+def install_truth(base, model_dir: str, adapters: dict[str, Path]) -> w8a8.PeftDeltas:
     """The W8A8 truth on `base`'s experts: its FP8Experts tensors, else the checkpoint's.
     Refuses a format the truth lacks (per-channel scales) naming it."""
     quant = from_hf(base.config.to_dict(), name="model").quantization
@@ -65,11 +65,11 @@ def install_truth(base, model_dir: str, adapters: dict[str, Path]) -> fp8_truth.
     layers = {}
     for index, layer in enumerate(base.model.layers):
         experts = layer.mlp.experts
-        found = fp8_truth.fp8_layer_from_module(experts, quant.block)
-        layers[index] = found or fp8_truth.fp8_layer_from_files(
+        found = w8a8.fp8_layer_from_module(experts, quant.block)
+        layers[index] = found or w8a8.fp8_layer_from_files(
             Path(model_dir), index, quant.block, experts.down_proj.device
         )
-    return fp8_truth.install(base, layers, adapters)
+    return w8a8.install(base, layers, adapters)
 
 
 def _expert_only(name: str, path: Path) -> None:
@@ -117,4 +117,4 @@ def check(base, model_dir: str, adapters: dict[str, Path], batch, handle) -> Che
         mine = logits[row, width - len(prompt) :]
         truth = W8A8Truth(base, deltas, name)
         checks.append(check_row(truth, row, name, prompt, batch.new[row], mine, batch.pad))
-    return CheckResult(checks, fp8_truth.NAME, noise, verdict(checks, torch.float8_e4m3fn, noise))
+    return CheckResult(checks, w8a8.NAME, noise, verdict(checks, torch.float8_e4m3fn, noise))
