@@ -52,7 +52,7 @@ def fp8_phase(a, root: Path, adapters: dict[str, Path], emit, device: str) -> No
     import json
 
     from benchmarks.fp8_generate import DTYPES, Clock, Runs, time_batches
-    from moelora.hf import attach, experts
+    from moelora.hf import attach
 
     model = load(root, device, DTYPES[a.dtype])
     _dispatches(model, emit)
@@ -66,7 +66,7 @@ def fp8_phase(a, root: Path, adapters: dict[str, Path], emit, device: str) -> No
     handle = attach(model, num_slots=a.adapters, max_rank=a.rank)
     for name, path in adapters.items():
         handle.load_adapter(path, name=name)
-    served = experts._bindings[handle._bound[0][0]._moelora_key].layer.experts
+    served = handle.layers[min(handle.layers)].experts
     emit(kind="fp8_setup", **about, hf_kept_quantization_config=kept,
          hf_experts_implementation=hf_own, backend=handle.backend_name,
          moelora_served=f"{type(served).__name__} from {getattr(served, 'source', 'module')}")  # fmt: skip

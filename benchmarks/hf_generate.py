@@ -123,7 +123,7 @@ def main() -> None:
         handle.load_adapter(path, name=name)
     banks = sum(
         t.numel() * t.element_size()
-        for bank in handle._manager.snapshot().banks.values()
+        for bank in handle.registry.manager.snapshot().banks.values()
         for t in (bank.w13_a, bank.w13_b, bank.w2_a, bank.w2_b)
     )
     emit(kind="setup", backend=handle.backend_name, params_gib=round(params / 2**30, 3),

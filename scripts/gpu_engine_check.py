@@ -1,4 +1,4 @@
-"""GPU check of the decode engine's CUDA-graph path (moelora/hf/engine.py), PASS / FAIL lines
+"""GPU check of the decode engine's CUDA-graph path (moelora/engine/engine.py), PASS / FAIL lines
 and a JSON record:
 
 1. startup: every decode bucket captured up front (warmup), seconds and buckets;
@@ -67,7 +67,7 @@ def build(args):
 
 
 def requests(seed: int, names, new: int, vocab: int = 8192):
-    from moelora.hf.engine import Request, Sampling
+    from moelora.engine import Request, Sampling
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -80,7 +80,7 @@ def requests(seed: int, names, new: int, vocab: int = 8192):
 
 def drive(engine, reqs, per_join: int = 4):
     """Run reqs (per_join of them joining every second step); id -> (tokens, logits [n, V])."""
-    from moelora.hf import engine as engine_module
+    from moelora.engine import engine as engine_module
 
     tokens, logits, current = {}, {}, []
     real, accept = engine_module.next_tokens, type(engine)._accept
@@ -146,7 +146,7 @@ def sync():
 
 def main(argv=None) -> int:
     from moelora.compare import REL_TOL
-    from moelora.hf.engine import Engine
+    from moelora.engine import Engine
 
     args = parse(argv)
     dtype = getattr(torch, args.dtype)
@@ -193,9 +193,7 @@ def main(argv=None) -> int:
         drive(eager, requests(3, mixed, args.new_tokens)),
     )
     worst, share = agreement(g_out, e_out, dtype)
-    check(
-        "attention-LoRA rows", worst <= tol, {"rel_err": worst, "equal_tokens": share}
-    )
+    check("attention-LoRA rows", worst <= tol, {"rel_err": worst, "equal_tokens": share})
 
     reqs = requests(4, names[:8], args.new_tokens)
     e_out = drive(eager, reqs, per_join=len(reqs))

@@ -7,8 +7,8 @@ from collections import defaultdict
 
 import torch
 
-from moelora.hf import engine as engine_module
-from moelora.hf.engine import Engine, Request
+from moelora.engine import Engine, Request
+from moelora.engine import engine as engine_module
 
 
 class LogitsLog:

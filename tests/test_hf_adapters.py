@@ -32,11 +32,11 @@ def family(tmp_path_factory):
 
 def _state(handle):
     """Everything a refused load must leave as it was: names, slots, expert and module banks."""
-    banks = {k: v.w13_a.clone() for k, v in handle._manager.snapshot().banks.items()}
-    modules = handle._manager.module_banks
+    banks = {k: v.w13_a.clone() for k, v in handle.registry.manager.snapshot().banks.items()}
+    modules = handle.registry.manager.module_banks
     banks.update({p: t.clone() for p, t in modules.a.items()})
     banks.update({f"{p}.bt": t.clone() for p, t in modules.bt.items()})
-    return handle.adapters, dict(handle._manager.loaded), banks
+    return handle.adapters, dict(handle.registry.manager.loaded), banks
 
 
 def _same(a, b):
@@ -102,10 +102,10 @@ def test_bad_calls_are_refused_before_running(family):
     with pytest.raises(InputError, match="adapter_names"):
         handle(ids, adapter_names="a")
     # nothing leaked: no lease held, no current call
-    from moelora.hf import batch
+    from moelora.lora import rows as batch
 
     assert batch.current() is None
-    assert not handle._manager._leases.busy()
+    assert not handle.registry.manager.leased()
 
 
 def test_explicit_backend_refused_before_anything_is_allocated(family):
@@ -205,7 +205,7 @@ def test_swaps_during_a_call_keep_its_versions(family, tmp_path, slots):
     assert handle.adapters == ["a"]
     with pytest.raises(InputError, match="'b'"):
         _generate(handle, prompt, ["b"])
-    assert list(handle._manager.registered) == [handle._versions["a"].internal], (
+    assert list(handle.registry.manager.registered) == [handle.version("a").key], (
         "retired versions must leave the slot manager"
     )
 
@@ -265,9 +265,9 @@ def test_more_adapters_than_slots(family, seed):
         out = _generate(handle, prompt, [*names, None])
         for row, name in enumerate([*names, None]):
             assert torch.equal(out[row], alone(family.truth(name), prompt, NEW)[0]), (names, row)
-    assert handle._manager.stats().misses >= 2  # adapters were copied in on demand
+    assert handle.registry.manager.stats().misses >= 2  # adapters were copied in on demand
     with pytest.raises(InputError, match="num_slots = 2"):
         _generate(handle, prompt, ["fused-r8", "fused-r2", "modules-r4"])
-    from moelora.hf import batch
+    from moelora.lora import rows as batch
 
-    assert batch.current() is None and not handle._manager._leases.busy()
+    assert batch.current() is None and not handle.registry.manager.leased()

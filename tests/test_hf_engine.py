@@ -1,4 +1,4 @@
-"""Outside truth for the decode engine (moelora/hf/engine.py), eager, on the CPU: every row of
+"""Outside truth for the decode engine (moelora/engine/engine.py), eager, on the CPU: every row of
 a continuously batched run equals HF + PEFT generating that row alone with its adapter
 (tokens equal; the logits each token was picked from within the fp32 tolerance of HF's
 logits at that position), for every family of the toy models; requests joining at later
@@ -13,9 +13,9 @@ from engine_helpers import LogitsLog, greedy_alone, run_all, truth_logits
 from hf_models import build_family, prompts
 
 from moelora.compare import assert_close
+from moelora.engine import Engine, Request, Sampling
 from moelora.errors import ConfigError, InputError
 from moelora.hf import attach, toy
-from moelora.hf.engine import Engine, Request, Sampling
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 NEW = 4
@@ -187,7 +187,6 @@ def test_stop_ids_and_min_new_tokens(qwen, seed):
 
 REFUSED = [
     # (id, request, the words the message must name)
-    ("unknown-adapter", Request("x", (1, 2), "nope"), ["'nope'", "fused-r8"]),
     ("empty-prompt", Request("x", (), None), ["prompt_ids", "empty"]),
     (
         "too-long",
@@ -201,6 +200,18 @@ REFUSED = [
     ("nan-min-p", Request("x", (1,), None, Sampling(min_p=float("nan"))), ["min_p"]),
     ("zero-penalty", Request("x", (1,), None, Sampling(repetition_penalty=0.0)), ["repetition"]),
 ]
+
+
+def test_an_adapter_not_loaded_is_refused_when_add_holds_it(qwen):
+    """The adapter is checked once in the engine, where add() holds its version (an unload
+    between check() and add() is caught there); a refused add changes nothing."""
+    engine = Engine(_attached(qwen), max_rows=2, max_len=32, enforce_eager=True)
+    request = Request("x", (1, 2), "nope")
+    engine.check(request)  # its prompt, sampling and length: fine
+    with pytest.raises(InputError) as err:
+        engine.add(request)
+    assert "'nope'" in str(err.value) and "fused-r8" in str(err.value)
+    assert engine.running == 0 and not engine.has_work
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=[c[0] for c in REFUSED])
@@ -260,7 +271,7 @@ def test_same_length_prompts_prefill_in_one_forward(qwen, seed, monkeypatch):
 def test_a_cache_too_large_is_refused_named(qwen, monkeypatch):
     """Out of device memory at the cache's allocation: ConfigError naming max_rows x max_len
     and the fix; the engine's hold on the banks is released."""
-    from moelora.hf import kv_cache
+    from moelora.engine import kv_cache
 
     def no_memory(self, key_states, value_states):
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
@@ -269,4 +280,4 @@ def test_a_cache_too_large_is_refused_named(qwen, monkeypatch):
     monkeypatch.setattr(kv_cache.RowLayer, "lazy_initialization", no_memory)
     with pytest.raises(ConfigError, match=r"max_rows x max_len.*'8 x 4096'.*smaller max_len"):
         Engine(handle, max_rows=8, max_len=4096, enforce_eager=True)
-    assert not handle._manager._leases.busy()
+    assert not handle.registry.manager.leased()

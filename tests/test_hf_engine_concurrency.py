@@ -15,8 +15,8 @@ import torch
 from engine_helpers import greedy_alone
 from hf_models import build_family
 
+from moelora.engine import Engine, Request, Sampling
 from moelora.hf import attach
-from moelora.hf.engine import Engine, Request, Sampling
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 NEW, SECONDS = 4, 4.0
@@ -83,4 +83,4 @@ def test_swaps_while_the_engine_runs(qwen, seed):
     assert next(swaps) >= 3 and len(done) >= 12, "too little happened to test anything"
     assert {"fused-r8", "fused-r2"} <= seen, "both versions of 'a' must have served rows"
     engine.close()
-    assert not handle._manager._leases.busy(), "a slot is still leased"
+    assert not handle.registry.manager.leased(), "a slot is still leased"

@@ -11,9 +11,9 @@ import torch
 from engine_helpers import greedy_alone, run_all
 from hf_models import build_family
 
+from moelora.engine import Engine, Request, Sampling
+from moelora.engine.sampling import RowSampler, SamplingFault, next_tokens
 from moelora.hf import attach
-from moelora.hf.engine import Engine, Request, Sampling
-from moelora.hf.sampling import RowSampler, SamplingFault, next_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 NEW = 5

@@ -11,7 +11,8 @@ import pytest
 import torch
 from hf_models import PAD, build_family, left_padded, prompts
 
-from moelora.hf import attach, engine_generate, toy
+from moelora.engine import generate as engine_generate
+from moelora.hf import attach, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 ROWS = ["fused-r8", None, "fused-r4-attn", "modules-r4", None]
@@ -79,7 +80,7 @@ def test_unsupported_settings_run_model_generate(qwen, seed, caplog, monkeypatch
     handle = _handle(qwen)
     monkeypatch.setattr(engine_generate, "_logged", set())
     ids, mask = left_padded(prompts(3, 96, torch.Generator().manual_seed(seed)))
-    with caplog.at_level(logging.INFO, logger="moelora.hf"):
+    with caplog.at_level(logging.INFO, logger="moelora.engine"):
         out = handle.generate(
             ids, attention_mask=mask, max_new_tokens=4, num_beams=2, pad_token_id=PAD
         )
@@ -98,7 +99,7 @@ def test_models_with_other_state_run_model_generate(seed, caplog, monkeypatch):
     handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
     monkeypatch.setattr(engine_generate, "_logged", set())
     ids, mask = left_padded(prompts(2, 96, torch.Generator().manual_seed(seed)))
-    with caplog.at_level(logging.INFO, logger="moelora.hf"):
+    with caplog.at_level(logging.INFO, logger="moelora.engine"):
         out = handle.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD)
     with torch.no_grad():
         want = base.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD)

@@ -1,4 +1,4 @@
-"""The engine's CUDA-graph decode path (moelora/hf/decode_graphs.py) on the CPU, with a
+"""The engine's CUDA-graph decode path (moelora/hf/step_graphs.py) on the CPU, with a
 stand-in for the capture: buckets chosen per step, padding rows (slot -1, token 0,
 position 0), every replay reading the same static buffers the capture read, steps with PEFT
 rows run eagerly, warmup() capturing every bucket largest first; and the tokens equal HF +
@@ -11,10 +11,10 @@ import torch
 from engine_helpers import greedy_alone, run_all
 from hf_models import build_family
 
+from moelora import cuda_graphs
+from moelora.engine import Engine, Request, Sampling, step_graphs
 from moelora.errors import InputError
-from moelora.hf import attach, decode_graphs
-from moelora.hf import graphs as layer_graphs
-from moelora.hf.engine import Engine, Request, Sampling
+from moelora.hf import attach
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -30,8 +30,8 @@ BUCKET_CASES = [
 
 @pytest.mark.parametrize(("max_rows", "want"), BUCKET_CASES, ids=[str(c[0]) for c in BUCKET_CASES])
 def test_buckets(max_rows, want):
-    assert decode_graphs.buckets_for(max_rows) == want
-    graphs = decode_graphs.DecodeGraphs(max_rows, step=lambda b: torch.zeros(b))
+    assert step_graphs.buckets_for(max_rows) == want
+    graphs = step_graphs.StepGraphs(max_rows, step=lambda b: torch.zeros(b))
     for rows in range(1, max_rows + 1):
         b = graphs.bucket(rows)
         assert b >= rows and b in want and all(x < rows for x in want if x < b)
@@ -46,7 +46,7 @@ class StandIn:
         self.captured: list[int] = []
         self.replays: list[int] = []
         self.engine: Engine | None = None
-        monkeypatch.setattr(decode_graphs, "capture", self.capture)
+        monkeypatch.setattr(step_graphs, "capture", self.capture)
 
     def _pointers(self):
         e = self.engine
@@ -65,7 +65,7 @@ class StandIn:
             out.copy_(step())
             self.replays.append(bucket)
 
-        return decode_graphs.Graph(replay, out)
+        return step_graphs.Graph(replay, out)
 
     def _check_padding(self, bucket: int) -> None:
         e = self.engine
@@ -131,7 +131,7 @@ def test_warmup_captures_every_bucket_largest_first(qwen, seed, monkeypatch):
     forward = Engine._forward
 
     def spy(self, ids, positions, masks, rows):
-        inline.append((ids.shape[1] == 1, getattr(layer_graphs._inline, "on", False)))
+        inline.append((ids.shape[1] == 1, cuda_graphs.inlined()))
         return forward(self, ids, positions, masks, rows)
 
     monkeypatch.setattr(Engine, "_forward", spy)

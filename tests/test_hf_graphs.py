@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from moelora import cuda_graphs
 from moelora.hf import graphs
 
 
@@ -106,9 +107,9 @@ def test_inline_turns_layer_graphs_off_in_this_thread_only(monkeypatch):
     layer = graphs.LayerGraphs(max_tokens=8)
     assert layer.usable(_CudaLike(4)) and not layer.usable(_CudaLike(9))
     seen = []
-    with graphs.inline():
+    with cuda_graphs.inline():
         assert not layer.usable(_CudaLike(4))
-        with graphs.inline():  # nested: still off, and restored only by the outer block
+        with cuda_graphs.inline():  # nested: still off, and restored only by the outer block
             pass
         assert not layer.usable(_CudaLike(4))
         worker = threading.Thread(target=lambda: seen.append(layer.usable(_CudaLike(4))))

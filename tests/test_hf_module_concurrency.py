@@ -14,7 +14,8 @@ import pytest
 import torch
 from hf_models import PAD, alone, build_family
 
-from moelora.hf import attach, batch, toy
+from moelora.hf import attach, toy
+from moelora.lora import rows
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 NEW = 3
@@ -108,6 +109,9 @@ def test_replacing_attention_lora_while_threads_generate(family, tmp_path):
     assert counts["wrong"] == 0 and counts["exceptions"] == 0, (counts, errors[:3])
     assert counts["calls"] >= 3 and counts["replaces"] >= 1, counts
     # nothing leaked: no lease, no current call, only the live versions registered
-    assert not handle._manager._leases.busy() and batch.current() is None
-    live = {v.internal for v in handle._versions.values()}
-    assert set(handle._manager.registered) == live and set(handle._manager.loaded) <= live
+    assert not handle.registry.manager.leased() and rows.current() is None
+    live = {handle.version(n).key for n in handle.adapters}
+    assert (
+        set(handle.registry.manager.registered) == live
+        and set(handle.registry.manager.loaded) <= live
+    )

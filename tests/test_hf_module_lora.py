@@ -116,10 +116,10 @@ def test_target_modules_narrow_the_banks_and_refuse_the_rest(family):
         copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference",
         lora_target_modules=["q_proj"],
     )  # fmt: skip
-    banks = handle._manager.module_banks
+    banks = handle.registry.manager.module_banks
     assert banks.shapes and all(p.endswith(".q_proj") for p in banks.shapes)
     with pytest.raises(AdapterError, match=r"does not serve.*lora_target_modules"):
         handle.load_adapter(dirs["linear-only"], name="x", **orientation)
-    assert handle.adapters == [] and not handle._manager.registered
+    assert handle.adapters == [] and not handle.registry.manager.registered
     with pytest.raises(ConfigError, match="'nope_proj'"):
         attach(copy.deepcopy(base), num_slots=2, max_rank=4, lora_target_modules=["nope_proj"])

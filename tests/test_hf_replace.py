@@ -34,9 +34,15 @@ def _state(handle):
     lora = {
         n: sorted(m.lora_A) for n, m in handle.model.named_modules() if isinstance(m, LoraLayer)
     }
-    banks = {k: v.w13_a.clone() for k, v in handle._manager.snapshot().banks.items()}
+    banks = {k: v.w13_a.clone() for k, v in handle.registry.manager.snapshot().banks.items()}
     described = [handle.describe(n) for n in handle.adapters]
-    return described, dict(handle._manager.loaded), set(handle._manager._pinned), lora, banks
+    return (
+        described,
+        dict(handle.registry.manager.loaded),
+        set(handle.registry.manager.pinned),
+        lora,
+        banks,
+    )
 
 
 def _assert_same(a, b):
@@ -106,7 +112,7 @@ def test_a_refused_replacement_keeps_the_old_version(family, tmp_path, case):
     )  # fmt: skip
     handle.load_adapter(family.dirs["fused-r4-attn"], name="a", pin=old_pin)
     handle.load_adapter(family.dirs["fused-r2"], name="b")
-    assert len(handle._manager.loaded) == 2
+    assert len(handle.registry.manager.loaded) == 2
     prompt = torch.randint(1, 96, (5,), generator=torch.Generator().manual_seed(5))
     want = alone(family.truth("fused-r4-attn"), prompt, NEW)[0]
     new = tmp_path / "new"
@@ -158,13 +164,13 @@ def test_pins_of_replacements_and_unpin(family, case, caplog):
     _, first, again, pinned = case
     handle = attach(family.fresh(), num_slots=2, max_rank=8, moe_backend="reference")
     handle.load_adapter(family.dirs["fused-r8"], name="a", pin=first)
-    with caplog.at_level("INFO", logger="moelora.hf"):
+    with caplog.at_level("INFO", logger="moelora.lora"):
         handle.load_adapter(family.dirs["fused-r2"], name="a", pin=again)
     assert ("keeps the pin" in caplog.text) is (first and again is None)
-    internal = handle._versions["a"].internal
+    internal = handle.version("a").key
     assert handle.describe("a")["pinned"] is pinned
-    assert (internal in handle._manager._pinned) is pinned
+    assert (internal in handle.registry.manager.pinned) is pinned
     handle.unpin("a")
-    assert handle.describe("a")["pinned"] is False and not handle._manager._pinned
+    assert handle.describe("a")["pinned"] is False and not handle.registry.manager.pinned
     with pytest.raises(InputError, match="'nope'"):
         handle.unpin("nope")

@@ -125,10 +125,7 @@ def test_attach_serves_the_checkpoints_experts(tmp_path, seed, config_says_fp8):
         lora_ref = peft_model(ids).logits
         model = peft_model.unload()
     handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
-    layer = handle._bound[0][0]._moelora_key  # the experts bound: FP8 weights served
-    from moelora.hf import experts
-
-    served = experts._bindings[layer].layer.experts
+    served = handle.layers[min(handle.layers)].experts  # the experts bound: FP8 weights served
     assert isinstance(served, FP8ExpertWeights) == config_says_fp8, type(served)
     handle.load_adapter(tmp_path / "a", name="a")
     with torch.no_grad():

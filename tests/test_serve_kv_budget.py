@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from moelora.engine import Engine
 from moelora.errors import ConfigError
 from moelora.hf import attach, toy
-from moelora.hf.engine import Engine
 from moelora.serve import kv_budget
 
 pytestmark = pytest.mark.filterwarnings("ignore")

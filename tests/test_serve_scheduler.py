@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
+from moelora.engine import Request, Sampling, TokenEvent
 from moelora.errors import InputError
-from moelora.hf.engine import Request, Sampling, TokenEvent
 from moelora.serve.scheduler import (
     Accepted,
     Admitted,

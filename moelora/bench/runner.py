@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from .. import cuda_graphs
 from ..call import MoECall
 from ..compare import compare
 from ..device import probe
@@ -62,16 +63,8 @@ def stamp(ceil: Ceilings | None) -> dict:
 def capture_graph(fwd, static, warmups: int) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, its output) of fwd(*static) captured on the current stream, after `warmups`
     calls on a side stream (they compile the kernels and allocate outside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            fwd(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fwd(*static)
-    return graph, out
+    captured = cuda_graphs.capture(lambda: fwd(*static), warmups=warmups)
+    return captured.graph, captured.out
 
 
 def time_graph(fwd, static, sets, iters: int) -> float:

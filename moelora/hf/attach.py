@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,8 +24,9 @@ from ..device import probe_device
 from ..errors import ConfigError
 from ..layer import MoELoRALayer
 from ..lora import SlotManager
+from ..lora.registry import AdapterRegistry
 from ..oracle import select
-from . import engine_generate, experts
+from . import experts
 from .graphs import MAX_GRAPH_TOKENS, LayerGraphs
 from .handle import MoELoRAModel
 from .llama4 import swap_llama4_blocks
@@ -35,6 +37,29 @@ from .weights import expert_weights_from_hf
 log = logging.getLogger("moelora.hf")
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What attach changed in the model, for detach(): the experts modules bound, the Llama 4
+    blocks swapped, the experts implementation set before, the Linear modules' hooks."""
+
+    modules: list[nn.Module]
+    swapped: list[tuple[nn.Module, str, nn.Module]]
+    previous: str | None
+    hooks: ModuleHooks | None
+
+    def undo(self, model: nn.Module) -> Bound:
+        """Give `model` back as it was before attach; returns what is left bound (nothing)."""
+        if self.hooks is not None:
+            self.hooks.remove()
+        for module in self.modules:
+            experts.unbind(module)
+        for parent, attr, original in self.swapped:
+            setattr(parent, attr, original)
+        if not self.swapped and self.previous not in (None, experts.NAME):
+            model.set_experts_implementation(self.previous)
+        return Bound([], [], self.previous, None)
 
 
 def attach(
@@ -121,12 +146,10 @@ def attach(
     if not swapped:
         model.set_experts_implementation(experts.NAME)
     model.eval()
-    handle = MoELoRAModel(model, model_config, selection, manager, device, served)
-    handle.enforce_eager = enforce_eager
-    handle.engine_generate = engine_generate.generate  # handle.generate decodes on the engine
     hooks = ModuleHooks(served, manager.module_banks)
-    handle._bound = (list(modules.values()), swapped, previous, hooks)
-    return handle
+    bound = Bound(list(modules.values()), swapped, previous, hooks)
+    return MoELoRAModel(model, model_config, selection, AdapterRegistry(manager), served,
+                        layers, bound, device, enforce_eager)  # fmt: skip
 
 
 def _layer_experts(module: nn.Module, model_config: ModelConfig, index: int, model: nn.Module):

@@ -5,7 +5,7 @@ fn(self, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, 
 function registered here finds the module's binding (its MoELoRALayer and layer index, set
 by `attach`) and calls `torch.ops.moelora.experts`, a custom op with a fake implementation,
 so `torch.compile(model)` keeps the whole expert layer as one node. The op reads the
-calling thread's RowAdapters (batch.py) for the per-token slots and the slot banks.
+calling thread's RowAdapters (moelora/lora/rows.py) for the per-token slots and the slot banks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..layer import MoELoRALayer
-from . import batch
+from ..lora.rows import current
 from .graphs import LayerGraphs
 
 NAME = "moelora"
@@ -39,7 +39,7 @@ class ExpertsBinding:
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         ids, weights = topk_ids.to(torch.int32), topk_weights.float()
-        rows = batch.current()
+        rows = current()
         graphed = self.graphs is not None and self.graphs.usable(x)
         if rows is None or not rows.expert_lora:
             if graphed:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .. import cuda_graphs
 
 # Largest T replayed from a graph. Decode batches; above it a forward's GPU work outweighs
 # the host cost it saves (at T = 256 the layer's GPU time is ~0.44 ms, H200 bench).
@@ -31,22 +32,6 @@ CAPTURE_AT_CALL = 2
 # Graphs kept per layer (least recently used dropped, freeing its memory pool): a generate
 # call uses one decode T; a few batch sizes in turn stay captured.
 MAX_GRAPHS = 16
-
-
-_inline = threading.local()
-
-
-@contextmanager
-def inline() -> Iterator[None]:
-    """Every layer runs inline in this thread for the block: the caller graphs the whole
-    step (the decode engine). Its warm-up run before a capture is not capturing, and would
-    otherwise capture per-layer graphs that no one replays."""
-    previous = getattr(_inline, "on", False)
-    _inline.on = True
-    try:
-        yield
-    finally:
-        _inline.on = previous
 
 
 @dataclass
@@ -66,12 +51,8 @@ class LayerGraphs:
         self._lock = threading.Lock()
 
     def usable(self, x: Tensor) -> bool:
-        return (
-            x.is_cuda
-            and 0 < x.shape[0] <= self.max_tokens
-            and not torch.cuda.is_current_stream_capturing()
-            and not getattr(_inline, "on", False)
-        )
+        # not while the caller graphs a whole step (cuda_graphs.inline) or captures one
+        return x.is_cuda and 0 < x.shape[0] <= self.max_tokens and not cuda_graphs.inlined()
 
     def run(self, forward: Callable[..., Tensor], *inputs: Tensor, bank_key: int) -> Tensor:
         """forward(*inputs) through a graph: inputs are x [T, H], ids [T, K] int32,
@@ -100,12 +81,5 @@ class LayerGraphs:
     @staticmethod
     def _capture(forward: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> _Entry:
         static = tuple(t.clone() for t in inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: compiles the kernels, allocates nothing lasting
-            forward(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = forward(*static)
-        return _Entry(graph, static, out)
+        captured = cuda_graphs.capture(lambda: forward(*static))
+        return _Entry(captured.graph, static, captured.out)

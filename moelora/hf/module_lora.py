@@ -6,7 +6,7 @@ At attach, every module an adapter may target (`lora_target_modules`, default ev
 nn.Linear of the model and every router) gets a bank in the slot manager
 (lora/module_banks.py) and a forward hook: output + dense_lora_delta(input, the call's
 per-token slots, the bank). The
-slots are the ones the experts read (batch.current()); the banks are the manager's own
+slots are the ones the experts read (current()); the banks are the manager's own
 tensors, written under the same slot leases, so a call keeps the versions it started with
 for every module. Outside a handle call, and in a call with no module LoRA, the hook
 changes nothing. PEFT's files are read here; PEFT's modules are never injected.
@@ -24,8 +24,8 @@ from torch import nn
 from ..errors import AdapterError, ConfigError
 from ..lora import formats
 from ..lora.module_banks import ModuleBanks, ModuleLoRA, ModuleShape, dense_lora_delta
+from ..lora.rows import current
 from ..lora.validate import check_tensor, lora_scale
-from . import batch
 from .router_lora import serve_router
 
 _FACTOR = {"lora_A.weight": "A", "lora_B.weight": "B"}
@@ -187,7 +187,7 @@ class _Delta:
         self.path, self.a, self.bt = path, a, bt
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        rows = batch.current()
+        rows = current()
         if rows is None or self.path not in rows.lora_modules:
             return None
         x = args[0]

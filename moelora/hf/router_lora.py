@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..lora.module_banks import dense_lora_delta
-from . import batch
+from ..lora.rows import RowAdapters, current
 
 _NAMES = ("gate", "router")
 
@@ -52,7 +52,7 @@ def serve_router(
     original = module.forward
 
     def forward(*args, **kwargs):
-        rows = batch.current()
+        rows = current()
         if rows is None or path not in rows.lora_modules:
             return original(*args, **kwargs)
         mode = _AddDelta(rows, a, bt)
@@ -75,7 +75,7 @@ class _AddDelta(TorchFunctionMode):
     """Adds the per-token delta to the result of each F.linear run under it (the router's
     one logits Linear); counts them."""
 
-    def __init__(self, rows: batch.RowAdapters, a: torch.Tensor, bt: torch.Tensor) -> None:
+    def __init__(self, rows: RowAdapters, a: torch.Tensor, bt: torch.Tensor) -> None:
         super().__init__()
         self.rows, self.a, self.bt, self.applied = rows, a, bt, 0
 

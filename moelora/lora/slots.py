@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
@@ -47,6 +48,30 @@ log = logging.getLogger("moelora.lora")
 # a released lease's CUDA event completes, so it polls. 5 ms (chosen, not measured): at most
 # that much added to a load, which copies megabytes per layer anyway, without spinning.
 _EVENT_POLL_S = 0.005
+
+
+@dataclass
+class Lease:
+    """Slots held for readers (SlotManager.lease): the published version they read and one
+    host slot per name (-1: base model). Until release() (on CUDA: until the work queued on
+    the releasing thread's stream by then has run) no load, replace or unload writes them.
+    release() once; a `with` block releases at its end."""
+
+    snapshot: BankSnapshot
+    slots: list[int]
+    _release: object = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class SlotManager:
@@ -111,14 +136,21 @@ class SlotManager:
         A registered name in no slot is loaded first (this call waits for that, nobody
         else); a name neither loaded nor registered raises InputError, as does a batch of
         more distinct adapters than slots. Either failure changes nothing."""
+        with self.lease(names) as lease:
+            yield lease.snapshot, torch.tensor(lease.slots, dtype=torch.int32, device=device)
+
+    def lease(self, names: Sequence[str | None]) -> Lease:
+        """What reading() holds, as an object: the slots stay host ints (the caller copies
+        them to the device once, with the rest of its step). Same loads and refusals."""
         snap, slots, held = self._lease(names)
-        try:
-            yield snap, torch.tensor(slots, dtype=torch.int32, device=device)
-        finally:
+
+        def release() -> None:
             event = self._slots.release_event() if held else None
             with self._cond:
                 self._leases.release(held, event)
                 self._cond.notify_all()
+
+        return Lease(snap, slots, release)
 
     def snapshot(self) -> BankSnapshot:
         """The current version; reading one attribute is atomic, so no lock is needed."""
@@ -240,6 +272,17 @@ class SlotManager:
         name stays known: the next reading() naming it loads it again."""
         with self._write_lock:
             self._unload_locked(name)
+
+    def leased(self) -> dict[int, int]:
+        """slot -> leases open on it (or released with GPU work still queued): what no
+        writer may touch now. Empty once every reader is done."""
+        with self._cond:
+            return dict(self._leases.busy())
+
+    @property
+    def pinned(self) -> frozenset[str]:
+        with self._cond:
+            return frozenset(self._pinned)
 
     def pin(self, name: str) -> None:
         """Never evict this adapter (it can still be unloaded or replaced explicitly)."""

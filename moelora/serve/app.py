@@ -64,7 +64,7 @@ def build_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
         # the slot manager's counters (the handle exposes no public copy of them yet)
-        stats = ctx.handle._manager.stats()
+        stats = ctx.handle.registry.manager.stats()
         return ctx.metrics.render(sum(stats.loads.values()), stats.evictions)
 
     @app.get("/v1/models", dependencies=authorized)

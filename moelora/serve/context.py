@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..hf.engine import Request, Sampling
+from ..engine import Request, Sampling
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, SamplingFields, new_id
 from .scheduler import Scheduler

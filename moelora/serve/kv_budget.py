@@ -36,7 +36,7 @@ def rows_for_budget(
 def measure(handle, max_len: int) -> tuple[int, int]:
     """(bytes of one KV row of max_len positions, activation peak of a max_len - 1 token
     prefill): a one-row engine, run once and closed. On a CPU the peak is 0 (not measured)."""
-    from ..hf.engine import Engine, Request, Sampling
+    from ..engine import Engine, Request, Sampling
 
     cuda = handle.device.type == "cuda"
     probe = Engine(handle, max_rows=1, max_len=max_len, enforce_eager=True)

@@ -60,7 +60,7 @@ def start(args: argparse.Namespace, model=None):
     if getattr(args, "seed", None) is not None:
         torch.manual_seed(args.seed)  # requests without a seed draw from this generator
     handle, tokenizer = model_dir.load(settings, model)
-    from ..hf.engine import Engine
+    from ..engine import Engine
 
     rows = _engine_rows(args, settings, handle)
     engine = Engine(handle, max_rows=rows, max_len=settings.max_model_len,

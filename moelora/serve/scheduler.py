@@ -64,14 +64,14 @@ Sink = Callable[[object], None]
 
 @dataclass
 class _Ticket:
-    request: object  # moelora.hf.engine.Request
+    request: object  # moelora.engine.Request
     sink: Sink
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
 
 
 class Scheduler:
-    """Drives `engine` (moelora.hf.engine.Engine's API) from its own thread; see module doc."""
+    """Drives `engine` (moelora.engine.Engine's API) from its own thread; see module doc."""
 
     def __init__(self, engine, metrics: Metrics | None = None, idle_wait_s: float = 0.05):
         self.engine = engine

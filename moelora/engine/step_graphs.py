@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import cuda_graphs
 from ..errors import ConfigError
 
-log = logging.getLogger("moelora.hf")
+log = logging.getLogger("moelora.engine")
 
 # vLLM's default capture sizes up to 64 (powers of two): a step pads at most 2x its rows.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -52,32 +53,20 @@ class Graph:
 
 
 def capture_cuda(step: Callable[[], Tensor], pool) -> Graph:
-    """Capture step() (which reads and writes static buffers only) as a CUDA graph. A warm-up
-    run on a side stream first: Triton compiles and lazy allocations happen outside."""
+    """Capture step() (which reads and writes static buffers only) as a CUDA graph, after a
+    warm-up run; other threads (other engines, adapter loads) keep launching meanwhile."""
     if not torch.cuda.is_available():
         raise ConfigError(
             "enforce_eager", False, "None or True on a machine without CUDA (graphs need it)"
         )
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: other threads (other engines, adapter loads) keep launching meanwhile
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = step()
-    return Graph(graph.replay, out)
-
-
-def new_pool():
-    return torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+    captured = cuda_graphs.capture(step, pool=pool, thread_local=True)
+    return Graph(captured.replay, captured.out)
 
 
 capture = capture_cuda  # swapped for a stand-in by CPU tests
 
 
-class DecodeGraphs:
+class StepGraphs:
     """The graphs of one engine. step(b) runs the decode step of bucket b from the static
     buffers the engine has filled; prepare(b) fills them with padding rows only."""
 
@@ -126,7 +115,7 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, modules: frozenset[str]) -> Graph:
         if self._pool is None:
-            self._pool = new_pool()
+            self._pool = cuda_graphs.new_pool()
         graph = capture(lambda: self._step(bucket, modules), self._pool)
         self._graphs[bucket, modules] = graph
         return graph

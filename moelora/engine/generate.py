@@ -22,12 +22,13 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .decode_graphs import buckets_for
 from .engine import Engine, Request
-from .engine_support import engine_support
 from .sampling import Sampling
+from .served import ServedModel
+from .step_graphs import buckets_for
+from .support import engine_support
 
-log = logging.getLogger("moelora.hf")
+log = logging.getLogger("moelora.engine")
 
 # Generation settings the engine implements; others at a non-default value fall back.
 ENGINE_FIELDS = frozenset(
@@ -49,7 +50,9 @@ class _Settings:
     pad: int
 
 
-def generate(handle, input_ids: Tensor | None, names: list[str | None], kwargs: dict[str, Any]):
+def generate(
+    handle: ServedModel, input_ids: Tensor | None, names: list[str | None], kwargs: dict[str, Any]
+):
     """The generated ids [B, S + n] as model.generate returns them, or None when this call
     must run model.generate (the reason logged once)."""
     reason = _fallback_reason(handle.model, input_ids, kwargs)
@@ -136,7 +139,7 @@ def _prompts(input_ids: Tensor, kwargs, pad: int) -> list[tuple[int, ...]] | Non
     return [tuple(ids[i, width - n :].tolist()) for i, n in enumerate(lengths.tolist())]
 
 
-def _engine(handle, rows: int, length: int) -> Engine:
+def _engine(handle: ServedModel, rows: int, length: int) -> Engine:
     """The calling thread's engine, rebuilt (larger) when it has too few rows or positions."""
     local = _engines.setdefault(handle, threading.local())
     engine = getattr(local, "engine", None)
@@ -152,8 +155,8 @@ def _engine(handle, rows: int, length: int) -> Engine:
     return engine
 
 
-def _refuse_too_many_adapters(handle, names: list[str | None]) -> None:
-    keys = {handle.slot_key(n) for n in names} - {None}
+def _refuse_too_many_adapters(handle: ServedModel, names: list[str | None]) -> None:
+    keys = {v.key for v in map(handle.version, names) if v is not None}
     if len(keys) > handle.num_slots:
         raise InputError(
             "adapter_names", f"{len(keys)} distinct adapters in one batch",
@@ -167,7 +170,7 @@ def _run(engine: Engine, requests: list[Request]) -> list[list[int]]:
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     # every row's adapter held at once, as a model.generate call holds them: rows held one
     # by one could each keep a slot another thread's call waits for, while waiting too
-    holds = engine.handle.hold_all([r.adapter for r in requests])
+    holds = engine.handle.hold([r.adapter for r in requests])
     added = 0
     try:
         for request, hold in zip(requests, holds):

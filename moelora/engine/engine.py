@@ -21,17 +21,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .. import cuda_graphs
 from ..errors import ConfigError, InputError
-from . import batch, decode_graphs
-from . import graphs as layer_graphs
-from .engine_support import engine_support
+from ..lora.registry import AdapterHold
+from ..lora.rows import RowAdapters, using
+from . import step_graphs
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
 from .sampling import RowSampler, Sampling, SamplingFault, next_tokens
+from .served import ServedModel
+from .support import engine_support
 
 __all__ = ["Engine", "Request", "Sampling", "TokenEvent"]
 
-log = logging.getLogger("moelora.hf")
+log = logging.getLogger("moelora.engine")
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class _Row:
 
     request: Request
     row: int
-    hold: batch.AdapterHold
+    hold: AdapterHold
     sampler: RowSampler
     generated: list[int] = field(default_factory=list)
 
@@ -68,11 +71,11 @@ class _Row:
 
 
 class Engine:
-    """Decode engine over an attached model (moelora.hf.attach's handle)."""
+    """Decode engine over a served model (moelora.hf.attach's handle)."""
 
     def __init__(
         self,
-        handle,  # the MoELoRAModel moelora.hf.attach returned
+        handle: ServedModel,
         *,
         max_rows: int = 64,
         max_len: int | None = None,
@@ -103,13 +106,13 @@ class Engine:
         # one spare row past max_rows: what padding rows of a graph bucket write
         self.cache = RowCache(config.num_hidden_layers, self.max_rows + 1, self.max_len)
         self._static_buffers()
-        self._base = handle.hold(None)  # the banks' snapshot for rows without adapter
+        self._base = handle.hold([None])[0]  # the banks' snapshot for rows without adapter
         self._rows: dict[str, _Row] = {}  # request id -> row, running or waiting for prefill
         self._waiting: list[_Row] = []
         self._cancelled: list[str] = []
         use_graphs = self.device.type == "cuda" if enforce_eager is None else not enforce_eager
         self.graphs = (
-            decode_graphs.DecodeGraphs(self.max_rows, self._graph_step) if use_graphs else None
+            step_graphs.StepGraphs(self.max_rows, self._graph_step) if use_graphs else None
         )
         self._allocate()
 
@@ -147,9 +150,9 @@ class Engine:
     def running(self) -> int:
         return len(self._rows)
 
-    def check(self, request: Request, held: bool = False) -> None:
-        """InputError when the request can never run here (held: its adapter version is held
-        already, so an unload since does not matter)."""
+    def check(self, request: Request) -> None:
+        """InputError when the request can never run here: its sampling, prompt and length.
+        Its adapter is checked once, when add() holds it (an unload may happen before)."""
         request.sampling.check()
         prompt = request.prompt_ids
         if not prompt:
@@ -160,11 +163,6 @@ class Engine:
             raise InputError(
                 f"request {request.request_id!r} prompt_ids",
                 f"ids in [{min(prompt)}, {max(prompt)}]", f"token ids in [0, {self._vocab})",
-            )  # fmt: skip
-        if not held and request.adapter is not None and request.adapter not in self.handle.adapters:
-            raise InputError(
-                f"request {request.request_id!r} adapter", repr(request.adapter),
-                f"None (base model) or a loaded adapter {self.handle.adapters}",
             )  # fmt: skip
         total = len(prompt) + request.sampling.max_new_tokens
         if total > self.max_len:
@@ -178,7 +176,8 @@ class Engine:
         """None when add(request) would run at the next step; else why it must wait."""
         if self._row_free() is not None:
             return self._row_free()
-        key = self.handle.slot_key(request.adapter)  # the version add() would hold
+        version = self.handle.version(request.adapter)  # the one add() would hold
+        key = None if version is None else version.key
         held = {r.hold.key for r in self._rows.values()} - {None}
         if key is not None and key not in held and len(held) >= self.handle.num_slots:
             return f"every adapter slot ({self.handle.num_slots}) is held by running requests"
@@ -189,11 +188,12 @@ class Engine:
             return f"no free row ({self.max_rows} requests running)"
         return None
 
-    def add(self, request: Request, hold: batch.AdapterHold | None = None) -> None:
+    def add(self, request: Request, hold: AdapterHold | None = None) -> None:
         """Join at the next step (check() and admissible() must pass). hold: the request's
-        adapter already held (handle.hold_all for a batch of requests, taken at once); the
-        engine releases it at the finish. Default: held here."""
-        self.check(request, held=hold is not None)
+        adapter already held (handle.hold for a batch of requests, taken at once); the
+        engine releases it at the finish. Default: held here, which is where an adapter
+        name not loaded (any more) is refused."""
+        self.check(request)
         if request.request_id in self._rows:
             raise InputError("request_id", repr(request.request_id), "an id no running request has")
         # a given hold already has its slot (the version it holds, whatever is current now)
@@ -205,7 +205,7 @@ class Engine:
         busy = {r.row for r in self._rows.values()}
         row = next(i for i in range(self.max_rows) if i not in busy)
         if hold is None:
-            hold = self.handle.hold(request.adapter)  # the version current now, until the finish
+            hold = self.handle.hold([request.adapter])[0]  # the version current now, to the end
         sampler = RowSampler.make(
             request.sampling, self._eos, self.device, request.prompt_ids, self._vocab
         )
@@ -251,7 +251,7 @@ class Engine:
                 events.append(self._fail(r, err))
         return events
 
-    def warmup(self) -> decode_graphs.CaptureReport | None:
+    def warmup(self) -> step_graphs.CaptureReport | None:
         """Capture every decode bucket now (None without graphs). Only while nothing runs:
         the captures write padding into cache rows."""
         if self.graphs is None:
@@ -275,10 +275,10 @@ class Engine:
 
     # ---- forwards ---------------------------------------------------------------------------
 
-    def _forward(self, ids: Tensor, positions: Tensor, masks, rows: batch.RowAdapters) -> Tensor:
+    def _forward(self, ids: Tensor, positions: Tensor, masks, rows: RowAdapters) -> Tensor:
         """logits [b, V] of the last token of each row."""
         kwargs = {self._cache_kw: self.cache}
-        with torch.no_grad(), batch.using(rows):
+        with torch.no_grad(), using(rows):
             out = self.model(
                 input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
                 logits_to_keep=1, **kwargs,
@@ -291,7 +291,7 @@ class Engine:
         prompts = [list(r.request.prompt_ids) for r in group]
         return self._prefill_rows(prompts, [r.row for r in group], [r.hold for r in group])
 
-    def _prefill_tokens(self, prompt: list[int], row: int, hold: batch.AdapterHold) -> Tensor:
+    def _prefill_tokens(self, prompt: list[int], row: int, hold: AdapterHold) -> Tensor:
         """One request's prompt into its cache row; logits [1, V] of its last token."""
         return self._prefill_rows([prompt], [row], [hold])
 
@@ -299,7 +299,7 @@ class Engine:
         plan = plan_prefill(rows, len(prompts[0]), self.device)
         self.cache.plan = plan
         slots = torch.tensor([h.slot for h in holds], dtype=torch.int32, device=self.device)
-        adapters = batch.RowAdapters(
+        adapters = RowAdapters(
             row_slots=slots, snapshot=holds[0].snapshot, expert_lora=any(h.experts for h in holds),
             lora_modules=frozenset().union(*(h.modules for h in holds)),
             token_buffer=torch.empty(plan.positions.numel(), dtype=torch.int32, device=self.device),
@@ -349,7 +349,7 @@ class Engine:
         """The decode forward of rows 0 .. width-1 from the static buffers."""
         positions = self._positions[:width]
         self.cache.plan = plan_decode(self._write_rows[:width], positions, kv_len)
-        rows = batch.RowAdapters(
+        rows = RowAdapters(
             row_slots=self._slots[:width], snapshot=self._base.snapshot, expert_lora=True,
             lora_modules=modules, token_buffer=self._token_slots[:width],
         )  # fmt: skip
@@ -357,7 +357,7 @@ class Engine:
         return self._forward(self._ids[:width], positions, masks, rows)
 
     def _graph_step(self, width: int, modules: frozenset[str]) -> Tensor:
-        with layer_graphs.inline():  # the whole step is graphed: no per-layer graphs in it
+        with cuda_graphs.inline():  # the whole step is graphed: no per-layer graphs in it
             return self._decode_step(width, self.max_len, modules)
 
     # ---- tokens -----------------------------------------------------------------------------

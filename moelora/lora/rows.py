@@ -1,26 +1,27 @@
-"""What one call through the handle tells the layers of the model: the adapter of every row.
+"""The call context: what one forward tells the layers of the model, the adapter of every
+row (`RowAdapters`), current for the calling thread for the forward (`using`, `current`).
 
-The handle builds a `RowAdapters` once per generate / forward call (one host-to-device copy
-of the per-row slots into a buffer the thread keeps) and makes it current for the calling
-thread; the first MoE layer of each forward expands the rows to one slot per token into a
-second kept buffer on the device (no host sync), every MoE layer reads it, and the served
-Linear modules and routers (module_lora.py) expand the same row slots over their own
-input's tokens. Both buffers stay the same tensors across calls, so a CUDA graph captured
-over a forward reads the slots of the call it is replayed in.
-Legend: B rows, S tokens per row, T = B * S.
+The caller (the transformers handle for a generate / forward call, the decode engine for a
+step) builds a `RowAdapters` with the per-row slots in a buffer it keeps on the device (one
+host-to-device copy) and makes it current; the first MoE layer of each forward expands the
+rows to one slot per token into a second kept buffer on the device (no host sync), every MoE
+layer reads it, and the served Linear modules and routers (hf/module_lora.py) expand the
+same row slots over their own input's tokens. Both buffers stay the same tensors across
+calls, so a CUDA graph captured over a forward reads the slots of the call it is replayed
+in. Legend: B rows, S tokens per row, T = B * S.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from ..errors import InputError
-from ..lora.leases import BankSnapshot
+from .leases import BankSnapshot
 
 BASE = "__base__"  # PEFT's name for a row without adapter
 
@@ -107,18 +108,3 @@ def using(rows: RowAdapters) -> Iterator[RowAdapters]:
         yield rows
     finally:
         _current.rows = None
-
-
-@dataclass(frozen=True)
-class AdapterHold:
-    """One adapter version held for a row (MoELoRAModel.hold): its slot (-1: none), whether
-    it has expert factors, the served modules it has factors on, and the banks its slot
-    indexes; release() exactly once."""
-
-    name: str | None
-    key: str | None  # the version's slot-manager name (None: no expert factors)
-    slot: int
-    experts: bool
-    modules: frozenset[str]
-    snapshot: BankSnapshot
-    release: Callable[[], None]
