@@ -1,4 +1,4 @@
-"""`moelora` command line: a thin dispatcher over moelora/commands/*.
+"""`moelora` command line: a thin dispatcher over the commands of moelora/commands/.
 
 Each subcommand module exposes `add_parser(subparsers)` and `run(args) -> int` (exit code).
 Exit codes mean the same in every command (moelora.errors, docs/plan.md).

@@ -135,7 +135,7 @@ def plan_argv(model: str, layout: Layout, args: argparse.Namespace) -> list[str]
 
 def plan(argv: list[str]):
     """(the deployment or None, the plan's verdict) for `moelora <argv>`, computed as
-    commands/plan.py's run computes them (its parser, build_deployment, notes, resolve)."""
+    commands/plan/'s run computes them (its parser, build_deployment, notes, resolve)."""
     args = build_parser().parse_args(argv)
     try:
         deployment = plan_command.build_deployment(args)
@@ -361,7 +361,7 @@ METHOD = dict(
     single="the same backend on the full weights on rank 0's device (MoELoRALayer, tp = ep = "
     "1, the same add_inputs mode); checked against the fp32 reference at T <= --ref-tokens",
     plan="moelora plan's parser, build_deployment, notes and resolve in-process (as "
-    "commands/plan.py's run) on the flags in plan_cmd; the layer runs that very deployment",
+    "commands/plan/'s run) on the flags in plan_cmd; the layer runs that very deployment",
 )
 
 

@@ -27,7 +27,7 @@ from moelora import (
     random_lora_bank,
     route,
 )
-from moelora.commands.validate_suites.layouts import parallel_vs_reference
+from moelora.commands.validate.suites.layouts import parallel_vs_reference
 from moelora.compare import compare, poison_
 from moelora.deployment import Deployment
 from moelora.device import target

@@ -20,8 +20,8 @@ from moelora import cli
 from moelora.backends.checks import validation_status
 from moelora.backends.registry import REGISTRY
 from moelora.commands import demo as demo_cmd
-from moelora.commands import validate_table
 from moelora.commands.cpu_cost import demo_cost
+from moelora.commands.validate import table as validate_table
 from moelora.deployment import Deployment
 from moelora.device import target
 from moelora.presets import PRESETS, load_preset

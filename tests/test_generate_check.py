@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelora.commands.generate_check import RowCheck, verdict
-from moelora.commands.generate_inputs import check_positions
+from moelora.commands.generate.check import RowCheck, verdict
+from moelora.commands.generate.inputs import check_positions
 from moelora.errors import ConfigError
 from moelora.truth.hf_peft import Noise
 

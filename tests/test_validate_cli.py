@@ -9,7 +9,7 @@ import pytest
 
 from moelora import cli
 from moelora.cli import build_parser
-from moelora.commands.validate_cases import LORA_SWEEP_TOKENS, lora_sweep_cases, ranks_cases
+from moelora.commands.validate.cases import LORA_SWEEP_TOKENS, lora_sweep_cases, ranks_cases
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", "1e-05"), ("fp16", "2e-03")])
@@ -91,7 +91,7 @@ def test_padding_garbage_fails_a_computation_that_reads_past_the_rank() -> None:
 
     import torch
 
-    from moelora.commands.validate_table import with_dtype
+    from moelora.commands.validate.table import with_dtype
     from moelora.compare import compare
     from moelora.inputs import build_bank, build_experts, build_inputs, with_padding_garbage
     from moelora.presets import resolve_model

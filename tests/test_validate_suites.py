@@ -1,4 +1,4 @@
-"""`moelora validate --suite slots | hf | serving` (moelora/commands/validate_suites/): the
+"""`moelora validate --suite slots | hf | serving` (moelora/commands/validate/suites/): the
 check suites run their own cases instead of the layer table; on a CPU each runs what it can
 (serving at tiny shapes through Triton's interpreter, hf's torch.compile case) or refuses
 naming what it needs (slots); a failing case or a suite that stops exits 1; a refused
@@ -14,7 +14,7 @@ import pytest
 
 from moelora import cli
 from moelora.commands import validate as validate_cmd
-from moelora.commands.validate_suites import CheckSuite, Outcome, Verdict, run_suite, slots
+from moelora.commands.validate.suites import CheckSuite, Outcome, Verdict, run_suite, slots
 
 CPU = ["validate", "--device", "cpu"]
 
@@ -144,7 +144,7 @@ def test_serving_needs_no_http_packages() -> None:
     """The GPU machine has neither fastapi nor pydantic: validate and its suites import none."""
     code = (
         "import sys; from moelora import cli; cli.build_parser()\n"
-        "import moelora.commands.validate_suites.serving\n"
+        "import moelora.commands.validate.suites.serving\n"
         "bad = [m for m in ('fastapi', 'pydantic', 'uvicorn') if m in sys.modules]\n"
         "assert not bad, bad"
     )
@@ -163,7 +163,7 @@ def test_hf_suite_runs_torch_compile_on_a_cpu(capsys) -> None:
 
 
 def test_hf_suite_refuses_without_peft_before_anything_runs(monkeypatch, capsys) -> None:
-    from moelora.commands.validate_suites import hf
+    from moelora.commands.validate.suites import hf
 
     monkeypatch.setattr(hf, "installed_packages", lambda: frozenset({"torch", "transformers"}))
     assert cli.main([*CPU, "--suite", "hf"]) == 2
@@ -175,7 +175,7 @@ def test_parallel_suite_runs_two_gloo_processes_on_a_cpu(monkeypatch, capsys) ->
     """Two layouts (the runs are made here and handed to the spawned processes): fully
     sharded TP and EP, each with the triton backend (interpreted, fp32) and the reference
     backend, every row against the single-process reference."""
-    from moelora.commands.validate_suites import parallel
+    from moelora.commands.validate.suites import parallel
 
     keep = [c for c in parallel.CASES if c[0] in ("fs-tp2-silu", "ep2-silu")]
     monkeypatch.setattr(parallel, "CASES", keep)
@@ -190,7 +190,7 @@ def test_parallel_suite_runs_two_gloo_processes_on_a_cpu(monkeypatch, capsys) ->
 def test_parallel_suite_refuses_fewer_gpus_than_processes(monkeypatch) -> None:
     import torch
 
-    from moelora.commands.validate_suites import parallel
+    from moelora.commands.validate.suites import parallel
     from moelora.errors import ConfigError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .generate_check import CheckResult
+from .check import CheckResult
 
 
 def rank_note(path: Path, loaded_rank: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.checks import CHECKS
+from ...backends.checks import CHECKS
 
 # validation level -> the table's cell
 VALIDATED_CELL = {

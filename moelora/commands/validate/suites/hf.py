@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from ...bench.runner import capture_graph
-from ...compare import compare
-from ...device import installed_packages
-from ...errors import ConfigError
+from ....bench.runner import capture_graph
+from ....compare import compare
+from ....device import installed_packages
+from ....errors import ConfigError
 from .suite import CheckSuite, Outcome, Verdict
 
 ADAPTERS = ("fused-r8", "fused-r2")  # experts-only adapters of toy.demo_adapters
@@ -42,7 +42,7 @@ GRAPH_CASES = ("graph replay", "graph follows slots", "decode graphs")
 
 def build(device: str, backend: str, folder: Path, seed: int):
     """(model, handle, one bound experts module, the adapters' PEFT settings)."""
-    from ...hf import attach, toy
+    from ....hf import attach, toy
 
     sizes = CUDA_SIZES if device == "cuda" else {}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -67,7 +67,7 @@ def routed(model, rows: int, g: torch.Generator):
 
 def graph_verdicts(handle, module, x, ids, w) -> Iterator[Verdict]:
     """A graph captured around the op, replayed, then replayed again after new row slots."""
-    from ...hf import experts
+    from ....hf import experts
 
     key = module._moelora_key
     with handle._call(ROWS, len(ROWS)) as current:
@@ -123,7 +123,7 @@ def compile_verdict(model, handle, g: torch.Generator) -> Verdict:
 def decode_graphs_verdict(model, handle, module, specs, folder: Path, g: torch.Generator):
     """6 calls through the layer's own graphs against the layer run directly; rows change
     adapters between calls and a replace moves fused-r2 to another slot at the 4th."""
-    from ...hf import experts, toy
+    from ....hf import experts, toy
 
     binding = experts._bindings[module._moelora_key]
     good, names, errors, repeatable = binding.graphs is not None, list(ROWS), [], True

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ...lora import SlotManager, leases
-from ...presets import resolve_model
+from ....lora import SlotManager, leases
+from ....presets import resolve_model
 from .adapters import random_adapter
 from .suite import CheckSuite, Verdict
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.capabilities import Capabilities
-from ..backends.checks import ValidationStatus, validation_status
-from ..deployment import Deployment, dtype_name
+from ...backends.capabilities import Capabilities
+from ...backends.checks import ValidationStatus, validation_status
+from ...deployment import Deployment, dtype_name
 
 
 def validation(name: str, cap: Capabilities, deployment: Deployment) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ...activations import Activation
-from ...config import ParallelConfig
-from ...errors import ConfigError
-from ...routing import RoutingConfig, RoutingMethod
+from ....activations import Activation
+from ....config import ParallelConfig
+from ....errors import ConfigError
+from ....routing import RoutingConfig, RoutingMethod
 from .layouts import Layout, Sizes, layout_run
 from .suite import CheckSuite, Verdict
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 def parse_adapters(texts: list[str]) -> dict[str, Path]:

@@ -1,5 +1,5 @@
 """The check suites of `moelora validate --suite NAME`: GPU checks a user runs that are not
-rows of the layer table (those are validate_cases.py's layer suites). Each module holds one
+rows of the layer table (those are cases.py's layer suites). Each module holds one
 suite; the registry is filled in a fixed order by explicit imports."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ on inputs quantized per token and block, PEFT's delta weight on the unquantized 
 alone. The noise: the rows' prompts on the base model under transformers' own FP8 experts
 against that truth (none where transformers' FP8 kernels do not run here).
 The tolerance: the FP8 row of the table or twice the noise, the larger; tokens may part
-after an e4m3 rounding flip, so only the logits are held (generate_check's 16-bit rule).
+after an e4m3 rounding flip, so only the logits are held (check.py's 16-bit rule).
 
 Where transformers dequantized the experts and dropped the config (a CPU), the model is a
 plain bf16 / fp32 one and generate's usual HF + PEFT check applies.
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from ..compare import compare
-from ..config import from_hf
-from ..errors import ConfigError
-from ..truth import w8a8
-from ..truth.hf_peft import Noise
-from .generate_check import CheckResult, check_row, verdict
+from ...compare import compare
+from ...config import from_hf
+from ...errors import ConfigError
+from ...truth import w8a8
+from ...truth.hf_peft import Noise
+from .check import CheckResult, check_row, verdict
 
 
 def is_fp8(model) -> bool:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ...config import ModelConfig
-from ...lora import Adapter, LayerLoRA
+from ....config import ModelConfig
+from ....lora import Adapter, LayerLoRA
 
 
 def random_adapter(

@@ -5,7 +5,7 @@ With no --model it builds a small random Qwen3-MoE model with transformers' own 
 (no download; larger and bf16 on a GPU), writes four random adapters with PEFT's own
 save_pretrained (two PEFT layouts, ranks 1 to 8, one with attention LoRA), loads them and
 generates a left-padded batch of five rows (four adapters and a base row). Each row is
-checked against HF + PEFT generating that row alone with its adapter (generate_check.py:
+checked against HF + PEFT generating that row alone with its adapter (check.py:
 equal tokens in fp32; in bf16 / fp16 logits within a tolerance calibrated in the run
 against the noise between two of HF's own experts implementations, truth/hf_peft.py).
 """
@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-from ..config import parse_dtype
-from ..deployment import dtype_name
-from ..errors import AdapterError, AdapterProblems, ConfigError, adapter_refusal
-from ..truth.hf_peft import measure_noise, peft_truth, runnable_implementation, set_implementation
-from . import generate_inputs as inputs
-from .flag_terms import VLLM_LORA_FLAGS
-from .flag_types import positive_int, utf8_text
-from .generate_check import CheckResult, check_row, verdict
-from .generate_report import Run, as_json, exit_code, rank_note, text
+from ...config import parse_dtype
+from ...deployment import dtype_name
+from ...errors import AdapterError, AdapterProblems, ConfigError, adapter_refusal
+from ...truth.hf_peft import measure_noise, peft_truth, runnable_implementation, set_implementation
+from ..flag_terms import VLLM_LORA_FLAGS
+from ..flag_types import positive_int, utf8_text
+from . import inputs
+from .check import CheckResult, check_row, verdict
+from .report import Run, as_json, exit_code, rank_note, text
 
 DEFAULT_ROWS = ["fused-r8", "fused-r4-attn", None, "modules-r4", "fused-r2"]
 # The GPU default: bigger than the CPU toy, still seconds to build (random weights).
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from transformers.utils import logging as hf_logging
 
-    from ..hf import attach, toy
+    from ...hf import attach, toy
 
     hf_logging.disable_progress_bar()  # a loading bar per model: nothing a reader acts on
 
@@ -186,7 +186,7 @@ class Batch:
 
 
 def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
-    from . import generate_fp8  # imports transformers: only once a run needs it
+    from . import fp8  # imports transformers: only once a run needs it
 
     unknown = [r for r in rows if r is not None and r not in adapters]
     if unknown:
@@ -201,8 +201,8 @@ def _run(args, base, what, adapters, truths, rows, attach, dtype) -> int:
     ranks = {name: _load(handle, path, name, orientation) for name, path in adapters.items()}
     batch, seconds = _generate(handle, rows, prompts, _pad_id(tok), args.max_new_tokens)
     checked = None
-    if check and args.model is not None and generate_fp8.is_fp8(base):
-        checked = generate_fp8.check(base, args.model, adapters, batch, handle)  # W8A8 truth
+    if check and args.model is not None and fp8.is_fp8(base):
+        checked = fp8.check(base, args.model, adapters, batch, handle)  # W8A8 truth
     elif check:
         checked = _check(base, adapters, truths, batch, handle, dtype)
     mc, sel = handle.model_config, handle.selection
@@ -254,7 +254,7 @@ def _generate(handle, rows, prompts, pad: int, max_new_tokens: int) -> tuple[Bat
 
 
 def _check(base, adapters, truths, batch: Batch, handle, dtype) -> CheckResult:
-    """Each row against HF + PEFT alone (truth/hf_peft.py), and the verdict (generate_check)."""
+    """Each row against HF + PEFT alone (truth/hf_peft.py), and the verdict (check.py)."""
     rows, prompts = batch.rows, batch.prompts
     # HF in fp32, for the noise of 16-bit runs: copied before PEFT wraps `base` in place
     base32 = copy.deepcopy(base).float() if dtype != torch.float32 else None

@@ -8,10 +8,10 @@ copied into the captured buffers, ranks 8/16/64/128, 1 adapter, and the LoRA-fre
 (mixed real ranks, padded ranks, 64 and 128 slots, rank 256); --suite ranks adds banks with
 garbage past each slot's real rank, eager and graphs. Adapters alternate rank R and R/2
 (zero-padded) unless a case names each slot's rank, and every (L+1)-th token has slot -1.
-The cases are validate_cases.py's.
+The cases are cases.py's.
 
 --suite slots | hf | serving | parallel run a check suite instead of the layer table
-(validate_suites/: the slot manager under queued GPU work, the transformers integration,
+(suites/: the slot manager under queued GPU work, the transformers integration,
 serving hot and cold adapters, the parallel layouts over two processes); named with a layer
 suite, the table runs too.
 """
@@ -24,11 +24,11 @@ import sys
 
 import torch
 
-from ..errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
-from ..oracle import default_registry
-from ..presets import PRESETS
-from .flag_types import positive_int
-from .validate_cases import (
+from ...errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError
+from ...oracle import default_registry
+from ...presets import PRESETS
+from ..flag_types import positive_int
+from .cases import (
     CPU_MODELS,
     CPU_TOKENS,
     LAYER_SUITES,
@@ -37,8 +37,8 @@ from .validate_cases import (
     RANKS_TOKENS,
     TOKENS,
 )
-from .validate_suites import CHECK_SUITES, run_suite
-from .validate_table import DTYPES, layer_table
+from .suites import CHECK_SUITES, run_suite
+from .table import DTYPES, layer_table
 
 REFERENCE = "reference"
 

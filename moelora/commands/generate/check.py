@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compare import NOISE_FACTOR, REL_TOL, compare
-from ..deployment import dtype_name
-from ..truth.hf_peft import Noise
+from ...compare import NOISE_FACTOR, REL_TOL, compare
+from ...deployment import dtype_name
+from ...truth.hf_peft import Noise
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,16 @@ import json
 import sys
 from typing import Any
 
-from ..backends.checks import check_table
-from ..config import AddInputs, LoRAConfig, ParallelConfig
-from ..deployment import AUTO, Deployment
-from ..device import LOCAL, TARGETS, counterpart, differences, fact_sources, probe, resolve_device
-from ..errors import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, MoeloraError, UnsupportedDeploymentError
-from ..oracle import EXPLICIT, Selection, default_registry, select
-from ..presets import PRESETS, resolve_model
-from .flag_terms import VLLM_LORA_FLAGS, in_flag_terms
-from .plan_text import render
-from .plan_validation import validation
+from ...backends.checks import check_table
+from ...config import AddInputs, LoRAConfig, ParallelConfig
+from ...deployment import AUTO, Deployment
+from ...device import LOCAL, TARGETS, counterpart, differences, fact_sources, probe, resolve_device
+from ...errors import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, MoeloraError, UnsupportedDeploymentError
+from ...oracle import EXPLICIT, Selection, default_registry, select
+from ...presets import PRESETS, resolve_model
+from ..flag_terms import VLLM_LORA_FLAGS, in_flag_terms
+from .text import render
+from .validation import validation
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

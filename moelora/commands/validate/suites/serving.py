@@ -36,17 +36,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ...bench.runner import dump, stamp
-from ...config import DeviceFacts, LoRAConfig, ModelConfig, from_hf, parse_dtype
-from ...deployment import Deployment
-from ...device import probe, target
-from ...errors import ConfigError
-from ...layer import MoELoRALayer
-from ...lora import SlotManager
-from ...presets import preset_dict
-from ...routing import route
-from ...weights import ExpertWeights
-from ..flag_types import positive_int
+from ....bench.runner import dump, stamp
+from ....config import DeviceFacts, LoRAConfig, ModelConfig, from_hf, parse_dtype
+from ....deployment import Deployment
+from ....device import probe, target
+from ....errors import ConfigError
+from ....layer import MoELoRALayer
+from ....lora import SlotManager
+from ....presets import preset_dict
+from ....routing import route
+from ....weights import ExpertWeights
+from ...flag_types import positive_int
 from . import serving_measure as measure
 from .adapters import random_adapter
 from .serving_report import print_summary

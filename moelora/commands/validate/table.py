@@ -1,4 +1,4 @@
-"""The layer table of `moelora validate`: each backend, model and case of validate_cases.py
+"""The layer table of `moelora validate`: each backend, model and case of cases.py
 run on random inputs and compared with the reference, one line per case.
 
 Legend: T tokens, L slots, R the bank's rank, H hidden, E experts.
@@ -13,20 +13,20 @@ import time
 
 import torch
 
-from ..bench.runner import capture_graph
-from ..call import MoECall
-from ..compare import compare
-from ..config import ModelConfig
-from ..device import probe
-from ..inputs import build_bank, build_experts, build_inputs, build_lora, with_padding_garbage
-from ..presets import resolve_model
-from ..quant.fp8_experts import FP8ExpertWeights, quantize_experts
-from ..quantization import resolve_quantization
-from ..reference import moe_lora_reference
-from ..weights import ExpertWeights
-from .case_backend import case_backend
-from .cpu_cost import Cost, validate_cost
-from .validate_cases import (
+from ...bench.runner import capture_graph
+from ...call import MoECall
+from ...compare import compare
+from ...config import ModelConfig
+from ...device import probe
+from ...inputs import build_bank, build_experts, build_inputs, build_lora, with_padding_garbage
+from ...presets import resolve_model
+from ...quant.fp8_experts import FP8ExpertWeights, quantize_experts
+from ...quantization import resolve_quantization
+from ...reference import moe_lora_reference
+from ...weights import ExpertWeights
+from ..case_backend import case_backend
+from ..cpu_cost import Cost, validate_cost
+from .cases import (
     CPU_MODELS,
     CPU_TOKENS,
     LAYER_SUITES,

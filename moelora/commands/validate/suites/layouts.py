@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...activations import Activation
-from ...compare import Comparison, compare
-from ...config import AddInputs, LoRAConfig, MoEShape, ParallelConfig
-from ...deployment import Deployment
-from ...device import probe
-from ...layer import to_device
-from ...parallel import ParallelMoELoRALayer
-from ...reference import moe_lora_reference
-from ...routing import RoutingConfig, route
-from ...weights import ExpertWeights, LoRABank, random_expert_weights, random_lora_bank
+from ....activations import Activation
+from ....compare import Comparison, compare
+from ....config import AddInputs, LoRAConfig, MoEShape, ParallelConfig
+from ....deployment import Deployment
+from ....device import probe
+from ....layer import to_device
+from ....parallel import ParallelMoELoRALayer
+from ....reference import moe_lora_reference
+from ....routing import RoutingConfig, route
+from ....weights import ExpertWeights, LoRABank, random_expert_weights, random_lora_bank
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from contextlib import nullcontext
 
 import torch
 
-from ...compare import compare
-from ...lora import SlotManager
-from ...reference import moe_lora_reference
+from ....compare import compare
+from ....lora import SlotManager
+from ....reference import moe_lora_reference
 
 FACTORS = ("w13_a", "w13_b", "w2_a", "w2_b")
 
