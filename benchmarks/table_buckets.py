@@ -57,10 +57,6 @@ class Buckets:
         for on in modes:
             self._assign(sorted(set(tuned)), on)
 
-    def committed(self, on: bool) -> dict:
-        """This shape's rows of one mode (after the splits)."""
-        return {k: r for k, r in self.table.items() if k[:4] == self.dims and k[4] == on}
-
     def containing(self, t: int, on: bool) -> tuple | None:
         """The key the committed table (before this run) had for T's bucket, else None."""
         u = next((u for u in self._ups[on] if t <= u), None)

@@ -55,9 +55,6 @@ class RankLayout:
             parallel.fully_sharded_loras,
         )
 
-    def tp_group_ranks(self) -> list[int]:
-        return [self.ep_rank * self.tp + r for r in range(self.tp)]
-
 
 def _split(t: Tensor, dim: int, parts: int, index: int) -> Tensor:
     size = t.shape[dim] // parts

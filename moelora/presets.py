@@ -166,10 +166,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_names() -> list[str]:
-    return list(PRESETS)
-
-
 def preset_dict(name: str) -> dict[str, Any]:
     """A copy of the preset's config.json dict."""
     if name not in PRESETS:
