@@ -32,16 +32,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.hf_generate import add_run_args
+from benchmarks.model_level import add_run_args
+from benchmarks.qwen3_moe import SMALL, build
 
-TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-    num_experts_per_tok=2,
-)  # fmt: skip
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TINY = SMALL  # --tiny, and tests/test_generate_fp8.py's FP8 directories
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -57,36 +51,6 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="weights, factors and prompts")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU tests)")
     return p.parse_args(argv)
-
-
-class Clock:
-    """Wall time and peak memory on the run's device (a CPU: the process's max RSS)."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time(self, call, *args) -> float:
-        import time
-
-        self.sync()
-        start = time.perf_counter()
-        call(*args)
-        self.sync()
-        return time.perf_counter() - start
-
-    def peak_gib(self, call, *args) -> float:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            call(*args)
-            return round(torch.cuda.max_memory_allocated() / 2**30, 3)
-        import resource
-
-        call(*args)
-        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
 
 
 def write_adapters(model, root: Path, count: int, rank: int, std: float) -> dict[str, Path]:
@@ -110,66 +74,6 @@ def write_adapters(model, root: Path, count: int, rank: int, std: float) -> dict
     return {f"a{k}": root / f"a{k}" for k in range(count)}
 
 
-class Runs:
-    """The generate calls the benchmark times: moelora on mixed adapters, transformers on
-    base rows with its own experts implementation `hf_own`."""
-
-    def __init__(self, model, handle, adapters: int, hf_own: str, clock: Clock) -> None:
-        self.model, self.handle, self.adapters, self.hf_own = model, handle, adapters, hf_own
-        self.clock = clock
-        self.kw = dict(do_sample=False, pad_token_id=0)
-
-    def names(self, rows: int) -> list[str]:
-        return [f"a{i % self.adapters}" for i in range(rows)]
-
-    def ml(self, ids, new: int):
-        self.model.set_experts_implementation("moelora")
-        return self.handle.generate(ids, adapter_names=self.names(ids.shape[0]),
-                                    max_new_tokens=new, min_new_tokens=new, **self.kw)  # fmt: skip
-
-    def hf(self, ids, new: int):
-        self.model.set_experts_implementation(self.hf_own)
-        with torch.no_grad():
-            return self.model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new,
-                                       **self.kw)  # fmt: skip
-
-    def prefill(self, which: str, ids) -> float:
-        def call():
-            with torch.no_grad():
-                if which == "hf":
-                    self.model.set_experts_implementation(self.hf_own)
-                    self.model(input_ids=ids)
-                else:
-                    self.model.set_experts_implementation("moelora")
-                    self.handle(ids, adapter_names=self.names(ids.shape[0]))
-
-        return self.clock.time(call)
-
-
-def time_batches(a, runs: Runs, which: list[str], label: dict, emit, device) -> None:
-    """Tokens/s, prefill and decode of each of `which` ("ml", "hf") at each batch: a warm-up
-    at every timed shape first, then --repeats passes alternating, the order flipped."""
-    vocab = runs.model.config.vocab_size
-    batches = [int(b) for b in a.batches.split(",")]
-    gen = torch.Generator().manual_seed(a.seed + 2)
-    shapes = {b: torch.randint(1, vocab, (b, a.prompt), generator=gen).to(device) for b in batches}
-    for ids in shapes.values():
-        for w in which:
-            getattr(runs, w)(ids, a.new), runs.prefill(w, ids)
-    for b, ids in shapes.items():
-        times = {w: ([], []) for w in which}
-        for rep in range(a.repeats):
-            for w in which if rep % 2 == 0 else which[::-1]:
-                times[w][0].append(runs.clock.time(getattr(runs, w), ids, a.new))
-                times[w][1].append(runs.prefill(w, ids))
-        for w in which:
-            total, pre = min(times[w][0]), min(times[w][1])
-            emit(kind=label[w], batch=b, tok_s=round(b * a.new / total, 1),
-                 prefill_ms=round(pre * 1e3, 2),
-                 decode_tok_s=round(b * (a.new - 1) / max(total - pre, 1e-9), 1),
-                 peak_gib=runs.clock.peak_gib(getattr(runs, w), ids, a.new))  # fmt: skip
-
-
 def main(argv=None) -> list[dict]:
     a = parse(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -178,7 +82,7 @@ def main(argv=None) -> list[dict]:
     import transformers as tf
 
     from benchmarks.fp8_checkpoint import scratch_dir, write_fp8_checkpoint
-    from benchmarks.hf_generate import build
+    from benchmarks.fp8_model import DTYPES, fp8_phase, full_precision_phase
 
     rows: list[dict] = []  # every result, in order
 
@@ -213,8 +117,6 @@ def main(argv=None) -> list[dict]:
         step("bf16 timing")
         del model  # freed before transformers loads the FP8 directory
         _free(device)
-        from benchmarks.fp8_model import fp8_phase
-
         fp8_phase(a, ckpt / "model", adapters, emit, device)
         step("fp8 phase")
     finally:  # what ran is kept, also when a later step fails
@@ -242,19 +144,6 @@ def _sizes(model, a) -> dict[str, int]:
         else:
             non_experts += p.numel() * p.element_size()
     return {"checkpoint": experts + non_experts, "adapters": a.adapters * lora}
-
-
-def full_precision_phase(a, model, adapters: dict[str, Path], emit, device: str) -> None:
-    from moelora.hf import attach
-
-    hf_own = model.config._experts_implementation or "grouped_mm"
-    handle = attach(model, num_slots=a.adapters, max_rank=a.rank)
-    for name, path in adapters.items():
-        handle.load_adapter(path, name=name)
-    emit(kind=f"{a.dtype}_setup", backend=handle.backend_name)
-    runs = Runs(model, handle, a.adapters, hf_own, Clock(device))
-    time_batches(a, runs, ["ml"], {"ml": f"moelora_{a.dtype}_{a.adapters}_mixed"}, emit, device)
-    handle.detach()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""The FP8 half of benchmarks/fp8_generate.py: load the FP8 checkpoint with transformers,
-say how it holds the experts and what moelora serves, check one mixed batch's rows against
-transformers' own FP8 model (base row) and the W8A8 truth (adapter rows, with the measured
-noise), then time moelora against transformers' own FP8 experts."""
+"""The two phases of benchmarks/fp8_generate.py and the generate calls both time (`Runs`,
+`time_batches`). The bf16 phase times moelora on the model as built. The FP8 phase loads the
+FP8 checkpoint with transformers, says how it holds the experts and what moelora serves,
+checks one mixed batch's rows against transformers' own FP8 model (base row) and the W8A8
+truth (adapter rows, with the measured noise), then times moelora against transformers' own
+FP8 experts."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.model_level import Clock
 from moelora.compare import NOISE_FACTOR, REL_TOL, compare
 from moelora.truth import w8a8
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def load(root: Path, device: str, dtype: torch.dtype):
@@ -51,7 +56,6 @@ def truth_layers(model, root: Path, block: int, device: str) -> tuple[dict, dict
 def fp8_phase(a, root: Path, adapters: dict[str, Path], emit, device: str) -> None:
     import json
 
-    from benchmarks.fp8_generate import DTYPES, Clock, Runs, time_batches
     from moelora.hf import attach
 
     model = load(root, device, DTYPES[a.dtype])
@@ -188,3 +192,76 @@ def _noise(runs, truth, ids, mine, names, hf_runs: bool, twin) -> dict:
     rule = f"max(the {runs.model.dtype} table, {NOISE_FACTOR} x the larger noise)"
     return dict(noise_rel_err=noise, adapter_effect_rel_err=effect, tol=tol, rule=rule,
                 base_row_vs_w8a8_truth_rel_err=_rel(mine[base], w8a8_base))  # fmt: skip
+
+
+class Runs:
+    """The generate calls the benchmark times: moelora on mixed adapters, transformers on
+    base rows with its own experts implementation `hf_own`."""
+
+    def __init__(self, model, handle, adapters: int, hf_own: str, clock: Clock) -> None:
+        self.model, self.handle, self.adapters, self.hf_own = model, handle, adapters, hf_own
+        self.clock = clock
+        self.kw = dict(do_sample=False, pad_token_id=0)
+
+    def names(self, rows: int) -> list[str]:
+        return [f"a{i % self.adapters}" for i in range(rows)]
+
+    def ml(self, ids, new: int):
+        self.model.set_experts_implementation("moelora")
+        return self.handle.generate(ids, adapter_names=self.names(ids.shape[0]),
+                                    max_new_tokens=new, min_new_tokens=new, **self.kw)  # fmt: skip
+
+    def hf(self, ids, new: int):
+        self.model.set_experts_implementation(self.hf_own)
+        with torch.no_grad():
+            return self.model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new,
+                                       **self.kw)  # fmt: skip
+
+    def prefill(self, which: str, ids) -> float:
+        def call():
+            with torch.no_grad():
+                if which == "hf":
+                    self.model.set_experts_implementation(self.hf_own)
+                    self.model(input_ids=ids)
+                else:
+                    self.model.set_experts_implementation("moelora")
+                    self.handle(ids, adapter_names=self.names(ids.shape[0]))
+
+        return self.clock.time(call)
+
+
+def time_batches(a, runs: Runs, which: list[str], label: dict, emit, device) -> None:
+    """Tokens/s, prefill and decode of each of `which` ("ml", "hf") at each batch: a warm-up
+    at every timed shape first, then --repeats passes alternating, the order flipped."""
+    vocab = runs.model.config.vocab_size
+    batches = [int(b) for b in a.batches.split(",")]
+    gen = torch.Generator().manual_seed(a.seed + 2)
+    shapes = {b: torch.randint(1, vocab, (b, a.prompt), generator=gen).to(device) for b in batches}
+    for ids in shapes.values():
+        for w in which:
+            getattr(runs, w)(ids, a.new), runs.prefill(w, ids)
+    for b, ids in shapes.items():
+        times = {w: ([], []) for w in which}
+        for rep in range(a.repeats):
+            for w in which if rep % 2 == 0 else which[::-1]:
+                times[w][0].append(runs.clock.time(getattr(runs, w), ids, a.new))
+                times[w][1].append(runs.prefill(w, ids))
+        for w in which:
+            total, pre = min(times[w][0]), min(times[w][1])
+            emit(kind=label[w], batch=b, tok_s=round(b * a.new / total, 1),
+                 prefill_ms=round(pre * 1e3, 2),
+                 decode_tok_s=round(b * (a.new - 1) / max(total - pre, 1e-9), 1),
+                 peak_gib=runs.clock.peak_gib(getattr(runs, w), ids, a.new))  # fmt: skip
+
+
+def full_precision_phase(a, model, adapters: dict[str, Path], emit, device: str) -> None:
+    from moelora.hf import attach
+
+    hf_own = model.config._experts_implementation or "grouped_mm"
+    handle = attach(model, num_slots=a.adapters, max_rank=a.rank)
+    for name, path in adapters.items():
+        handle.load_adapter(path, name=name)
+    emit(kind=f"{a.dtype}_setup", backend=handle.backend_name)
+    runs = Runs(model, handle, a.adapters, hf_own, Clock(device))
+    time_batches(a, runs, ["ml"], {"ml": f"moelora_{a.dtype}_{a.adapters}_mixed"}, emit, device)
+    handle.detach()

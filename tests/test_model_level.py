@@ -1,6 +1,7 @@
-"""The model-level benchmark (moelora.bench.model_level): its directly written adapter files
-have PEFT's own keys and shapes and load to the factors PEFT's save_pretrained files give,
-and a tiny CPU run reports every configuration with sane numbers."""
+"""The model-level benchmark (benchmarks/model_level.py; its model, benchmarks/qwen3_moe.py):
+its directly written adapter files have PEFT's own keys and shapes and load to the factors
+PEFT's save_pretrained files give, and a tiny CPU run reports every configuration with sane
+numbers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moelora.bench import model_level as ml
+from benchmarks import model_level
+from benchmarks import qwen3_moe as ml
 from moelora.hf.toy import write_peft_adapter
 
 SMALL = ml.Shape(2, vocab=256, hidden=64, inter=32, experts=8, top_k=2, heads=4, kv_heads=2,
@@ -53,9 +55,10 @@ def test_step_bytes_counts_touched_experts():
 
 def test_tiny_cpu_run_reports_every_config(tmp_path):
     out = tmp_path / "rows.json"
-    rows = ml.main(["--small", "--layers", "2", "--batches", "1,3", "--prompt", "6", "--new",
-                    "4", "--repeats", "1", "--adapters", "2", "--attention-adapters", "1",
-                    "--rank", "4", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    rows = model_level.main(["--small", "--layers", "2", "--batches", "1,3", "--prompt", "6",
+                             "--new", "4", "--repeats", "1", "--adapters", "2",
+                             "--attention-adapters", "1", "--rank", "4", "--device", "cpu",
+                             "--json", str(out)])  # fmt: skip
     decode = [r for r in rows if r["kind"] == "decode"]
     assert {(r["config"], r["batch"]) for r in decode} == {
         (c, b) for c in ("hf_eager", "moelora_experts", "moelora_attention") for b in (1, 3)
