@@ -1,8 +1,9 @@
 """The import directions ARCHITECTURE.md states, read from the source (no import runs):
-kernels hold no policy (they never import the tile table, the pick, the fit, a backend or
-the oracle), tiling/ knows nothing of the kernels, the installed package never imports the
-developer's benchmarks/, which never imports the CLI; one hardware probe and one reading
-of TRITON_INTERPRET (moelora/device.py)."""
+every import of moelora points up the file's tiers, and neither the package nor benchmarks/
+has an import circle; kernels hold no policy (they never import the tile table, the pick,
+the fit, a backend or the oracle), tiling/ knows nothing of the kernels, the installed
+package never imports the developer's benchmarks/, which never imports the CLI; one
+hardware probe and one reading of TRITON_INTERPRET (moelora/device.py)."""
 
 from __future__ import annotations
 
@@ -110,26 +111,100 @@ def _module(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
+# The tree the layer rules speak of: the package and the developer's tools beside it.
+MODULES = {_module(p): p for folder in (PACKAGE, ROOT / "benchmarks") for p in _files(folder)}
+
+
+def _targets(path: Path) -> set[str]:
+    """The modules of MODULES that `path` names in any import statement: at run time, for
+    annotations only (a module named in an annotation must sit below its user as much as
+    one imported to run), inside functions, in fallbacks. `from a import b` names a.b where
+    that is a module, else a (the package's __init__, a re-export)."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module
+            if node.level:  # relative: from the file's package, level - 1 up
+                parts = [*package[: len(package) - node.level + 1], node.module or ""]
+                base = ".".join(parts).strip(".")
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                      for a in node.names}  # fmt: skip
+    return (found & MODULES.keys()) - {_module(path)}
+
+
+TIER_NAME = re.compile(r"\*\*`([\w./]+)`\*\*")
+
+
+def _dotted(name: str) -> str:
+    """ARCHITECTURE.md's file name as a module: `quant/` moelora.quant, `__init__.py` the
+    package itself, `benchmarks/` (outside the package) benchmarks."""
+    if name == "__init__.py":
+        return "moelora"
+    stem = name.removesuffix("/").removesuffix(".py").replace("/", ".")
+    return f"moelora.{stem}" if (PACKAGE / name).exists() else stem
+
+
+def _tiers() -> list[tuple[str, ...]]:
+    """ARCHITECTURE.md's layers, top first: each paragraph that opens with a bold file name
+    (**`errors.py`**, **`quant/`**) is one tier, holding every bold file name in it."""
+    paragraphs = (ROOT / "ARCHITECTURE.md").read_text().split("\n\n")
+    return [tuple(TIER_NAME.findall(p)) for p in paragraphs if p.startswith("**`")]
+
+
+TIERS = {_dotted(name): i for i, tier in enumerate(_tiers()) for name in tier}
+
+
+def _tier(module: str) -> int | None:
+    """The tier of the longest ARCHITECTURE.md name that is `module` or holds it."""
+    names = [n for n in TIERS if module == n or module.startswith(n + ".")]
+    return TIERS[max(names, key=len)] if names else None
+
+
+def test_architecture_places_every_module() -> None:
+    """Every bold file name of ARCHITECTURE.md is a file or folder of the tree, and every
+    module of the package and of benchmarks/ falls in one of its tiers."""
+    names = [name for tier in _tiers() for name in tier]
+    missing = [n for n in names if not (PACKAGE / n).exists() and not (ROOT / n).exists()]
+    assert not missing, f"ARCHITECTURE.md names files that do not exist: {missing}"
+    unplaced = sorted(m for m in MODULES if _tier(m) is None)
+    assert not unplaced, f"give these a paragraph (a tier) in ARCHITECTURE.md: {unplaced}"
+
+
+def _upward_imports() -> list[str]:
+    tiers = [tier[0] for tier in _tiers()]  # each named by its paragraph's first file
+    return [
+        f"{m} (tier of {tiers[_tier(m)]}) imports {t} (tier of {tiers[_tier(t)]}, below it)"
+        for m, path in sorted(MODULES.items())
+        for t in sorted(_targets(path))
+        if _tier(m) is not None and _tier(t) is not None and _tier(t) > _tier(m)
+    ]
+
+
+def test_imports_point_up_the_architecture() -> None:
+    """A module imports only the modules of its own tier of ARCHITECTURE.md and of the tiers
+    above it: quantization.py's formats sit at the config tier (config, weights and the
+    deployment hold them), the model-level benchmark lives in benchmarks/ (bench/ is below
+    hf/), extras.py sits below serve/ (which reads it), and so on down the file."""
+    bad = _upward_imports()
+    assert not bad, "move the import or the module, or fix ARCHITECTURE.md: " + "; ".join(bad)
+
+
 def _import_cycles() -> list[set[str]]:
-    """The package's import circles, annotations-only imports included (a module named in
-    an annotation must sit below its user as much as one imported to run); package
-    __init__ files (re-exports) are left out. Each circle as the set of its modules."""
-    modules = {_module(p): p for p in _files(PACKAGE) if p.name != "__init__.py"}
-    graph = {}
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text())
-        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parts, node.module or ""]) if node.level else node.module
-                found |= {base.rstrip(".")} | {f"{base.rstrip('.')}.{a.name}" for a in node.names}
-        graph[name] = (found & modules.keys()) - {name}
-    reach = {m: set(graph[m]) for m in graph}
-    for _ in range(len(graph)):  # transitive closure: the graph has ~100 nodes
-        for m in graph:
-            reach[m] |= set().union(*(graph[n] for n in reach[m]))
+    """The import circles of the package and benchmarks/ (every import statement, package
+    __init__ files included), each as the set of its modules."""
+    graph = {m: _targets(path) for m, path in MODULES.items()}
+    reach = {}
+    for start in graph:  # the modules each one reaches
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph[m]
+        reach[start] = seen
     cycles = {
         frozenset({m} | {n for n in reach[m] if m in reach[n]}) for m in graph if m in reach[m]
     }
@@ -139,7 +214,9 @@ def _import_cycles() -> list[set[str]]:
 def test_no_import_circles() -> None:
     """LoRAComm lives in comm.py, below every user, so parallel.py (which implements it and
     imports the layer) is imported by nothing below it, not even for annotations; the HF
-    key table returns plain values, so config.py imports it and not the other way."""
+    key table returns plain values, so config.py imports it and not the other way;
+    benchmarks/fp8_model.py holds what both FP8 phases time, so fp8_generate.py imports it
+    and not the other way."""
     assert _import_cycles() == []
 
 
