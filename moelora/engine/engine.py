@@ -28,6 +28,7 @@ from ..lora.rows import RowAdapters, using
 from . import step_graphs
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
+from .runner import DecodeRunner, runner_support
 from .sampling import RowSampler, Sampling, SamplingFault, next_tokens
 from .served import ServedModel
 from .support import engine_support
@@ -80,7 +81,11 @@ class Engine:
         max_rows: int = 64,
         max_len: int | None = None,
         enforce_eager: bool | None = None,
+        runner: bool | None = None,
     ) -> None:
+        """runner: decode steps on moelora's runner (runner.py) rather than the model's own
+        forward; None: on a GPU where the runner knows the model (True refuses one it does
+        not, naming why)."""
         model = handle.model
         reasons = engine_support(model)
         if reasons:
@@ -110,11 +115,22 @@ class Engine:
         self._rows: dict[str, _Row] = {}  # request id -> row, running or waiting for prefill
         self._waiting: list[_Row] = []
         self._cancelled: list[str] = []
+        self.runner = self._runner(runner)
         use_graphs = self.device.type == "cuda" if enforce_eager is None else not enforce_eager
         self.graphs = (
             step_graphs.StepGraphs(self.max_rows, self._graph_step) if use_graphs else None
         )
         self._allocate()
+
+    def _runner(self, wanted: bool | None) -> DecodeRunner | None:
+        reasons = runner_support(self.model)
+        if wanted and reasons:
+            raise ConfigError("runner", True, "a model the decode runner knows: " + "; ".join(
+                reasons), "pass runner=None (or False): transformers' forward decodes it")  # fmt: skip
+        use = self.device.type == "cuda" if wanted is None else wanted
+        if not use or reasons:
+            return None
+        return DecodeRunner(self.model, self.handle.layers, self.handle.module_banks)
 
     def _allocate(self) -> None:
         """A one-token prefill into row 0 allocates every layer's cache (shapes as the model
@@ -353,6 +369,10 @@ class Engine:
             row_slots=self._slots[:width], snapshot=self._base.snapshot, expert_lora=True,
             lora_modules=modules, token_buffer=self._token_slots[:width],
         )  # fmt: skip
+        if self.runner is not None:
+            with torch.no_grad():
+                return self.runner.decode(self._ids[:width], positions,
+                                          self._write_rows[:width], rows, self.cache, kv_len)  # fmt: skip
         masks = build_masks(self._rule, positions, kv_len, self.dtype)
         return self._forward(self._ids[:width], positions, masks, rows)
 

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..lora.module_banks import ModuleBanks
 from ..lora.registry import AdapterHold, Version
 
 
@@ -20,6 +21,11 @@ class ServedModel(Protocol):
     model: nn.Module  # the transformers model (its forward, config, caches)
     device: torch.device
     enforce_eager: bool | None  # None: CUDA graphs on a GPU; True: never
+    layers: dict[int, nn.Module]  # MoE layer index -> the MoELoRALayer serving its experts
+
+    @property
+    def module_banks(self) -> ModuleBanks:
+        """The served Linear modules' and routers' LoRA banks (path -> a, bt)."""
 
     @property
     def num_slots(self) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,6 +26,7 @@ from ..lora import SlotManager
 from ..lora.registry import AdapterRegistry
 from ..oracle import select
 from . import experts
+from .bound import Bound
 from .graphs import MAX_GRAPH_TOKENS, LayerGraphs
 from .handle import MoELoRAModel
 from .llama4 import swap_llama4_blocks
@@ -37,29 +37,6 @@ from .weights import expert_weights_from_hf
 log = logging.getLogger("moelora.hf")
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Bound:
-    """What attach changed in the model, for detach(): the experts modules bound, the Llama 4
-    blocks swapped, the experts implementation set before, the Linear modules' hooks."""
-
-    modules: list[nn.Module]
-    swapped: list[tuple[nn.Module, str, nn.Module]]
-    previous: str | None
-    hooks: ModuleHooks | None
-
-    def undo(self, model: nn.Module) -> Bound:
-        """Give `model` back as it was before attach; returns what is left bound (nothing)."""
-        if self.hooks is not None:
-            self.hooks.remove()
-        for module in self.modules:
-            experts.unbind(module)
-        for parent, attr, original in self.swapped:
-            setattr(parent, attr, original)
-        if not self.swapped and self.previous not in (None, experts.NAME):
-            model.set_experts_implementation(self.previous)
-        return Bound([], [], self.previous, None)
 
 
 def attach(

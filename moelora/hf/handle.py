@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,17 +25,16 @@ from ..config import ModelConfig
 from ..errors import AdapterError, InputError
 from ..layer import MoELoRALayer
 from ..lora import load_adapter
+from ..lora.module_banks import ModuleBanks
 from ..lora.refusals import Refusals
 from ..lora.registry import AdapterHold, AdapterRegistry, Version
 from ..lora.reports import ServingStats
 from ..lora.rows import BASE, RowAdapters, using
 from ..lora.safe_io import read_config, read_tensors
 from ..oracle import Selection
+from .bound import Bound
 from .call_args import expand_factor, row_names, rows_of
 from .module_lora import read_module_factors
-
-if TYPE_CHECKING:
-    from .attach import Bound
 
 log = logging.getLogger("moelora.hf")
 
@@ -95,6 +94,11 @@ class MoELoRAModel:
     def lora_modules(self) -> frozenset[str]:
         """The served Linear modules / routers some loaded adapter has factors on."""
         return self.registry.lora_modules
+
+    @property
+    def module_banks(self) -> ModuleBanks:
+        """The served Linear modules' and routers' LoRA banks (the slot manager's)."""
+        return self.registry.manager.module_banks
 
     def version(self, name: str | None) -> Version | None:
         """The current version of `name` (None: the base model or a name not loaded)."""

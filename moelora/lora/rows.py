@@ -44,10 +44,6 @@ class RowAdapters:
     token_buffer: Tensor  # [capacity >= T] int32, kept by the thread across calls
 
     @property
-    def module_lora(self) -> bool:
-        return bool(self.lora_modules)
-
-    @property
     def rows(self) -> int:
         return self.row_slots.shape[0]
 

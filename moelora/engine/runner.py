@@ -1,0 +1,151 @@
+"""The decode step as moelora runs it, for the families it knows (Qwen3-MoE): the model's own
+weights read in place, few kernels per layer, every LoRA module per token in moelora's
+kernels; the engine replays it as one CUDA graph per bucket of rows.
+
+Per layer: the residual add fused into each RMSNorm (kernels/rms_norm.py); the q / k / v
+projections (cuBLAS, the model's weights) and their LoRA over the slots the rows name
+(kernels/dense_lora.py); q / k norm, rotary and the KV-cache write in one kernel
+(kernels/rope_cache.py); attention over each row's own cache length
+(kernels/decode_attention.py); o_proj and its LoRA; the router (its logits, their LoRA,
+transformers' softmax / top-k / renormalization); the experts on moelora's layer. Then the
+final norm and the LM head with its LoRA. Each step keeps transformers' roundings (the
+kernels' docstrings say how), so a row equals the model's eager forward within its dtype's
+tolerance (tests/test_engine_runner.py, against HF + PEFT alone).
+
+Families or configurations it does not know keep transformers' forward (runner_support()
+says why). Legend: B rows, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..kernels.decode_attention import decode_attention
+from ..kernels.dense_lora import add_dense_lora
+from ..kernels.rms_norm import add_rms_norm
+from ..kernels.rope_cache import rope_and_cache
+from ..lora.module_banks import ModuleBanks
+from ..lora.rows import RowAdapters
+
+FAMILIES = ("qwen3_moe",)
+
+
+def runner_support(model: nn.Module) -> list[str]:
+    """Why the runner cannot run `model`'s decode step (empty: it can)."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return [f"model_type {config.model_type!r}: the runner knows {list(FAMILIES)}"]
+    reasons = []
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+        reasons.append("dense MLP layers between the MoE layers")
+    if getattr(config, "use_sliding_window", False):
+        reasons.append("sliding-window attention")
+    if getattr(config, "quantization_config", None) is not None:
+        reasons.append("a quantized checkpoint (its attention and dense layers are not bf16)")
+    plain = all(type(m) is nn.Linear for n, m in model.named_modules() if n.endswith(_LINEARS))
+    if not plain:
+        reasons.append("attention projections or LM head that are not plain nn.Linear")
+    return reasons
+
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's pieces, the model's own modules and weights."""
+
+    index: int
+    attn: nn.Module  # q_proj, k_proj, v_proj, o_proj, q_norm, k_norm
+    norm_in: Tensor
+    norm_post: Tensor
+    gate: Tensor  # the router's weight [E, H]
+    experts: nn.Module  # the MoELoRALayer serving this layer's experts
+    path: str  # "model.layers.<i>"
+
+
+class DecodeRunner:
+    """decode(...) -> logits [B, V] of one token per row, from the engine's static buffers."""
+
+    def __init__(self, model: nn.Module, experts: dict[int, nn.Module], banks: ModuleBanks):
+        config = model.config
+        self.model, self.banks = model, banks
+        self.eps = config.rms_norm_eps
+        self.top_k, self.renorm = config.num_experts_per_tok, config.norm_topk_prob
+        self.layers = [
+            _Layer(i, layer.self_attn, layer.input_layernorm.weight,
+                   layer.post_attention_layernorm.weight, layer.mlp.gate.weight, experts[i],
+                   f"model.layers.{i}")
+            for i, layer in enumerate(model.model.layers)
+        ]  # fmt: skip
+        self.first_moe = min(experts)
+
+    def decode(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        write_rows: Tensor,
+        rows: RowAdapters,
+        cache,
+        kv_len: int,
+    ) -> Tensor:
+        """ids / positions / write_rows [B, 1]: each row's token, its position, the cache row
+        its k / v go to (batch row b reads cache row b); rows: the call context; cache: the
+        engine's RowCache (allocated); kv_len: the most positions any row reads."""
+        model = self.model
+        batch = ids.shape[0]
+        pos = positions[:, 0]
+        h = model.model.embed_tokens(ids)[:, 0]
+        cos, sin = model.model.rotary_emb(h[:, None], positions)
+        cos, sin = cos[:, 0], sin[:, 0]
+        lengths = pos + 1
+        slots = rows.row_slots[:batch]
+        residual = None
+        for layer in self.layers:
+            x, residual = add_rms_norm(h, residual, layer.norm_in, self.eps)
+            att = self._attention(layer, x, cos, sin, cache.layers[layer.index], write_rows[:, 0],
+                                  pos, lengths, slots, rows, kv_len)  # fmt: skip
+            x, residual = add_rms_norm(att, residual, layer.norm_post, self.eps)
+            h = self._moe(layer, x, slots, rows)
+        x, _ = add_rms_norm(h, residual, model.model.norm.weight, self.eps)
+        return self._linear(model.lm_head, "lm_head", x, slots, rows)
+
+    def _linear(self, module: nn.Linear, path: str, x: Tensor, slots, rows) -> Tensor:
+        out = F.linear(x, module.weight, module.bias)
+        if path in rows.lora_modules:
+            add_dense_lora(out, x, slots, self.banks.a[path], self.banks.bt[path])
+        return out
+
+    def _attention(self, layer, x, cos, sin, cache_layer, write_rows, pos, lengths, slots,
+                   rows, kv_len) -> Tensor:  # fmt: skip
+        attn, path = layer.attn, f"{layer.path}.self_attn"
+        q = self._linear(attn.q_proj, f"{path}.q_proj", x, slots, rows)
+        k = self._linear(attn.k_proj, f"{path}.k_proj", x, slots, rows)
+        v = self._linear(attn.v_proj, f"{path}.v_proj", x, slots, rows)
+        q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, write_rows,
+                           pos, attn.q_norm.weight, attn.k_norm.weight, self.eps)  # fmt: skip
+        out = decode_attention(q, cache_layer.keys, cache_layer.values, lengths, attn.scaling,
+                               kv_len)  # fmt: skip
+        return self._linear(attn.o_proj, f"{path}.o_proj", out.view(x.shape[0], -1), slots, rows)
+
+    def _moe(self, layer: _Layer, x: Tensor, slots: Tensor, rows: RowAdapters) -> Tensor:
+        """The router as transformers' (softmax in fp32, top-k, renormalized, rounded to the
+        logits' dtype) and the experts on moelora's layer."""
+        logits = F.linear(x, layer.gate)
+        path = f"{layer.path}.mlp.gate"
+        if path in rows.lora_modules:
+            add_dense_lora(logits, x, slots, self.banks.a[path], self.banks.bt[path])
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renorm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype).float()
+        ids = ids.to(torch.int32)
+        if not rows.expert_lora:
+            return layer.experts(x, ids, weights)
+        token_slots = rows.token_slots(x.shape[0], refresh=layer.index == self.first_moe)
+        return layer.experts(x, ids, weights, token_slots, rows.snapshot.banks[layer.index])

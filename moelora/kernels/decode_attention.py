@@ -1,0 +1,194 @@
+"""Attention of one new token per row over that row's KV cache (decode), split over the keys.
+
+Each row t reads its own cache row t, positions 0 .. lengths[t] - 1 (a loop bound read on
+the device: a CUDA graph captured at the cache's full length reads only what each row
+holds). One program per (row, KV head, split of the positions) takes the KV head's group of
+query heads together (grouped-query attention), scores in fp32, an online softmax, and
+writes its unnormalized output with its max and sum; a second kernel combines the splits.
+With one split the first kernel writes the output itself.
+Legend: T rows, Hq / Hk query / KV heads, G = Hq / Hk, D head width, N cache rows,
+M positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..tiling.geometry import next_pow2
+from .output import as_stored
+
+BLOCK_N = 64  # keys per step: a [16, 64] x [64, D] pair of dots; reasoned, not tuned
+# Programs worth having in flight on an H200 (132 SMs, two each): splits are added until
+# rows x KV heads x splits reach this. Reasoned, not tuned.
+TARGET_PROGRAMS = 264
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    len_ptr,
+    out_ptr,
+    part_ptr,
+    stat_ptr,
+    scale,
+    group,
+    head_dim,
+    split_len,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_km,
+    stride_vn,
+    stride_vh,
+    stride_vm,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_st,
+    stride_sh,
+    stride_ss,
+    SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(len_ptr + t)
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < group
+    d_ok = offs_d < head_dim
+    heads = kv * group + offs_g
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_row = k_ptr + t * stride_kn + kv * stride_kh
+    v_row = v_ptr + t * stride_vn + kv * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        k = tl.load(k_row + offs_n[:, None] * stride_km + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_row + offs_n[:, None] * stride_vm + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    rows = g_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        dst = out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, as_stored(out, out_ptr.dtype.element_ty), mask=rows)
+    else:
+        dst = part_ptr + t * stride_pt + heads[:, None] * stride_ph + split * stride_ps
+        tl.store(dst + offs_d[None, :], acc, mask=rows)
+        stat = stat_ptr + t * stride_st + heads * stride_sh + split * stride_ss
+        tl.store(stat, m, mask=g_ok)
+        tl.store(stat + 1, total, mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,
+    stat_ptr,
+    out_ptr,
+    head_dim,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_st,
+    stride_sh,
+    stride_ss,
+    stride_ot,
+    stride_oh,
+    SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    base = t * stride_pt + h * stride_ph
+    stat = stat_ptr + t * stride_st + h * stride_sh + offs_s * stride_ss
+    m_s = tl.load(stat)
+    l_s = tl.load(stat + 1)
+    m = tl.max(m_s, axis=0)
+    w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)
+    total = tl.sum(l_s * w, axis=0)
+    part = tl.load(part_ptr + base + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=d_ok[None, :], other=0.0)  # fmt: skip
+    out = tl.sum(part * w[:, None], axis=0) / total
+    dst = out_ptr + t * stride_ot + h * stride_oh + offs_d
+    tl.store(dst, as_stored(out, out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def splits_for(rows: int, kv_heads: int, max_len: int) -> int:
+    """Splits of the positions (a power of two, at most one per BLOCK_N keys) that bring
+    rows x KV heads x splits up to TARGET_PROGRAMS."""
+    want = max(1, math.ceil(TARGET_PROGRAMS / max(1, rows * kv_heads)))
+    cap = max(1, math.ceil(max_len / BLOCK_N))
+    return min(next_pow2(want), next_pow2(cap))
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    lengths: Tensor,
+    scale: float,
+    max_len: int | None = None,
+) -> Tensor:
+    """out [T, Hq, D] for q [T, Hq, D] (row t's one query per head), caches [N >= T, Hk, M,
+    D] (row t reads cache row t), lengths [T] (positions 0 .. lengths[t] - 1 are read;
+    >= 1). max_len: the most any row may read (default M): sizes the splits."""
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = q_heads // kv_heads
+    max_len = k_cache.shape[2] if max_len is None else max_len
+    splits = splits_for(tokens, kv_heads, max_len)
+    split_len = math.ceil(math.ceil(max_len / splits) / BLOCK_N) * BLOCK_N
+    out = torch.empty_like(q)
+    if splits > 1:
+        part = torch.empty(tokens, q_heads, splits, head_dim, dtype=torch.float32,
+                           device=q.device)  # fmt: skip
+        stat = torch.empty(tokens, q_heads, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = stat = out  # not read
+    strides = (*part.stride()[:3], *stat.stride()[:3]) if splits > 1 else (0,) * 6
+    block_d = next_pow2(head_dim)
+    if tokens:
+        _decode_attention_kernel[(tokens, kv_heads, splits)](
+            q, k_cache, v_cache, lengths, out, part, stat, scale, group, head_dim, split_len,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            out.stride(0), out.stride(1), *strides,
+            SPLITS=splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=BLOCK_N,
+            BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+        if splits > 1:
+            _combine_kernel[(tokens, q_heads)](
+                part, stat, out, head_dim, *strides, out.stride(0), out.stride(1),
+                SPLITS=splits, BLOCK_D=block_d, num_warps=1,
+            )  # fmt: skip
+    return out

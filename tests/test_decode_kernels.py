@@ -1,0 +1,159 @@
+"""The decode step's own kernels (moelora/kernels: rms_norm, rope_cache, decode_attention,
+dense_lora) against outside truth: transformers' Qwen3-MoE RMSNorm and rotary code, an
+fp64 softmax attention over each row's length, and the per-token LoRA delta of the module
+banks (itself checked against PEFT in the module tests). Fresh random inputs per seed,
+outputs poisoned first; fp32 and fp16 (the interpreter's bf16 rounds by its own rule)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, apply_rotary_pos_emb
+
+from moelora.compare import assert_close
+from moelora.kernels.decode_attention import decode_attention, splits_for
+from moelora.kernels.dense_lora import add_dense_lora
+from moelora.kernels.rms_norm import add_rms_norm
+from moelora.kernels.rope_cache import rope_and_cache
+from moelora.lora.module_banks import dense_lora_delta
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+NORMS = [
+    # (id, rows, hidden, residual): the edges each covers
+    ("one-row-residual", 1, 64, True),
+    ("rows-no-residual", 5, 48, False),  # hidden not a power of two: masked lanes
+    ("wide", 3, 256, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", NORMS, ids=[c[0] for c in NORMS])
+def test_add_rms_norm_equals_transformers(case, dtype, seed):
+    _, rows, hidden, with_res = case
+    g = _gen(seed)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype) if with_res else None
+    norm = Qwen3MoeRMSNorm(hidden, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
+    s = x + residual if with_res else x  # transformers adds in the activation dtype
+    ref = norm(s)
+    out, out_sum = add_rms_norm(x, residual, norm.weight, 1e-6)
+    assert_close(out, ref, dtype, what="y")
+    assert torch.equal(out_sum, s)
+
+
+ROPE = [
+    # (id, rows, q heads, kv heads, head dim, norm): the edges each covers
+    ("qwen3-like", 3, 8, 2, 16, True),
+    ("no-norm-mha", 2, 4, 4, 32, False),
+    ("one-row", 1, 4, 1, 16, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ROPE, ids=[c[0] for c in ROPE])
+def test_rope_and_cache_equal_transformers(case, dtype, seed):
+    _, rows, hq, hk, d, with_norm = case
+    g = _gen(seed)
+    q = torch.randn(rows, hq * d, generator=g).to(dtype)
+    k = torch.randn(rows, hk * d, generator=g).to(dtype)
+    v = torch.randn(rows, hk * d, generator=g).to(dtype)
+    angles = torch.rand(rows, d // 2, generator=g) * 6.0
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # as the rotary module returns them
+    q_norm = Qwen3MoeRMSNorm(d).to(dtype) if with_norm else None
+    k_norm = Qwen3MoeRMSNorm(d).to(dtype) if with_norm else None
+    if q_norm is not None:
+        q_norm.weight.data = torch.randn(d, generator=g).to(dtype)
+        k_norm.weight.data = torch.randn(d, generator=g).to(dtype)
+    cache_rows, cache_len = rows + 2, 10
+    k_cache = torch.full((cache_rows, hk, cache_len, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    dest = torch.randperm(cache_rows, generator=g)[:rows]
+    pos = torch.randint(0, cache_len, (rows,), generator=g)
+    out = rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, dest, pos,
+                         None if q_norm is None else q_norm.weight,
+                         None if k_norm is None else k_norm.weight, 1e-6)  # fmt: skip
+    # transformers: [B, heads, S=1, D] with cos / sin [B, S, D]
+    qh = q.view(rows, hq, d)
+    kh = k.view(rows, hk, d)
+    if q_norm is not None:
+        qh, kh = q_norm(qh), k_norm(kh)
+    ref_q, ref_k = apply_rotary_pos_emb(qh[:, :, None], kh[:, :, None], cos[:, None], sin[:, None])
+    assert_close(out, ref_q[:, :, 0], dtype, what="q")
+    assert_close(k_cache[dest, :, pos], ref_k[:, :, 0], dtype, what="k in the cache")
+    assert torch.equal(v_cache[dest, :, pos], v.view(rows, hk, d))
+    written = torch.zeros(cache_rows, cache_len, dtype=torch.bool)
+    written[dest, pos] = True
+    assert k_cache.isnan().all(dim=(1, 3))[~written].all()  # nothing else was touched
+
+
+ATTENTION = [
+    # (id, rows, q heads, kv heads, head dim, cache positions, max_len): the edges
+    ("gqa-one-split", 2, 8, 2, 16, 40, 40),
+    ("gqa-splits", 3, 8, 2, 16, 300, 300),  # several splits, rows of 1 .. 300 keys
+    ("mha", 2, 4, 4, 32, 70, 70),
+    ("group-of-one-row", 1, 4, 1, 16, 130, 130),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ATTENTION, ids=[c[0] for c in ATTENTION])
+def test_decode_attention_equals_softmax_attention(case, dtype, seed):
+    _, rows, hq, hk, d, positions, max_len = case
+    g = _gen(seed)
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
+    k_cache = torch.randn(rows + 1, hk, positions, d, generator=g).to(dtype)
+    v_cache = torch.randn(rows + 1, hk, positions, d, generator=g).to(dtype)
+    lengths = torch.randint(1, positions + 1, (rows,), generator=g)
+    lengths[0] = positions  # a full row, and a one-key row where there is room
+    if rows > 1:
+        lengths[1] = 1
+    scale = d**-0.5
+    out = decode_attention(q, k_cache, v_cache, lengths, scale, max_len)
+    group = hq // hk
+    ref = torch.empty(rows, hq, d, dtype=torch.float64)
+    for t in range(rows):
+        n = int(lengths[t])
+        for h in range(hq):
+            keys = k_cache[t, h // group, :n].double()
+            probs = torch.softmax(keys @ q[t, h].double() * scale, dim=0)
+            ref[t, h] = probs @ v_cache[t, h // group, :n].double()
+    assert_close(out, ref, dtype, what="attention")
+    if case[0] == "gqa-splits":
+        assert splits_for(rows, hk, max_len) > 1  # the case covers the combine kernel
+
+
+LORA = [
+    # (id, tokens, slots, rank, in, out, slots used): the edges each covers
+    ("mixed-with-base", 5, 4, 8, 48, 40, [0, -1, 3, 0, 2]),
+    ("all-base", 3, 2, 4, 32, 16, [-1, -1, -1]),  # no adapter: out unchanged, exactly
+    ("wide-out", 2, 3, 16, 64, 600, [2, 1]),  # several column blocks
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LORA, ids=[c[0] for c in LORA])
+def test_dense_lora_equals_the_bank_delta(case, dtype, seed):
+    _, tokens, num_slots, rank, n, m, used = case
+    g = _gen(seed)
+    x = torch.randn(tokens, n, generator=g).to(dtype)
+    a = (torch.randn(num_slots, rank, n, generator=g) / math.sqrt(n)).to(dtype)
+    bt = torch.randn(num_slots, rank, m, generator=g).to(dtype)
+    a[1, rank // 2 :] = 0  # slot 1 holds a lower-rank adapter (its rows past r are zero)
+    bt[1, rank // 2 :] = 0
+    slots = torch.tensor(used, dtype=torch.int32)
+    base = torch.randn(tokens, m, generator=g).to(dtype)
+    out = add_dense_lora(base.clone(), x, slots, a, bt)
+    ref = base + dense_lora_delta(x, slots, a, bt).to(dtype)
+    assert_close(out, ref, dtype, what="out")
+    plain = slots < 0
+    assert torch.equal(out[plain], base[plain])  # slot -1 rows: untouched

@@ -1,0 +1,108 @@
+"""The decode runner (moelora/engine/runner.py) on the CPU, its kernels through Triton's
+interpreter: rows of a continuously batched run decoded by the runner equal HF + PEFT
+generating each row alone (tokens equal; the logits each token was picked from within the
+fp32 tolerance of HF's), with adapters on every LoRA module the runner serves (q / k / v / o,
+the router, the LM head, the experts) and rows without; families it does not know are
+refused when asked for and left to transformers' forward otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import LogitsLog, greedy_alone, run_all, truth_logits
+
+from moelora.compare import assert_close
+from moelora.engine import Engine, Request, Sampling
+from moelora.errors import ConfigError
+from moelora.hf import attach, toy
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+NEW = 5
+
+
+def _adapters(model) -> dict[str, dict]:
+    linears = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+    routers = [n for n, _ in model.named_modules() if n.endswith(".mlp.gate")]
+    experts = toy.expert_parameters(model)
+    return {
+        "every-module": dict(r=4, lora_alpha=8, target_modules=linears + routers,
+                             target_parameters=experts, rank_pattern={"o_proj": 2}),
+        "attention-only": dict(r=3, lora_alpha=6, use_rslora=True,
+                               target_modules=["q_proj", "v_proj"]),
+        "experts-only": dict(r=2, lora_alpha=4, target_parameters=experts),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runner")
+    base = toy.build_model("qwen3_moe", seed=31)
+    truths, dirs = {}, {}
+    for i, (name, kw) in enumerate(_adapters(base).items()):
+        dirs[name] = root / name
+        truths[name] = toy.write_peft_adapter(base, dirs[name], seed=40 + i, **kw)
+    return base, truths, dirs
+
+
+def _handle(qwen):
+    import copy
+
+    base, _, dirs = qwen
+    handle = attach(copy.deepcopy(base), num_slots=3, max_rank=8, moe_backend="reference")
+    for name, path in dirs.items():
+        handle.load_adapter(path, name=name)
+    return handle
+
+
+ROWS = ["every-module", None, "attention-only", "experts-only", "every-module"]
+
+
+def test_runner_rows_equal_hf_peft_alone(qwen, seed, monkeypatch):
+    base, truths, _ = qwen
+    engine = Engine(_handle(qwen), max_rows=6, max_len=40, enforce_eager=True, runner=True)
+    assert engine.runner is not None
+    log = LogitsLog(monkeypatch)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (4, 7, 5, 9, 6)]
+    requests = [Request(f"r{i}", p, name, Sampling(max_new_tokens=NEW))
+                for i, (name, p) in enumerate(zip(ROWS, prompts))]  # fmt: skip
+    got = run_all(engine, {0: requests[::2], 2: requests[1::2]})  # rows join mid-run
+    for i, (name, prompt) in enumerate(zip(ROWS, prompts)):
+        truth = base if name is None else truths[name]
+        tokens, reason = got[f"r{i}"]
+        assert (tokens, reason) == (greedy_alone(truth, torch.tensor(prompt), NEW), "length"), i
+        out = torch.stack(log.by_request[f"r{i}"])
+        ref = truth_logits(truth, torch.tensor(prompt), tokens)
+        assert_close(out, ref, torch.float32, what=f"row {i} ({name}) logits")
+    engine.close()
+
+
+def test_runner_equals_the_models_own_forward(qwen, seed, monkeypatch):
+    """The same requests through the runner and through transformers' forward (the engine's
+    other decode path): equal tokens, logits within the fp32 tolerance, every step."""
+    handle = _handle(qwen)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (3, 8, 6)]
+    names = ["every-module", "experts-only", None]
+    logs = {}
+    for runner in (True, False):
+        log = LogitsLog(monkeypatch)
+        engine = Engine(handle, max_rows=4, max_len=32, enforce_eager=True, runner=runner)
+        reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
+                for i, (n, p) in enumerate(zip(names, prompts))]  # fmt: skip
+        run_all(engine, {0: reqs})
+        logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
+        engine.close()
+        monkeypatch.undo()
+    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
+        assert_close(out, ref, torch.float32, what=f"row {i}")
+
+
+def test_a_family_the_runner_does_not_know_is_refused_or_left_to_transformers(tmp_path):
+    model = toy.build_model("mixtral", seed=3)
+    handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
+    with pytest.raises(ConfigError, match="mixtral"):
+        Engine(handle, max_rows=2, max_len=16, enforce_eager=True, runner=True)
+    engine = Engine(handle, max_rows=2, max_len=16, enforce_eager=True)  # default: not asked
+    assert engine.runner is None
+    engine.close()
