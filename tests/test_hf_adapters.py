@@ -19,7 +19,7 @@ from moelora.errors import (
     MoeloraError,
     UnsupportedDeploymentError,
 )
-from moelora.hf import attach, toy
+from moelora.hf import attach, experts, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 NEW = 4
@@ -113,7 +113,7 @@ def test_explicit_backend_refused_before_anything_is_allocated(family):
     with pytest.raises(UnsupportedDeploymentError) as info:
         attach(model, num_slots=2, max_rank=8, moe_backend="grouped_mm")
     assert "grouped_mm" in str(info.value) and "device" in str(info.value)
-    assert not any(hasattr(m, "_moelora_key") for m in model.modules())
+    assert not any(experts.key_of(m) is not None for m in model.modules())
     assert model.config._experts_implementation != "moelora"
 
 
@@ -129,7 +129,7 @@ def test_bad_bank_sizes_are_refused_naming_the_keyword_passed(family, sizes, nam
     model = family.fresh()
     with pytest.raises(ConfigError, match=named):
         attach(model, moe_backend="reference", **sizes)
-    assert not any(hasattr(m, "_moelora_key") for m in model.modules())
+    assert not any(experts.key_of(m) is not None for m in model.modules())
     assert model.config._experts_implementation != "moelora"
 
 

@@ -47,12 +47,12 @@ def test_expert_weights_are_the_modules_own(family):
     handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
     for path in family.dirs.values():
         handle.load_adapter(path, **family.load_kwargs)
-    bound = [m for m in model.modules() if hasattr(m, "_moelora_key")]
-    assert len(bound) == len(handle.model_config.moe_layers)
-    from moelora.hf.experts import _bindings
+    from moelora.hf import experts
 
+    bound = [m for m in model.modules() if experts.key_of(m) is not None]
+    assert len(bound) == len(handle.model_config.moe_layers)
     for module in bound:
-        layer = _bindings[module._moelora_key].layer
+        layer = experts.binding_of(module).layer
         w13 = getattr(module, "gate_up_proj", None)
         w13 = module.up_proj if w13 is None else w13
         for ours, theirs in ((layer.experts.w13, w13), (layer.experts.w2, module.down_proj)):

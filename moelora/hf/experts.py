@@ -64,6 +64,16 @@ def bind(module: torch.nn.Module, binding: ExpertsBinding) -> int:
     return key
 
 
+def key_of(module: torch.nn.Module) -> int | None:
+    """The key an experts module is bound under (None: not bound by moelora)."""
+    return getattr(module, "_moelora_key", None)
+
+
+def binding_of(module: torch.nn.Module) -> ExpertsBinding:
+    """The binding of an experts module attach() bound."""
+    return _bindings[key_of(module)]
+
+
 def unbind(module: torch.nn.Module) -> None:
     key = getattr(module, "_moelora_key", None)
     _bindings.pop(key, None)

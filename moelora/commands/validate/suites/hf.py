@@ -52,7 +52,9 @@ def build(device: str, backend: str, folder: Path, seed: int):
     for i, name in enumerate(ADAPTERS):
         toy.write_peft_adapter(model, folder / name, seed=seed + i + 1, **specs[name])
         handle.load_adapter(folder / name, name=name)
-    module = next(m for m in model.modules() if hasattr(m, "_moelora_key"))
+    from ....hf import experts
+
+    module = next(m for m in model.modules() if experts.key_of(m) is not None)
     return model, handle, module, specs
 
 
@@ -69,8 +71,8 @@ def graph_verdicts(handle, module, x, ids, w) -> Iterator[Verdict]:
     """A graph captured around the op, replayed, then replayed again after new row slots."""
     from ....hf import experts
 
-    key = module._moelora_key
-    with handle._call(ROWS, len(ROWS)) as current:
+    key = experts.key_of(module)
+    with handle.call(ROWS, len(ROWS)) as current:
         eager = experts.experts_op(x, ids, w, key)
         graph, captured = capture_graph(experts.experts_op, (x, ids, w, key), warmups=1)
         graph.replay()
@@ -125,7 +127,7 @@ def decode_graphs_verdict(model, handle, module, specs, folder: Path, g: torch.G
     adapters between calls and a replace moves fused-r2 to another slot at the 4th."""
     from ....hf import experts, toy
 
-    binding = experts._bindings[module._moelora_key]
+    binding = experts.binding_of(module)
     good, names, errors, repeatable = binding.graphs is not None, list(ROWS), [], True
     for step in range(6):
         if step == 3:  # a new version of fused-r2 lands in another slot
@@ -133,8 +135,8 @@ def decode_graphs_verdict(model, handle, module, specs, folder: Path, g: torch.G
             handle.load_adapter(folder / "v2", name="fused-r2")
         names = [names[-1], *names[:-1]]  # rows change adapters between calls
         x, ids, w = routed(model, len(names), g)
-        with handle._call(names, len(names)) as current:
-            replayed = experts.experts_op(x, ids, w, module._moelora_key)
+        with handle.call(names, len(names)) as current:
+            replayed = experts.experts_op(x, ids, w, experts.key_of(module))
             slots = current.token_slots(len(names), refresh=False)
             bank = current.snapshot.banks[binding.layer_index]
             direct = binding.layer(x, ids.int(), w.float(), slots, bank)

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .... import cuda_graphs
 from ....lora import SlotManager, leases
 from ....presets import resolve_model
 from .adapters import random_adapter
@@ -81,12 +82,14 @@ def capture_problem() -> str:
     manager.load(a)
     bank = manager.snapshot().banks[model.moe_layers[0]]
     out = torch.full_like(bank.w13_a[0], float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step() -> None:
         with manager.reading(["a"]) as (snap, _):
             out.copy_(bank.w13_a[snap.slots(["a"])[0]])
-    if manager._leases.busy():
-        return f"lease still held after the capture: {dict(manager._leases.busy())}"
+
+    graph = cuda_graphs.capture(step, warmups=0)  # the reading itself is what is captured
+    if manager.leased():
+        return f"lease still held after the capture: {manager.leased()}"
     graph.replay()
     torch.cuda.synchronize()
     if not torch.equal(out.cpu(), a.layers[model.moe_layers[0]].w13_a):
