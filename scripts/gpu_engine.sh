@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One GPU call for the decode engine: the main job on the GPU (fp32: every row equal to HF +
+# PEFT alone; bf16: within HF's own noise), the graph / eager check of the engine
+# (scripts/gpu_engine_check.py), where a decode step's time goes on both decode paths
+# (benchmarks/decode_profile.py), and the GPU check suites (`moelora validate --suite slots
+# --suite hf --suite serving`). Usage (device tool): bash scripts/gpu_engine.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+export HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
+timeout "$(budget ${GEN_S:-100} 300)" $PY -m moelora generate 2>&1 | grep -v Warning | tee "$OUT/generate_fp32.log"; echo "generate fp32 exit: ${PIPESTATUS[0]}"
+timeout "$(budget ${GEN_S:-100} 280)" $PY -m moelora generate --dtype bf16 2>&1 | grep -v Warning | tee "$OUT/generate_bf16.log"; echo "generate bf16 exit: ${PIPESTATUS[0]}"
+timeout "$(budget ${CHECK_S:-150} 240)" $PY scripts/gpu_engine_check.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/engine_check.log"; echo "engine check exit: ${PIPESTATUS[0]}"
+timeout "$(budget ${PROFILE_S:-200} 60)" $PY -m benchmarks.decode_profile --layers ${LAYERS:-4} --json "$OUT/decode_profile.json" 2>&1 | grep -v "Warning\|USDT" | tee "$OUT/decode_profile.log"; echo "profile exit: ${PIPESTATUS[0]}"
+timeout "$(budget ${SUITES_S:-200})" $PY -m moelora validate --suite slots --suite hf --suite serving 2>&1 | grep -v Warning | tee "$OUT/suites.log"; echo "suites exit: ${PIPESTATUS[0]}"
