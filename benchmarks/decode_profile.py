@@ -233,6 +233,7 @@ def run_batch(model, handle, names, args, batch: int, with_lora: bool, runner: b
             if failed:
                 raise RuntimeError(f"a request failed: {failed[0].error!r}")
         if eager:
+            profile_step(engine, model)  # a first profiled step pays one-time costs
             results["profile_us"] = profile_step(engine, model)
         if not eager or handle.device.type != "cuda":
             results["step_ms"] = step_ms(engine, args.steps)
@@ -255,17 +256,21 @@ def _record_logits(engine, store: dict) -> None:
     engine._accept = recording
 
 
-def agreement(a: dict, b: dict) -> float:
-    """The largest relative error between two runs' logits of the same requests, over the
-    steps before their picked tokens first differ."""
-    worst, compared = 0.0, 0
+def agreement(a: dict, b: dict) -> tuple[float, float]:
+    """(median, largest) relative error between two runs' logits of the same requests, over
+    the steps before their picked tokens first differ. In bf16 a router's k-th expert can
+    flip between two correct implementations: such a step differs by tenths, the next
+    agrees again, so the median says more than the largest."""
+    errs = []
     for rid, steps in a.items():
         for x, y in zip(steps, b.get(rid, [])):
-            worst = max(worst, float((x - y).norm() / y.norm()))
-            compared += 1
+            errs.append(float((x - y).norm() / y.norm()))
             if x.argmax() != y.argmax():
                 break
-    return worst if compared else float("nan")
+    if not errs:
+        return float("nan"), float("nan")
+    errs.sort()
+    return errs[len(errs) // 2], errs[-1]
 
 
 def main(argv=None) -> None:
@@ -307,7 +312,8 @@ def _print(row: dict, layers: int) -> None:
         print("   per layer us: " + ", ".join(f"{p} {prof[p] / layers:.1f}" for p in parts)
               + f"; lm_head {prof['lm_head']:.1f}, other {prof['other']:.1f}", flush=True)  # fmt: skip
     else:
-        print(f"   logits vs hf: rel err {row['rel_err_vs_hf']:.2e}", flush=True)
+        median, worst = row["rel_err_vs_hf"]
+        print(f"   logits vs hf: rel err median {median:.2e}, largest {worst:.2e}", flush=True)
 
 
 if __name__ == "__main__":

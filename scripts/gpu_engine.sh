@@ -6,6 +6,7 @@
 # --suite hf --suite serving`). Usage (device tool): bash scripts/gpu_engine.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 export HF_HUB_OFFLINE=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # scripts/*.py import moelora from this tree
 nvidia-smi --query-gpu=name,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 timeout "$(budget ${GEN_S:-100} 300)" $PY -m moelora generate 2>&1 | grep -v Warning | tee "$OUT/generate_fp32.log"; echo "generate fp32 exit: ${PIPESTATUS[0]}"

@@ -5,7 +5,8 @@ the device: a CUDA graph captured at the cache's full length reads only what eac
 holds). One program per (row, KV head, split of the positions) takes the KV head's group of
 query heads together (grouped-query attention), scores in fp32, an online softmax, and
 writes its unnormalized output with its max and sum; a second kernel combines the splits.
-With one split the first kernel writes the output itself.
+With one split the first kernel writes the output itself. fp32 inputs take exact fp32 dots
+(no tf32), as the model's own attention does.
 Legend: T rows, Hq / Hk query / KV heads, G = Hq / Hk, D head width, N cache rows,
 M positions.
 """
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from ..tiling.geometry import next_pow2
 from .output import as_stored
+from .tiles import mma
 
 BLOCK_N = 64  # keys per step: a [16, 64] x [64, D] pair of dots; reasoned, not tuned
 # Programs worth having in flight on an H200 (132 SMs, two each): splits are added until
@@ -61,6 +63,7 @@ def _decode_attention_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     t = tl.program_id(0)
     kv = tl.program_id(1)
@@ -85,7 +88,7 @@ def _decode_attention_kernel(
         n_ok = offs_n < end
         k = tl.load(k_row + offs_n[:, None] * stride_km + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), IEEE) * scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -93,7 +96,7 @@ def _decode_attention_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         v = tl.load(v_row + offs_n[:, None] * stride_vm + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m = m_new
     rows = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
@@ -184,7 +187,7 @@ def decode_attention(
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             out.stride(0), out.stride(1), *strides,
             SPLITS=splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=BLOCK_N,
-            BLOCK_D=block_d, num_warps=4,
+            BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=4,
         )  # fmt: skip
         if splits > 1:
             _combine_kernel[(tokens, q_heads)](
