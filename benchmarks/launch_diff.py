@@ -52,7 +52,7 @@ KNOB_CASES = [
     {"expand_one_dot": True, "expand_first": True},
     {"expand_one_dot": True, "lora_delta": True},
     {"expand_one_dot": True, "lora_delta": True, "shrink_expand": True},
-    {"expand_one_dot": True, "lora_stream": True, "shrink_expand": True, "fused_down_lora": True},
+    {"expand_one_dot": True, "lora_stream": True, "shrink_expand": True},
 ]
 
 

@@ -2,7 +2,8 @@
 on 16-bit inputs every LoRA expand multiplies B by the rank intermediate rounded to x's
 dtype (one dot) instead of its hi + lo parts (two dots, ~16 mantissa bits), as HF + PEFT
 compute lora_B(lora_A(x)) in bf16. On each expand path (the in-GEMM expand, after or
-before the K loop; the delta kernel; the shrink_expand; the fused down launch) the layer
+before the K loop; the delta kernel; the shrink_expand, its down delta added by the GEMM or
+by the top-k reduce) the layer
 with the knob on is checked against the fp32 reference within its dtype's tolerance, and
 against a reference whose LoRA branch is held in bf16 (`lora_held`) to show the knob
 really rounds; fp32 inputs ignore it, and the plan passes it only where an expand runs.
@@ -34,10 +35,8 @@ PATHS = {
     "in-gemm-expand-first": dict(expand_first=True),  # ... as a pipelined loop before it
     "lora-delta": dict(lora_delta=True),  # the delta kernel over the shrink tiles
     "shrink-expand": dict(lora_delta=True, shrink_expand=True),  # the shrink expands
-    # the down side's shrink_expand in the down GEMM's launch, its delta added by the reduce
-    "fused-down": dict(
-        lora_delta=True, delta_in_reduce=True, shrink_expand=True, fused_down_lora=True
-    ),
+    # ... the down side's delta added by the top-k reduce (the down GEMM LoRA-free)
+    "in-reduce": dict(lora_delta=True, delta_in_reduce=True, shrink_expand=True),
 }
 
 
@@ -86,7 +85,7 @@ CASES = [
     # fp16: the native 16-bit dot in the interpreter (no upcast); interleaved gate / up rows
     Case("in-gemm-fp16", "in-gemm", FP16),
     Case("lora-delta-swigluoai-fp16", "lora-delta", FP16, act=Activation.SWIGLUOAI),
-    Case("fused-down-fp16", "fused-down", FP16),
+    Case("in-reduce-fp16", "in-reduce", FP16),
 ]
 
 
@@ -123,14 +122,14 @@ def _cancelling_bank(lora: LoRABank, side: str, dtype: torch.dtype) -> LoRABank:
     return LoRABank(*factors, ranks=lora.ranks, tile_rank=lora.tile_rank)
 
 
-# (path, side, dtype): the side whose expand is shown to round; the fused launch holds the
-# down side's only. bf16 runs the interpreter's upcast branch, fp16 the native dot GPUs run.
+# (path, side, dtype): the side whose expand is shown to round; in-reduce's up side is
+# shrink-expand's. bf16 runs the interpreter's upcast branch, fp16 the native dot GPUs run.
 ROUNDING = [
     (p, s, d)
     for p in PATHS
     for s in ("up", "down")
     for d in (BF16, FP16)
-    if (p, s) != ("fused-down", "up")
+    if (p, s) != ("in-reduce", "up")
 ]
 # a 16-bit output step (relative): what the held and the exact references must differ by
 STEP = {BF16: 2**-8, FP16: 2**-11}
@@ -173,7 +172,7 @@ def test_one_dot_rounds_the_intermediate(path: str, side: str, dtype, seed: int)
     assert on_share > 0.8 and off_share < 0.2, f"{n} elements: on {on_share}, off {off_share}"
 
 
-@pytest.mark.parametrize("path", ["in-gemm", "shrink-expand", "fused-down"])
+@pytest.mark.parametrize("path", ["in-gemm", "shrink-expand", "in-reduce"])
 def test_fp32_inputs_ignore_the_knob(path: str, seed: int) -> None:
     """fp32 serving: exact fp32 dots with the knob on too (nothing rounds the intermediate)."""
     layer = _layer(Case(path, path, torch.float32), seed)

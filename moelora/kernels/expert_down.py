@@ -129,8 +129,7 @@ def _expert_down(
     stride_xsg,
 ):
     """One program of the down GEMM: program `pid` of its 1-D grid (the block and N tile,
-    grouped_pid); the kernels call it with their program id (_expert_down_kernel, and
-    down_lora_fused.py beside the z-side LoRA)."""
+    grouped_pid); _expert_down_kernel calls it with its program id."""
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -427,7 +426,7 @@ def expert_down_launch(
     z_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[tuple[int], dict, torch.Tensor]:
     """(grid, the kernel's keyword arguments, the result) of a down GEMM launch, checked
-    and allocated; expert_down launches it, down_lora_fused.py beside the z-side LoRA.
+    and allocated; expert_down launches it.
 
     z [P, I] (gemm.z_sorted: [P_pad, I] in the sorted order, with num_pairs = P;
     gemm.tma: its tiles and w2's copied by the TMA where the shapes allow), w2 [E, H, I], b2 [E, H] | None; LoRA: inter [P, 1, R] or [P, R] fp32 and

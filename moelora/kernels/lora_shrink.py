@@ -156,8 +156,7 @@ def _lora_shrink(
     ONE_DOT: tl.constexpr,
 ):
     """One program of the shrink: LoRA tile `tile`, grid dimension 1 `pid_q` (rank chunk,
-    part group) and 2 `pid_k` (K chunk); the kernels call it with their program ids
-    (_lora_shrink_kernel, and down_lora_fused.py beside the down GEMM)."""
+    part group) and 2 `pid_k` (K chunk); _lora_shrink_kernel calls it with its program ids."""
     if tile >= tl.load(num_tiles_ptr):
         return
     offs_m, row_ok, expert, slot = lora_tile(tiles_ptr, tile, BLOCK_M)
@@ -345,7 +344,7 @@ def lora_shrink_launch(
     one_dot: bool = False,
 ) -> tuple[tuple[int, int, int], dict, torch.Tensor]:
     """(grid, the kernel's keyword arguments, the result) of a LoRA shrink launch, checked
-    and allocated; lora_shrink launches it, down_lora_fused.py beside the down GEMM.
+    and allocated; lora_shrink launches it.
 
     inp: x [T, H] (rows "tokens"), z [P, I] (rows "pairs") or z [P_pad, I] in the sorted
     order (rows "sorted"); lora_a [L, E, S, R, in] (w13) or

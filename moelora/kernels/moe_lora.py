@@ -35,7 +35,6 @@ from .atomic_reduce import finish_sum, sum_buffer
 from .decode_down import decode_down
 from .decode_shrink import decode_shrink
 from .decode_up import decode_up
-from .down_lora_fused import down_lora_fused
 from .expert_down import expert_down
 from .expert_up import expert_up
 from .lora_delta import lora_delta
@@ -174,7 +173,7 @@ def _aligned(plan: ForwardPlan, c: _Layer) -> torch.Tensor:
         x_quant=c.quantized(c.call.x),
         **c.scales("w13"),
     )
-    if lora is None or plan.fused_down_lora:  # fused: the down launch computes the z side
+    if lora is None:
         return _down_and_sum(plan, c, z, aligned, None, None)
     reduce = None if c.comm is None else lambda t: c.comm.reduce_rank(t.view(t.shape[0], -1))
     rows = "sorted" if plan.z_sorted else "pairs"
@@ -200,8 +199,7 @@ def _down_and_sum(
     delta2: torch.Tensor | None,
     before_sum=None,
 ) -> torch.Tensor:
-    """The down GEMM (with its LoRA term unless the reduce adds it; with fused_down_lora in
-    one launch with the z side's shrink_expand, which gives delta2), then the top-k sum:
+    """The down GEMM (with its LoRA term unless the reduce adds it), then the top-k sum:
     the GEMM's own atomic sum, or the reduce over o (adding the down delta with
     delta_in_reduce). before_sum: called between the two (lora_stream: the join, after
     which delta2 is ready)."""
@@ -211,10 +209,7 @@ def _down_and_sum(
         acc, direct = sum_buffer(
             num_tokens, hidden, c.call.x.dtype, out=c.out, add=c.add, device=c.call.x.device
         )
-    if plan.fused_down_lora:
-        o, delta2 = _down_fused(plan, c, z, aligned)
-    else:
-        o = _down_gemm(plan, c, z, aligned, inter2, delta2, acc)
+    o = _down_gemm(plan, c, z, aligned, inter2, delta2, acc)
     num_experts = c.experts.w13.shape[0]
     if before_sum is not None:
         before_sum()
@@ -268,31 +263,6 @@ def _down_gemm(
         tile_rank=lora.tile_rank if lora is not None else None,
         sum_into=acc,
         pdl=plan.pdl,
-        **c.scales("w2"),
-        z_quant=c.quantized(z),
-    )
-
-
-def _down_fused(
-    plan: ForwardPlan, c: _Layer, z: torch.Tensor, aligned: AlignedPairs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LoRA-free down GEMM and the z side's shrink_expand in one launch (fused_down_lora).
-    -> (o [P, H], delta2 [P, 1, H])."""
-    return down_lora_fused(
-        z,
-        c.experts.w2,
-        c.experts.b2,
-        aligned,
-        plan.down,
-        lora_a=c.lora.w2_a,
-        lora_b=c.lora.w2_b,
-        lora_ranks=c.lora.ranks,
-        tile_rank=c.lora.tile_rank,
-        rows="sorted" if plan.z_sorted else "pairs",
-        shrink_block_k=plan.tiles.shrink_block_k,
-        top_k=c.call.topk_ids.shape[1],
-        num_pairs=c.num_pairs,
-        topk_weights=None if c.call.weights_on_input else c.call.topk_weights,
         **c.scales("w2"),
         z_quant=c.quantized(z),
     )

@@ -47,7 +47,6 @@ class TileConfig:
     up_tma: bool = False  # the up GEMM's w13 tiles by TMA (gate / up rows not interleaved)
     atomic_reduce: bool = False  # the down GEMM sums pairs into fp32 [T, H] (atomic_reduce.py)
     lora_stream: bool = False  # LoRA: the down LoRA on a side stream beside the down GEMM
-    fused_down_lora: bool = False  # the down GEMM and the z-side shrink_expand in one launch
     expand_one_dot: bool = False  # 16-bit: each LoRA expand one dot of t rounded to x's dtype
 
 
@@ -105,8 +104,6 @@ KNOB_SPECS: tuple[Knob, ...] = (
     Knob("up_tma", (False, True), False, Gemm.UP, True, Search.LAYOUT),
     Knob("atomic_reduce", (False, True), False, Gemm.DOWN, True, Search.LAYOUT),
     Knob("lora_stream", (False, True), True, Gemm.LAYER, True, Search.LORA),
-    # not searched until measured on the device (kernels/down_lora_fused.py)
-    Knob("fused_down_lora", (False, True), True, Gemm.DOWN, True, Search.NONE),
     # every LoRA expand (in both GEMMs, the delta kernel, the shrink_expand; kernels/tiles.py,
     # expand_dot); H200 A/B at 5a2d445: -2..-3.5% at T = 4096, within noise elsewhere
     Knob("expand_one_dot", (False, True), True, Gemm.LORA, True, Search.LORA),

@@ -55,7 +55,6 @@ class ForwardPlan:
     delta_in_reduce: bool  # DELTA: the top-k reduce adds the down delta, the down GEMM LoRA-free
     down_lora: LoRAPath  # the down side's path: DELTA when the reduce adds its delta
     lora_stream: bool  # the down side's shrink and delta on a side stream beside the down GEMM
-    fused_down_lora: bool  # the LoRA-free down GEMM and the z-side shrink_expand: one launch
     expand_one_dot: bool  # 16-bit: every LoRA expand one dot of t rounded to x's dtype
     top_k_sum: TopKSum
     pdl: bool  # the layer's kernels after the first launched with PDL
@@ -100,12 +99,6 @@ def plan_forward(
       on z only and run on a side stream while the down GEMM runs LoRA-free; not under
       fully sharded LoRA (its all-reduce sits in that branch) nor on the decode path. The
       interpreter runs the same kernels in order (no streams on the CPU).
-    - fused_down_lora: where the down GEMM runs LoRA-free and the reduce adds the down
-      delta (delta_in_reduce or lora_stream), that delta written by the shrink
-      (shrink_expand) and the top-k sum is the reduce (so never fully sharded, decode, or
-      atomic_reduce), the GEMM and the z-side shrink_expand run as one launch
-      (kernels/down_lora_fused.py); it replaces lora_stream's side stream. Elsewhere
-      ignored.
     - expand_one_dot: only where a LoRA expand runs (LoRA on, the aligned path: the decode
       GEMVs expand in fp32 registers); the kernels ignore it on fp32 inputs (exact dots).
     """
@@ -120,7 +113,6 @@ def plan_forward(
     stream = cfg.lora_stream and lora and not sharded and not cfg.decode
     in_reduce = (delta and cfg.delta_in_reduce) or stream
     z_sorted = cfg.z_sorted or cfg.down_tma
-    fused = cfg.fused_down_lora and in_reduce and cfg.shrink_expand and not cfg.atomic_reduce
     one_dot = cfg.expand_one_dot and lora and not cfg.decode
 
     def gemm(tiles: GemmTiles, half_tail_bit: int, tma: bool) -> GemmPlan:
@@ -142,8 +134,7 @@ def plan_forward(
         delta_by_shrink=delta and cfg.shrink_expand,
         delta_in_reduce=in_reduce,
         down_lora=LoRAPath.DELTA if in_reduce else path,
-        lora_stream=stream and not interpreted and not fused,
-        fused_down_lora=fused,
+        lora_stream=stream and not interpreted,
         expand_one_dot=one_dot,
         top_k_sum=TopKSum.ATOMIC if cfg.atomic_reduce and not in_reduce else TopKSum.REDUCE,
         pdl=pdl,
