@@ -7,7 +7,8 @@ the bench, and explicit configs with each knob on, in bf16 and fp32, gated, inte
 and non-gated activations, biases, weights on the input, PDL, fully sharded LoRA. Each
 launch is recorded as its kernel, grid, constexprs, scalars and tensor shapes / strides /
 dtypes, less the arguments passed at the kernel's own default (so a knob added off, as a
-defaulted constexpr, launches as the tree before it did). Same kernel sources and the same
+defaulted constexpr, launches as the tree before it did), an argument group (a NamedTuple
+passed as one Triton tuple) spread into its fields. Same kernel sources and the same
 records mean the same compiled code: a refactor of the host side can be checked against
 the tree it came from before any GPU run. A knob case whose knob one tree lacks runs in the
 other only and is counted apart.
@@ -105,7 +106,7 @@ def _recorded():
 
     def record(fn, grid, kwargs):
         g = grid(kwargs) if callable(grid) else grid
-        given = _given(fn, kwargs)
+        given = _fields(_given(fn, kwargs))
         calls.append([fn.__name__, list(g), {k: _value(v) for k, v in sorted(given.items())}])
 
     with kernels_recording(record):
@@ -124,6 +125,20 @@ def _given(fn, kwargs: dict) -> dict:
         or params[k].default is inspect.Parameter.empty
         or not _same(v, params[k].default)
     }
+
+
+def _fields(kwargs: dict) -> dict:
+    """kwargs with each NamedTuple argument (a group the kernel takes as one Triton tuple,
+    moelora/kernels/launch_args.py) spread into its fields, which keep the names of the
+    flat parameters they replaced: a tree that groups arguments records the same launch
+    as one that passes them flat."""
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            out.update(v._asdict())
+        else:
+            out[k] = v
+    return out
 
 
 def _same(value, default) -> bool:

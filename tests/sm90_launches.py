@@ -5,9 +5,10 @@ Capture: every `*_kernel` JIT function of moelora.kernels is swapped for a recor
 the forward runs on CPU tensors with an explicit config, so each launcher checks, sizes
 and passes its arguments (constexprs, strides, TMA descriptors, num_warps / num_stages)
 exactly as on the GPU; nothing runs. Compile: the arguments are specialised as the JIT
-does at launch (ints of 1 become constants, pointers and ints divisible by 16 get the
-divisibility hint, which is what lets Triton vectorise and multi-buffer the loads), and
-the options are the launch's (num_warps, num_stages, launch_pdl). compiled_launch then
+does at launch, by its own binder (ints of 1 become constants, pointers and ints divisible
+by 16 get the divisibility hint, which is what lets Triton vectorise and multi-buffer the
+loads; a tuple argument's fields alike), and the options are the launch's (num_warps,
+num_stages, launch_pdl). compiled_launch then
 compiles all of Triton's sm_90 stages, as the JIT would; shared_bytes runs them through
 make_llir's MLIR passes and stops before the LLVM translation: the shared memory is
 allocated by then, and that attribute is what make_llir stores as metadata["shared"] (the
@@ -85,29 +86,21 @@ def forward_launches(
 
 def launch_source(fn, kwargs: dict):
     """(ASTSource, CUDAOptions) that the JIT compiles for sm_90 when `fn` is launched with
-    `kwargs`: its signature, constexprs and divisibility hints, and the launch's options
-    (module docstring)."""
+    `kwargs`: its signature, constexprs and divisibility hints (those of a tuple argument's
+    fields too), and the launch's options (module docstring). The JIT's own binder and
+    argument packing compute them, as at a launch."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
-    from triton.runtime.jit import native_specialize_impl
+    from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(GPUTarget(*SM90))
-    signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        value = kwargs[name] if name in kwargs else fn.params[i].default  # a defaulted one
-        if fn.params[i].is_constexpr:
-            signature[name], constexprs[name] = "constexpr", value
-            continue
-        kind, attr = native_specialize_impl(type(backend), value, False, True, True)
-        signature[name] = kind
-        if kind == "constexpr":  # an int of 1
-            constexprs[name] = value
-        elif isinstance(attr, str):  # "D": divisible by 16
-            attrs[(i,)] = type(backend).parse_attr(attr)
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    # as the JIT does: the options are read from all of the launch's keywords
-    return src, backend.parse_options(dict(kwargs))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(**kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options
 
 
 def compiled_launch(fn, kwargs: dict):

@@ -54,10 +54,10 @@ def _compile(fn, constexprs: dict) -> list[str]:
 
 UP = dict(GATED=True, ACT=0, HAS_BIAS=False, HAS_LORA=True, WEIGHT_INPUT=False, BLOCK_N=2,
           BLOCK_K=256, BLOCK_R=16, EARLY=True, W_FP8=False, SCALE_N=128, SCALE_K=128,
-          SCALE_COLUMNS=False)  # fmt: skip
+          SCALE_COLUMNS=False, x_quant=None)  # fmt: skip
 DOWN = dict(HAS_BIAS=False, HAS_LORA=True, MUL_WEIGHT=True, ADD=True, BLOCK_J=8, BLOCK_N=2,
             BLOCK_K=256, BLOCK_R=16, EARLY=True, W_FP8=False, SCALE_N=128,
-            SCALE_K=128, SCALE_COLUMNS=False)  # fmt: skip
+            SCALE_K=128, SCALE_COLUMNS=False, z_quant=None)  # fmt: skip
 SHRINK = dict(BLOCK_R=16, ROWS_PER_PROG=1, BLOCK_K=256, ZERO_BLOCK=16)
 KERNELS = [(_decode_up_kernel, UP, True), (_decode_down_kernel, DOWN, True),
            (_decode_shrink_kernel, SHRINK, False)]  # fmt: skip

@@ -12,6 +12,8 @@ import os
 import pytest
 from sm90_child import run_compile_child
 
+from moelora.kernels.launch_args import QuantRows
+
 E4M3_PTRS = {"w_ptr", "xq_ptr"}  # the weights and the input quantized before
 BF16_PTRS = {"x_ptr", "b_ptr", "z_ptr", "lora_b_ptr", "lora_a2_ptr", "y_ptr"}
 I32_PTRS = {"topk_ids_ptr", "slots_ptr", "ranks_ptr"}
@@ -27,6 +29,8 @@ UP = dict(GATED=True, ACT=0, HAS_BIAS=True, HAS_LORA=True, WEIGHT_INPUT=False, B
 DOWN = dict(HAS_BIAS=True, HAS_LORA=True, MUL_WEIGHT=True, ADD=False, BLOCK_J=8, BLOCK_N=16,
             BLOCK_K=128, BLOCK_R=16, EARLY=True)  # fmt: skip
 CASES = ["up", "down"]
+# the kernels' argument groups (Triton tuples, kernels/launch_args.py), by parameter name
+GROUPS = {"x_quant": QuantRows, "z_quant": QuantRows}
 
 
 def _signature(fn, constexprs: dict) -> dict:
@@ -39,7 +43,11 @@ def _signature(fn, constexprs: dict) -> dict:
             return "*fp8e4nv"
         return "*bf16" if name in BF16_PTRS else "*i32" if name in I32_PTRS else "*fp32"
 
-    return {name: kind(name) for name in fn.arg_names}
+    def group(name: str):  # a tuple argument: its fields' kinds, by the fields' own names
+        fields = GROUPS[name]
+        return fields(*(kind(f) for f in fields._fields))
+
+    return {name: group(name) if name in GROUPS else kind(name) for name in fn.arg_names}
 
 
 def _compile(fn, constexprs: dict) -> dict:

@@ -9,6 +9,7 @@ import torch
 
 from ..device import triton_interpreted
 from ..errors import InputError
+from .launch_args import QuantRows
 
 
 def precision_flags(t: torch.Tensor) -> tuple[bool, bool]:
@@ -103,10 +104,10 @@ def quantized_input_args(
     w_scale: torch.Tensor | None,
     scale_block: tuple[int, int],
 ) -> dict:
-    """A weight GEMM / GEMV kernel's quantized input arguments, which e4m3 weights need
-    (W8A8; quant_rows.py: the input `name` [M, K] as e4m3 [M, K] and fp32 scales [M, G],
-    G = ceil(K / bk) for block scales, 1 for per-channel ones, read at stride 0 by every K
-    step); none for serving-dtype weights (the kernel's defaults, never read)."""
+    """A weight GEMM / GEMV kernel's quantized input, which e4m3 weights need: {"<name>_quant":
+    QuantRows} (W8A8; quant_rows.py: the input `name` [M, K] as e4m3 [M, K] and fp32 scales
+    [M, G], G = ceil(K / bk) for block scales, 1 for per-channel ones, read at stride 0 by
+    every K step); none for serving-dtype weights (the kernel's default None, never read)."""
     if quant is None:
         if fp8:
             raise InputError(
@@ -123,14 +124,9 @@ def quantized_input_args(
         raise InputError(
             f"{name}_quant", f"({values.dtype}, {scales.dtype})", "(float8_e4m3fn, float32)"
         )
-    return dict(
-        xq_ptr=values,
-        xs_ptr=scales,
-        stride_xqm=values.stride(0),
-        stride_xqk=values.stride(1),
-        stride_xsm=scales.stride(0),
-        stride_xsg=scales.stride(1) if groups > 1 else 0,
-    )
+    rows = QuantRows(values, scales, values.stride(0), values.stride(1), scales.stride(0),
+                     scales.stride(1) if groups > 1 else 0)  # fmt: skip
+    return {f"{name}_quant": rows}
 
 
 def check_weight_dtype(name: str, w: torch.Tensor, x: torch.Tensor, fp8: bool) -> None:

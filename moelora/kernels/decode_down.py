@@ -95,14 +95,9 @@ def _decode_down_kernel(
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
-    # W_FP8 (W8A8): z quantized before the kernel (quant_rows.py), e4m3 [P, I] and its
-    # scales [P, G] (G = 1 per channel: read at stride 0). Unused otherwise.
-    xq_ptr=None,
-    xs_ptr=None,
-    stride_xqm=0,
-    stride_xqk=0,
-    stride_xsm=0,
-    stride_xsg=0,
+    # W_FP8 (W8A8): z quantized before the kernel (quant_rows.py), e4m3 and its scales
+    # (launch_args.QuantRows). Unused otherwise.
+    z_quant=None,
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -161,8 +156,12 @@ def _decode_down_kernel(
         )
     z_ptrs = z_ptr + pair[:, None] * stride_zm + offs_k[None, :] * stride_zk
     if W_FP8:
-        zq_ptrs = xq_ptr + pair[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
-        zs_ptrs = xs_ptr + pair[:, None] * stride_xsm
+        zq_ptrs = (
+            z_quant.xq_ptr
+            + pair[:, None] * z_quant.stride_xqm
+            + offs_k[None, :] * z_quant.stride_xqk
+        )
+        zs_ptrs = z_quant.xs_ptr + pair[:, None] * z_quant.stride_xsm
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     if EARLY:  # the first step, from the tile loaded early (the loop starts at the second)
         if W_FP8:  # the step's e4m3 groups and their scales, as stored
@@ -172,24 +171,26 @@ def _decode_down_kernel(
             zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             sa = 1.0  # unused: block_scaled passes serving-dtype products through
         if SCALE_COLUMNS:
-            zt = scaled_columns(zt, zs_ptrs, stride_xsg, s_rows, stride_sk, offs_k[None, :],
+            zt = scaled_columns(zt, zs_ptrs, z_quant.stride_xsg, s_rows, stride_sk, offs_k[None, :],
                                 live[:, None] & k_ok[None, :], SCALE_K)  # fmt: skip
         d = tl.sum(w.to(tl.float32) * zt[:, None, :], axis=2)
         acc += block_scaled(d, sa, s_ptrs, 0, stride_sk, jn_mask, W_FP8, SCALE_K, SCALE_COLUMNS)
         z_ptrs += BLOCK_K * stride_zk
         if W_FP8:
-            zq_ptrs += BLOCK_K * stride_xqk
+            zq_ptrs += BLOCK_K * z_quant.stride_xqk
         w_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, inter_size, BLOCK_K):
         k_ok = (k0 + offs_k) < inter_size
         if W_FP8:
             zt = tl.load(zq_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            sa = tl.load(zs_ptrs + (k0 // SCALE_K) * stride_xsg, mask=live[:, None], other=0.0)
+            sa = tl.load(
+                zs_ptrs + (k0 // SCALE_K) * z_quant.stride_xsg, mask=live[:, None], other=0.0
+            )
         else:
             zt = tl.load(z_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             sa = 1.0
         if SCALE_COLUMNS:
-            zt = scaled_columns(zt, zs_ptrs, stride_xsg, s_rows, stride_sk,
+            zt = scaled_columns(zt, zs_ptrs, z_quant.stride_xsg, s_rows, stride_sk,
                                 (k0 + offs_k)[None, :], live[:, None] & k_ok[None, :],
                                 SCALE_K)  # fmt: skip
         w = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_ok[None, None, :], other=0.0)
@@ -197,7 +198,7 @@ def _decode_down_kernel(
         acc += block_scaled(d, sa, s_ptrs, k0, stride_sk, jn_mask, W_FP8, SCALE_K, SCALE_COLUMNS)
         z_ptrs += BLOCK_K * stride_zk
         if W_FP8:
-            zq_ptrs += BLOCK_K * stride_xqk
+            zq_ptrs += BLOCK_K * z_quant.stride_xqk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:  # zeros when the token has no adapter
         acc += tl.sum(b.to(tl.float32) * t[:, None, :], axis=2)

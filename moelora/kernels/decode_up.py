@@ -54,15 +54,17 @@ def _rows_dot(w_ptrs, xv, mask):
 
 @triton.jit
 def _scaled_inputs(
-    xv, xs_row, stride_xsg, sg_row, su_row, stride_sk, cols, k_ok, GATED: tl.constexpr,
+    xv, xs_row, x_quant, sg_row, su_row, stride_sk, cols, k_ok, GATED: tl.constexpr,
     SCALE_COLUMNS: tl.constexpr, SCALE_K: tl.constexpr,
 ):  # fmt: skip
     """The step's x as the gate rows and the up rows read it: xv itself, or with
     SCALE_COLUMNS each column times its activation-group scale and the rows' weight block
-    scale (the gate's at sg_row, the up's at su_row: fp8_tiles.scaled_columns)."""
+    scale (the gate's at sg_row, the up's at su_row: fp8_tiles.scaled_columns); x_quant
+    (launch_args.QuantRows) gives the activation scales' group stride."""
     xg = xv
     xu = xv
     if SCALE_COLUMNS:
+        stride_xsg = x_quant.stride_xsg
         xg = scaled_columns(xv, xs_row, stride_xsg, sg_row, stride_sk, cols, k_ok, SCALE_K)
         if GATED:
             xu = scaled_columns(xv, xs_row, stride_xsg, su_row, stride_sk, cols, k_ok, SCALE_K)
@@ -135,14 +137,9 @@ def _decode_up_kernel(
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
-    # W_FP8 (W8A8): x quantized before the kernel (quant_rows.py), e4m3 [T, H] and its
-    # scales [T, G] (G = 1 per channel: read at stride 0). Unused otherwise.
-    xq_ptr=None,
-    xs_ptr=None,
-    stride_xqm=0,
-    stride_xqk=0,
-    stride_xsm=0,
-    stride_xsg=0,
+    # W_FP8 (W8A8): x quantized before the kernel (quant_rows.py), e4m3 and its scales
+    # (launch_args.QuantRows). Unused otherwise.
+    x_quant=None,
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -210,8 +207,8 @@ def _decode_up_kernel(
         a2 = tl.load(a_ptrs, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
     x_ptrs = x_ptr + token * stride_xm + offs_k * stride_xk
     if W_FP8:
-        xq_ptrs = xq_ptr + token * stride_xqm + offs_k * stride_xqk
-        xs_row = xs_ptr + token * stride_xsm
+        xq_ptrs = x_quant.xq_ptr + token * x_quant.stride_xqm + offs_k * x_quant.stride_xqk
+        xs_row = x_quant.xs_ptr + token * x_quant.stride_xsm
     else:
         xs_row = x_ptr  # never read (SCALE_COLUMNS needs W_FP8)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -224,7 +221,7 @@ def _decode_up_kernel(
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             sa = 1.0  # unused: block_scaled passes serving-dtype products through
         xg, xu = _scaled_inputs(
-            xv, xs_row, stride_xsg, sg_row, su_row, stride_sk, offs_k, k_ok, GATED,
+            xv, xs_row, x_quant, sg_row, su_row, stride_sk, offs_k, k_ok, GATED,
             SCALE_COLUMNS, SCALE_K,
         )  # fmt: skip
         d_g = tl.sum(w_g.to(tl.float32) * xg[None, :], axis=1)
@@ -236,19 +233,19 @@ def _decode_up_kernel(
             )
         x_ptrs += BLOCK_K * stride_xk
         if W_FP8:
-            xq_ptrs += BLOCK_K * stride_xqk
+            xq_ptrs += BLOCK_K * x_quant.stride_xqk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     for k0 in range(BLOCK_K if EARLY else 0, hidden, BLOCK_K):
         k_ok = (k0 + offs_k) < hidden
         if W_FP8:
             xv = tl.load(xq_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            sa = tl.load(xs_row + (k0 // SCALE_K) * stride_xsg)
+            sa = tl.load(xs_row + (k0 // SCALE_K) * x_quant.stride_xsg)
         else:
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             sa = 1.0
         xg, xu = _scaled_inputs(
-            xv, xs_row, stride_xsg, sg_row, su_row, stride_sk, k0 + offs_k, k_ok, GATED,
+            xv, xs_row, x_quant, sg_row, su_row, stride_sk, k0 + offs_k, k_ok, GATED,
             SCALE_COLUMNS, SCALE_K,
         )  # fmt: skip
         d_g = _rows_dot(wg_ptrs, xg, k_ok[None, :])
@@ -262,7 +259,7 @@ def _decode_up_kernel(
             )
         x_ptrs += BLOCK_K * stride_xk
         if W_FP8:
-            xq_ptrs += BLOCK_K * stride_xqk
+            xq_ptrs += BLOCK_K * x_quant.stride_xqk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:  # zeros when the token has no adapter

@@ -35,7 +35,7 @@ from .checks import (
     workspace,
 )
 from .fp8_tiles import fp8_mma
-from .launch_args import strides
+from .launch_args import aligned_blocks, strides
 from .output import as_stored
 from .pdl import chain_point
 from .ranks import expand_layout
@@ -48,201 +48,6 @@ from .tiles import (
     tail_variants,
     z_rows,
 )
-
-
-@triton.jit
-def _expert_down(
-    pid,
-    z_ptr,
-    w_ptr,
-    z_desc,
-    w_desc,
-    ws_ptr,
-    b_ptr,
-    o_ptr,
-    topk_weights_ptr,
-    slots_ptr,
-    inter_ptr,
-    lora_b_ptr,
-    delta_ptr,
-    sorted_pair_ids_ptr,
-    block_experts_ptr,
-    num_padded_ptr,
-    num_pairs,
-    top_k,
-    num_slots,
-    ranks_ptr,
-    max_rank,
-    inter_size,
-    hidden,
-    lora_n_offset,
-    lora_n_size,
-    stride_zm,
-    stride_zk,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_se,
-    stride_sn,
-    stride_sk,
-    stride_be,
-    stride_bn,
-    stride_om,
-    stride_on,
-    stride_im,
-    stride_ir,
-    stride_ll,
-    stride_le,
-    stride_ln,
-    stride_lr,
-    stride_dm,
-    stride_ds,
-    stride_dn,
-    num_pid_m,
-    HAS_BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    DELTA: tl.constexpr,
-    Z_SORTED: tl.constexpr,
-    TMA: tl.constexpr,
-    W_FP8: tl.constexpr,
-    SCALE_N: tl.constexpr,
-    SCALE_K: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    EXPAND_FIRST: tl.constexpr,
-    TAIL_VARIANTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    SLOTS_PER_DOT: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-    ONE_DOT: tl.constexpr,
-    xq_ptr,
-    xs_ptr,
-    stride_xqm,
-    stride_xqk,
-    stride_xsm,
-    stride_xsg,
-):
-    """One program of the down GEMM: program `pid` of its 1-D grid (the block and N tile,
-    grouped_pid); _expert_down_kernel calls it with its program id."""
-    num_pid_n = tl.cdiv(hidden, BLOCK_N)
-    pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    row0 = pid_m * BLOCK_M
-    # TAIL_VARIANTS = 2 (half_tail): a block whose second half is all padding (an expert's
-    # last block) runs the half-height variant, rows [row0, row0 + BLOCK_M // 2), so the
-    # padding costs no MMA there; every other block runs the full one. 1: full blocks only.
-    # Inline in both GEMM kernels on purpose: the same choice as a tiles.py helper compiled
-    # differently and measured 3% slower at T = 4096 on the H200 (a66485b, kernel_log v16c).
-    if TAIL_VARIANTS == 2:
-        half = tl.load(sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
-    for v in tl.static_range(TAIL_VARIANTS):
-        run = True
-        if TAIL_VARIANTS == 2:
-            run = half == (v == 1)
-        if run:
-            pair, row_valid, slot = block_rows(
-                sorted_pair_ids_ptr,
-                slots_ptr,
-                row0,
-                num_pairs,
-                top_k,
-                num_slots,
-                BLOCK_M >> v,
-                HAS_LORA,
-            )
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < hidden
-            offs_k = tl.arange(0, BLOCK_K)
-            z_row = z_rows(row0, pair, BLOCK_M >> v, Z_SORTED)
-            z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
-            if W_FP8:  # z's e4m3 rows and scales, at z's row index
-                zq_ptrs = xq_ptr + z_row[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
-                zs_ptrs = xs_ptr + z_row * stride_xsm
-            w_ptrs = (
-                w_ptr
-                + expert * stride_we
-                + offs_k[:, None] * stride_wk
-                + tl.where(n_mask, offs_n, 0)[None, :] * stride_wn
-            )
-            acc = tl.zeros((BLOCK_M >> v, BLOCK_N), dtype=tl.float32)
-            # two phases, the main K loop and the LoRA term; EXPAND_FIRST runs the expand first as
-            # its own pipelined loop (tiles.lora_expand), else it follows the main loop
-            for phase in tl.static_range(2):
-                if (phase == 0) != EXPAND_FIRST:
-                    for k0 in range(0, inter_size, BLOCK_K):
-                        # TMA: tensor-memory-accelerator tile copies (out-of-range reads are zeros);
-                        # z's descriptor holds full-height tiles, so the half variant loads z rows
-                        if W_FP8:  # the step's e4m3 group and its scales, as stored
-                            q_mask = row_valid[:, None] & ((k0 + offs_k) < inter_size)[None, :]
-                            a8 = tl.load(zq_ptrs, mask=q_mask, other=0.0)
-                            sa = tl.load(
-                                zs_ptrs + (k0 // SCALE_K) * stride_xsg, mask=row_valid, other=0.0
-                            )[:, None]
-                            zq_ptrs += BLOCK_K * stride_xqk
-                        elif TMA and v == 0:
-                            zt = z_desc.load([row0, k0])
-                        else:
-                            k_mask = (k0 + offs_k) < inter_size
-                            zt = tl.load(
-                                z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
-                            )
-                        if TMA:
-                            w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
-                            w = w.reshape(BLOCK_N, BLOCK_K).trans()
-                        else:
-                            w = tl.load(
-                                w_ptrs, mask=((k0 + offs_k) < inter_size)[:, None], other=0.0
-                            )
-                        if W_FP8:  # W8A8: the e4m3 z group times the e4m3 tile, an FP8 dot
-                            s_ptrs = (
-                                ws_ptr
-                                + expert * stride_se
-                                + (k0 // SCALE_K) * stride_sk
-                                + (tl.where(n_mask, offs_n, 0) // SCALE_N) * stride_sn
-                            )
-                            acc = fp8_mma(a8, sa, w, acc, s_ptrs, n_mask)
-                        else:
-                            if UPCAST:
-                                zt = zt.to(tl.float32)
-                                w = w.to(tl.float32)
-                            acc = mma(zt, w, acc, IEEE)
-                        z_ptrs += BLOCK_K * stride_zk
-                        w_ptrs += BLOCK_K * stride_wk
-                else:
-                    acc = _down_lora(
-                        acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
-                        stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
-                        num_slots, offs_n, n_mask, ranks_ptr, max_rank, lora_n_offset,
-                        lora_n_size, HAS_LORA, DELTA, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE,
-                        EXPAND_FIRST, ONE_DOT,
-                    )  # fmt: skip
-            if HAS_BIAS:
-                acc += tl.load(
-                    b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0
-                ).to(tl.float32)[None, :]
-            if MUL_WEIGHT:
-                g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
-                acc = acc * g[:, None]
-            o_mask = row_valid[:, None] & n_mask[None, :]
-            if ATOMIC:  # the top-k sum: fp32 adds into the token's row of o [T, H]
-                o_row = (pair // top_k).to(tl.int64)
-                o_ptrs = o_ptr + o_row[:, None] * stride_om + offs_n[None, :] * stride_on
-                tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
-            else:
-                o_ptrs = (
-                    o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-                )
-                tl.store(o_ptrs, as_stored(acc, o_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -259,9 +64,7 @@ def _expert_down_kernel(
     inter_ptr,
     lora_b_ptr,
     delta_ptr,
-    sorted_pair_ids_ptr,
-    block_experts_ptr,
-    num_padded_ptr,
+    blocks,
     num_pairs,
     top_k,
     num_slots,
@@ -317,28 +120,130 @@ def _expert_down_kernel(
     PDL: tl.constexpr,
     ONE_DOT: tl.constexpr = False,  # the LoRA expand as one 16-bit dot (tiles.expand_dot)
     # W_FP8 (W8A8): z quantized before the GEMM (quant_rows.py), e4m3 [rows of z, I] and
-    # its scales [rows of z, G] (G = 1 per channel: read at stride 0). Unused otherwise.
-    xq_ptr=None,
-    xs_ptr=None,
-    stride_xqm=0,
-    stride_xqk=0,
-    stride_xsm=0,
-    stride_xsg=0,
+    # its scales [rows of z, G] (launch_args.QuantRows). Unused otherwise.
+    z_quant=None,
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
-    _expert_down(
-        tl.program_id(0),
-        z_ptr, w_ptr, z_desc, w_desc, ws_ptr, b_ptr, o_ptr, topk_weights_ptr, slots_ptr,
-        inter_ptr, lora_b_ptr, delta_ptr, sorted_pair_ids_ptr, block_experts_ptr,
-        num_padded_ptr, num_pairs, top_k, num_slots, ranks_ptr, max_rank, inter_size, hidden,
-        lora_n_offset, lora_n_size, stride_zm, stride_zk, stride_we, stride_wn, stride_wk,
-        stride_se, stride_sn, stride_sk, stride_be, stride_bn, stride_om, stride_on, stride_im,
-        stride_ir, stride_ll, stride_le, stride_ln, stride_lr, stride_dm, stride_ds, stride_dn,
-        num_pid_m, HAS_BIAS, HAS_LORA, DELTA, Z_SORTED, TMA, W_FP8, SCALE_N, SCALE_K,
-        MUL_WEIGHT, ATOMIC, EXPAND_FIRST, TAIL_VARIANTS, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_L,
-        BLOCK_R, SLOTS_PER_DOT, GROUP_M, UPCAST, IEEE, ONE_DOT, xq_ptr, xs_ptr, stride_xqm,
-        stride_xqk, stride_xsm, stride_xsg,
-    )  # fmt: skip
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(blocks.num_padded_ptr):
+        return
+    expert = tl.load(blocks.block_experts_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    row0 = pid_m * BLOCK_M
+    # TAIL_VARIANTS = 2 (half_tail): a block whose second half is all padding (an expert's
+    # last block) runs the half-height variant, rows [row0, row0 + BLOCK_M // 2), so the
+    # padding costs no MMA there; every other block runs the full one. 1: full blocks only.
+    # Inline in both GEMM kernels on purpose: the same choice as a tiles.py helper compiled
+    # differently and measured 3% slower at T = 4096 on the H200 (a66485b, kernel_log v16c).
+    if TAIL_VARIANTS == 2:
+        half = tl.load(blocks.sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
+    for v in tl.static_range(TAIL_VARIANTS):
+        run = True
+        if TAIL_VARIANTS == 2:
+            run = half == (v == 1)
+        if run:
+            pair, row_valid, slot = block_rows(
+                blocks.sorted_pair_ids_ptr,
+                slots_ptr,
+                row0,
+                num_pairs,
+                top_k,
+                num_slots,
+                BLOCK_M >> v,
+                HAS_LORA,
+            )
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hidden
+            offs_k = tl.arange(0, BLOCK_K)
+            z_row = z_rows(row0, pair, BLOCK_M >> v, Z_SORTED)
+            z_ptrs = z_ptr + z_row[:, None] * stride_zm + offs_k[None, :] * stride_zk
+            if W_FP8:  # z's e4m3 rows and scales, at z's row index
+                zq_ptrs = (
+                    z_quant.xq_ptr
+                    + z_row[:, None] * z_quant.stride_xqm
+                    + offs_k[None, :] * z_quant.stride_xqk
+                )
+                zs_ptrs = z_quant.xs_ptr + z_row * z_quant.stride_xsm
+            w_ptrs = (
+                w_ptr
+                + expert * stride_we
+                + offs_k[:, None] * stride_wk
+                + tl.where(n_mask, offs_n, 0)[None, :] * stride_wn
+            )
+            acc = tl.zeros((BLOCK_M >> v, BLOCK_N), dtype=tl.float32)
+            # two phases, the main K loop and the LoRA term; EXPAND_FIRST runs the expand first as
+            # its own pipelined loop (tiles.lora_expand), else it follows the main loop
+            for phase in tl.static_range(2):
+                if (phase == 0) != EXPAND_FIRST:
+                    for k0 in range(0, inter_size, BLOCK_K):
+                        # TMA: tensor-memory-accelerator tile copies (out-of-range reads are zeros);
+                        # z's descriptor holds full-height tiles, so the half variant loads z rows
+                        if W_FP8:  # the step's e4m3 group and its scales, as stored
+                            q_mask = row_valid[:, None] & ((k0 + offs_k) < inter_size)[None, :]
+                            a8 = tl.load(zq_ptrs, mask=q_mask, other=0.0)
+                            sa = tl.load(
+                                zs_ptrs + (k0 // SCALE_K) * z_quant.stride_xsg,
+                                mask=row_valid,
+                                other=0.0,
+                            )[:, None]
+                            zq_ptrs += BLOCK_K * z_quant.stride_xqk
+                        elif TMA and v == 0:
+                            zt = z_desc.load([row0, k0])
+                        else:
+                            k_mask = (k0 + offs_k) < inter_size
+                            zt = tl.load(
+                                z_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
+                            )
+                        if TMA:
+                            w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0])
+                            w = w.reshape(BLOCK_N, BLOCK_K).trans()
+                        else:
+                            w = tl.load(
+                                w_ptrs, mask=((k0 + offs_k) < inter_size)[:, None], other=0.0
+                            )
+                        if W_FP8:  # W8A8: the e4m3 z group times the e4m3 tile, an FP8 dot
+                            s_ptrs = (
+                                ws_ptr
+                                + expert * stride_se
+                                + (k0 // SCALE_K) * stride_sk
+                                + (tl.where(n_mask, offs_n, 0) // SCALE_N) * stride_sn
+                            )
+                            acc = fp8_mma(a8, sa, w, acc, s_ptrs, n_mask)
+                        else:
+                            if UPCAST:
+                                zt = zt.to(tl.float32)
+                                w = w.to(tl.float32)
+                            acc = mma(zt, w, acc, IEEE)
+                        z_ptrs += BLOCK_K * stride_zk
+                        w_ptrs += BLOCK_K * stride_wk
+                else:
+                    acc = _down_lora(
+                        acc, inter_ptr, lora_b_ptr + expert * stride_le, delta_ptr, stride_im,
+                        stride_ir, stride_ll, stride_ln, stride_lr, stride_dm, stride_dn, pair, slot,
+                        num_slots, offs_n, n_mask, ranks_ptr, max_rank, lora_n_offset,
+                        lora_n_size, HAS_LORA, DELTA, BLOCK_L, BLOCK_R, SLOTS_PER_DOT, UPCAST, IEEE,
+                        EXPAND_FIRST, ONE_DOT,
+                    )  # fmt: skip
+            if HAS_BIAS:
+                acc += tl.load(
+                    b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0
+                ).to(tl.float32)[None, :]
+            if MUL_WEIGHT:
+                g = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+                acc = acc * g[:, None]
+            o_mask = row_valid[:, None] & n_mask[None, :]
+            if ATOMIC:  # the top-k sum: fp32 adds into the token's row of o [T, H]
+                o_row = (pair // top_k).to(tl.int64)
+                o_ptrs = o_ptr + o_row[:, None] * stride_om + offs_n[None, :] * stride_on
+                tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
+            else:
+                o_ptrs = (
+                    o_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+                )
+                tl.store(o_ptrs, as_stored(acc, o_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -508,9 +413,7 @@ def expert_down_launch(
         inter_ptr=inter if inter is not None else dummy,
         lora_b_ptr=lora_b if has_lora else dummy,
         delta_ptr=delta if delta is not None else dummy,
-        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
-        block_experts_ptr=aligned.block_experts,
-        num_padded_ptr=aligned.num_padded,
+        blocks=aligned_blocks(aligned),
         num_pairs=num_pairs,
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,

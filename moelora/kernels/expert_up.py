@@ -35,7 +35,7 @@ from .checks import (
     workspace,
 )
 from .fp8_tiles import fp8_mma
-from .launch_args import strides
+from .launch_args import aligned_blocks, strides
 from .output import as_stored
 from .pdl import chain_point
 from .ranks import expand_layout
@@ -63,9 +63,7 @@ def _expert_up_kernel(
     inter_ptr,
     lora_b_ptr,
     delta_ptr,
-    sorted_pair_ids_ptr,
-    block_experts_ptr,
-    num_padded_ptr,
+    blocks,
     num_pairs,
     top_k,
     num_slots,
@@ -125,21 +123,16 @@ def _expert_up_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
     ONE_DOT: tl.constexpr = False,  # the LoRA expand as one 16-bit dot (tiles.expand_dot)
-    # W_FP8 (W8A8): x quantized before the GEMM (quant_rows.py), e4m3 xq [T, H] and its
-    # scales xs [T, G] (G = 1 per channel: read at stride 0). Unused otherwise.
-    xq_ptr=None,
-    xs_ptr=None,
-    stride_xqm=0,
-    stride_xqk=0,
-    stride_xsm=0,
-    stride_xsg=0,
+    # W_FP8 (W8A8): x quantized before the GEMM (quant_rows.py), e4m3 [T, H] and its
+    # scales [T, G] (launch_args.QuantRows). Unused otherwise.
+    x_quant=None,
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     num_pid_n = tl.cdiv(inter_size, BLOCK_N)
     pid_m, pid_n = grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    if pid_m * BLOCK_M >= tl.load(blocks.num_padded_ptr):
         return
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    expert = tl.load(blocks.block_experts_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
@@ -149,14 +142,14 @@ def _expert_up_kernel(
     # Inline in both GEMM kernels on purpose: the same choice as a tiles.py helper compiled
     # differently and measured 3% slower at T = 4096 on the H200 (a66485b, kernel_log v16c).
     if TAIL_VARIANTS == 2:
-        half = tl.load(sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
+        half = tl.load(blocks.sorted_pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
     for v in tl.static_range(TAIL_VARIANTS):
         run = True
         if TAIL_VARIANTS == 2:
             run = half == (v == 1)
         if run:
             pair, row_valid, slot = block_rows(
-                sorted_pair_ids_ptr,
+                blocks.sorted_pair_ids_ptr,
                 slots_ptr,
                 row0,
                 num_pairs,
@@ -172,8 +165,12 @@ def _expert_up_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
             if W_FP8:
-                xq_ptrs = xq_ptr + token[:, None] * stride_xqm + offs_k[None, :] * stride_xqk
-                xs_ptrs = xs_ptr + token * stride_xsm
+                xq_ptrs = (
+                    x_quant.xq_ptr
+                    + token[:, None] * x_quant.stride_xqm
+                    + offs_k[None, :] * x_quant.stride_xqk
+                )
+                xs_ptrs = x_quant.xs_ptr + token * x_quant.stride_xsm
             w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
             wg_ptrs = w_base + gate_rows[None, :] * stride_wn
             wu_ptrs = w_base + (gate_rows + up_offset)[None, :] * stride_wn
@@ -190,9 +187,11 @@ def _expert_up_kernel(
                                 xq_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
                             )
                             sa = tl.load(
-                                xs_ptrs + (k0 // SCALE_K) * stride_xsg, mask=row_valid, other=0.0
+                                xs_ptrs + (k0 // SCALE_K) * x_quant.stride_xsg,
+                                mask=row_valid,
+                                other=0.0,
                             )[:, None]
-                            xq_ptrs += BLOCK_K * stride_xqk
+                            xq_ptrs += BLOCK_K * x_quant.stride_xqk
                         else:
                             xt = tl.load(
                                 x_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0
@@ -399,9 +398,7 @@ def expert_up(
         inter_ptr=inter if inter is not None else dummy,
         lora_b_ptr=lora_b if has_lora else dummy,
         delta_ptr=delta if delta is not None else dummy,
-        sorted_pair_ids_ptr=aligned.sorted_pair_ids,
-        block_experts_ptr=aligned.block_experts,
-        num_padded_ptr=aligned.num_padded,
+        blocks=aligned_blocks(aligned),
         num_pairs=num_pairs,
         top_k=top_k,
         num_slots=lora_b.shape[0] if has_lora else 0,

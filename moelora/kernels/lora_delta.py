@@ -77,9 +77,7 @@ def _lora_delta_kernel(
     inter_ptr,
     b_ptr,
     delta_ptr,
-    sorted_pair_ids_ptr,
-    tiles_ptr,
-    num_tiles_ptr,
+    tiles,
     ranks_ptr,
     max_rank,
     n_size,
@@ -104,13 +102,13 @@ def _lora_delta_kernel(
 ):
     chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
     tile = tl.program_id(0)
-    if tile >= tl.load(num_tiles_ptr):
+    if tile >= tl.load(tiles.num_tiles_ptr):
         return
-    offs_m, row_ok, expert, slot = lora_tile(tiles_ptr, tile, BLOCK_M)
+    offs_m, row_ok, expert, slot = lora_tile(tiles.tiles_ptr, tile, BLOCK_M)
     if (expert < 0) | (slot < 0):
         return
     part = tl.program_id(1)
-    pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
+    pair = tl.load(tiles.sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0).to(tl.int64)
     # the slot's width (real rank rounded up to RANK_STEP: the intermediate is zero past the
     # rank, B finite; cut to R = max_rank), BLOCK_R lanes per step
     rank = tl.load(ranks_ptr + slot)

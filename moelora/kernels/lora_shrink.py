@@ -101,16 +101,11 @@ def _expand_rows(
 
 
 @triton.jit
-def _lora_shrink(
-    tile,
-    pid_q,
-    pid_k,
+def _lora_shrink_kernel(
     in_ptr,
     a_ptr,
     inter_ptr,
-    sorted_pair_ids_ptr,
-    tiles_ptr,
-    num_tiles_ptr,
+    tiles,
     row_div,
     parts,
     part_groups,
@@ -153,13 +148,15 @@ def _lora_shrink(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
-    ONE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,  # EXPAND: one 16-bit dot per N tile (tiles.expand_dot)
 ):
-    """One program of the shrink: LoRA tile `tile`, grid dimension 1 `pid_q` (rank chunk,
-    part group) and 2 `pid_k` (K chunk); _lora_shrink_kernel calls it with its program ids."""
-    if tile >= tl.load(num_tiles_ptr):
+    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
+    # program (LoRA tile, grid dimension 1: rank chunk and part group, K chunk)
+    tile, pid_q, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if tile >= tl.load(tiles.num_tiles_ptr):
         return
-    offs_m, row_ok, expert, slot = lora_tile(tiles_ptr, tile, BLOCK_M)
+    offs_m, row_ok, expert, slot = lora_tile(tiles.tiles_ptr, tile, BLOCK_M)
     if (expert < 0) | (slot < 0):
         return
     k_start = pid_k * k_chunk
@@ -180,7 +177,7 @@ def _lora_shrink(
         return
     if r0 >= rank:  # zeros only: no K steps
         k_end = k_start
-    pair = tl.load(sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
+    pair = tl.load(tiles.sorted_pair_ids_ptr + offs_m, mask=row_ok, other=0)
     if ROWS_SORTED:  # input rows in the sorted order (z of a z_sorted up GEMM)
         row = offs_m.to(tl.int64)
     else:
@@ -248,71 +245,6 @@ def _lora_shrink(
             tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")  # a reduction
         else:
             tl.store(o_ptrs, acc, mask=o_mask)
-
-
-@triton.jit
-def _lora_shrink_kernel(
-    in_ptr,
-    a_ptr,
-    inter_ptr,
-    sorted_pair_ids_ptr,
-    tiles_ptr,
-    num_tiles_ptr,
-    row_div,
-    parts,
-    part_groups,
-    ranks_ptr,
-    rank_offset,
-    r_size,
-    num_slots,
-    k_dim,
-    k_chunk,
-    stride_im,
-    stride_ik,
-    stride_al,
-    stride_ae,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    stride_om,
-    stride_os,
-    stride_or,
-    b_ptr,
-    delta_ptr,
-    n_size,
-    stride_bl,
-    stride_be,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    stride_dm,
-    stride_ds,
-    stride_dn,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    PARTS_PER_PROG: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    FILL_BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    ROWS_SORTED: tl.constexpr,
-    EXPAND: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-    PDL: tl.constexpr,
-    ONE_DOT: tl.constexpr = False,  # EXPAND: one 16-bit dot per N tile (tiles.expand_dot)
-):
-    chain_point(PDL)  # nothing is read before the wait (kernels/pdl.py)
-    _lora_shrink(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        in_ptr, a_ptr, inter_ptr, sorted_pair_ids_ptr, tiles_ptr, num_tiles_ptr, row_div, parts,
-        part_groups, ranks_ptr, rank_offset, r_size, num_slots, k_dim, k_chunk, stride_im,
-        stride_ik, stride_al, stride_ae, stride_as, stride_ar, stride_ak, stride_om, stride_os,
-        stride_or, b_ptr, delta_ptr, n_size, stride_bl, stride_be, stride_bs, stride_bn,
-        stride_br, stride_dm, stride_ds, stride_dn, BLOCK_M, BLOCK_K, BLOCK_R, PARTS_PER_PROG,
-        BLOCK_L, FILL_BLOCK, SPLIT, ROWS_SORTED, EXPAND, BLOCK_N, UPCAST, IEEE, ONE_DOT,
-    )  # fmt: skip
 
 
 def lora_shrink(*args, **kwargs) -> torch.Tensor:
