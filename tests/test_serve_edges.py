@@ -539,3 +539,13 @@ def test_sigint_while_loading_is_one_line_and_exit_130(served, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode in (130, 0) and "Traceback" not in out, (proc.returncode, out)
+
+
+def test_the_public_names_import_lazily_and_all_resolve():
+    """`import moelora` imports no submodule (Ctrl-C while the command line loads is then
+    caught), and every name of __all__ resolves on first use."""
+    code = ("import sys, moelora; heavy = [m for m in sys.modules if m.startswith('moelora.')]; "
+            "assert not heavy, heavy; [getattr(moelora, n) for n in moelora.__all__]; print('ok')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=os.environ | {"PYTHONPATH": str(sf.TESTS.parent)}, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
