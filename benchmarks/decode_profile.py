@@ -47,6 +47,8 @@ def parse(argv=None):
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=20, help="replayed steps timed per batch")
+    p.add_argument("--lora", default="both", choices=["both", "free", "adapters"],
+                   help="LoRA-free rows, rows with the adapters, or both (default)")  # fmt: skip
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cpu: tiny shapes, eager, a dry run")
     args = p.parse_args(argv)
@@ -282,7 +284,7 @@ def main(argv=None) -> None:
 
     paths = ("hf", "runner") if not runner_support(model) else ("hf",)
     for batch in (int(b) for b in args.batches.split(",")):
-        for with_lora in (False, True):
+        for with_lora in {"both": (False, True), "free": (False,), "adapters": (True,)}[args.lora]:
             top_k = model.config.num_experts_per_tok
             floor_ms = 1e3 * step_bytes(model, batch, args.prompt + 8, top_k) / bandwidth
             seen = {}
