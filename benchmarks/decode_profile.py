@@ -128,18 +128,23 @@ def profile_step(engine, model) -> dict[str, float]:
             torch.cuda.synchronize()
     totals = defaultdict(float)
     kernels = 0
+    by_kernel = {}
     for event in prof.key_averages():
         name = event.key
         if name.startswith("part:"):  # on a CPU: host time, the dry run's only clock
             totals[name[5:]] += event.device_time_total if cuda else event.cpu_time_total
         elif event.device_type == torch.autograd.DeviceType.CUDA:
             kernels += event.count
+            by_kernel[name] = (event.count, event.device_time_total)
     out = {p: totals.get(p, 0.0) for p in PARTS}
     # self_attn covers proj too: its core is what is left
     out["attention"] = totals.get("self_attn", 0.0) - out["proj"]
     out["other"] = totals.get("step", 0.0) - sum(out[p] for p in PARTS)
     out["total"] = totals.get("step", 0.0)
     out["kernels"] = kernels
+    # each kernel's launches and GPU us in the step, the largest first
+    out["by_kernel"] = sorted(([n[:90], c, t] for n, (c, t) in by_kernel.items()),
+                              key=lambda k: -k[2])  # fmt: skip
     return out
 
 
@@ -316,6 +321,11 @@ def _print(row: dict, layers: int) -> None:
     else:
         median, worst = row["rel_err_vs_hf"]
         print(f"   logits vs hf: rel err median {median:.2e}, largest {worst:.2e}", flush=True)
+    for name, count, us in prof["by_kernel"][:KERNELS_SHOWN]:
+        print(f"   {us:9.1f} us {count:4d}x  {name}", flush=True)
+
+
+KERNELS_SHOWN = 14  # the largest kernels printed per row (the JSON has them all)
 
 
 if __name__ == "__main__":

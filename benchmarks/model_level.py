@@ -6,6 +6,7 @@ full 48), the configurations users compare, alternated and warm at every timed s
 - `hf_eager`: transformers' own generate, LoRA-free, its grouped_mm experts;
 - `hf_static` (with --hf-static): the same with `cache_implementation="static"`, which
   transformers compiles on a GPU (minutes per shape: its first call is reported apart);
+- `moelora_free`: `handle.generate`, every row on the base model (no adapter);
 - `moelora_experts`: `handle.generate`, --adapters expert-only adapters mixed in the batch
   (row i uses adapter i % adapters);
 - `moelora_attention`: the same count of adapters, --attention-adapters of them also with
@@ -38,7 +39,7 @@ import torch
 
 from benchmarks.qwen3_moe import SMALL, Shape, build_model, full_depth, step_bytes, write_adapter
 
-CONFIGS = ("hf_eager", "hf_static", "moelora_experts", "moelora_attention")
+CONFIGS = ("hf_eager", "hf_static", "moelora_free", "moelora_experts", "moelora_attention")
 
 
 class Clock:
@@ -255,7 +256,8 @@ def _attach(a, model, dirs: dict[str, Path], emit, clock: Clock):
     rest = expert_only[: a.adapters - len(attention)]
     mixed = [n for pair in zip(attention, rest) for n in pair] + attention[len(rest) :]
     mixed += rest[len(attention) :]
-    return handle, {"moelora_experts": expert_only, "moelora_attention": mixed}
+    sets = {"moelora_free": [None], "moelora_experts": expert_only, "moelora_attention": mixed}
+    return handle, sets
 
 
 def _call_for(config: str, model, handle, sets: dict):

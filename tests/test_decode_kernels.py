@@ -1,8 +1,9 @@
 """The decode step's own kernels (moelora/kernels: rms_norm, rope_cache, decode_attention,
-dense_lora) against outside truth: transformers' Qwen3-MoE RMSNorm and rotary code, an
-fp64 softmax attention over each row's length, and the per-token LoRA delta of the module
-banks (itself checked against PEFT in the module tests). Fresh random inputs per seed,
-outputs poisoned first; fp32 and fp16 (the interpreter's bf16 rounds by its own rule)."""
+dense_lora, router_topk) against outside truth: transformers' Qwen3-MoE RMSNorm, rotary
+code and router, an fp64 softmax attention over each row's length, and the per-token LoRA
+delta of the module banks (itself checked against PEFT in the module tests). Fresh random
+inputs per seed, outputs poisoned first; fp32 and fp16 (the interpreter's bf16 rounds by
+its own rule)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from moelora.kernels.decode_attention import decode_attention, splits_for
 from moelora.kernels.dense_lora import add_dense_lora
 from moelora.kernels.rms_norm import add_rms_norm
 from moelora.kernels.rope_cache import rope_and_cache
+from moelora.kernels.router_topk import router_topk
 from moelora.lora.module_banks import dense_lora_delta
 
 DTYPES = [torch.float32, torch.float16]
@@ -157,3 +159,30 @@ def test_dense_lora_equals_the_bank_delta(case, dtype, seed):
     assert_close(out, ref, dtype, what="out")
     plain = slots < 0
     assert torch.equal(out[plain], base[plain])  # slot -1 rows: untouched
+
+
+ROUTERS = [
+    # (id, tokens, experts, top_k, hidden, renorm): the edges each covers
+    ("qwen3-like", 4, 16, 4, 64, True),
+    ("no-renorm-odd-experts", 3, 12, 2, 48, False),  # E not a power of two: masked lanes
+    ("one-token-top1", 1, 8, 1, 32, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ROUTERS, ids=[c[0] for c in ROUTERS])
+def test_router_topk_equals_transformers(case, dtype, seed):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    _, tokens, experts, top_k, hidden, renorm = case
+    g = _gen(seed)
+    config = Qwen3MoeConfig(num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
+                            norm_topk_prob=renorm)  # fmt: skip
+    router = Qwen3MoeTopKRouter(config).to(dtype)
+    router.weight.data = torch.randn(experts, hidden, generator=g).to(dtype) / math.sqrt(hidden)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    _, ref_w, ref_ids = router(x)
+    weights, ids = router_topk(torch.nn.functional.linear(x, router.weight), top_k, renorm)
+    assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
+    assert_close(weights, ref_w.float(), dtype, what="weights")

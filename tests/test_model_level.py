@@ -61,7 +61,9 @@ def test_tiny_cpu_run_reports_every_config(tmp_path):
                              "--json", str(out)])  # fmt: skip
     decode = [r for r in rows if r["kind"] == "decode"]
     assert {(r["config"], r["batch"]) for r in decode} == {
-        (c, b) for c in ("hf_eager", "moelora_experts", "moelora_attention") for b in (1, 3)
+        (c, b)
+        for c in ("hf_eager", "moelora_free", "moelora_experts", "moelora_attention")
+        for b in (1, 3)
     }
     for r in decode:
         assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["prefill_tok_s"] > 0

@@ -28,6 +28,7 @@ from ..kernels.decode_attention import decode_attention
 from ..kernels.dense_lora import add_dense_lora
 from ..kernels.rms_norm import add_rms_norm
 from ..kernels.rope_cache import rope_and_cache
+from ..kernels.router_topk import router_topk
 from ..lora.module_banks import ModuleBanks
 from ..lora.rows import RowAdapters
 
@@ -133,19 +134,14 @@ class DecodeRunner:
         return self._linear(attn.o_proj, f"{path}.o_proj", out.view(x.shape[0], -1), slots, rows)
 
     def _moe(self, layer: _Layer, x: Tensor, slots: Tensor, rows: RowAdapters) -> Tensor:
-        """The router as transformers' (its logits and their LoRA, softmax in fp32, top-k,
-        renormalized, rounded to the logits' dtype), then the experts on moelora's layer.
-        (A one-kernel router, one program per token, measured slower at batch 1 and 16 on
-        the H200: docs/history/kernel_log.md, v35.)"""
+        """The router as transformers' (its logits and their LoRA; softmax in fp32, top-k,
+        renormalized, rounded to the logits' dtype, in one kernel), then the experts on
+        moelora's layer."""
         logits = F.linear(x, layer.gate)
         path = f"{layer.path}.mlp.gate"
         if path in rows.lora_modules:
             add_dense_lora(logits, x, slots, self.banks.a[path], self.banks.bt[path])
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renorm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights, ids = weights.to(logits.dtype).float(), ids.to(torch.int32)
+        weights, ids = router_topk(logits, self.top_k, self.renorm)
         if not rows.expert_lora:
             return layer.experts(x, ids, weights)
         token_slots = rows.token_slots(x.shape[0], refresh=layer.index == self.first_moe)
