@@ -15,6 +15,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, ap
 
 from moelora.compare import assert_close
 from moelora.kernels.decode_attention import decode_attention, splits_for
+from moelora.kernels.dense_linear import dense_linear, lora_shrink
 from moelora.kernels.dense_lora import add_dense_lora
 from moelora.kernels.rms_norm import add_rms_norm
 from moelora.kernels.rope_cache import rope_and_cache
@@ -186,3 +187,43 @@ def test_router_topk_equals_transformers(case, dtype, seed):
     weights, ids = router_topk(torch.nn.functional.linear(x, router.weight), top_k, renorm)
     assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
     assert_close(weights, ref_w.float(), dtype, what="weights")
+
+
+LINEARS = [
+    # (id, tokens, in features, out features per module, LoRA per module, bias, slots)
+    ("qkv-one-row", 1, 96, (72, 24, 24), (True, False, True), False, [2]),
+    ("qkv-mixed-rows", 5, 200, (72, 24, 24), (True, True, False), True, [0, -1, 2, 2, 1]),
+    ("o-alone-many-rows", 37, 64, (96,), (True,), False, [i % 4 - 1 for i in range(37)]),
+    ("lora-free", 3, 64, (40, 24), (False, False), False, [0, 1, 2]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LINEARS, ids=[c[0] for c in LINEARS])
+def test_dense_linear_equals_linear_plus_bank_delta(case, dtype, seed):
+    """Each module's output: F.linear plus its rows' LoRA delta (module_banks'), the
+    modules read in one launch, slot -1 rows and modules without LoRA the base alone."""
+    _, tokens, n, widths, lora, with_bias, used = case
+    g = _gen(seed)
+    num_slots, rank = 3, 8
+    x = torch.randn(tokens, n, generator=g).to(dtype)
+    weights = [(torch.randn(m, n, generator=g) / math.sqrt(n)).to(dtype) for m in widths]
+    biases = [torch.randn(m, generator=g).to(dtype) if with_bias else None for m in widths]
+    a = [(torch.randn(num_slots, rank, n, generator=g) / math.sqrt(n)).to(dtype) if on else None
+         for on in lora]  # fmt: skip
+    bt = [torch.randn(num_slots, rank, m, generator=g).to(dtype) if on else None
+          for m, on in zip(widths, lora)]  # fmt: skip
+    for ak, bk in zip(a, bt):
+        if ak is not None:  # slot 1 holds a lower-rank adapter (its rows past r are zero)
+            ak[1, rank // 2 :] = 0
+            bk[1, rank // 2 :] = 0
+    slots = torch.tensor(used, dtype=torch.int32)
+    z = lora_shrink(x, slots, a) if any(lora) else None
+    outs = dense_linear(x, weights, biases, slots, z, bt)
+    for k, (out, w, b) in enumerate(zip(outs, weights, biases)):
+        base = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        ref = base.to(dtype)
+        if a[k] is not None:
+            ref = ref + dense_lora_delta(x, slots, a[k], bt[k]).to(dtype)
+        assert out.shape == (tokens, w.shape[0]) and not out.isnan().any()
+        assert_close(out, ref, dtype, what=f"module {k}")

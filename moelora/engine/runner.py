@@ -3,12 +3,13 @@ weights read in place, few kernels per layer, every LoRA module per token in moe
 kernels; the engine replays it as one CUDA graph per bucket of rows.
 
 Per layer: the residual add fused into each RMSNorm (kernels/rms_norm.py); the q / k / v
-projections (cuBLAS, the model's weights) and their LoRA over the slots the rows name
-(kernels/dense_lora.py); q / k norm, rotary and the KV-cache write in one kernel
-(kernels/rope_cache.py); attention over each row's own cache length
-(kernels/decode_attention.py); o_proj and its LoRA; the router (its logits, their LoRA,
-transformers' softmax / top-k / renormalization); the experts on moelora's layer. Then the
-final norm and the LM head with its LoRA. Each step keeps transformers' roundings (the
+projections as one GEMM over the model's three weights, their LoRA over the slots the rows
+name in its epilogue (kernels/dense_linear.py, the shrink one launch before); q / k norm,
+rotary and the KV-cache write in one kernel (kernels/rope_cache.py); attention over each
+row's own cache length (kernels/decode_attention.py); o_proj and its LoRA alike; the router
+(its logits on cuBLAS, their LoRA, softmax / top-k / renormalization in one kernel,
+kernels/router_topk.py); the experts on moelora's layer. Then the final norm and the LM head
+(cuBLAS) with its LoRA (kernels/dense_lora.py). Each step keeps transformers' roundings (the
 kernels' docstrings say how), so a row equals the model's eager forward within its dtype's
 tolerance (tests/test_engine_runner.py, against HF + PEFT alone).
 
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels.decode_attention import decode_attention
+from ..kernels.dense_linear import dense_linear, lora_shrink
 from ..kernels.dense_lora import add_dense_lora
 from ..kernels.rms_norm import add_rms_norm
 from ..kernels.rope_cache import rope_and_cache
@@ -121,17 +122,31 @@ class DecodeRunner:
             add_dense_lora(out, x, slots, self.banks.a[path], self.banks.bt[path])
         return out
 
+    def _projections(self, modules: list[nn.Linear], paths: list[str], x: Tensor, slots,
+                     rows) -> list[Tensor]:  # fmt: skip
+        """Linears of one input x in one GEMM launch (kernels/dense_linear.py), with the
+        LoRA of those in rows.lora_modules (their shrink one launch before)."""
+        on = [p in rows.lora_modules for p in paths]
+        z = bt = None
+        if any(on):
+            z = lora_shrink(x, slots, [self.banks.a[p] if o else None for p, o in zip(paths, on)])
+            bt = [self.banks.bt[p] if o else None for p, o in zip(paths, on)]
+        weights = [m.weight for m in modules]
+        return dense_linear(x, weights, [m.bias for m in modules], slots, z, bt)
+
     def _attention(self, layer, x, cos, sin, cache_layer, write_rows, pos, lengths, slots,
                    rows, kv_len) -> Tensor:  # fmt: skip
         attn, path = layer.attn, f"{layer.path}.self_attn"
-        q = self._linear(attn.q_proj, f"{path}.q_proj", x, slots, rows)
-        k = self._linear(attn.k_proj, f"{path}.k_proj", x, slots, rows)
-        v = self._linear(attn.v_proj, f"{path}.v_proj", x, slots, rows)
+        names = ("q_proj", "k_proj", "v_proj")
+        q, k, v = self._projections([getattr(attn, n) for n in names],
+                                    [f"{path}.{n}" for n in names], x, slots, rows)  # fmt: skip
         q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, write_rows,
                            pos, attn.q_norm.weight, attn.k_norm.weight, self.eps)  # fmt: skip
         out = decode_attention(q, cache_layer.keys, cache_layer.values, lengths, attn.scaling,
                                kv_len)  # fmt: skip
-        return self._linear(attn.o_proj, f"{path}.o_proj", out.view(x.shape[0], -1), slots, rows)
+        (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out.view(x.shape[0], -1),
+                                 slots, rows)  # fmt: skip
+        return o
 
     def _moe(self, layer: _Layer, x: Tensor, slots: Tensor, rows: RowAdapters) -> Tensor:
         """The router as transformers' (its logits and their LoRA; softmax in fp32, top-k,
