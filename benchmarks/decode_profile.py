@@ -148,6 +148,29 @@ def profile_step(engine, model) -> dict[str, float]:
     return out
 
 
+def replay_timeline(engine) -> dict[str, float]:
+    """One replayed step under the profiler (CUPTI traces the kernels a CUDA graph runs):
+    kernels, their busy GPU time, the span from the first kernel's start to the last one's
+    end, so span - busy is the gaps between kernels in the graph and the step's wall time
+    less the span the host's share (building inputs, launching, sampling, copying back)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Memcpy")
+    )
+    busy, reach = 0.0, float("-inf")
+    for start, end in spans:  # the union of the kernels' intervals
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    return dict(kernels=len(spans), busy_us=busy, span_us=span)
+
+
 @contextmanager
 def _attn_ranges(model):
     undo = []
@@ -244,6 +267,8 @@ def run_batch(model, handle, names, args, batch: int, with_lora: bool, runner: b
             results["profile_us"] = profile_step(engine, model)
         if not eager or handle.device.type != "cuda":
             results["step_ms"] = step_ms(engine, args.steps)
+        if not eager and handle.device.type == "cuda":
+            results["replay"] = replay_timeline(engine)
         engine.close()
     return results
 
@@ -314,6 +339,11 @@ def _print(row: dict, layers: int) -> None:
     print(f"{label}: replayed step {row['step_ms']:.3f} ms ({batch / row['step_ms'] * 1e3:.0f} "
           f"tok/s), floor {row['floor_ms']:.3f} ms; eager kernels {prof['total']:.0f} us in "
           f"{prof['kernels']} launches", flush=True)  # fmt: skip
+    if "replay" in row:
+        r = row["replay"]
+        print(f"   replayed: {r['kernels']} kernels busy {r['busy_us']:.0f} us, span "
+              f"{r['span_us']:.0f} us (gaps {r['span_us'] - r['busy_us']:.0f}), host "
+              f"{row['step_ms'] * 1e3 - r['span_us']:.0f} us of the step", flush=True)  # fmt: skip
     if row["path"] == "hf":
         parts = ("norm", "proj", "attention", "router", "experts")
         print("   per layer us: " + ", ".join(f"{p} {prof[p] / layers:.1f}" for p in parts)

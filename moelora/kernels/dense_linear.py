@@ -38,7 +38,7 @@ MAX_MODULES = 3
 
 
 @triton.jit
-def _lora_shrink_kernel(
+def _dense_shrink_kernel(
     x_ptr,
     slots_ptr,
     a0_ptr,
@@ -184,7 +184,7 @@ def lora_shrink(x: Tensor, slots: Tensor, a: list[Tensor | None]) -> Tensor:
     pointers = [t if t is not None else given[0] for t in a]
     pointers += [given[0]] * (MAX_MODULES - len(pointers))
     if tokens:
-        _lora_shrink_kernel[(tokens, len(a), rank)](
+        _dense_shrink_kernel[(tokens, len(a), rank)](
             x, slots, *pointers, z, x.shape[1], rank, x.stride(0), given[0].stride(0),
             given[0].stride(1), z.stride(0), z.stride(1),
             BLOCK_K=min(SHRINK_K, next_pow2(x.shape[1])), num_warps=4,
