@@ -27,6 +27,29 @@ seconds = float_in(0.0, 1e6, False, "a number of seconds in [0, 1e6]")
 fraction = float_in(0.0, 1.0, True, "a fraction in (0, 1]")
 model_len = int_at_least(2)
 
+# vLLM's --load-format values served here, and why each other one is not
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+NOT_LOADED = {
+    "pt": "auto reads a PyTorch .bin checkpoint when the directory has no .safetensors",
+    "npcache": "no numpy weight cache is kept",
+    "tensorizer": "tensorizer files are not read",
+    "sharded_state": "one process reads the whole checkpoint; no per-rank shards",
+    "gguf": "GGUF checkpoints are not read",
+    "bitsandbytes": "bitsandbytes quantization is not served (FP8 experts: docs/fp8.md)",
+    "mistral": "Mistral's consolidated format is not read; use the transformers checkpoint",
+    "runai_streamer": "weights are read from the local directory only",
+    "runai_streamer_sharded": "weights are read from the local directory only",
+    "fastsafetensors": "weights are read with transformers (auto or safetensors)",
+}
+
+
+def load_format(value: str) -> str:
+    """--load-format: auto, safetensors or dummy; vLLM's other formats refused with why."""
+    if value in LOAD_FORMATS:
+        return value
+    why = NOT_LOADED.get(value, "not a load format vLLM or moelora knows")
+    raise argparse.ArgumentTypeError(f"{value!r}: {why}; expected one of {', '.join(LOAD_FORMATS)}")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -47,11 +70,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-local-lora-path", default=None, metavar="DIR",
                    help="runtime loads read only directories under DIR (a relative lora_path "
                    "is taken from DIR; default: any directory the server can read)")  # fmt: skip
+    p.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                   help="a request naming an adapter the server does not know loads DIR/<name> "
+                   "(confined to DIR; its base_model_name_or_path must be the served model)")  # fmt: skip
     p.add_argument("--chat-template", default=None,
                    help="the chat template: a file, or the Jinja template itself (default: "
                    "the tokenizer's)")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                    help="seconds running requests may finish after SIGTERM (default 30)")  # fmt: skip
+    p.add_argument("--ray-replicas", type=positive_int, default=None, metavar="N",
+                   help="N engines behind Ray Serve (one GPU each when there are GPUs), "
+                   "requests routed by adapter (the ray extra; docs/serve.md)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -83,12 +112,19 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, "
                    "fp16 or fp32")  # fmt: skip
     p.add_argument("--moe-backend", default="auto", help="auto or a backend name")
+    p.add_argument("--load-format", type=load_format, default="auto",
+                   help="auto or safetensors: the directory's weights; dummy: random weights "
+                   "of the config's shapes built on the device (benchmarks, smoke tests)")  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     add_refused(p)
     p.set_defaults(flag_terms=SERVE_FLAGS)  # errors name --max-loras, not num_slots
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray_replicas is not None:
+        from ..serve.ray import run as on_ray
+
+        return on_ray(args)
     from ..serve.launch import run as launch
 
     return launch(args)

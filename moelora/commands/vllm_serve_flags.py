@@ -26,7 +26,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--swap-space",): "no KV cache is swapped to host memory",
     ("--trust-remote-code",): "models are built with transformers' own classes; no code from "
     "the model directory is run",
-    ("--load-format",): "weights are read from the directory's safetensors files",
     ("--lora-dtype",): "adapter banks are kept in the model's dtype",
     ("--lora-extra-vocab-size",): "adapters that add tokens are not served",
     ("--long-lora-scaling-factors",): "LongLoRA adapters are not served",

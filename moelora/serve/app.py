@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -33,7 +34,10 @@ log = logging.getLogger("moelora.serve")
 
 
 def build_app(
-    ctx: ServeContext, shutdown_grace_s: float = 30.0, body_read_timeout_s: float = 30.0
+    ctx: ServeContext,
+    shutdown_grace_s: float = 30.0,
+    body_read_timeout_s: float = 30.0,
+    resolver=None,  # resolver.LoraResolver: --lora-resolver-dir, unknown adapters by name
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -45,6 +49,7 @@ def build_app(
     docs = {} if ctx.api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="moelora serve", lifespan=lifespan, **docs)
     app.state.ctx = ctx
+    app.state.resolver = resolver
     app.add_middleware(BodyLimit, max_bytes=body_limit(ctx.max_model_len),
                        read_timeout_s=body_read_timeout_s)  # fmt: skip
     _errors(app)
@@ -63,9 +68,7 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
-        # the slot manager's counters (the handle exposes no public copy of them yet)
-        stats = ctx.handle.registry.manager.stats()
-        return ctx.metrics.render(sum(stats.loads.values()), stats.evictions)
+        return ctx.metrics.render(ctx.handle)  # slot residency and counters read now
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict:
@@ -90,6 +93,7 @@ def build_app(
             raise bad_request(f"lora_name {name!r} is the base model's name: expected another "
                               "name (requests name the base model by it)", "lora_name")  # fmt: skip
         path = _adapter_dir(ctx, body.lora_path)
+        started = time.perf_counter()
         try:  # a refused load changes nothing: the old version (if any) keeps serving
             await run_in_threadpool(ctx.handle.load_adapter, path, name)
         except MoeloraError as err:
@@ -98,6 +102,7 @@ def build_app(
             log.info("runtime load of %r from %r failed: %r", name, body.lora_path, err)
             raise _not_an_adapter(ctx, body.lora_path) from None
         ctx.metrics.adapter(loaded=True)
+        ctx.metrics.adapter_loaded("runtime", time.perf_counter() - started)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", dependencies=runtime)
@@ -114,6 +119,8 @@ def build_app(
 
 
 async def _generate(ctx: ServeContext, body: protocol.SamplingFields, chat: bool, http: Request):
+    if http.app.state.resolver is not None:  # an unknown adapter name: loaded from its dir
+        await http.app.state.resolver.resolve(body.model)
     if not body.stream:
         return await _unless_gone(answer(ctx, body, chat), http)
     prepared = await asyncio.to_thread(ctx.prepare, body)  # tokenizing: off the event loop

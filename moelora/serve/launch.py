@@ -31,7 +31,7 @@ SHUTDOWN_MARGIN_S = 5.0
 
 
 def settings_of(args: argparse.Namespace):
-    from .model_dir import ServeSettings, parse_lora_modules
+    from .model_dir import LoadFormat, ServeSettings, parse_lora_modules
 
     return ServeSettings(
         model=Path(args.model), lora_modules=parse_lora_modules(args.lora_modules),
@@ -40,6 +40,7 @@ def settings_of(args: argparse.Namespace):
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         chat_template=getattr(args, "chat_template", None),
+        load_format=LoadFormat(getattr(args, "load_format", "auto")),
     )  # fmt: skip
 
 
@@ -51,7 +52,7 @@ def start(args: argparse.Namespace, model=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: Triton's interpreter
     from . import model_dir
     from .context import ServeContext
-    from .metrics import Metrics
+    from .metrics import Metrics, Setting
     from .scheduler import Scheduler
 
     settings = settings_of(args)
@@ -68,9 +69,10 @@ def start(args: argparse.Namespace, model=None):
     report = engine.warmup()  # every decode graph captured before the first request (GPU)
     if report is not None:
         print(f"moelora {args.command}: {report}", flush=True)
-    metrics = Metrics()
-    scheduler = Scheduler(engine, metrics).start()
     name = getattr(args, "served_model_name", None) or args.model
+    metrics = Metrics(Setting(name, settings.max_loras, rows,
+                              is_loaded=lambda adapter: handle.version(adapter) is not None))  # fmt: skip
+    scheduler = Scheduler(engine, metrics).start()
     parents = {n: m.base_model_name for n, m in settings.lora_modules.items()
                if m.base_model_name}  # fmt: skip
     return ServeContext(
@@ -92,6 +94,29 @@ def _need_serve_extra() -> None:
     if missing:
         raise ConfigError("package", missing[0], "installed (the serve extra)",
                           "pip install 'moelora[serve]'")  # fmt: skip
+
+
+def resolver_of(args: argparse.Namespace, ctx, root: Path | None):
+    """--lora-resolver-dir's resolver over `root` (None without the flag): the adapters it
+    loads must name the served model as given, its real path or --served-model-name as
+    their base."""
+    if root is None:
+        return None
+    from .resolver import LoraResolver
+
+    bases = frozenset({ctx.served_model_name, str(args.model), str(Path(args.model).resolve())})
+    return LoraResolver(root, ctx.handle, bases, ctx.metrics)
+
+
+def _resolver_root(value: str | None) -> Path | None:
+    """--lora-resolver-dir, checked before any weight is read."""
+    if value is None:
+        return None
+    root = Path(value).resolve()
+    if not root.is_dir():
+        raise ConfigError("--lora-resolver-dir", value, "an existing directory",
+                          "create it, or pass the directory adapters are resolved from")  # fmt: skip
+    return root
 
 
 def _allowed_root(value: str | None) -> Path | None:
@@ -144,11 +169,13 @@ def run(args: argparse.Namespace, model=None) -> int:
 
     sock = bind(args.host, args.port)
     try:
+        resolver_root = _resolver_root(getattr(args, "lora_resolver_dir", None))
         ctx = start(args, model)
     except BaseException:
         sock.close()
         raise
-    app = build_app(ctx, args.shutdown_timeout, BODY_READ_TIMEOUT_S)
+    resolver = resolver_of(args, ctx, resolver_root)
+    app = build_app(ctx, args.shutdown_timeout, BODY_READ_TIMEOUT_S, resolver)
     config = uvicorn.Config(
         app, log_level="warning", http=timed_h11(HEAD_TIMEOUT_S),
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S,

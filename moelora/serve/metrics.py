@@ -1,46 +1,85 @@
-"""Prometheus metrics of the server, written in the text exposition format (no dependency).
+"""The server's Prometheus metrics: moelora's own names, vLLM's names and labels beside them
+(what a router reads: the Gateway API Inference Extension, llm-d, KServe), and what vLLM
+does not export: which adapter is in which slot, adapter load times, requests and tokens per
+adapter. The scheduler thread, the request readers and the adapter loaders write; the
+/metrics handler reads (one lock). docs/serve.md lists every family.
 
-Counters: requests started (they passed the engine's check) and requests ended by the
-reason their client read (stop, length, cancelled, error: every started request ends in
-exactly one), requests refused before they started, prompt and generated tokens, runtime
-adapter loads and unloads, adapter copies into slots and slot evictions; gauges: requests
-queued, rows running; histograms: time to first token and inter-token latency. The
-scheduler thread and the readers write, the /metrics handler reads (one lock).
+moelora's counters: requests started (they passed the engine's check) and requests ended
+by the reason their client read (stop, length, cancelled, error: every started request
+ends in exactly one), requests refused before they started, prompt and generated tokens,
+runtime adapter loads and unloads, adapter copies into slots and slot evictions; gauges:
+requests queued, rows running; histograms: time to first token and inter-token latency.
+
+Label values are bounded by the server's configuration, never by what clients send: the
+per-adapter series name only adapters loaded now (a request can only run on one); the
+counts of an adapter that was unloaded move to `adapter_name="__other__"`, so each series
+and their sum only grow.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-# Bucket bounds in seconds, vLLM's for the same two histograms (chosen there to span a fast
-# GPU decode step of a few ms to a long queue wait).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+from .exposition import Histogram, family, histograms
+from .residency import residency_lines
+
+# vLLM's bucket bounds (vllm/v1/metrics/loggers.py), so a dashboard's quantiles read the
+# same on both servers: time to first token, inter-token latency, end-to-end and queue time.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Adapter loads (read, validate, write a slot): chosen to span a small adapter read from the
+# page cache (a few ms) to a large one from network storage (tens of seconds).
+LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# vLLM's finish reasons (FinishReason), each exported from the start; the reason a client
+# read maps onto them (a client that left: abort).
+VLLM_REASONS = ("stop", "length", "abort", "error", "repetition")
+TO_VLLM_REASON = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+# vLLM's help texts (vllm/v1/metrics/loggers.py)
+VLLM_HELP = {
+    "num_requests_running": "Number of requests in model execution batches.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "prompt_tokens_total": "Number of prefill tokens processed.",
+    "generation_tokens_total": "Number of generation tokens processed.",
+    "request_success_total": "Count of successfully processed requests.",
+    "lora_requests_info": "Running stats on lora requests.",
+    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "time_per_output_token_seconds": "Histogram of time per output token in seconds. "
+    "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+    "request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per "
+    "request.",
+    "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+}
+OTHER = "__other__"  # the adapters unloaded since their requests were counted
+ENGINE = "0"  # vLLM's `engine` label: this server runs one engine
 
 
-class Histogram:
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
-        self.total = 0.0
+@dataclass(frozen=True)
+class Setting:
+    """What the metrics are labelled with: the served model's name (vLLM's `model_name`),
+    --max-loras (`max_lora`), the engine's rows (the KV cache's), and whether a name is an
+    adapter loaded now (per-adapter series keep only those)."""
 
-    def observe(self, value: float) -> None:
-        index = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
-        self.counts[index] += 1
-        self.total += value
-
-    def lines(self, name: str) -> list[str]:
-        out, running = [f"# TYPE {name} histogram"], 0
-        for bound, count in zip((*self.bounds, "+Inf"), self.counts):
-            running += count
-            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        return [*out, f"{name}_sum {self.total}", f"{name}_count {running}"]
+    model_name: str = ""
+    max_loras: int = 0
+    rows: int = 0
+    is_loaded: Callable[[str], bool] = lambda name: False
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, setting: Setting | None = None) -> None:
+        self.setting = setting or Setting()
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()  # finish reason -> requests
         self.started_requests = 0
@@ -53,9 +92,61 @@ class Metrics:
         self.running = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(REQUEST_BUCKETS)
+        self.queue_time = Histogram(REQUEST_BUCKETS)
+        self.tpot = Histogram(ITL_BUCKETS)  # each request's mean time per output token
+        self.load_time: dict[str, Histogram] = {}  # source (runtime, resolver) -> histogram
+        self.per_adapter: dict[str, Counter[str]] = {}  # adapter -> requests, tokens
+        self._lora_state: tuple[str, str] = ("", "")  # running, waiting adapters (joined)
+        self._lora_time = time.time()
 
-    def set_load(self, queued: int, running: int) -> None:
-        self.queued, self.running = queued, running
+    # ---- the scheduler thread ------------------------------------------------------------
+
+    def set_load(self, queued: int, running: int, running_adapters: Sequence = (),
+                 waiting_adapters: Sequence = ()) -> None:  # fmt: skip
+        """Requests queued and rows running, and the adapters of each (None: the base
+        model), as vLLM's lora_requests_info reports them, stamped with the time."""
+        running_names = ",".join(sorted({str(a) for a in running_adapters if a is not None}))
+        waiting_names = ",".join(sorted({str(a) for a in waiting_adapters if a is not None}))
+        with self._lock:
+            self.queued, self.running = queued, running
+            self._lora_state = (running_names, waiting_names)
+            self._lora_time = time.time()
+
+    def accepted(self, adapter: str | None, prompt_tokens: int) -> None:
+        """A request of `adapter` passed the engine's check."""
+        if adapter is not None:
+            with self._lock:
+                tally = self._adapter(adapter)
+                tally["requests"] += 1
+                tally["prompt_tokens"] += prompt_tokens
+
+    def admitted(self, queued_s: float) -> None:
+        """A request joined the engine `queued_s` seconds after it was submitted."""
+        with self._lock:
+            self.queue_time.observe(queued_s)
+
+    def token(self, since: float, previous: float | None, adapter: str | None = None) -> None:
+        """A generated token, `since` seconds after the last one (or the submission)."""
+        with self._lock:
+            self.generation_tokens += 1
+            (self.ttft if previous is None else self.itl).observe(since)
+            if adapter is not None:
+                self._adapter(adapter)["generation_tokens"] += 1
+
+    def ended(self, e2e_s: float, per_token_s: float) -> None:
+        """A request's row ended `e2e_s` after its submission; `per_token_s` its mean time
+        per output token after the first (0 for one token or none, as vLLM)."""
+        with self._lock:
+            self.e2e.observe(e2e_s)
+            self.tpot.observe(per_token_s)
+
+    def _adapter(self, name: str) -> Counter[str]:
+        """Under the lock: the tally a count of `name` goes to (OTHER once it is unloaded)."""
+        key = name if self.setting.is_loaded(name) else OTHER
+        return self.per_adapter.setdefault(key, Counter())
+
+    # ---- the request readers and loaders ------------------------------------------------
 
     def started(self, prompt_tokens: int) -> None:
         """A request passed the engine's check: it is counted again when it ends."""
@@ -68,43 +159,109 @@ class Metrics:
         with self._lock:
             self.refused_requests += 1
 
-    def token(self, since: float, previous: float | None) -> None:
-        """A generated token, `since` seconds after the last one (or the submission)."""
-        with self._lock:
-            self.generation_tokens += 1
-            (self.ttft if previous is None else self.itl).observe(since)
-
     def finished(self, reason: str) -> None:
         with self._lock:
             self.requests[reason] += 1
 
     def adapter(self, loaded: bool) -> None:
+        """A runtime load (or unload) through /v1/load_lora_adapter."""
         with self._lock:
             if loaded:
                 self.adapter_loads += 1
             else:
                 self.adapter_unloads += 1
 
-    def render(self, slot_loads: int, evictions: int) -> str:
-        """The exposition text; adapter copies into slots and evictions from the slot
-        manager's counters."""
+    def adapter_loaded(self, source: str, seconds: float) -> None:
+        """An adapter read, checked and published while serving (`source`: runtime for
+        /v1/load_lora_adapter, resolver for --lora-resolver-dir) in `seconds`."""
         with self._lock:
-            lines = ["# TYPE moelora_requests_total counter"]
-            lines += [f'moelora_requests_total{{finish_reason="{r}"}} {n}'
-                      for r, n in sorted(self.requests.items())]  # fmt: skip
-            for name, kind, value in (
-                ("requests_started_total", "counter", self.started_requests),
-                ("requests_refused_total", "counter", self.refused_requests),
-                ("prompt_tokens_total", "counter", self.prompt_tokens),
-                ("generation_tokens_total", "counter", self.generation_tokens),
-                ("adapter_loads_total", "counter", self.adapter_loads),
-                ("adapter_unloads_total", "counter", self.adapter_unloads),
-                ("adapter_slot_loads_total", "counter", slot_loads),
-                ("adapter_evictions_total", "counter", evictions),
-                ("requests_queued", "gauge", self.queued),
-                ("rows_running", "gauge", self.running),
-            ):
-                lines += [f"# TYPE moelora_{name} {kind}", f"moelora_{name} {value}"]
-            lines += self.ttft.lines("moelora_time_to_first_token_seconds")
-            lines += self.itl.lines("moelora_inter_token_latency_seconds")
-        return "\n".join(lines) + "\n"
+            self.load_time.setdefault(source, Histogram(LOAD_BUCKETS)).observe(seconds)
+
+    # ---- /metrics -------------------------------------------------------------------------
+
+    def render(self, handle) -> str:
+        """The exposition text; slot residency and the slot manager's counters read from
+        `handle` (moelora.hf's handle) now."""
+        with self._lock:
+            self._fold_unloaded()
+            lines = self._moelora_lines(handle.stats())
+            lines += self._vllm_lines()
+            lines += self._adapter_lines()
+        return "\n".join([*lines, *residency_lines(handle, self.setting.max_loras)]) + "\n"
+
+    def _fold_unloaded(self) -> None:
+        """Under the lock: the counts of adapters no longer loaded move to OTHER for good."""
+        for name in [n for n in self.per_adapter if n != OTHER]:
+            if not self.setting.is_loaded(name):
+                self.per_adapter.setdefault(OTHER, Counter()).update(self.per_adapter.pop(name))
+
+    def _moelora_lines(self, stats) -> list[str]:
+        lines = ["# TYPE moelora_requests_total counter"]
+        lines += [f'moelora_requests_total{{finish_reason="{r}"}} {n}'
+                  for r, n in sorted(self.requests.items())]  # fmt: skip
+        for name, kind, value in (
+            ("requests_started_total", "counter", self.started_requests),
+            ("requests_refused_total", "counter", self.refused_requests),
+            ("prompt_tokens_total", "counter", self.prompt_tokens),
+            ("generation_tokens_total", "counter", self.generation_tokens),
+            ("adapter_loads_total", "counter", self.adapter_loads),
+            ("adapter_unloads_total", "counter", self.adapter_unloads),
+            ("adapter_slot_loads_total", "counter", sum(stats.loads.values())),
+            ("adapter_slot_load_seconds_total", "counter", sum(stats.load_seconds.values())),
+            ("adapter_evictions_total", "counter", stats.evictions),
+            ("requests_queued", "gauge", self.queued),
+            ("rows_running", "gauge", self.running),
+        ):
+            lines += [f"# TYPE moelora_{name} {kind}", f"moelora_{name} {value}"]
+        lines += histograms("moelora_time_to_first_token_seconds", None, [((), self.ttft)])
+        lines += histograms("moelora_inter_token_latency_seconds", None, [((), self.itl)])
+        return lines
+
+    def _vllm_lines(self) -> list[str]:
+        """vLLM's families under vLLM's names, labels and help texts."""
+        engine = (("model_name", self.setting.model_name), ("engine", ENGINE))
+        rows = self.setting.rows
+        reasons = Counter({r: 0 for r in VLLM_REASONS})
+        for reason, n in self.requests.items():
+            reasons[TO_VLLM_REASON.get(reason, reason)] += n
+        running, waiting = self._lora_state
+        info = (("max_lora", str(self.setting.max_loras)), ("waiting_lora_adapters", waiting),
+                ("running_lora_adapters", running))  # fmt: skip
+        lines = []
+        for name, kind, samples in (
+            ("num_requests_running", "gauge", [(engine, self.running)]),
+            ("num_requests_waiting", "gauge", [(engine, self.queued)]),
+            # a row's KV cache is one slab of max_len positions, reserved whole while it runs
+            ("kv_cache_usage_perc", "gauge", [(engine, self.running / rows if rows else 0.0)]),
+            ("prompt_tokens_total", "counter", [(engine, self.prompt_tokens)]),
+            ("generation_tokens_total", "counter", [(engine, self.generation_tokens)]),
+            ("request_success_total", "counter",
+             [((*engine, ("finished_reason", r)), n) for r, n in reasons.items()]),
+            ("lora_requests_info", "gauge", [(info, self._lora_time)]),
+        ):  # fmt: skip
+            lines += family(f"vllm:{name}", kind, VLLM_HELP[name], samples)
+        for name, histogram in (
+            ("time_to_first_token_seconds", self.ttft),
+            ("inter_token_latency_seconds", self.itl),
+            ("time_per_output_token_seconds", self.itl),  # vLLM's older name of the same
+            ("request_time_per_output_token_seconds", self.tpot),
+            ("e2e_request_latency_seconds", self.e2e),
+            ("request_queue_time_seconds", self.queue_time),
+        ):
+            lines += histograms(f"vllm:{name}", VLLM_HELP[name], [(engine, histogram)])
+        return lines
+
+    def _adapter_lines(self) -> list[str]:
+        """Requests and tokens per adapter, and adapter load times."""
+        lines = []
+        for key, what in (("requests", "Requests started"),
+                          ("prompt_tokens", "Prompt tokens of the requests started"),
+                          ("generation_tokens", "Tokens generated")):  # fmt: skip
+            tallies = sorted(self.per_adapter.items())
+            lines += family(f"moelora_lora_{key}_total", "counter", f"{what}, per adapter.",
+                            [((("adapter_name", a),), t[key]) for a, t in tallies])  # fmt: skip
+        help_text = (
+            "Seconds an adapter load took while serving (read, checked, written into a free slot)."
+        )
+        loads = [((("source", s),), h) for s, h in sorted(self.load_time.items())]
+        return lines + histograms("moelora_lora_adapter_load_seconds", help_text, loads)

@@ -1,11 +1,13 @@
 """A model directory made servable: the oracle's verdict first (before any weight is read),
-then the weights, the tokenizer, moelora attached and the startup adapters loaded.
+then the weights (the directory's, or random ones with --load-format dummy), the
+tokenizer, moelora attached and the startup adapters loaded.
 
 Used by `moelora serve`, `moelora run-batch` and the load generator.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from dataclasses import dataclass, field
@@ -20,6 +22,23 @@ from ..errors import ConfigError
 from ..oracle import select
 
 log = logging.getLogger("moelora.serve")
+
+
+class LoadFormat(str, enum.Enum):
+    """--load-format, vLLM's meanings: auto and safetensors read the directory's weights
+    (safetensors: only .safetensors files); dummy builds random weights of the config's
+    shapes on the device (config and tokenizer still from the directory)."""
+
+    AUTO = "auto"
+    SAFETENSORS = "safetensors"
+    DUMMY = "dummy"
+
+
+# vLLM's dummy weights: every floating tensor uniform in [-1e-3, 1e-3] (vLLM found this
+# range gives no NaN for most models), each from a generator seeded with 1234 (vLLM's), so
+# two servers of one config hold the same weights.
+DUMMY_RANGE = (-1e-3, 1e-3)
+DUMMY_SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,7 @@ class ServeSettings:
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None  # None: --max-num-seqs rows of KV cache
     chat_template: str | None = None  # --chat-template: a file, or the template itself
+    load_format: LoadFormat = LoadFormat.AUTO
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, LoraModule]:
@@ -100,6 +120,10 @@ def preflight(settings: ServeSettings) -> str:
     _check_model_len(settings, config)
     device, dtype = device_and_dtype(settings)
     model_config = from_hf(config)
+    if settings.load_format is LoadFormat.DUMMY and model_config.quantization.method.is_fp8:
+        raise ConfigError("--load-format", "dummy", "a model whose config.json has no FP8 "
+                          "quantization_config (random FP8 experts and scales are not built)",
+                          "serve the FP8 checkpoint's own weights (--load-format auto)")  # fmt: skip
     deployment = Deployment.for_model(
         model_config,
         dtype=dtype,
@@ -177,8 +201,13 @@ def load(settings: ServeSettings, model=None):
     tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     if settings.chat_template is not None:
         tokenizer.chat_template = chat_template(settings.chat_template)
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
+    if model is None and settings.load_format is LoadFormat.DUMMY:
+        model = dummy_model(root, device, dtype)
+    elif model is None:
+        only_safetensors = {"use_safetensors": True} if (
+            settings.load_format is LoadFormat.SAFETENSORS) else {}  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True,
+                                                     **only_safetensors)  # fmt: skip
     handle = attach(
         model.to(device).eval(),
         num_slots=settings.max_loras,
@@ -190,3 +219,23 @@ def load(settings: ServeSettings, model=None):
     for name, module in settings.lora_modules.items():
         handle.load_adapter(module.path, name=name)
     return handle, tokenizer
+
+
+def dummy_model(root: Path, device: str, dtype: torch.dtype):
+    """--load-format dummy: the model of root's config.json built on `device` (no weight
+    file read), every floating tensor filled as vLLM's dummy loader fills it; the
+    directory's generation_config.json (end tokens, ...) when it has one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (root / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(root))
+    low, high = DUMMY_RANGE
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                generator = torch.Generator(tensor.device).manual_seed(DUMMY_SEED)
+                tensor.uniform_(low, high, generator=generator)
+    return model

@@ -67,7 +67,9 @@ class _Ticket:
     request: object  # moelora.engine.Request
     sink: Sink
     submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
     last_token: float | None = None
+    tokens: int = 0
 
 
 class Scheduler:
@@ -190,6 +192,7 @@ class Scheduler:
                 _send(ticket, Refused(ticket.request.request_id, err))
                 continue
             _send(ticket, Accepted(ticket.request.request_id))
+            self.metrics.accepted(ticket.request.adapter, len(ticket.request.prompt_ids))
             self._waiting.append(ticket)
         self._report_load()
 
@@ -232,6 +235,7 @@ class Scheduler:
                 continue
             self._waiting.popleft()
             self._running[ticket.request.request_id] = ticket
+            self.metrics.admitted(time.perf_counter() - ticket.submitted)
             _send(ticket, Admitted(ticket.request.request_id))
         self._report_load()
 
@@ -252,15 +256,26 @@ class Scheduler:
             if ticket is None:  # cancelled at shutdown (its reader was told) or unknown
                 continue
             if event.token_id >= 0:
-                self.metrics.token(now - (ticket.last_token or ticket.submitted), ticket.last_token)
-                ticket.last_token = now
+                since = now - (ticket.last_token or ticket.submitted)
+                self.metrics.token(since, ticket.last_token, ticket.request.adapter)
+                ticket.first_token = ticket.first_token or now
+                ticket.last_token, ticket.tokens = now, ticket.tokens + 1
             if event.finished:
                 del self._running[event.request_id]
+                self._ended(ticket, now)
             _send(ticket, event)
         self._report_load()
 
     def _report_load(self) -> None:
-        self.metrics.set_load(queued=self.queued, running=len(self._running))
+        waiting = [t.request.adapter for t in [*self._waiting, *self._inbox]]
+        running = [t.request.adapter for t in self._running.values()]
+        self.metrics.set_load(self.queued, len(self._running), running, waiting)
+
+    def _ended(self, ticket: _Ticket, now: float) -> None:
+        """A row ended: its end-to-end time and mean time per output token (vLLM's)."""
+        decode = (ticket.last_token or now) - (ticket.first_token or now)
+        per_token = decode / (ticket.tokens - 1) if ticket.tokens > 1 else 0.0
+        self.metrics.ended(now - ticket.submitted, per_token)
 
 
 def _send(ticket: _Ticket, item: object) -> None:
