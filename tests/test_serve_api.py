@@ -164,7 +164,7 @@ ERRORS = [
     ("prompt-too-long", dict(prompt=" ".join(["w3"] * 130)), openai.BadRequestError, ["128"]),
     ("output-too-long", dict(max_tokens=200), openai.BadRequestError, ["128"]),
     ("token-id-out-of-range", dict(prompt=[5, 999]), openai.BadRequestError, ["999", "96"]),
-    ("unsupported-field", dict(logprobs=2), openai.BadRequestError, ["logprobs", "not supported"]),
+    ("unsupported-field", dict(best_of=2), openai.BadRequestError, ["best_of", "not supported"]),
 ]
 
 

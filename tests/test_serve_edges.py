@@ -207,9 +207,10 @@ def test_response_ids_are_unique(client):
 BAD = [
     # (id, route, body or raw bytes, status, words in the message)
     ("unknown-field", "completions", {"frobnicate": 1}, 400, ["frobnicate"]),
-    ("logprobs", "completions", {"logprobs": 1}, 400, ["logprobs"]),
-    ("echo", "completions", {"echo": True}, 400, ["echo"]),
-    ("n-2", "completions", {"n": 2}, 400, ["'n'"]),
+    ("logprobs-21", "completions", {"logprobs": 21}, 400, ["logprobs"]),
+    ("chat-echo", "chat/completions", {"messages": [{"role": "user", "content": "w1"}],
+     "echo": True}, 400, ["echo"]),
+    ("n-0", "completions", {"n": 0}, 400, ["'n'"]),
     ("max-tokens-true", "completions", {"max_tokens": True}, 400, ["max_tokens"]),
     ("stream-yes", "completions", {"stream": "yes"}, 400, ["stream"]),
     ("stop-empty", "completions", {"stop": ""}, 400, ["stop", "non-empty"]),

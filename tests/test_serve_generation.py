@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from test_serve_scheduler import ScriptedEngine, request, token
 
+from moelora.serve.context import Choice
 from moelora.serve.generation import Generation
 from moelora.serve.metrics import Metrics
 from moelora.serve.scheduler import Scheduler
@@ -34,11 +35,11 @@ def run(stop_at: int | None, new: int, leave_after: int | None = None) -> tuple[
 
     async def read() -> str:
         ctx = SimpleNamespace(scheduler=scheduler, tokenizer=WordTokenizer(), metrics=metrics)
-        gen = Generation(ctx, request(rid, None, new), stop)
+        gen = Generation(ctx, Choice(request(rid, None, new), first=True), stop)
         await gen.start()
         parts, reads = [], 0
-        async for delta, _reason in gen.deltas():
-            parts.append(delta)
+        async for piece in gen.pieces():
+            parts.append(piece.text)
             reads += 1
             if leave_after is not None and reads == leave_after:
                 gen.close()

@@ -4,7 +4,11 @@ whole decode steps replayed as CUDA graphs. Below moelora.hf and moelora.serve: 
 neither (tests/test_module_layers.py)."""
 
 from .engine import Engine, Request, TokenEvent
-from .sampling import Sampling
+from .logprobs import TokenLogprobs
+from .sampling import Sampling, TokenConstraint
 from .served import ServedModel
 
-__all__ = ["Engine", "Request", "Sampling", "ServedModel", "TokenEvent"]
+__all__ = [
+    "Engine", "Request", "Sampling", "ServedModel", "TokenConstraint", "TokenEvent",
+    "TokenLogprobs",
+]  # fmt: skip

@@ -9,7 +9,10 @@ every running row (input_ids [b, 1], each row at its own position; b = the highe
 + 1, padded up to a graph bucket on a GPU). A failure inside a step fails only the rows it
 concerns: a forward that raises is run again one row at a time (eagerly), and a row whose
 logits give no token fails alone; each failed row ends with finish reason "error" and its
-error. Legend: N max_rows, M max_len, V vocabulary.
+error. Logprobs (logprobs.py) are computed only for the rows that ask: a token's from the
+logits it was picked from, a prompt's from a prefill that keeps every position's logits,
+run apart from the prefill of rows that do not ask (theirs keeps the last position only).
+Legend: N max_rows, M max_len, V vocabulary.
 """
 
 from __future__ import annotations
@@ -28,12 +31,20 @@ from ..lora.rows import RowAdapters, using
 from . import step_graphs
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
+from .logprobs import TokenLogprobs, prompt_logprobs, raw_logprobs, token_logprobs
 from .runner import DecodeRunner, runner_support
-from .sampling import RowSampler, Sampling, SamplingFault, next_tokens
+from .sampling import (
+    RowSampler,
+    Sampling,
+    SamplingFault,
+    TokenConstraint,
+    constrain,
+    next_tokens,
+)
 from .served import ServedModel
 from .support import engine_support
 
-__all__ = ["Engine", "Request", "Sampling", "TokenEvent"]
+__all__ = ["Engine", "Request", "Sampling", "TokenEvent", "TokenLogprobs"]
 
 log = logging.getLogger("moelora.engine")
 
@@ -44,6 +55,8 @@ class Request:
     prompt_ids: tuple[int, ...]
     adapter: str | None  # None = the base model
     sampling: Sampling = Sampling()  # noqa: RUF009 - frozen: one shared default is safe
+    # the request's own (stateful) constraint on its tokens: structured output
+    constraint: TokenConstraint | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,9 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" | None
     error: Exception | None = None  # why the request failed (finish_reason "error")
+    logprobs: TokenLogprobs | None = None  # the token's, when its sampling asks
+    # the request's first event: its prompt's (None first, then one per token), when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(eq=False)  # identity: two requests are never the same row
@@ -64,6 +80,7 @@ class _Row:
     hold: AdapterHold
     sampler: RowSampler
     generated: list[int] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # computed at the prefill, sent with the first event
 
     @property
     def position(self) -> int:
@@ -166,6 +183,11 @@ class Engine:
     def running(self) -> int:
         return len(self._rows)
 
+    @property
+    def vocab_size(self) -> int:
+        """V: the width of the logits (token ids are below it)."""
+        return self._vocab
+
     def check(self, request: Request) -> None:
         """InputError when the request can never run here: its sampling, prompt and length.
         Its adapter is checked once, when add() holds it (an unload may happen before)."""
@@ -223,8 +245,9 @@ class Engine:
         if hold is None:
             hold = self.handle.hold([request.adapter])[0]  # the version current now, to the end
         sampler = RowSampler.make(
-            request.sampling, self._eos, self.device, request.prompt_ids, self._vocab
-        )
+            request.sampling, self._eos, self.device, request.prompt_ids, self._vocab,
+            request.constraint,
+        )  # fmt: skip
         state = _Row(request, row, hold, sampler)
         self._rows[request.request_id] = state
         self._waiting.append(state)
@@ -291,27 +314,39 @@ class Engine:
 
     # ---- forwards ---------------------------------------------------------------------------
 
-    def _forward(self, ids: Tensor, positions: Tensor, masks, rows: RowAdapters) -> Tensor:
-        """logits [b, V] of the last token of each row."""
+    def _forward(
+        self, ids: Tensor, positions: Tensor, masks, rows: RowAdapters, every: bool = False
+    ) -> Tensor:
+        """logits [b, V] of the last token of each row; every: of each position [b, S, V]."""
         kwargs = {self._cache_kw: self.cache}
         with torch.no_grad(), using(rows):
             out = self.model(
                 input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
-                logits_to_keep=1, **kwargs,
+                logits_to_keep=0 if every else 1, **kwargs,
             )  # fmt: skip
-        return out.logits[:, -1]
+        return out.logits if every else out.logits[:, -1]
 
     def _prefill(self, group: list[_Row]) -> Tensor:
         """Prompts of one length into their cache rows in one forward; logits [n, V] of
-        each prompt's last token."""
+        each prompt's last token. A group that asks for prompt logprobs (_same_length
+        groups them apart) keeps every position's logits and stores each row's."""
         prompts = [list(r.request.prompt_ids) for r in group]
-        return self._prefill_rows(prompts, [r.row for r in group], [r.hold for r in group])
+        rows, holds = [r.row for r in group], [r.hold for r in group]
+        if group[0].request.sampling.prompt_logprobs is None:
+            return self._prefill_rows(prompts, rows, holds)
+        logits = self._prefill_rows(prompts, rows, holds, every=True)
+        for r, row_logits in zip(group, logits):
+            top = r.request.sampling.prompt_logprobs
+            r.prompt_logprobs = prompt_logprobs(row_logits, r.request.prompt_ids, top)
+        return logits[:, -1]
 
     def _prefill_tokens(self, prompt: list[int], row: int, hold: AdapterHold) -> Tensor:
         """One request's prompt into its cache row; logits [1, V] of its last token."""
         return self._prefill_rows([prompt], [row], [hold])
 
-    def _prefill_rows(self, prompts: list[list[int]], rows: list[int], holds) -> Tensor:
+    def _prefill_rows(
+        self, prompts: list[list[int]], rows: list[int], holds, every: bool = False
+    ) -> Tensor:
         plan = plan_prefill(rows, len(prompts[0]), self.device)
         self.cache.plan = plan
         slots = torch.tensor([h.slot for h in holds], dtype=torch.int32, device=self.device)
@@ -322,6 +357,8 @@ class Engine:
         )  # fmt: skip
         ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         masks = build_masks(self._rule, plan.positions, plan.kv_len, self.dtype)
+        if every:
+            return self._forward(ids, plan.positions, masks, adapters, every=True)
         return self._forward(ids, plan.positions, masks, adapters)
 
     def _decode(self, running: list[_Row], eager: bool = False) -> Tensor:
@@ -384,33 +421,47 @@ class Engine:
 
     def _accept(self, rows: list[_Row], logits: Tensor) -> list[TokenEvent]:
         """Pick each row's next token; an event per token, rows that stop finish."""
-        tokens = next_tokens(logits, [r.sampler for r in rows], [len(r.generated) for r in rows])
+        samplers = [r.sampler for r in rows]
+        logits = constrain(logits, samplers)
+        asking = [i for i, r in enumerate(rows) if r.request.sampling.logprobs is not None]
+        # before the pick: the sampling processors may change the logits in place
+        raw = raw_logprobs(logits[asking]) if asking else None
+        tokens = next_tokens(logits, samplers, [len(r.generated) for r in rows])
+        logprobs: dict[int, TokenLogprobs] = {}
+        picked = [i for i in asking if not isinstance(tokens[i], SamplingFault)]
+        if picked:
+            at = [asking.index(i) for i in picked]
+            tops = [rows[i].request.sampling.logprobs for i in picked]
+            found = token_logprobs(raw[at], [tokens[i] for i in picked], tops)
+            logprobs = dict(zip(picked, found))
         events = []
-        for state, token in zip(rows, tokens):
+        for i, (state, token) in enumerate(zip(rows, tokens)):
             if isinstance(token, SamplingFault):
                 events.append(self._fail(state, token))
                 continue
             state.generated.append(token)
             state.sampler.note(token)
             reason = None
-            if token in state.sampler.stop_ids:
+            if token in state.sampler.stop_ids or state.sampler.finished:
                 reason = "stop"
             elif len(state.generated) >= state.request.sampling.max_new_tokens:
                 reason = "length"
+            extra = dict(logprobs=logprobs.get(i), prompt_logprobs=state.prompt_logprobs)
+            state.prompt_logprobs = None  # sent once, with the first token
             if reason is None:
-                events.append(TokenEvent(state.request.request_id, token, False, None))
+                events.append(TokenEvent(state.request.request_id, token, False, None, **extra))
             else:
-                events.append(self._finish(state.request.request_id, token, reason))
+                events.append(self._finish(state.request.request_id, token, reason, **extra))
         return events
 
     def _finish(
-        self, request_id: str, token: int, reason: str, error: Exception | None = None
+        self, request_id: str, token: int, reason: str, error: Exception | None = None, **extra
     ) -> TokenEvent:
         state = self._rows.pop(request_id)
         if state in self._waiting:
             self._waiting.remove(state)
         state.hold.release()
-        return TokenEvent(request_id, token, True, reason, error)
+        return TokenEvent(request_id, token, True, reason, error, **extra)
 
     def _fail(self, state: _Row, error: Exception) -> TokenEvent:
         """End a row that failed inside a step (finish reason "error")."""
@@ -425,11 +476,12 @@ PREFILL_TOKENS = 16384
 def _same_length(rows: list[_Row]) -> list[list[_Row]]:
     """The rows grouped by prompt length, in order of first appearance, each group cut to
     PREFILL_TOKENS: one prefill forward per group (no padding, so every row's last token is
-    the forward's last)."""
-    groups: dict[int, list[list[_Row]]] = {}
+    the forward's last). Rows that ask for prompt logprobs form groups of their own."""
+    groups: dict[tuple[int, bool], list[list[_Row]]] = {}
     for r in rows:
         length = len(r.request.prompt_ids)
-        chunks = groups.setdefault(length, [[]])
+        key = (length, r.request.sampling.prompt_logprobs is not None)
+        chunks = groups.setdefault(key, [[]])
         if chunks[-1] and (len(chunks[-1]) + 1) * length > PREFILL_TOKENS:
             chunks.append([])
         chunks[-1].append(r)

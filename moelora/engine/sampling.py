@@ -7,13 +7,16 @@ seeded request draws what `torch.manual_seed(seed); model.generate(do_sample=Tru
 draws for that row alone. Rows without a seed draw together from torch's global generator,
 as generate does. A temperature below SAMPLING_EPS is greedy (vLLM's rule: dividing by it
 would overflow). A row whose scores hold NaN or +inf, or whose probabilities do not form a
-distribution, gets a SamplingFault instead of a token: it fails alone, the other rows of the
-step keep theirs. Legend: B rows, V vocabulary.
+distribution (every token masked included), gets a SamplingFault instead of a token: it
+fails alone, the other rows of the step keep theirs. A row with a TokenConstraint
+(structured output) has the tokens it forbids masked before all of this (`constrain`), as
+vLLM applies a grammar's bitmask before its sampler. Legend: B rows, V vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,6 +27,24 @@ from ..errors import InputError
 SAMPLING_EPS = 1e-5
 # what torch.Generator.manual_seed and vLLM take: a signed 64-bit integer
 SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+class TokenConstraint(Protocol):
+    """A row's constraint on its next token (structured output): one object per request,
+    stateful, called from the engine's thread only."""
+
+    def allowed(self) -> Tensor:
+        """allowed [V] bool: the tokens the next pick may take (on any device)."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """The row took `token` (one of allowed())."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """Nothing may follow what was accepted but an end token: the row stops."""
+        ...
 
 
 class SamplingFault(Exception):
@@ -45,6 +66,8 @@ class Sampling:
     ignore_eos: bool = False
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off; over the prompt and the tokens generated
+    logprobs: int | None = None  # each token's logprob and this many top ones (None: off)
+    prompt_logprobs: int | None = None  # the same for every prompt token (None: off)
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +87,9 @@ class Sampling:
              "a positive float (1 = off)"),
             ("seed", self.seed is None or low <= self.seed <= high,
              f"None or an integer in [{low}, {high}]"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "None or an integer >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             "None or an integer >= 0"),
         )  # fmt: skip
         for name, ok, expected in rules:
             if not ok:
@@ -79,6 +105,7 @@ class RowSampler:
     stop_ids: frozenset[int]
     generator: torch.Generator | None = field(default=None)
     seen: Tensor | None = field(default=None)
+    constraint: TokenConstraint | None = field(default=None)
 
     @classmethod
     def make(
@@ -88,6 +115,7 @@ class RowSampler:
         device,
         prompt: tuple[int, ...] = (),
         vocab: int = 0,
+        constraint: TokenConstraint | None = None,
     ) -> RowSampler:
         stops = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else eos_ids
@@ -99,12 +127,32 @@ class RowSampler:
         if sampling.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             seen[list(prompt)] = True
-        return cls(sampling, stops, generator, seen)
+        return cls(sampling, stops, generator, seen, constraint)
 
     def note(self, token: int) -> None:
-        """The row produced `token` (the repetition penalty counts it from the next pick)."""
+        """The row produced `token` (the repetition penalty counts it from the next pick;
+        a constraint advances over it)."""
         if self.seen is not None and token >= 0:
             self.seen[token] = True
+        if self.constraint is not None and token >= 0:
+            self.constraint.accept(token)
+
+    @property
+    def finished(self) -> bool:
+        """Its constraint allows nothing more: the row stops (finish reason "stop")."""
+        return self.constraint is not None and self.constraint.finished
+
+
+def constrain(logits: Tensor, rows: list[RowSampler]) -> Tensor:
+    """logits [B, V] with every constrained row's forbidden tokens at -inf (a copy when a
+    row is constrained; `logits` itself otherwise)."""
+    masked = [i for i, row in enumerate(rows) if row.constraint is not None]
+    if not masked:
+        return logits
+    allowed = torch.stack([rows[i].constraint.allowed().to(logits.device) for i in masked])
+    out = logits.clone()
+    out[masked] = out[masked].masked_fill(~allowed, float("-inf"))
+    return out
 
 
 Picked = list  # one entry per row: a token id, or the row's SamplingFault
@@ -122,8 +170,10 @@ def next_tokens(logits: Tensor, rows: list[RowSampler], generated: list[int]) ->
             scores[i] = torch.where(row.seen, torch.where(s < 0, s * penalty, s / penalty), s)
         if count < row.sampling.min_new_tokens and row.stop_ids:
             scores[i, sorted(row.stop_ids)] = float("-inf")
-    # a row with NaN or +inf scores has no defined pick, greedy or sampled
+    # a row with NaN or +inf scores has no defined pick, greedy or sampled; nor one whose
+    # every token is masked (a constraint that allows nothing)
     broken = scores.isnan().any(dim=-1) | scores.isposinf().any(dim=-1)
+    broken |= scores.isneginf().all(dim=-1)
     picked = scores.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.sampling.greedy]
     if sampled:

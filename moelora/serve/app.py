@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import MoeloraError
-from . import protocol
+from . import protocol, tokenization
 from .context import ServeContext, ServeError, bad_request
 from .generation import Generations, answer, failure
 from .limits import BodyLimit, body_limit
@@ -85,6 +85,19 @@ def build_app(
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat(body: protocol.ChatCompletionRequest, http: Request):
         return await _generate(ctx, body, True, http)
+
+    # vLLM's tokenizer routes (tokenization.py); lm-evaluation-harness reads them
+    @app.post("/tokenize", dependencies=authorized)
+    async def tokenize(body: protocol.TokenizeRequest) -> dict:
+        return await run_in_threadpool(tokenization.tokenize, ctx, body)
+
+    @app.post("/detokenize", dependencies=authorized)
+    async def detokenize(body: protocol.DetokenizeRequest) -> dict:
+        return await run_in_threadpool(tokenization.detokenize, ctx, body)
+
+    @app.get("/tokenizer_info", dependencies=authorized)
+    async def tokenizer_info() -> dict:
+        return tokenization.tokenizer_info(ctx)
 
     @app.post("/v1/load_lora_adapter", dependencies=runtime)
     async def load(body: protocol.LoadLoraRequest) -> PlainTextResponse:
@@ -153,9 +166,10 @@ async def _events(generations: Generations, body: protocol.SamplingFields, chat:
     rid, model = generations.prepared.response_id, body.model
     first = set(range(len(generations.items)))
     try:
-        async for index, delta, reason in generations.stream():
+        async for index, piece in generations.stream():
             usage = generations.usage() if body.continuous_usage else None
-            out = protocol.chunk(rid, model, index, delta, reason, chat, index in first, usage)
+            out = protocol.chunk(rid, model, index, piece.text, piece.reason, chat,
+                                 index in first, usage, piece.logprobs)  # fmt: skip
             first.discard(index)
             yield _sse(out)
         if body.include_usage:

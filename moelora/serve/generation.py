@@ -1,5 +1,7 @@
 """Requests through the scheduler, read from asyncio: the HTTP handlers and run-batch both
-use them, so a streamed response, a whole one and a batch line carry the same text.
+use them, so a streamed response, a whole one and a batch line carry the same text, and the
+same logprobs (logprobs.py: a streamed chunk carries those of the tokens its text comes
+from; text held back holds its tokens' logprobs back with it).
 
 Every request that starts (passes the engine's check) is counted once in the metrics when
 it ends, under the reason its client read: stop, length, cancelled (the client left) or
@@ -11,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from ..errors import MoeloraError
-from . import protocol
-from .context import Prepared, ServeContext, ServeError
+from . import logprobs, protocol
+from .context import Choice, Prepared, ServeContext, ServeError
 from .scheduler import Accepted, Admitted, EngineDead, Refused, ShuttingDown
 from .text import TextStream
 
@@ -30,17 +33,34 @@ def failure(error: Exception) -> ServeError:
     return ServeError(500, f"generation failed: {error}", "InternalServerError")
 
 
-class Generation:
-    """One prompt: `await start()` (raises ServeError when refused; returns once the request
-    runs), then `async for delta, reason`: the finish reason is None until the last delta.
-    `close()` cancels an unfinished one."""
+@dataclass(frozen=True)
+class Piece:
+    """What a choice shows next: text, the finish reason (None until the last piece), and
+    the logprobs object of the tokens it comes from (None: not asked)."""
 
-    def __init__(self, ctx: ServeContext, request, stop: tuple[str, ...]) -> None:
-        self.ctx, self.request = ctx, request
+    text: str
+    reason: str | None
+    logprobs: dict | None = None
+
+
+class Generation:
+    """One choice: `await start()` (raises ServeError when refused; returns once the request
+    runs), then `async for piece in pieces()`. `close()` cancels an unfinished one."""
+
+    def __init__(self, ctx: ServeContext, choice: Choice, stop: tuple[str, ...],
+                 chat: bool = False) -> None:  # fmt: skip
+        self.ctx, self.choice, self.request, self.chat = ctx, choice, choice.request, chat
         self.text = TextStream(ctx.tokenizer, stop)
+        self.texts = logprobs.Texts(ctx.tokenizer)
         self.completion_tokens = 0
         self.done = False  # no more items are read (ended, failed, or closed)
         self.started = False  # passed the engine's check: counted once when it ends
+        self.prompt_logprobs: list | None = None  # the engine's, when the request asked
+        # tokens shown (echoed prompt, then generated) and their logprobs; [sent:] not yet
+        self._tokens: list[int] = []
+        self._positions: list = []
+        self._sent = 0
+        self._offset = 0  # text_offset of the next streamed token: the text sent so far
         self._counted = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -71,7 +91,9 @@ class Generation:
             self.close()
             raise
 
-    async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The choice's pieces; with echo, the first starts with the prompt."""
+        prefix = ""
         while not self.done:
             item = await self._queue.get()
             if isinstance(item, Refused):  # cancelled at shutdown, or an engine fault
@@ -80,18 +102,53 @@ class Generation:
             if item.error is not None:  # the row failed inside a step
                 self._end("error")
                 raise failure(item.error)
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs = item.prompt_logprobs
+            if self.choice.echo is not None and not self._tokens:
+                prefix = self._echo()
             delta = ""
             if item.token_id >= 0:
                 self.completion_tokens += 1
                 delta = self.text.push(item.token_id)
+                if not self.choice.echo_only:
+                    self._tokens.append(item.token_id)
+                    self._positions.append(item.logprobs)
+            if self.choice.echo_only:  # the prompt alone (vLLM's max_tokens 0)
+                delta = ""
             if self.text.stopped:  # a stop string: the engine need not go on
                 if not item.finished:
                     self.ctx.scheduler.cancel(self.request.request_id)
-                yield delta, self._end("stop")
+                yield self._piece(prefix + delta, self._end("stop"))
             elif item.finished:
-                yield delta + self.text.finish(), self._end(item.finish_reason)
-            elif delta:
-                yield delta, None
+                tail = "" if self.choice.echo_only else self.text.finish()
+                yield self._piece(prefix + delta + tail, self._end(item.finish_reason))
+            elif prefix or delta:
+                yield self._piece(prefix + delta, None)
+            prefix = ""
+
+    def _echo(self) -> str:
+        """The prompt's tokens and logprobs shown before the completion; its text."""
+        prompt = list(self.request.prompt_ids)
+        self._tokens += prompt
+        self._positions += self.prompt_logprobs or [None] * len(prompt)
+        return self.choice.echo
+
+    def _piece(self, text: str, reason: str | None) -> Piece:
+        """A piece with the logprobs of the tokens not sent yet (all of them so far)."""
+        lp = self.logprobs(self._sent, self._offset)
+        self._sent, self._offset = len(self._tokens), self._offset + len(text)
+        return Piece(text, reason, lp)
+
+    def logprobs(self, start: int = 0, offset: int = 0) -> dict | None:
+        """The logprobs object of the tokens from `start` (None when not asked)."""
+        top = self.choice.top
+        if top is None:
+            return None
+        positions = self._positions[start:]
+        if self.chat:
+            return {"content": logprobs.chat_logprobs(positions, top, self.texts)}
+        return logprobs.completion_logprobs(self._tokens[start:], positions, top, self.texts,
+                                            offset)  # fmt: skip
 
     def _end(self, reason: str | None) -> str | None:
         """Done with `reason`, the one the client reads, counted here once (the engine may
@@ -102,13 +159,16 @@ class Generation:
             self.ctx.metrics.finished(reason or "stop")
         return reason
 
-    async def whole(self) -> tuple[str, str | None]:
-        """The whole text and finish reason."""
+    async def whole(self) -> dict:
+        """The whole choice (protocol.choice's fields but the index)."""
         parts, last = [], None
-        async for delta, reason in self.deltas():
-            parts.append(delta)
-            last = reason
-        return "".join(parts), last
+        async for piece in self.pieces():
+            parts.append(piece.text)
+            last = piece.reason
+        out = {"text": "".join(parts), "reason": last, "logprobs": self.logprobs()}
+        if self.prompt_logprobs is not None:  # vLLM's field, when computed
+            out["prompt_logprobs"] = logprobs.prompt_logprobs(self.prompt_logprobs, self.texts)
+        return out
 
     def close(self) -> None:
         """The reader is done; if the request is not (its client left, or another prompt of
@@ -122,23 +182,25 @@ class Generation:
 
 
 class Generations:
-    """Every prompt of one body: started together (a refusal of one cancels the others),
-    read whole or as one stream of (choice index, delta, reason)."""
+    """Every choice of one body: started together (a refusal of one cancels the others),
+    read whole or as one stream of (choice index, piece)."""
 
     def __init__(self, ctx: ServeContext, prepared: Prepared) -> None:
         self.prepared = prepared
-        self.items = [Generation(ctx, r, prepared.stop) for r in prepared.requests]
+        self.items = [Generation(ctx, c, prepared.stop, prepared.chat)
+                      for c in prepared.choices]  # fmt: skip
 
     async def start(self) -> None:
         await self._all([g.start() for g in self.items])
 
     def usage(self) -> dict[str, int]:
+        """Each prompt counted once, whatever its `n` (vLLM's usage)."""
         return protocol.usage(
-            sum(g.prompt_tokens for g in self.items),
+            sum(g.prompt_tokens for g in self.items if g.choice.first),
             sum(g.completion_tokens for g in self.items),
         )
 
-    async def whole(self) -> list[tuple[str, str | None]]:
+    async def whole(self) -> list[dict]:
         try:
             return await self._all([g.whole() for g in self.items])
         finally:
@@ -155,14 +217,14 @@ class Generations:
             self.close()
             raise
 
-    async def stream(self) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(index, delta, reason) as each prompt's deltas come; raises the first failure."""
+    async def stream(self) -> AsyncIterator[tuple[int, Piece]]:
+        """(index, piece) as each choice's pieces come; raises the first failure."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, generation: Generation) -> None:
             try:
-                async for delta, reason in generation.deltas():
-                    await queue.put((index, delta, reason))
+                async for piece in generation.pieces():
+                    await queue.put((index, piece))
             except Exception as err:
                 await queue.put(err)
             finally:

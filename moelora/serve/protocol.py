@@ -15,24 +15,27 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 INT64 = (-(2**63), 2**63 - 1)  # vLLM's seed range (torch.Generator takes a signed 64-bit)
 MAX_STOP = 64  # stop strings per request (OpenAI allows 4; vLLM sets no limit)
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: top logprobs per position
+MAX_N = 128  # choices per prompt: each is an engine row (they queue for rows like requests)
 
 # OpenAI fields this server does not implement, with the values that mean "off": any other
 # value is refused (400 naming it) rather than silently ignored.
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "store": (None, False),
-    "prompt_logprobs": (None, 0),
+    "store": (None, False),
 }  # fmt: skip
+# served on /v1/completions, not on chat (vLLM's chat echo repeats the last message; its
+# chat prompt_logprobs is a response field of its own): off values only there
+CHAT_UNSUPPORTED: dict[str, tuple] = {"echo": (None, False), "prompt_logprobs": (None,)}
 
 
 class _Body(BaseModel):
@@ -54,9 +57,6 @@ class _Body(BaseModel):
 class _Unsupported(_Body):
     """The UNSUPPORTED fields, declared so that their "off" values pass."""
 
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
     best_of: Any = None
     suffix: Any = None
     logit_bias: Any = None
@@ -67,13 +67,13 @@ class _Unsupported(_Body):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     store: Any = None
-    prompt_logprobs: Any = None
+
+    _refused: ClassVar[dict[str, tuple]] = UNSUPPORTED
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Unsupported:
-        for name, off in UNSUPPORTED.items():
+        for name, off in self._refused.items():
             value = getattr(self, name)
             if not any(value == o and type(value) is type(o) for o in off):
                 raise ValueError(
@@ -86,6 +86,30 @@ class _Unsupported(_Body):
 class StreamOptions(_Body):
     include_usage: bool = False  # a last chunk with the usage and no choices (OpenAI)
     continuous_usage_stats: bool = False  # the usage so far in every chunk (vLLM)
+
+
+class JsonSchema(_Body):
+    """response_format.json_schema (OpenAI's): the schema the output follows."""
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text (no constraint), a JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(f"response_format of type {self.type!r} with json_schema = "
+                             f"{_short(self.json_schema)}: expected json_schema exactly when "
+                             "type is 'json_schema'")  # fmt: skip
+        return self
 
 
 class SamplingFields(_Unsupported):
@@ -103,7 +127,8 @@ class SamplingFields(_Unsupported):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per prompt
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices per prompt (seed + j for choice j)
+    response_format: ResponseFormat | None = None  # structured output (structured.py)
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens past end tokens
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no end token before
     user: str | None = None  # OpenAI's end-user id: informational
@@ -128,6 +153,14 @@ class SamplingFields(_Unsupported):
         """The most tokens a completion may have, as the request set it (None: unset)."""
         return self.max_tokens
 
+    def token_logprobs(self) -> int | None:
+        """Top logprobs per generated token (None: no logprobs)."""
+        return None
+
+    def constrained(self) -> bool:
+        """The output follows a response_format other than text."""
+        return self.response_format is not None and self.response_format.type != "text"
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -146,10 +179,14 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions: a prompt (text or token ids) or a list of them, one choice per
-    prompt (`index` in the list's order)."""
+    """POST /v1/completions: a prompt (text or token ids) or a list of them, `n` choices per
+    prompt (`index` = prompt * n + choice, as vLLM numbers them)."""
 
     prompt: Prompt
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo only (the prompt alone)
+    echo: bool = False  # the prompt before the completion (its logprobs with `logprobs`)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's
 
     @model_validator(mode="after")
     def _prompts(self) -> CompletionRequest:
@@ -160,7 +197,30 @@ class CompletionRequest(SamplingFields):
             if not p:
                 where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 raise ValueError(f"{where} is empty: expected at least one token")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens = 0 without echo: expected max_tokens >= 1, or echo = "
+                             "true to score the prompt alone (vLLM's rule)")  # fmt: skip
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError(f"prompt_logprobs = {self.prompt_logprobs} with stream = true: "
+                             "expected prompt_logprobs only without streaming (vLLM's rule); "
+                             "echo with logprobs streams the prompt's")  # fmt: skip
         return self
+
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_top(self) -> int | None:
+        """Top logprobs per prompt token (None: none): prompt_logprobs, else with echo the
+        request's logprobs (vLLM's rule)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone is the answer (one token is generated
+        and dropped, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: text, or token ids."""
@@ -218,6 +278,12 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None  # informational
     add_generation_prompt: bool = True  # vLLM's extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
+    logprobs: bool = False  # each generated token's logprob (OpenAI's chat logprobs object)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: Any = None  # CHAT_UNSUPPORTED
+    prompt_logprobs: Any = None  # CHAT_UNSUPPORTED
+
+    _refused: ClassVar[dict[str, tuple]] = UNSUPPORTED | CHAT_UNSUPPORTED
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
@@ -226,10 +292,43 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"max_tokens = {both[0]} and max_completion_tokens = {both[1]} "
                              "disagree: expected one of them (max_completion_tokens is "
                              "OpenAI's current name)")  # fmt: skip
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError(f"top_logprobs = {self.top_logprobs} while logprobs is false: "
+                             "expected logprobs = true with top_logprobs")  # fmt: skip
         return self
+
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's body): a `prompt`, or chat `messages` rendered by the chat
+    template. add_special_tokens defaults as vLLM's: true for a prompt, false for messages
+    (the template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("expected exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's body)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class LoadLoraRequest(_Body):
@@ -278,8 +377,18 @@ def refusal(err: ValidationError | list[dict]) -> tuple[str, str]:
         return (f"field '{field}' is not a field moelora serve reads: leave it out (the "
                 "fields it serves and refuses are listed in docs/serve.md)"), field  # fmt: skip
     if kind == "value_error":  # our validators word the whole message
-        return msg.removeprefix("Value error, "), field
+        msg = msg.removeprefix("Value error, ")
+        if field == "body":  # a check across fields: its message opens with the field's name
+            named = re.match(r"[a-z_]+", msg)
+            field = named.group() if named and named.group() in _field_names() else field
+        return msg, field
     return f"field '{field}' = {_short(first.get('input'))}: {msg}", field
+
+
+def _field_names() -> set[str]:
+    """Every field a request body may carry."""
+    bodies = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    return {name for body in bodies for name in body.model_fields} | {"n"}
 
 
 def _branch(part: Any) -> bool:
@@ -330,12 +439,18 @@ def new_id(prefix: str) -> str:
 
 
 def completion(
-    rid: str, model: str, choices: list[tuple[str, str | None]], usage: dict, chat: bool
+    rid: str, model: str, choices: list[dict], usage: dict, chat: bool
 ) -> dict[str, Any]:
-    """A whole (non-streamed) response: one choice per (text, finish reason), indexed."""
+    """A whole (non-streamed) response: one choice per {text, reason, logprobs and, when
+    computed, prompt_logprobs}, indexed in order."""
     kind = "chat.completion" if chat else "text_completion"
-    out = [_choice(i, text, chat, whole=True) | {"finish_reason": reason}
-           for i, (text, reason) in enumerate(choices)]  # fmt: skip
+    out = []
+    for i, c in enumerate(choices):
+        choice = _choice(i, c["text"], chat, whole=True)
+        choice |= {"logprobs": c["logprobs"], "finish_reason": c["reason"]}
+        if "prompt_logprobs" in c and not chat:
+            choice["prompt_logprobs"] = c["prompt_logprobs"]
+        out.append(choice)
     return _response(rid, kind, model, out) | {"usage": usage}
 
 
@@ -348,9 +463,12 @@ def chunk(
     chat: bool,
     first: bool = False,
     usage: dict | None = None,
+    logprobs: dict | None = None,
 ) -> dict[str, Any]:
-    """One server-sent event's body of a streamed response (choice `index`)."""
-    choice = _choice(index, text, chat, whole=False, first=first) | {"finish_reason": reason}
+    """One server-sent event's body of a streamed response (choice `index`), with the
+    logprobs of the tokens its text comes from."""
+    choice = _choice(index, text, chat, whole=False, first=first)
+    choice |= {"logprobs": logprobs, "finish_reason": reason}
     kind = "chat.completion.chunk" if chat else "text_completion"
     out = _response(rid, kind, model, [choice])
     return out if usage is None else out | {"usage": usage}
@@ -364,7 +482,7 @@ def usage_chunk(rid: str, model: str, chat: bool, usage: dict) -> dict[str, Any]
 
 def _choice(index: int, text: str, chat: bool, whole: bool, first: bool = False) -> dict:
     if not chat:
-        return {"index": index, "text": text, "logprobs": None}
+        return {"index": index, "text": text}
     if whole:
         return {"index": index, "message": {"role": "assistant", "content": text}}
     delta = {"role": "assistant", "content": text} if first else {"content": text}
