@@ -4,10 +4,11 @@ install when one of their packages is missing.
 The core install (torch, triton, numpy) runs `plan`, `presets`, `validate` and `bench`, and
 every command's --help; `generate` and `demo` need the `hf` extra (transformers, PEFT,
 safetensors: they write and read PEFT adapter files), `serve` and `run-batch` the `serve`
-extra. Those commands import the packages when they run, never while the parser is built;
-cli.py turns the ModuleNotFoundError of a missing one into `missing_extra`'s ConfigError
-(exit 2, one line). tests/test_core_install.py runs the CLI in a venv with the core
-requirements only, and checks this table against pyproject.toml.
+extra, `serve --ray-replicas` (moelora.serve.ray) the `ray` extra. Those commands import
+the packages when they run, never while the parser is built; cli.py turns the
+ModuleNotFoundError of a missing one into `missing_extra`'s ConfigError (exit 2, one line).
+tests/test_core_install.py runs the CLI in a venv with the core requirements only, and
+checks this table against pyproject.toml.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ EXTRA_OF = {
     "fastapi": "serve",
     "uvicorn": "serve",
     "tqdm": "serve",
+    "ray": "ray",
     "matplotlib": "bench",
 }
 
