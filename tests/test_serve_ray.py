@@ -22,6 +22,7 @@ import httpx2
 import openai
 import pytest
 import serve_fixtures as sf
+from prometheus_client.parser import text_string_to_metric_families
 
 from moelora.cli import build_parser, main
 from moelora.errors import ConfigError
@@ -115,7 +116,7 @@ def row(out) -> tuple:
 
 
 def test_requests_land_on_the_replica_holding_their_adapter_and_equal_one_engine(
-    client, engine, seed
+    client, cluster, engine, seed
 ):
     rng = random.Random(seed)
     first = rng.sample(ADAPTERS, len(ADAPTERS))  # one request each, one at a time
@@ -161,6 +162,12 @@ def test_requests_land_on_the_replica_holding_their_adapter_and_equal_one_engine
     for replica in set().union(*served_by.values()):
         held = [a for a in ADAPTERS if replica in served_by[a]]
         assert len(held) <= 2, (replica, held)  # max_num_models_per_replica (--max-loras)
+    # whichever replica answers /metrics: two adapters read by Ray's loader, timed
+    text = httpx2.get(cluster + "/metrics", timeout=30).text
+    (family,) = [f for f in text_string_to_metric_families(text)
+                 if f.name == "moelora_lora_adapter_load_seconds"]  # fmt: skip
+    counts = {s.labels["source"]: s.value for s in family.samples if s.name.endswith("_count")}
+    assert counts.get("multiplexed") == 2, counts
 
 
 def test_a_stream_through_ray_equals_one_engine(client, engine, seed):

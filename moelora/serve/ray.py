@@ -30,6 +30,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -166,6 +167,7 @@ class ReplicaAdapters:
             self._resident.add(name)
             if name in self.handle.adapters:
                 return
+        started = time.perf_counter()
         try:
             self.handle.load_adapter(self.paths[name], name=name)
         except BaseException:
@@ -175,6 +177,7 @@ class ReplicaAdapters:
         self.loads[name] += 1
         if self.metrics is not None:
             self.metrics.adapter(loaded=True)
+            self.metrics.adapter_loaded("multiplexed", time.perf_counter() - started)
 
     def evicted(self, name: str) -> None:
         """Ray's LRU eviction."""
