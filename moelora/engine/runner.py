@@ -125,8 +125,12 @@ class DecodeRunner:
     def _projections(self, modules: list[nn.Linear], paths: list[str], x: Tensor, slots,
                      rows) -> list[Tensor]:  # fmt: skip
         """Linears of one input x in one GEMM launch (kernels/dense_linear.py), with the
-        LoRA of those in rows.lora_modules (their shrink one launch before)."""
+        LoRA of those in rows.lora_modules (their shrink one launch before); one Linear
+        without LoRA on cuBLAS (faster there for o_proj's shape on the H200: BENCHMARKS.md,
+        "Decode step")."""
         on = [p in rows.lora_modules for p in paths]
+        if len(modules) == 1 and not on[0]:
+            return [F.linear(x, modules[0].weight, modules[0].bias)]
         z = bt = None
         if any(on):
             z = lora_shrink(x, slots, [self.banks.a[p] if o else None for p, o in zip(paths, on)])

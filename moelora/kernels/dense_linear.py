@@ -27,10 +27,12 @@ from torch import Tensor
 from ..tiling.geometry import next_pow2
 from .output import as_stored
 
-# Output columns per GEMM program: 5120 q/k/v columns of Qwen3-30B-A3B -> 80 programs at 64;
-# the K loop's tile and stages keep 64 KB of weight in flight per program. Reasoned, to be
-# measured against cuBLAS (benchmarks/dense_linear_ab.py).
-BLOCK_M, BLOCK_K, STAGES = 64, 128, 4
+# Output columns per GEMM program, halved (down to 16) while the launch would have fewer
+# than MIN_PROGRAMS programs: the 5120 q/k/v columns of Qwen3-30B-A3B run 80 programs of 64,
+# its o_proj's 2048 columns 64 programs of 32 (measured on the H200 against 64 and 128,
+# benchmarks/ab_dense_linear.py: BENCHMARKS.md "Decode step"). The K loop's tile and stages
+# keep 48-64 KB of weight in flight per program.
+BLOCK_M, MIN_PROGRAMS, BLOCK_K, STAGES = 64, 64, 128, 4
 # Inputs per shrink load: the dot of one token's x with one rank row of A in two loads at N
 # = 2048. Reasoned.
 SHRINK_K = 1024
@@ -216,7 +218,10 @@ def dense_linear(
     any_lora = any(b is not None for b in bt)
     if any_lora and (slots is None or z is None):
         raise ValueError("dense_linear: LoRA banks given without slots and z")
-    blocks = [triton.cdiv(w.shape[0], BLOCK_M) for w in weights]
+    block_m = BLOCK_M
+    while block_m > 16 and sum(triton.cdiv(w.shape[0], block_m) for w in weights) < MIN_PROGRAMS:
+        block_m //= 2
+    blocks = [triton.cdiv(w.shape[0], block_m) for w in weights]
     pad = MAX_MODULES - len(weights)
     ws, outs_p = weights + [weights[0]] * pad, outs + [outs[0]] * pad
     widths = [w.shape[0] for w in weights] + [0] * pad
@@ -243,6 +248,6 @@ def dense_linear(
             *widths, blocks[0], blocks[0] + (blocks[1] if len(blocks) > 1 else 0), *flags, rank,
             x.stride(0), zz.stride(0) if z is not None else 0, zz.stride(1) if z is not None else 0,
             HAS_BIAS=has_bias, ANY_LORA=any_lora, IEEE=x.dtype == torch.float32,
-            BLOCK_T=block_t, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, STAGES=STAGES, num_warps=4,
+            BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_K=BLOCK_K, STAGES=STAGES, num_warps=4,
         )  # fmt: skip
     return outs
