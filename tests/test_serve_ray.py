@@ -4,8 +4,9 @@ engine replicas of the tiny model, four PEFT-written adapters and max_num_models
 127.0.0.1. Requests are routed by adapter (Ray Serve's model multiplexing, the multiplexed
 model id set by the ingress from the body's `model`): each adapter is loaded once, on the
 replica that serves every request of it; every row equals the same request against one
-in-process moelora engine (fp32, greedy: equal tokens), errors included. One Ray session
-for the module, shut down at its end."""
+in-process moelora engine (fp32, greedy: equal tokens), errors included. One
+`moelora serve --ray-replicas 2` process (its own local Ray cluster) for the module, stopped
+by SIGTERM at its end (exit 0)."""
 
 from __future__ import annotations
 

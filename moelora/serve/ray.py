@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import signal
 import threading
@@ -39,7 +38,7 @@ from ..extras import missing_extra
 from . import asgi_call
 from .asgi_call import HttpRequest
 from .context import ServeContext
-from .protocol import error_body
+from .ray_ingress import Relay, error_messages
 
 try:
     import ray
@@ -52,8 +51,6 @@ log = logging.getLogger("moelora.serve")
 ENGINE = "MoeloraEngine"
 INGRESS = "MoeloraIngress"
 APP = "moelora"
-# The routes whose body names the model (and so the adapter) a request runs.
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def application(args: argparse.Namespace, replicas: int | None = None,
@@ -75,7 +72,7 @@ def application(args: argparse.Namespace, replicas: int | None = None,
         num_replicas=replicas, ray_actor_options=resources, max_ongoing_requests=in_flight,
         graceful_shutdown_timeout_s=args.shutdown_timeout, health_check_period_s=10,
     )  # fmt: skip
-    ingress = serve.deployment(serve.ingress(_Relay(adapters))(_Ingress), name=INGRESS).options(
+    ingress = serve.deployment(serve.ingress(Relay(adapters, ENGINE))(_Ingress), name=INGRESS).options(
         num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=replicas * in_flight,
     )  # fmt: skip
@@ -87,11 +84,17 @@ def run(args: argparse.Namespace) -> int:
     Ray's HTTP proxy on --host / --port, the application until SIGTERM / Ctrl-C, then Ray
     Serve shut down (running requests get --shutdown-timeout seconds)."""
     from .launch import bind
+    from .model_dir import parse_lora_modules
 
     bind(args.host, args.port).close()  # a port in use is refused now, naming --port
-    app = application(args)  # flags refused before Ray starts
+    _refuse_unroutable(args)
+    for name, module in parse_lora_modules(args.lora_modules).items():  # as `moelora serve`
+        if not (module.path / "adapter_config.json").is_file():
+            raise ConfigError("--lora-modules", f"{name}={module.path}",
+                              "a PEFT adapter directory (adapter_config.json)")  # fmt: skip
     ray.init(logging_level=logging.WARNING)
     try:
+        app = application(args)  # its GPUs: the cluster's
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP, route_prefix="/")
         print(f"moelora serve: {args.served_model_name or args.model} on {args.ray_replicas} "
@@ -255,7 +258,7 @@ class _Engine:
                 await self.adapter(name)  # cached: no suspension before enter() below
             except Exception as err:
                 log.warning("replica %s: adapter %r not loaded: %r", self.replica, name, err)
-                for message in _error(500, f"adapter {name!r} could not be loaded: {err}",
+                for message in error_messages(500, f"adapter {name!r} could not be loaded: {err}",
                                       "InternalServerError", "model", headers):  # fmt: skip
                     yield message
                 return
@@ -307,100 +310,8 @@ def _engine_class(max_adapters: int) -> type:
 
 
 class _Ingress:
-    """The ingress replica; its ASGI app (_Relay) does the work. `engine` makes Ray deploy
+    """The ingress replica; its ASGI app (ray_ingress.Relay) does the work. `engine` makes Ray deploy
     the engines with it."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-
-
-class _Relay:
-    """The ingress's ASGI app: the body read (at most what a replica's app reads), the
-    multiplexed model id named after a --lora-modules adapter in its `model`, and the
-    engine replica's ASGI messages sent back as they come."""
-
-    def __init__(self, adapters: frozenset[str]) -> None:
-        self.adapters = adapters
-        self._engine = None
-        self._max_body: int | None = None
-
-    async def __call__(self, scope: dict, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            return await _lifespan(receive, send)
-        if scope["type"] != "http":
-            return None
-        engine = self._engine_handle()
-        if self._max_body is None:
-            self._max_body = await engine.max_body_bytes.remote()
-        body = await _read(receive, self._max_body)
-        if body is None:
-            return None  # the client left before its body was whole
-        request = HttpRequest.of(scope, body)
-        options: dict = {"stream": True}
-        model = _model_of(request)
-        if model in self.adapters:
-            options["multiplexed_model_id"] = model
-        started = False
-        try:
-            async for message in engine.options(**options).relay.remote(request):
-                started = started or message["type"] == "http.response.start"
-                await send(message)
-        except Exception as err:  # no replica answered (one died, Ray is shutting down, ...)
-            if started:
-                raise
-            log.warning("ingress: %s %s found no replica: %r", request.method, request.path, err)
-            for message in _error(503, f"no engine replica answered: {err}",
-                                  "ServiceUnavailableError", None, []):  # fmt: skip
-                await send(message)
-
-    def _engine_handle(self):
-        if self._engine is None:
-            app = serve.get_replica_context().app_name
-            self._engine = serve.get_deployment_handle(ENGINE, app_name=app)
-        return self._engine
-
-
-def _model_of(request: HttpRequest) -> str | None:
-    """The `model` a generation request's JSON body names (None for anything else: the
-    replica that gets it answers, refusals included)."""
-    if request.method != "POST" or request.path not in GENERATION_ROUTES:
-        return None
-    try:
-        body = json.loads(request.body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    model = body.get("model") if isinstance(body, dict) else None
-    return model if isinstance(model, str) else None
-
-
-async def _read(receive, max_bytes: int) -> bytes | None:
-    """The request body, cut one byte past `max_bytes` (the replica's app answers 413 to
-    it), or None when the client leaves first."""
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        parts.append(message.get("body", b""))
-        size += len(parts[-1])
-        if size > max_bytes or not message.get("more_body", False):
-            return b"".join(parts)[: max_bytes + 1]
-
-
-async def _lifespan(receive, send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-def _error(status: int, message: str, kind: str, param: str | None,
-           headers: list[tuple[bytes, bytes]]) -> list[dict]:  # fmt: skip
-    """An OpenAI error body as ASGI messages."""
-    body = json.dumps(error_body(message, kind, status, param)).encode()
-    start = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    return [{"type": "http.response.start", "status": status, "headers": start + headers},
-            {"type": "http.response.body", "body": body, "more_body": False}]  # fmt: skip
