@@ -4,7 +4,9 @@ install when one of their packages is missing.
 The core install (torch, triton, numpy) runs `plan`, `presets`, `validate` and `bench`, and
 every command's --help; `generate` and `demo` need the `hf` extra (transformers, PEFT,
 safetensors: they write and read PEFT adapter files), `serve` and `run-batch` the `serve`
-extra, `serve --ray-replicas` (moelora.serve.ray) the `ray` extra. Those commands import
+extra, `serve --ray-replicas` (moelora.serve.ray) the `ray` extra; a served request's
+response_format needs the `structured` extra (xgrammar: without it the server answers such
+a request with a 400 naming the package and runs everything else). Those commands import
 the packages when they run, never while the parser is built; cli.py turns the
 ModuleNotFoundError of a missing one into `missing_extra`'s ConfigError (exit 2, one line).
 tests/test_core_install.py runs the CLI in a venv with the core requirements only, and
@@ -24,6 +26,7 @@ EXTRA_OF = {
     "uvicorn": "serve",
     "tqdm": "serve",
     "ray": "ray",
+    "xgrammar": "structured",
     "matplotlib": "bench",
 }
 
