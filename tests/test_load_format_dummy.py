@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from moelora.cli import build_parser
 from moelora.errors import ConfigError
+from moelora.hf import toy
 from moelora.serve.model_dir import DUMMY_RANGE, LoadFormat, ServeSettings, dummy_model, preflight
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -49,7 +51,13 @@ def test_load_formats_are_served_or_refused_with_the_reason(case, capsys):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    return sf.build(tmp_path_factory.mktemp("dummy"), seed=random.randrange(1000))
+    """The servers' tiny model saved whole (weights included), and its word tokenizer."""
+    root = tmp_path_factory.mktemp("dummy")
+    base = toy.build_model("qwen3_moe", seed=random.randrange(1000), max_position_embeddings=64)
+    base.save_pretrained(root / "model")
+    tokenizer = sf.word_tokenizer(base.config.vocab_size)
+    tokenizer.save_pretrained(root / "model")
+    return SimpleNamespace(root=root, base=base, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -103,4 +111,5 @@ def test_a_dummy_server_starts_from_config_and_tokenizer_and_answers(served, bar
     with torch.no_grad():
         ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=4, min_new_tokens=4, pad_token_id=0)  # fmt: skip
-    assert out.choices[0].text == served.tokenizer.decode(ref[0, ids.shape[1] :])
+    new = ref[0, ids.shape[1] :]  # the server's text, as every completion's, skips <pad>
+    assert out.choices[0].text == served.tokenizer.decode(new, skip_special_tokens=True)
