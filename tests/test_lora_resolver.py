@@ -8,6 +8,7 @@ client, greedy answers equal to HF + PEFT with the adapter alone."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -23,7 +24,9 @@ import pytest
 import serve_fixtures as sf
 from prometheus_client.parser import text_string_to_metric_families
 
+from moelora.errors import ConfigError
 from moelora.serve.context import ServeError
+from moelora.serve.launch import resolver_root_of
 from moelora.serve.resolver import MAX_CONCURRENT_LOADS, LoraResolver, check_base, confined
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -86,6 +89,30 @@ def test_the_base_model_must_be_the_served_one(tmp_path):
         with pytest.raises(ServeError) as err:
             check_base(adapter_dir(tmp_path / f"x{base}", base), "x", bases)
         assert err.value.status == 400 and repr(base) in str(err.value)
+
+
+# (id, DIR relative to tmp, --allowed-local-lora-path or None, accepted): checked at start
+ROOTS = [
+    ("no-allowed-path", "dir", None, True),  # the resolver's own confinement only
+    ("under-allowed", "allowed/dir", "allowed", True),  # DIR inside the runtime loads' root
+    ("outside-allowed", "dir", "allowed", False),  # DIR beside it: refused, naming both
+    ("missing", "nope", None, False),  # no such directory
+]
+
+
+@pytest.mark.parametrize("case", ROOTS, ids=[c[0] for c in ROOTS])
+def test_the_resolver_directory_is_checked_before_the_model_loads(case, tmp_path):
+    _, where, allowed, accepted = case
+    for d in ("dir", "allowed/dir"):
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(lora_resolver_dir=str(tmp_path / where),
+                              allowed_local_lora_path=allowed and str(tmp_path / allowed))  # fmt: skip
+    if accepted:
+        assert resolver_root_of(args) == (tmp_path / where).resolve()
+        return
+    with pytest.raises(ConfigError) as err:
+        resolver_root_of(args)
+    assert "--lora-resolver-dir" in str(err.value)
 
 
 # ---- one load per name, a bounded number at once (no server) --------------------------------

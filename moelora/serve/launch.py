@@ -108,14 +108,22 @@ def resolver_of(args: argparse.Namespace, ctx, root: Path | None):
     return LoraResolver(root, ctx.handle, bases, ctx.metrics)
 
 
-def _resolver_root(value: str | None) -> Path | None:
-    """--lora-resolver-dir, checked before any weight is read."""
+def resolver_root_of(args: argparse.Namespace) -> Path | None:
+    """--lora-resolver-dir, checked before any weight is read: an existing directory, and
+    under --allowed-local-lora-path when that is set (every adapter read while serving
+    stays below it)."""
+    value = getattr(args, "lora_resolver_dir", None)
     if value is None:
         return None
     root = Path(value).resolve()
     if not root.is_dir():
         raise ConfigError("--lora-resolver-dir", value, "an existing directory",
                           "create it, or pass the directory adapters are resolved from")  # fmt: skip
+    allowed = _allowed_root(getattr(args, "allowed_local_lora_path", None))
+    if allowed is not None and not root.is_relative_to(allowed):
+        raise ConfigError("--lora-resolver-dir", value, f"a directory under "
+                          f"--allowed-local-lora-path ({allowed})",
+                          "move it there, or widen --allowed-local-lora-path")  # fmt: skip
     return root
 
 
@@ -169,7 +177,7 @@ def run(args: argparse.Namespace, model=None) -> int:
 
     sock = bind(args.host, args.port)
     try:
-        resolver_root = _resolver_root(getattr(args, "lora_resolver_dir", None))
+        resolver_root = resolver_root_of(args)
         ctx = start(args, model)
     except BaseException:
         sock.close()
