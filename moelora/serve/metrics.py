@@ -182,9 +182,10 @@ class Metrics:
     def render(self, handle) -> str:
         """The exposition text; slot residency and the slot manager's counters read from
         `handle` (moelora.hf's handle) now."""
+        stats = handle.stats()  # the slot manager's lock, not taken under this one
         with self._lock:
             self._fold_unloaded()
-            lines = self._moelora_lines(handle.stats())
+            lines = self._moelora_lines(stats)
             lines += self._vllm_lines()
             lines += self._adapter_lines()
         return "\n".join([*lines, *residency_lines(handle, self.setting.max_loras)]) + "\n"
