@@ -72,8 +72,8 @@ def client(served):
 def compiled(served, fmt: dict):
     info = xgr.TokenizerInfo.from_huggingface(served.tokenizer, vocab_size=VOCAB)
     compiler = xgr.GrammarCompiler(info)
-    if fmt["type"] == "json_object":
-        return compiler.compile_builtin_json_grammar()
+    if fmt["type"] == "json_object":  # any JSON object
+        return compiler.compile_json_schema('{"type": "object"}')
     return compiler.compile_json_schema(json.dumps(fmt["json_schema"]["schema"]))
 
 

@@ -60,6 +60,9 @@ class GrammarConstraint:
         return self._matcher.is_terminated()
 
 
+JSON_OBJECT = '{"type": "object"}'  # the schema response_format json_object compiles
+
+
 def maker(
     fmt: ResponseFormat, tokenizer, vocab_size: int, stop_ids: tuple[int, ...] = ()
 ) -> Callable[[], GrammarConstraint]:
@@ -68,8 +71,8 @@ def maker(
     xgr = _xgrammar(fmt)
     compiler = _compiler(xgr, tokenizer, vocab_size, stop_ids)
     try:
-        if fmt.type == "json_object":
-            grammar = compiler.compile_builtin_json_grammar()
+        if fmt.type == "json_object":  # a JSON object, as the name says (not any JSON value)
+            grammar = compiler.compile_json_schema(JSON_OBJECT)
         else:
             grammar = compiler.compile_json_schema(json.dumps(fmt.json_schema.schema_))
     except Exception as err:  # xgrammar's own words: an unsupported or invalid schema
