@@ -163,30 +163,48 @@ def test_dense_lora_equals_the_bank_delta(case, dtype, seed):
 
 
 ROUTERS = [
-    # (id, tokens, experts, top_k, hidden, renorm): the edges each covers
-    ("qwen3-like", 4, 16, 4, 64, True),
-    ("no-renorm-odd-experts", 3, 12, 2, 48, False),  # E not a power of two: masked lanes
-    ("one-token-top1", 1, 8, 1, 32, True),
+    # (id, family, tokens, experts, top_k, hidden, renorm): the edges each covers
+    ("qwen3-like", "qwen3_moe", 4, 16, 4, 64, True),
+    ("no-renorm-odd-experts", "qwen3_moe", 3, 12, 2, 48, False),  # E not a power of two
+    ("one-token-top1", "qwen3_moe", 1, 8, 1, 32, True),
+    ("mixtral-fp32-weights", "mixtral", 5, 8, 2, 64, True),  # weights not rounded to dtype
 ]
+
+
+def _router(family: str, experts: int, top_k: int, hidden: int, renorm: bool):
+    """transformers' router of `family` (its weights left to the caller)."""
+    if family == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+        config = MixtralConfig(num_local_experts=experts, num_experts_per_tok=top_k,
+                               hidden_size=hidden)  # fmt: skip
+        return MixtralTopKRouter(config)
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
+                            norm_topk_prob=renorm)  # fmt: skip
+    return Qwen3MoeTopKRouter(config)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ROUTERS, ids=[c[0] for c in ROUTERS])
 def test_router_topk_equals_transformers(case, dtype, seed):
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-
-    _, tokens, experts, top_k, hidden, renorm = case
+    _, family, tokens, experts, top_k, hidden, renorm = case
     g = _gen(seed)
-    config = Qwen3MoeConfig(num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
-                            norm_topk_prob=renorm)  # fmt: skip
-    router = Qwen3MoeTopKRouter(config).to(dtype)
+    router = _router(family, experts, top_k, hidden, renorm).to(dtype)
     router.weight.data = torch.randn(experts, hidden, generator=g).to(dtype) / math.sqrt(hidden)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     _, ref_w, ref_ids = router(x)
-    weights, ids = router_topk(torch.nn.functional.linear(x, router.weight), top_k, renorm)
+    round_weights = ref_w.dtype == dtype  # Mixtral's stay fp32
+    logits = torch.nn.functional.linear(x, router.weight)
+    weights, ids = router_topk(logits, top_k, renorm, round_weights)
     assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
-    assert_close(weights, ref_w.float(), dtype, what="weights")
+    if round_weights or dtype == torch.float32:
+        assert_close(weights, ref_w.float(), dtype, what="weights")
+    else:  # fp32 weights from fp16 logits: held to fp32's tolerance, not fp16's
+        assert_close(weights, ref_w, torch.float32, what="weights")
 
 
 LINEARS = [

@@ -2,8 +2,9 @@
 interpreter: rows of a continuously batched run decoded by the runner equal HF + PEFT
 generating each row alone (tokens equal; the logits each token was picked from within the
 fp32 tolerance of HF's), with adapters on every LoRA module the runner serves (q / k / v / o,
-the router, the LM head, the experts) and rows without; families it does not know are
-refused when asked for and left to transformers' forward otherwise."""
+the router, the LM head, the experts) and rows without, for each family it knows (Qwen3-MoE,
+OLMoE, Mixtral); configurations and families it does not know are refused when asked for
+and left to transformers' forward otherwise."""
 
 from __future__ import annotations
 
@@ -33,10 +34,14 @@ def _adapters(model) -> dict[str, dict]:
     }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+FAMILIES = ["qwen3_moe", "olmoe", "mixtral"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def qwen(request, tmp_path_factory):
+    """A tiny model of each family the runner knows, with PEFT adapters written for it."""
     root = tmp_path_factory.mktemp("runner")
-    base = toy.build_model("qwen3_moe", seed=31)
+    base = toy.build_model(request.param, seed=31)
     truths, dirs = {}, {}
     for i, (name, kw) in enumerate(_adapters(base).items()):
         dirs[name] = root / name
@@ -99,9 +104,9 @@ def test_runner_equals_the_models_own_forward(qwen, seed, monkeypatch):
 
 
 def test_a_family_the_runner_does_not_know_is_refused_or_left_to_transformers(tmp_path):
-    model = toy.build_model("mixtral", seed=3)
+    model = toy.build_model("gpt_oss", seed=3)
     handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
-    with pytest.raises(ConfigError, match="mixtral"):
+    with pytest.raises(ConfigError, match="gpt_oss"):
         Engine(handle, max_rows=2, max_len=16, enforce_eager=True, runner=True)
     engine = Engine(handle, max_rows=2, max_len=16, enforce_eager=True)  # default: not asked
     assert engine.runner is None

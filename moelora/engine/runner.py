@@ -1,4 +1,5 @@
-"""The decode step as moelora runs it, for the families it knows (Qwen3-MoE): the model's own
+"""The decode step as moelora runs it, for the families it knows (Qwen3-MoE, OLMoE, Mixtral:
+FAMILIES, what differs between them as data): the model's own
 weights read in place, few kernels per layer, every LoRA module per token in moelora's
 kernels; the engine replays it as one CUDA graph per bucket of rows.
 
@@ -33,7 +34,22 @@ from ..kernels.router_topk import router_topk
 from ..lora.module_banks import ModuleBanks
 from ..lora.rows import RowAdapters
 
-FAMILIES = ("qwen3_moe",)
+
+@dataclass(frozen=True)
+class Family:
+    """What a family's decode layer does differently, as transformers writes it."""
+
+    qk_norm: str  # "head": RMSNorm per head (Qwen3); "full": over the whole projection
+    # (OLMoE); "none" (Mixtral)
+    round_router: bool  # the top-k weights rounded to the logits' dtype (else kept fp32)
+    renorm: bool | None  # the top-k weights divided by their sum; None: config.norm_topk_prob
+
+
+FAMILIES = {
+    "qwen3_moe": Family(qk_norm="head", round_router=True, renorm=None),
+    "olmoe": Family(qk_norm="full", round_router=True, renorm=None),
+    "mixtral": Family(qk_norm="none", round_router=False, renorm=True),
+}
 
 
 def runner_support(model: nn.Module) -> list[str]:
@@ -44,8 +60,12 @@ def runner_support(model: nn.Module) -> list[str]:
     reasons = []
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
         reasons.append("dense MLP layers between the MoE layers")
-    if getattr(config, "use_sliding_window", False):
+    if getattr(config, "use_sliding_window", False) or (
+        config.model_type == "mixtral" and getattr(config, "sliding_window", None) is not None
+    ):
         reasons.append("sliding-window attention")
+    if getattr(config, "clip_qkv", None) is not None:
+        reasons.append(f"clip_qkv {config.clip_qkv} (q / k / v clamped)")
     if getattr(config, "quantization_config", None) is not None:
         reasons.append("a quantized checkpoint (its attention and dense layers are not bf16)")
     plain = all(type(m) is nn.Linear for n, m in model.named_modules() if n.endswith(_LINEARS))
@@ -77,7 +97,10 @@ class DecodeRunner:
         config = model.config
         self.model, self.banks = model, banks
         self.eps = config.rms_norm_eps
-        self.top_k, self.renorm = config.num_experts_per_tok, config.norm_topk_prob
+        self.family = FAMILIES[config.model_type]
+        self.top_k = config.num_experts_per_tok
+        renorm = self.family.renorm
+        self.renorm = config.norm_topk_prob if renorm is None else renorm
         self.layers = [
             _Layer(i, layer.self_attn, layer.input_layernorm.weight,
                    layer.post_attention_layernorm.weight, layer.mlp.gate.weight, experts[i],
@@ -144,8 +167,14 @@ class DecodeRunner:
         names = ("q_proj", "k_proj", "v_proj")
         q, k, v = self._projections([getattr(attn, n) for n in names],
                                     [f"{path}.{n}" for n in names], x, slots, rows)  # fmt: skip
+        head_norms = (None, None)
+        if self.family.qk_norm == "head":
+            head_norms = (attn.q_norm.weight, attn.k_norm.weight)
+        elif self.family.qk_norm == "full":
+            q, _ = add_rms_norm(q, None, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+            k, _ = add_rms_norm(k, None, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, write_rows,
-                           pos, attn.q_norm.weight, attn.k_norm.weight, self.eps)  # fmt: skip
+                           pos, *head_norms, self.eps)  # fmt: skip
         out = decode_attention(q, cache_layer.keys, cache_layer.values, lengths, attn.scaling,
                                kv_len)  # fmt: skip
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out.view(x.shape[0], -1),
@@ -160,7 +189,7 @@ class DecodeRunner:
         path = f"{layer.path}.mlp.gate"
         if path in rows.lora_modules:
             add_dense_lora(logits, x, slots, self.banks.a[path], self.banks.bt[path])
-        weights, ids = router_topk(logits, self.top_k, self.renorm)
+        weights, ids = router_topk(logits, self.top_k, self.renorm, self.family.round_router)
         if not rows.expert_lora:
             return layer.experts(x, ids, weights)
         token_slots = rows.token_slots(x.shape[0], refresh=layer.index == self.first_moe)

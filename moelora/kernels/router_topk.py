@@ -1,7 +1,7 @@
 """The top-k of a softmax router in one kernel: from the router's logits [T, E] (as
 F.linear returns them, LoRA delta added), a softmax over the experts in fp32, the top-k,
-renormalized over the k when asked, rounded to the logits' dtype as transformers' routers
-return them; weights come back as fp32 [T, K], ids as int32 [T, K], in descending order of
+renormalized over the k when asked, rounded to the logits' dtype as transformers' Qwen3-MoE
+and OLMoE routers return them (or kept in fp32, as Mixtral's); weights come back as fp32 [T, K], ids as int32 [T, K], in descending order of
 weight (torch.topk's order; the lowest expert index among equal probabilities).
 
 One program per token reads its E logits and picks the k largest by k rounds of max /
@@ -33,6 +33,7 @@ def _router_topk_kernel(
     stride_lt,
     stride_ot,
     RENORM: tl.constexpr,
+    ROUND: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -57,22 +58,25 @@ def _router_topk_kernel(
     k_ok = offs_k < top_k
     if RENORM:
         top_w = top_w / tl.sum(tl.where(k_ok, top_w, 0.0), axis=0)
-    top_w = as_stored(top_w, dtype).to(tl.float32)
+    if ROUND:
+        top_w = as_stored(top_w, dtype).to(tl.float32)
     tl.store(weights_ptr + t * stride_ot + offs_k, top_w, mask=k_ok)
     tl.store(ids_ptr + t * stride_ot + offs_k, top_i, mask=k_ok)
 
 
-def router_topk(logits: Tensor, top_k: int, renorm: bool) -> tuple[Tensor, Tensor]:
+def router_topk(
+    logits: Tensor, top_k: int, renorm: bool, round_weights: bool = True
+) -> tuple[Tensor, Tensor]:
     """(weights [T, K] fp32, ids [T, K] int32) of a softmax top-k router's logits [T, E]
     (transformers' Qwen3-MoE / Mixtral / OLMoE routers; renorm: divide by the top-k sum,
-    their norm_topk_prob)."""
+    their norm_topk_prob; round_weights: the weights rounded to the logits' dtype)."""
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
         _router_topk_kernel[(tokens,)](
             logits, weights, ids, experts, top_k, logits.stride(0), weights.stride(0),
-            RENORM=renorm, BLOCK_E=next_pow2(experts), BLOCK_K=max(2, next_pow2(top_k)),
+            RENORM=renorm, ROUND=round_weights, BLOCK_E=next_pow2(experts), BLOCK_K=max(2, next_pow2(top_k)),
             num_warps=1 if experts <= 256 else 4,
         )  # fmt: skip
     return weights, ids
