@@ -17,6 +17,7 @@ from moelora.compare import assert_close
 from moelora.kernels.decode_attention import decode_attention, splits_for
 from moelora.kernels.dense_linear import dense_linear, lora_shrink
 from moelora.kernels.dense_lora import add_dense_lora
+from moelora.kernels.prefill_attention import prefill_attention
 from moelora.kernels.rms_norm import add_rms_norm
 from moelora.kernels.rope_cache import rope_and_cache
 from moelora.kernels.router_topk import router_topk
@@ -133,6 +134,47 @@ def test_decode_attention_equals_softmax_attention(case, dtype, seed):
     assert_close(out, ref, dtype, what="attention")
     if case[0] == "gqa-splits":
         assert splits_for(rows, hk, max_len) > 1  # the case covers the combine kernel
+
+
+PREFILLS = [
+    # (id, q heads, kv heads, head dim, [(length, cache row, first position)]): the edges
+    ("gqa-varlen", 8, 2, 16, [(5, 2, 0), (37, 0, 0), (1, 3, 0)]),  # one-token sequence too
+    ("prefix-in-cache", 4, 4, 32, [(20, 1, 70), (9, 0, 3)]),  # chunks after a cached prefix
+    ("one-long-group-of-one", 4, 1, 16, [(150, 0, 0)]),  # several key blocks, several q blocks
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PREFILLS, ids=[c[0] for c in PREFILLS])
+def test_prefill_attention_equals_causal_softmax_attention(case, dtype, seed):
+    """Each packed token against an fp64 softmax over its cache row's positions 0 .. its
+    own; cache positions past every read position hold NaN (never read)."""
+    _, hq, hk, d, seqs = case
+    g = _gen(seed)
+    lengths = [n for n, _, _ in seqs]
+    rows = [r for _, r, _ in seqs]
+    pos0 = [p for _, _, p in seqs]
+    positions = max(p + n for n, _, p in seqs) + 3
+    k_cache = torch.randn(4, hk, positions, d, generator=g).to(dtype)
+    v_cache = torch.randn(4, hk, positions, d, generator=g).to(dtype)
+    for n, r, p in seqs:  # nothing past a sequence's last position may be read
+        k_cache[r, :, p + n :] = float("nan")
+        v_cache[r, :, p + n :] = float("nan")
+    q = torch.randn(sum(lengths), hq, d, generator=g).to(dtype)
+    scale = d**-0.5
+    out = prefill_attention(q, k_cache, v_cache, lengths, rows, pos0, scale)
+    group = hq // hk
+    ref = torch.empty(q.shape, dtype=torch.float64)
+    t = 0
+    for n, r, p in seqs:
+        for i in range(n):
+            for h in range(hq):
+                keys = k_cache[r, h // group, : p + i + 1].double()
+                probs = torch.softmax(keys @ q[t, h].double() * scale, dim=0)
+                ref[t, h] = probs @ v_cache[r, h // group, : p + i + 1].double()
+            t += 1
+    assert not out.isnan().any()
+    assert_close(out, ref, dtype, what="prefill attention")
 
 
 LORA = [

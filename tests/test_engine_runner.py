@@ -111,3 +111,53 @@ def test_a_family_the_runner_does_not_know_is_refused_or_left_to_transformers(tm
     engine = Engine(handle, max_rows=2, max_len=16, enforce_eager=True)  # default: not asked
     assert engine.runner is None
     engine.close()
+
+
+def test_prompts_of_any_lengths_prefill_in_one_varlen_runner_forward(qwen, seed, monkeypatch):
+    """Waiting prompts of different lengths go through one packed runner prefill (after the
+    cache's allocation); a row asking for prompt logprobs runs apart and its logprobs equal
+    HF + PEFT's log_softmax of its prompt, every position."""
+    base, truths, _ = qwen
+    engine = Engine(_handle(qwen), max_rows=6, max_len=40, enforce_eager=True, runner=True)
+    calls = []
+    prefill = engine.runner.prefill
+
+    def spy(*args):  # (ids, positions, write_rows, lengths, cache_rows, rows, cache, every)
+        calls.append((list(args[3]), args[7]))
+        return prefill(*args)
+
+    monkeypatch.setattr(engine.runner, "prefill", spy)
+    g = torch.Generator().manual_seed(seed)
+    lengths = (3, 11, 6, 8)
+    prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in lengths]
+    names = ["every-module", None, "attention-only", "every-module"]
+    requests = [
+        Request(f"p{i}", p, n, Sampling(max_new_tokens=2, prompt_logprobs=3 if i == 3 else None))
+        for i, (n, p) in enumerate(zip(names, prompts))
+    ]
+    for r in requests:
+        engine.add(r)
+    tokens, firsts = {r.request_id: [] for r in requests}, {}
+    for _ in range(10):
+        for event in engine.step():
+            assert event.error is None, event.error
+            tokens[event.request_id].append(event.token_id)
+            firsts.setdefault(event.request_id, event)
+        if not engine.has_work:
+            break
+    assert sorted(calls) == sorted([([3, 11, 6], False), ([8], True)]), calls
+    for i, (name, prompt) in enumerate(zip(names, prompts)):
+        truth = base if name is None else truths[name]
+        assert tokens[f"p{i}"] == greedy_alone(truth, torch.tensor(prompt), 2), i
+    got = firsts["p3"].prompt_logprobs  # sent with the row's first token
+    with torch.no_grad():
+        logits = truths["every-module"](torch.tensor([prompts[3]])).logits[0]
+    ref = torch.log_softmax(logits.float(), -1)
+    assert got[0] is None and len(got) == len(prompts[3])
+    for i, entry in enumerate(got[1:], start=1):
+        want = ref[i - 1]
+        assert entry.token == prompts[3][i]
+        assert abs(entry.logprob - float(want[entry.token])) < 1e-4, (i, entry.logprob)
+        top = [t for t, _ in entry.top]
+        assert top == want.topk(3).indices.tolist(), i
+    engine.close()

@@ -265,7 +265,7 @@ class Engine:
         self._cancelled.clear()
         waiting, self._waiting = self._waiting, []
         decode = [r for r in self._rows.values() if r not in waiting]
-        for group in _same_length(waiting):
+        for group in _prefill_groups(waiting, varlen=self.runner is not None):
             events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
         if decode:
             events += self._isolated(decode, self._decode, self._decode_alone)
@@ -327,26 +327,30 @@ class Engine:
         return out.logits if every else out.logits[:, -1]
 
     def _prefill(self, group: list[_Row]) -> Tensor:
-        """Prompts of one length into their cache rows in one forward; logits [n, V] of
-        each prompt's last token. A group that asks for prompt logprobs (_same_length
-        groups them apart) keeps every position's logits and stores each row's."""
+        """Prompts into their cache rows in one forward (of one length on transformers'
+        forward; of any lengths, packed, on the runner); logits [n, V] of each prompt's
+        last token. A group that asks for prompt logprobs (_prefill_groups groups them
+        apart) keeps every position's logits and stores each row's."""
         prompts = [list(r.request.prompt_ids) for r in group]
         rows, holds = [r.row for r in group], [r.hold for r in group]
         if group[0].request.sampling.prompt_logprobs is None:
             return self._prefill_rows(prompts, rows, holds)
-        logits = self._prefill_rows(prompts, rows, holds, every=True)
-        for r, row_logits in zip(group, logits):
+        per_row = self._prefill_rows(prompts, rows, holds, every=True)
+        for r, row_logits in zip(group, per_row):
             top = r.request.sampling.prompt_logprobs
             r.prompt_logprobs = prompt_logprobs(row_logits, r.request.prompt_ids, top)
-        return logits[:, -1]
+        return torch.stack([row_logits[-1] for row_logits in per_row])
 
     def _prefill_tokens(self, prompt: list[int], row: int, hold: AdapterHold) -> Tensor:
         """One request's prompt into its cache row; logits [1, V] of its last token."""
         return self._prefill_rows([prompt], [row], [hold])
 
-    def _prefill_rows(
-        self, prompts: list[list[int]], rows: list[int], holds, every: bool = False
-    ) -> Tensor:
+    def _prefill_rows(self, prompts: list[list[int]], rows: list[int], holds, every: bool = False):
+        """Logits [n, V] of each prompt's last token; with `every`, a list of each prompt's
+        [S_i, V]. On the runner once the cache is allocated (its first prefill, which
+        allocates it, runs transformers' forward)."""
+        if self.runner is not None and self.cache.allocated:
+            return self._prefill_runner(prompts, rows, holds, every)
         plan = plan_prefill(rows, len(prompts[0]), self.device)
         self.cache.plan = plan
         slots = torch.tensor([h.slot for h in holds], dtype=torch.int32, device=self.device)
@@ -358,8 +362,29 @@ class Engine:
         ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         masks = build_masks(self._rule, plan.positions, plan.kv_len, self.dtype)
         if every:
-            return self._forward(ids, plan.positions, masks, adapters, every=True)
+            return list(self._forward(ids, plan.positions, masks, adapters, every=True))
         return self._forward(ids, plan.positions, masks, adapters)
+
+    def _prefill_runner(self, prompts: list[list[int]], rows: list[int], holds, every: bool):
+        """The prompts packed into one varlen forward of the runner (no padding, no mask)."""
+        lengths = [len(p) for p in prompts]
+        host = torch.tensor(
+            [[t for p in prompts for t in p],
+             [i for n in lengths for i in range(n)],
+             [r for r, n in zip(rows, lengths) for _ in range(n)],
+             [h.slot for h, n in zip(holds, lengths) for _ in range(n)]]
+        )  # fmt: skip
+        host = host.to(self.device)
+        slots = host[3].to(torch.int32)
+        adapters = RowAdapters(
+            row_slots=slots, snapshot=holds[0].snapshot, expert_lora=any(h.experts for h in holds),
+            lora_modules=frozenset().union(*(h.modules for h in holds)),
+            token_buffer=torch.empty_like(slots),
+        )  # fmt: skip
+        with torch.no_grad():
+            logits = self.runner.prefill(host[0], host[1], host[2], lengths, rows, adapters,
+                                         self.cache, every)  # fmt: skip
+        return list(logits.split(lengths)) if every else logits
 
     def _decode(self, running: list[_Row], eager: bool = False) -> Tensor:
         """One token of every running row; logits [len(running), V] in their order.
@@ -473,16 +498,18 @@ class Engine:
 PREFILL_TOKENS = 16384
 
 
-def _same_length(rows: list[_Row]) -> list[list[_Row]]:
-    """The rows grouped by prompt length, in order of first appearance, each group cut to
-    PREFILL_TOKENS: one prefill forward per group (no padding, so every row's last token is
-    the forward's last). Rows that ask for prompt logprobs form groups of their own."""
+def _prefill_groups(rows: list[_Row], varlen: bool) -> list[list[_Row]]:
+    """The rows grouped for one prefill forward each, in order of first appearance, each
+    group cut to PREFILL_TOKENS: by prompt length on transformers' forward (no padding, so
+    every row's last token is the forward's last), any lengths together with `varlen` (the
+    runner packs them). Rows that ask for prompt logprobs form groups of their own."""
     groups: dict[tuple[int, bool], list[list[_Row]]] = {}
     for r in rows:
         length = len(r.request.prompt_ids)
-        key = (length, r.request.sampling.prompt_logprobs is not None)
+        key = (0 if varlen else length, r.request.sampling.prompt_logprobs is not None)
         chunks = groups.setdefault(key, [[]])
-        if chunks[-1] and (len(chunks[-1]) + 1) * length > PREFILL_TOKENS:
+        held = sum(len(c.request.prompt_ids) for c in chunks[-1])
+        if chunks[-1] and held + length > PREFILL_TOKENS:
             chunks.append([])
         chunks[-1].append(r)
     return [chunk for chunks in groups.values() for chunk in chunks]

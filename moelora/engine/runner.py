@@ -1,18 +1,22 @@
-"""The decode step as moelora runs it, for the families it knows (Qwen3-MoE, OLMoE, Mixtral:
-FAMILIES, what differs between them as data): the model's own
+"""The decode step and the prefill as moelora runs them, for the families it knows
+(Qwen3-MoE, OLMoE, Mixtral: FAMILIES, what differs between them as data): the model's own
 weights read in place, few kernels per layer, every LoRA module per token in moelora's
-kernels; the engine replays it as one CUDA graph per bucket of rows.
+kernels; the engine replays a decode step as one CUDA graph per bucket of rows and runs a
+prefill eagerly, the waiting prompts of any lengths packed into one forward (varlen: no
+padding, no mask tensor).
 
 Per layer: the residual add fused into each RMSNorm (kernels/rms_norm.py); the q / k / v
 projections as one GEMM over the model's three weights, their LoRA over the slots the rows
 name in its epilogue (kernels/dense_linear.py, the shrink one launch before); q / k norm,
 rotary and the KV-cache write in one kernel (kernels/rope_cache.py); attention over each
-row's own cache length (kernels/decode_attention.py); o_proj and its LoRA alike; the router
-(its logits on cuBLAS, their LoRA, softmax / top-k / renormalization in one kernel,
+row's own cache length (kernels/decode_attention.py at decode, kernels/prefill_attention.py
+causal over each packed prompt at prefill); o_proj and its LoRA alike; the router (its
+logits on cuBLAS, their LoRA, softmax / top-k / renormalization in one kernel,
 kernels/router_topk.py); the experts on moelora's layer. Then the final norm and the LM head
-(cuBLAS) with its LoRA (kernels/dense_lora.py). Each step keeps transformers' roundings (the
-kernels' docstrings say how), so a row equals the model's eager forward within its dtype's
-tolerance (tests/test_engine_runner.py, against HF + PEFT alone).
+(cuBLAS; at prefill over each prompt's last token only, or every token when prompt
+logprobs are asked) with its LoRA (kernels/dense_lora.py). Each step keeps transformers'
+roundings (the kernels' docstrings say how), so a row equals the model's eager forward
+within its dtype's tolerance (tests/test_engine_runner.py, against HF + PEFT alone).
 
 Families or configurations it does not know keep transformers' forward (runner_support()
 says why). Legend: B rows, H hidden, V vocabulary.
@@ -22,12 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels.decode_attention import decode_attention
 from ..kernels.dense_linear import dense_linear, lora_shrink
 from ..kernels.dense_lora import add_dense_lora
+from ..kernels.prefill_attention import prefill_attention
 from ..kernels.rms_norm import add_rms_norm
 from ..kernels.rope_cache import rope_and_cache
 from ..kernels.router_topk import router_topk
@@ -121,22 +127,61 @@ class DecodeRunner:
         """ids / positions / write_rows [B, 1]: each row's token, its position, the cache row
         its k / v go to (batch row b reads cache row b); rows: the call context; cache: the
         engine's RowCache (allocated); kv_len: the most positions any row reads."""
+        lengths = positions[:, 0] + 1
+
+        def attend(q, cache_layer, scaling):
+            return decode_attention(q, cache_layer.keys, cache_layer.values, lengths, scaling,
+                                    kv_len)  # fmt: skip
+
+        return self._forward(ids[:, 0], positions[:, 0], write_rows[:, 0], rows, cache, attend)
+
+    def prefill(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        write_rows: Tensor,
+        lengths: list[int],
+        cache_rows: list[int],
+        rows: RowAdapters,
+        cache,
+        every: bool = False,
+    ) -> Tensor:
+        """Prompts of any lengths packed one after another (varlen, no padding): ids /
+        positions / write_rows [T] (each token, its position, its cache row), lengths and
+        cache_rows per prompt, rows: the call context with one slot per token (row_slots
+        [T]). Logits [len(lengths), V] of each prompt's last token, or [T, V] of every
+        token with `every`."""
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        pos0 = [int(p) for p in positions[starts].tolist()] if lengths else []
+
+        def attend(q, cache_layer, scaling):
+            return prefill_attention(q, cache_layer.keys, cache_layer.values, lengths,
+                                     cache_rows, pos0, scaling)  # fmt: skip
+
+        last = None if every else torch.tensor([a + n - 1 for a, n in zip(starts, lengths)],
+                                               device=ids.device)  # fmt: skip
+        return self._forward(ids, positions, write_rows, rows, cache, attend, last)
+
+    def _forward(self, ids, positions, write_rows, rows, cache, attend, last=None) -> Tensor:
+        """The layers over tokens ids [T] at positions [T] writing cache rows write_rows [T];
+        logits of the tokens `last` selects (all when None)."""
         model = self.model
-        batch = ids.shape[0]
-        pos = positions[:, 0]
-        h = model.model.embed_tokens(ids)[:, 0]
-        cos, sin = model.model.rotary_emb(h[:, None], positions)
-        cos, sin = cos[:, 0], sin[:, 0]
-        lengths = pos + 1
-        slots = rows.row_slots[:batch]
+        h = model.model.embed_tokens(ids)
+        cos, sin = model.model.rotary_emb(h[None], positions[None])
+        cos, sin = cos[0], sin[0]
+        slots = rows.row_slots[: ids.shape[0]]
         residual = None
         for layer in self.layers:
             x, residual = add_rms_norm(h, residual, layer.norm_in, self.eps)
-            att = self._attention(layer, x, cos, sin, cache.layers[layer.index], write_rows[:, 0],
-                                  pos, lengths, slots, rows, kv_len)  # fmt: skip
+            att = self._attention(layer, x, cos, sin, cache.layers[layer.index], write_rows,
+                                  positions, slots, rows, attend)  # fmt: skip
             x, residual = add_rms_norm(att, residual, layer.norm_post, self.eps)
             h = self._moe(layer, x, slots, rows)
         x, _ = add_rms_norm(h, residual, model.model.norm.weight, self.eps)
+        if last is not None:
+            x, slots = x[last], slots[last]
         return self._linear(model.lm_head, "lm_head", x, slots, rows)
 
     def _linear(self, module: nn.Linear, path: str, x: Tensor, slots, rows) -> Tensor:
@@ -161,8 +206,8 @@ class DecodeRunner:
         weights = [m.weight for m in modules]
         return dense_linear(x, weights, [m.bias for m in modules], slots, z, bt)
 
-    def _attention(self, layer, x, cos, sin, cache_layer, write_rows, pos, lengths, slots,
-                   rows, kv_len) -> Tensor:  # fmt: skip
+    def _attention(self, layer, x, cos, sin, cache_layer, write_rows, pos, slots, rows,
+                   attend) -> Tensor:  # fmt: skip
         attn, path = layer.attn, f"{layer.path}.self_attn"
         names = ("q_proj", "k_proj", "v_proj")
         q, k, v = self._projections([getattr(attn, n) for n in names],
@@ -175,8 +220,7 @@ class DecodeRunner:
             k, _ = add_rms_norm(k, None, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, write_rows,
                            pos, *head_norms, self.eps)  # fmt: skip
-        out = decode_attention(q, cache_layer.keys, cache_layer.values, lengths, attn.scaling,
-                               kv_len)  # fmt: skip
+        out = attend(q, cache_layer, attn.scaling)
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out.view(x.shape[0], -1),
                                  slots, rows)  # fmt: skip
         return o

@@ -1,0 +1,155 @@
+"""Causal attention of prompts of any lengths, packed one after another (varlen), over each
+prompt's row of the KV cache: the prefill's attention, with no padding and no mask tensor.
+
+Sequence s holds tokens starts[s] .. ends[s] - 1 of the packed q, at positions pos0[s],
+pos0[s] + 1, ... of cache row rows[s] (pos0 > 0: a prefix already in the cache, read as
+well); each token reads positions 0 .. its own (its k / v written before, as
+kernels/rope_cache.py does). One program per (block of BLOCK_Q tokens of one sequence, KV
+head) takes the head's group of query heads with them (BLOCK_Q x G rows of the dots, grouped
+query attention), scores in fp32, an online softmax over blocks of BLOCK_N keys up to the
+block's last position; the probabilities are rounded to the values' dtype for their dot, as
+the model's eager attention does. fp32 inputs take exact fp32 dots (no tf32).
+Legend: T packed tokens, S sequences, Hq / Hk query / KV heads, G = Hq / Hk, D head width,
+N cache rows, M positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..tiling.geometry import next_pow2
+from .output import as_stored
+from .tiles import mma
+
+BLOCK_N = 64  # keys per step; reasoned, not tuned
+ROWS = 128  # BLOCK_Q x G rows of a program's dots (BLOCK_Q at least 16); reasoned
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_seq_ptr,
+    block_tok_ptr,
+    starts_ptr,
+    ends_ptr,
+    rows_ptr,
+    pos0_ptr,
+    scale,
+    group,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_km,
+    stride_vn,
+    stride_vh,
+    stride_vm,
+    stride_ot,
+    stride_oh,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv = tl.program_id(1)
+    s = tl.load(block_seq_ptr + b)
+    t0 = tl.load(block_tok_ptr + b)
+    start = tl.load(starts_ptr + s)
+    end = tl.load(ends_ptr + s)
+    row = tl.load(rows_ptr + s).to(tl.int64)
+    pos0 = tl.load(pos0_ptr + s)
+    last = pos0 + tl.minimum(t0 + BLOCK_Q, end) - 1 - start  # the block's last position
+    offs_r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    tok = t0 + offs_r // BLOCK_G
+    g = offs_r % BLOCK_G
+    r_ok = (tok < end) & (g < group)
+    # each row's own position; padding rows read as the block's last (finite, not stored)
+    pos = tl.minimum(pos0 + tok - start, last)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    heads = kv * group + g
+    q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    k_row = k_ptr + row * stride_kn + kv * stride_kh
+    v_row = v_ptr + row * stride_vn + kv * stride_vh
+    for n0 in range(0, last + 1, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n <= last
+        k = tl.load(k_row + offs_n[:, None] * stride_km + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        zeros = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_N], tl.float32)
+        scores = mma(q, tl.trans(k), zeros, IEEE) * scale
+        scores = tl.where(offs_n[None, :] <= pos[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_row + offs_n[:, None] * stride_vm + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+        m = m_new
+    out = acc / total[:, None]
+    dst = out_ptr + tok[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+    tl.store(dst + offs_d[None, :], as_stored(out, out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+def block_size(group: int) -> int:
+    """Query tokens per program for a group of G query heads per KV head."""
+    return max(16, ROWS // next_pow2(group))
+
+
+def prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    lengths: list[int],
+    rows: list[int],
+    pos0: list[int] | None = None,
+    scale: float = 1.0,
+) -> Tensor:
+    """out [T, Hq, D] for q [T, Hq, D] packing len(lengths) sequences of lengths[s] tokens
+    each (T = sum), sequence s at positions pos0[s] .. of cache row rows[s] (pos0 default
+    0), caches [N, Hk, M, D] already holding every position read. The sequence table is
+    built on the host (prefill runs eagerly)."""
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = q_heads // kv_heads
+    pos0 = [0] * len(lengths) if pos0 is None else pos0
+    if sum(lengths) != tokens or len(rows) != len(lengths) or len(pos0) != len(lengths):
+        raise ValueError(f"prefill_attention: lengths {lengths} (sum {sum(lengths)}) for "
+                         f"{tokens} tokens, rows {rows}, pos0 {pos0}")  # fmt: skip
+    bq = block_size(group)
+    starts, block_seq, block_tok, at = [], [], [], 0
+    for s, n in enumerate(lengths):
+        starts.append(at)
+        for t in range(at, at + n, bq):
+            block_seq.append(s)
+            block_tok.append(t)
+        at += n
+    dev = q.device
+    table = torch.tensor([starts, [a + n for a, n in zip(starts, lengths)], rows, pos0],
+                         dtype=torch.int32).to(dev)  # fmt: skip
+    blocks = torch.tensor([block_seq, block_tok], dtype=torch.int32).to(dev)
+    out = torch.empty_like(q)
+    if block_seq:
+        _prefill_attention_kernel[(len(block_seq), kv_heads)](
+            q, k_cache, v_cache, out, blocks[0], blocks[1], table[0], table[1], table[2],
+            table[3], scale, group, head_dim, q.stride(0), q.stride(1),
+            *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
+            BLOCK_Q=bq, BLOCK_G=next_pow2(group), BLOCK_N=BLOCK_N,
+            BLOCK_D=next_pow2(head_dim), IEEE=q.dtype == torch.float32, num_warps=4,
+        )  # fmt: skip
+    return out
