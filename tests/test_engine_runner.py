@@ -161,3 +161,44 @@ def test_prompts_of_any_lengths_prefill_in_one_varlen_runner_forward(qwen, seed,
         top = [t for t, _ in entry.top]
         assert top == want.topk(3).indices.tolist(), i
     engine.close()
+
+
+def test_a_long_prompt_prefills_in_chunks_beside_running_decodes(qwen, seed, monkeypatch):
+    """max_num_batched_tokens 5: a 13-token prompt arriving while a row decodes is
+    prefilled 5 tokens a step (each chunk reading the ones before from the cache), the
+    running row gets a token every step meanwhile, and every row equals HF + PEFT alone."""
+    _, truths, _ = qwen
+    engine = Engine(_handle(qwen), max_rows=4, max_len=40, enforce_eager=True, runner=True,
+                    max_num_batched_tokens=5)  # fmt: skip
+    sizes = []
+    prefill = engine.runner.prefill
+
+    def spy(*args):  # (ids, positions, write_rows, lengths, ...)
+        sizes.append(int(args[0].shape[0]))
+        return prefill(*args)
+
+    monkeypatch.setattr(engine.runner, "prefill", spy)
+    g = torch.Generator().manual_seed(seed)
+    short = tuple(torch.randint(1, 96, (4,), generator=g).tolist())
+    long = tuple(torch.randint(1, 96, (13,), generator=g).tolist())
+    first = Request("short", short, "every-module", Sampling(max_new_tokens=8))
+    second = Request("long", long, "attention-only", Sampling(max_new_tokens=3))
+    per_step = []
+    engine.add(first)
+    for step in range(20):
+        if step == 2:
+            engine.add(second)
+        events = engine.step()
+        assert all(e.error is None for e in events), events
+        per_step.append({e.request_id: e.token_id for e in events if e.token_id >= 0})
+        if not engine.has_work:
+            break
+    assert all(n <= 5 for n in sizes) and sum(sizes) == 4 + 13, sizes
+    # the long prompt's chunks (steps 2, 3, 4) each beside a token of the running row
+    assert all("short" in per_step[k] for k in (2, 3, 4)), per_step
+    assert "long" not in {**per_step[2], **per_step[3]} and "long" in per_step[4], per_step
+    for request, name in ((first, "every-module"), (second, "attention-only")):
+        got = [step[request.request_id] for step in per_step if request.request_id in step]
+        want = greedy_alone(truths[name], torch.tensor(request.prompt_ids), len(got))
+        assert got == want and len(got) == request.sampling.max_new_tokens, request.request_id
+    engine.close()

@@ -40,6 +40,8 @@ CASES = [
     ("max-lora-rank-zero", ["--max-lora-rank", "0"], ["--max-lora-rank", ">= 1"]),
     ("max-num-seqs-negative", ["--max-num-seqs", "-3"], ["--max-num-seqs", ">= 1"]),
     ("max-model-len-one", ["--max-model-len", "1"], ["--max-model-len", ">= 2"]),
+    ("max-num-batched-tokens-zero", ["--max-num-batched-tokens", "0"],
+     ["--max-num-batched-tokens", ">= 1"]),
     ("port-out-of-range", ["--port", "99999"], ["--port", "1..65535"]),
     ("negative-shutdown-timeout", ["--shutdown-timeout", "-1"], ["--shutdown-timeout"]),
     ("utilization-above-one", ["--gpu-memory-utilization", "1.5"], ["(0, 1]"]),

@@ -102,6 +102,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-seqs", type=positive_int, default=64, help="rows decoding at once (default 64)"
     )
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="prompt tokens one engine step prefills at most (default 16384); on the "
+                   "decode runner a longer prompt is prefilled in chunks over several steps, "
+                   "beside the running rows' decodes")  # fmt: skip
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="accepted for vLLM's command lines: chunked prefill is always on where "
+                   "the decode runner runs (--max-num-batched-tokens sizes the chunks)")  # fmt: skip
     p.add_argument("--max-model-len", type=model_len, default=None,
                    help="longest prompt + output (default: the model's max positions)")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=fraction, default=None,

@@ -21,8 +21,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--kv-cache-dtype",): "the KV cache is kept in the model's dtype",
     ("--block-size",): "the KV cache is one slab of --max-model-len positions per row, not blocks",
     ("--enable-prefix-caching",): "prompts are prefilled whole; no prefix cache is kept",
-    ("--enable-chunked-prefill",): "prompts are prefilled whole between decode steps",
-    ("--max-num-batched-tokens",): "prompts are prefilled whole between decode steps",
     ("--swap-space",): "no KV cache is swapped to host memory",
     ("--trust-remote-code",): "models are built with transformers' own classes; no code from "
     "the model directory is run",

@@ -81,6 +81,7 @@ class _Row:
     sampler: RowSampler
     generated: list[int] = field(default_factory=list)
     prompt_logprobs: list | None = None  # computed at the prefill, sent with the first event
+    prefilled: int = 0  # prompt tokens in the cache so far (a chunked prefill's progress)
 
     @property
     def position(self) -> int:
@@ -99,10 +100,15 @@ class Engine:
         max_len: int | None = None,
         enforce_eager: bool | None = None,
         runner: bool | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
-        """runner: decode steps on moelora's runner (runner.py) rather than the model's own
-        forward; None: on a GPU where the runner knows the model (True refuses one it does
-        not, naming why)."""
+        """runner: decode steps and prefills on moelora's runner (runner.py) rather than the
+        model's own forward; None: on a GPU where the runner knows the model (True refuses
+        one it does not, naming why). max_num_batched_tokens (vLLM's name): prompt tokens
+        one step prefills at most (default PREFILL_TOKENS); on the runner, prompts longer
+        than what is left of it are prefilled in chunks over several steps beside the
+        running rows' decodes (each chunk reads the ones before it from the cache), so a
+        long prompt delays the running rows by one chunk a step."""
         model = handle.model
         reasons = engine_support(model)
         if reasons:
@@ -131,7 +137,12 @@ class Engine:
         self._base = handle.hold([None])[0]  # the banks' snapshot for rows without adapter
         self._rows: dict[str, _Row] = {}  # request id -> row, running or waiting for prefill
         self._waiting: list[_Row] = []
+        self._prefilling: list[_Row] = []  # prompts part-way through a chunked prefill
         self._cancelled: list[str] = []
+        budget = PREFILL_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
+        if int(budget) < 1:
+            raise ConfigError("max_num_batched_tokens", max_num_batched_tokens, ">= 1")
+        self.max_num_batched_tokens = int(budget)
         self.runner = self._runner(runner)
         use_graphs = self.device.type == "cuda" if enforce_eager is None else not enforce_eager
         self.graphs = (
@@ -264,18 +275,23 @@ class Engine:
         events = [self._finish(rid, -1, "cancelled") for rid in self._cancelled]
         self._cancelled.clear()
         waiting, self._waiting = self._waiting, []
-        decode = [r for r in self._rows.values() if r not in waiting]
-        for group in _prefill_groups(waiting, varlen=self.runner is not None):
-            events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
+        decode = [r for r in self._rows.values() if r not in waiting and r not in self._prefilling]
+        if self.runner is not None:
+            events += self._prefill_step(waiting)
+        else:
+            for group in _prefill_groups(waiting, self.max_num_batched_tokens, varlen=False):
+                events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
         if decode:
             events += self._isolated(decode, self._decode, self._decode_alone)
         return events
 
-    def _isolated(self, rows: list[_Row], forward, alone) -> list[TokenEvent]:
-        """The events of `forward(rows)`; if it raises, of `alone(row)` for each row, a row
-        whose own forward raises failing with its error."""
+    def _isolated(self, rows: list[_Row], forward, alone, accept=None) -> list[TokenEvent]:
+        """The events of `accept(rows, forward(rows))` (accept: _accept by default); if it
+        raises, of `alone(row)` for each row, a row whose own forward raises failing with
+        its error."""
+        accept = accept or self._accept
         try:
-            return self._accept(rows, forward(rows))
+            return accept(rows, forward(rows))
         except Exception as err:
             if len(rows) == 1:
                 log.warning("request %s failed: %r", rows[0].request.request_id, err)
@@ -284,7 +300,7 @@ class Engine:
         events = []
         for r in rows:
             try:
-                events += self._accept([r], alone(r))
+                events += accept([r], alone(r))
             except Exception as err:
                 log.warning("request %s failed: %r", r.request.request_id, err)
                 events.append(self._fail(r, err))
@@ -326,6 +342,44 @@ class Engine:
             )  # fmt: skip
         return out.logits if every else out.logits[:, -1]
 
+    def _prefill_step(self, waiting: list[_Row]) -> list[TokenEvent]:
+        """The runner's prefills of one step: rows asking for prompt logprobs whole, in
+        groups of their own; the others' next chunks, in arrival order, up to
+        max_num_batched_tokens prompt tokens in one packed forward. A row whose chunk ends
+        its prompt gets its first token; the others go on next step."""
+        events = []
+        asking = [r for r in waiting if r.request.sampling.prompt_logprobs is not None]
+        for group in _prefill_groups(asking, self.max_num_batched_tokens, varlen=True):
+            events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
+        self._prefilling += [r for r in waiting if r not in asking]
+        left, chunks = self.max_num_batched_tokens, []
+        for r in self._prefilling:
+            if left == 0:
+                break
+            end = min(len(r.request.prompt_ids), r.prefilled + left)
+            chunks.append((r, r.prefilled, end))
+            left -= end - r.prefilled
+        if not chunks:
+            return events
+        rows = [r for r, _, _ in chunks]
+
+        def forward(rows: list[_Row]) -> Tensor:
+            mine = [c for c in chunks if c[0] in rows]  # in the order of `rows`
+            return self._prefill_rows([list(r.request.prompt_ids[a:b]) for r, a, b in mine],
+                                      [r.row for r, _, _ in mine], [r.hold for r, _, _ in mine],
+                                      starts=[a for _, a, _ in mine])  # fmt: skip
+
+        done = [r for r, _, end in chunks if end == len(r.request.prompt_ids)]
+        for r, _, end in chunks:
+            r.prefilled = end
+        self._prefilling = [r for r in self._prefilling if r not in done]
+
+        def accept_done(rows: list[_Row], logits: Tensor) -> list[TokenEvent]:
+            keep = [i for i, r in enumerate(rows) if r in done]
+            return self._accept([rows[i] for i in keep], logits[keep])
+
+        return events + self._isolated(rows, forward, lambda r: forward([r]), accept_done)
+
     def _prefill(self, group: list[_Row]) -> Tensor:
         """Prompts into their cache rows in one forward (of one length on transformers'
         forward; of any lengths, packed, on the runner); logits [n, V] of each prompt's
@@ -345,12 +399,14 @@ class Engine:
         """One request's prompt into its cache row; logits [1, V] of its last token."""
         return self._prefill_rows([prompt], [row], [hold])
 
-    def _prefill_rows(self, prompts: list[list[int]], rows: list[int], holds, every: bool = False):
+    def _prefill_rows(
+        self, prompts: list[list[int]], rows: list[int], holds, every: bool = False, starts=None
+    ):
         """Logits [n, V] of each prompt's last token; with `every`, a list of each prompt's
-        [S_i, V]. On the runner once the cache is allocated (its first prefill, which
+        [S_i, V]; starts: each prompt's first position (a chunk; the runner only). On the runner once the cache is allocated (its first prefill, which
         allocates it, runs transformers' forward)."""
         if self.runner is not None and self.cache.allocated:
-            return self._prefill_runner(prompts, rows, holds, every)
+            return self._prefill_runner(prompts, rows, holds, every, starts)
         plan = plan_prefill(rows, len(prompts[0]), self.device)
         self.cache.plan = plan
         slots = torch.tensor([h.slot for h in holds], dtype=torch.int32, device=self.device)
@@ -365,12 +421,14 @@ class Engine:
             return list(self._forward(ids, plan.positions, masks, adapters, every=True))
         return self._forward(ids, plan.positions, masks, adapters)
 
-    def _prefill_runner(self, prompts: list[list[int]], rows: list[int], holds, every: bool):
-        """The prompts packed into one varlen forward of the runner (no padding, no mask)."""
+    def _prefill_runner(self, prompts, rows: list[int], holds, every: bool, starts=None):
+        """The prompts packed into one varlen forward of the runner (no padding, no mask);
+        starts: each one's first position (chunks after the ones in the cache; default 0)."""
         lengths = [len(p) for p in prompts]
+        starts = starts or [0] * len(prompts)
         host = torch.tensor(
             [[t for p in prompts for t in p],
-             [i for n in lengths for i in range(n)],
+             [a + i for a, n in zip(starts, lengths) for i in range(n)],
              [r for r, n in zip(rows, lengths) for _ in range(n)],
              [h.slot for h, n in zip(holds, lengths) for _ in range(n)]]
         )  # fmt: skip
@@ -485,6 +543,8 @@ class Engine:
         state = self._rows.pop(request_id)
         if state in self._waiting:
             self._waiting.remove(state)
+        if state in self._prefilling:
+            self._prefilling.remove(state)
         state.hold.release()
         return TokenEvent(request_id, token, True, reason, error, **extra)
 
@@ -498,9 +558,9 @@ class Engine:
 PREFILL_TOKENS = 16384
 
 
-def _prefill_groups(rows: list[_Row], varlen: bool) -> list[list[_Row]]:
+def _prefill_groups(rows: list[_Row], budget: int, varlen: bool) -> list[list[_Row]]:
     """The rows grouped for one prefill forward each, in order of first appearance, each
-    group cut to PREFILL_TOKENS: by prompt length on transformers' forward (no padding, so
+    group cut to `budget` prompt tokens (a longer prompt alone): by prompt length on transformers' forward (no padding, so
     every row's last token is the forward's last), any lengths together with `varlen` (the
     runner packs them). Rows that ask for prompt logprobs form groups of their own."""
     groups: dict[tuple[int, bool], list[list[_Row]]] = {}
@@ -509,7 +569,7 @@ def _prefill_groups(rows: list[_Row], varlen: bool) -> list[list[_Row]]:
         key = (0 if varlen else length, r.request.sampling.prompt_logprobs is not None)
         chunks = groups.setdefault(key, [[]])
         held = sum(len(c.request.prompt_ids) for c in chunks[-1])
-        if chunks[-1] and held + length > PREFILL_TOKENS:
+        if chunks[-1] and held + length > budget:
             chunks.append([])
         chunks[-1].append(r)
     return [chunk for chunks in groups.values() for chunk in chunks]

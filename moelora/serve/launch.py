@@ -65,7 +65,8 @@ def start(args: argparse.Namespace, model=None):
 
     rows = _engine_rows(args, settings, handle)
     engine = Engine(handle, max_rows=rows, max_len=settings.max_model_len,
-                          enforce_eager=settings.enforce_eager or None)  # fmt: skip
+                    enforce_eager=settings.enforce_eager or None,
+                    max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None))  # fmt: skip
     report = engine.warmup()  # every decode graph captured before the first request (GPU)
     if report is not None:
         print(f"moelora {args.command}: {report}", flush=True)
