@@ -469,10 +469,12 @@ class Engine:
         """The static buffers for rows 0 .. width-1: padding rows (free rows, and rows
         prefilled in this step) feed token 0 at position 0 without adapter and write the
         spare cache row."""
-        host = torch.tensor([[0], [0], [-1], [self.max_rows]]).repeat(1, width)
-        for r in running:
-            host[:, r.row] = torch.tensor([r.generated[-1], r.position, r.hold.slot, r.row])
-        host = host.to(self.device, non_blocking=True)
+        ids, positions, slots = [0] * width, [0] * width, [-1] * width
+        rows = [self.max_rows] * width
+        for r in running:  # plain lists, one tensor: no per-row tensor on the host
+            ids[r.row], positions[r.row], slots[r.row], rows[r.row] = (
+                r.generated[-1], r.position, r.hold.slot, r.row)  # fmt: skip
+        host = torch.tensor([ids, positions, slots, rows]).to(self.device, non_blocking=True)
         self._ids[:width, 0].copy_(host[0])
         self._positions[:width, 0].copy_(host[1])
         self._slots[:width].copy_(host[2])
