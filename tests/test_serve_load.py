@@ -1,0 +1,144 @@
+"""The load benchmark (benchmarks/serve_load.py) end to end on the tiny model: a real
+`moelora serve --load-format dummy` process, the official `openai` client, one level's
+LoRA-free and adapter runs on the same arrivals and the long-prompt scenario; the JSON has
+every field, the counts add up and the latencies are ordered. Its workload's pieces
+(benchmarks/serve_workload.py) and /metrics reader as case tables."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serve_load_report import COPIES, EVICTIONS, PREEMPTIONS, counters
+from benchmarks.serve_workload import Lengths, Shape, Workload, arrivals, popularity
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LENGTHS = [
+    # (id, spec, shape, low, high): the form each covers
+    ("fixed", "fixed:7", Shape.FIXED, 7, 7),
+    ("uniform", "uniform:4:12", Shape.UNIFORM, 4, 12),
+    ("uniform-one-value", "uniform:5:5", Shape.UNIFORM, 5, 5),  # LO == HI
+    ("lognormal", "lognormal:64:0.8:128", Shape.LOGNORMAL, 64, 128),  # clipped at MAX
+]
+
+REFUSED = [
+    # (id, spec): why it is refused
+    ("unknown-shape", "normal:3:1"),
+    ("low-above-high", "uniform:12:4"),
+    ("zero-length", "fixed:0"),
+    ("missing-part", "uniform:4"),
+    ("median-above-max", "lognormal:200:0.5:100"),
+    ("not-a-number", "fixed:many"),
+]
+
+
+@pytest.mark.parametrize("case", LENGTHS, ids=[c[0] for c in LENGTHS])
+def test_lengths_parse_and_draw_within_bounds(case, seed):
+    _, spec, shape, low, high = case
+    out = Lengths.parse(spec, "--prompt-len")
+    assert (out.shape, out.low, out.high) == (shape, low, high)
+    draws = [out.draw(random.Random(seed + i)) for i in range(300)]
+    assert all(1 <= d <= high for d in draws)
+    if shape is not Shape.LOGNORMAL:
+        assert min(draws) >= low
+    assert draws == [out.draw(random.Random(seed + i)) for i in range(300)]  # seeded
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[c[0] for c in REFUSED])
+def test_bad_lengths_are_refused_naming_the_flag_and_the_forms(case):
+    with pytest.raises(ValueError, match="--output-len") as err:
+        Lengths.parse(case[1], "--output-len")
+    assert "uniform:LO:HI" in str(err.value) or ">= 1" in str(err.value)
+
+
+def test_zipf_popularity_favours_the_first_names_and_zero_is_uniform(seed):
+    assert popularity(4, 0.0) == [0.25] * 4
+    weights = popularity(32, 1.0)
+    assert abs(sum(weights) - 1) < 1e-12 and weights == sorted(weights, reverse=True)
+    assert weights[0] / weights[1] == pytest.approx(2.0)  # (i + 1)^-1
+    names = tuple(f"lora{i}" for i in range(32))
+    work = Workload(8.0, Lengths.parse("fixed:3", "p"), Lengths.parse("uniform:1:4", "o"),
+                    names, 1.0, 100)  # fmt: skip
+    plan = arrivals(work, 2000, random.Random(seed))
+    drawn = collections.Counter(a.adapter for a in plan)
+    assert drawn.most_common(1)[0][0] == "lora0" and drawn["lora0"] > 3 * drawn["lora7"]
+    assert [a.at for a in plan] == sorted(a.at for a in plan) and plan[0].at == 0.0
+    assert plan == arrivals(work, 2000, random.Random(seed))  # the two runs' arrivals
+
+
+def test_metrics_counters_sum_label_sets_and_leave_absent_families_out():
+    text = (f"# TYPE {COPIES} counter\n{COPIES} 3\n{EVICTIONS} 1.0\n"
+            'vllm:num_requests_running{model_name="base"} 2\n'
+            f'{PREEMPTIONS}{{engine="0"}} 2\n{PREEMPTIONS}{{engine="1"}} 5\n')  # fmt: skip
+    assert counters(text) == {COPIES: 3.0, EVICTIONS: 1.0, PREEMPTIONS: 7.0}
+
+
+REQUESTS = 4
+ARGV = ["--tiny", "--layers", "1", "--concurrency", "2", "--requests", str(REQUESTS),
+        "--prompt-len", "uniform:4:12", "--output-len", "uniform:2:6", "--adapter-names", "6",
+        "--adapters", "2", "--max-loras", "2", "--max-num-batched-tokens", "64",
+        "--long-prompt", "160", "--long-streams", "2", "--long-stream-tokens", "48",
+        "--request-timeout", "60"]  # fmt: skip
+LEVEL_FIELDS = {
+    "run", "concurrency", "requests", "completed", "failed", "errors", "output_tokens",
+    "seconds", "output_tok_s", "vs_lora_free", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+    "itl_p99_ms", "adapter_copies", "adapter_copies_per_s", "adapter_copy_seconds",
+    "adapter_evictions", "preemptions", "preemptions_note", "prefix_cache_hit_rate",
+    "prefix_cache_note", "adapter_names_drawn",
+}  # fmt: skip
+LONG_FIELDS = {
+    "run", "requests", "completed", "failed", "errors", "streams", "stream_tokens",
+    "long_prompt_tokens", "long_ttft_ms", "itl_before_p50_ms", "itl_before_p99_ms",
+    "itl_during_p50_ms", "itl_during_p99_ms", "itl_p99_during_over_before", "gaps_before",
+    "gaps_during", "streams_running_through",
+}  # fmt: skip
+
+
+def test_the_benchmark_runs_end_to_end_on_the_tiny_model(tmp_path):
+    out = tmp_path / "serve_load.json"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "benchmarks.serve_load", *ARGV, "--work", str(tmp_path / "w"),
+           "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and doc["server"]["exit_code"] == 0
+    assert doc["server"]["command"][:4] == ["moelora", "serve", str(tmp_path / "w" / "model"),
+                                            "--load-format"]  # fmt: skip
+    assert "--max-num-batched-tokens" in doc["server"]["command"]
+    assert {"device", "commit", "torch"} <= set(doc["stamp"])
+    runs = {r["run"]: r for r in doc["levels"]}
+    assert [r["run"] for r in doc["levels"]] == ["lora-free", "adapters"]
+    for r in doc["levels"]:
+        assert set(r) == LEVEL_FIELDS, set(r) ^ LEVEL_FIELDS
+        assert r["requests"] == REQUESTS == r["completed"] + r["failed"]
+        assert r["failed"] == 0 and r["errors"] == {}, r["errors"]  # the tiny server fails none
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+        assert r["output_tokens"] >= 2 * REQUESTS and r["output_tok_s"] > 0
+        assert r["preemptions"] == 0 and "paged KV cache" in r["preemptions_note"]
+        assert r["prefix_cache_hit_rate"] is None and "no prefix cache" in r["prefix_cache_note"]
+    # the same arrivals: the same tokens; LoRA-free copies no adapter
+    assert runs["lora-free"]["output_tokens"] == runs["adapters"]["output_tokens"]
+    assert runs["lora-free"]["adapter_copies"] == 0 and runs["adapters"]["adapter_names_drawn"]
+    # the warm-up leaves the last names (lora4, lora5) in the 2 slots; the seeded plan draws
+    # lora0, the most popular: at least one copy into a slot, read from /metrics
+    assert runs["adapters"]["adapter_copies"] >= 1 and runs["adapters"]["adapter_copies_per_s"] > 0
+    assert runs["lora-free"]["vs_lora_free"] == 1.0
+    assert [r["run"] for r in doc["long_prompt"]] == ["lora-free", "adapters"]
+    for r in doc["long_prompt"]:
+        assert set(r) == LONG_FIELDS, set(r) ^ LONG_FIELDS
+        assert r["requests"] == 3 == r["completed"] + r["failed"] and r["failed"] == 0
+        assert r["long_ttft_ms"] > 0 and r["gaps_before"] > 0 and r["gaps_during"] > 0
+        assert 0 < r["itl_before_p50_ms"] <= r["itl_before_p99_ms"]
+        assert 0 < r["itl_during_p50_ms"] <= r["itl_during_p99_ms"]
+    table = done.stdout
+    assert "| 2 | lora-free | 4 (0) |" in table and "| 2 | adapters | 4 (0) |" in table
+    assert "| lora-free | 2 | 160 |" in table and "prefix hit rate: not applicable" in table
