@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -46,7 +47,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks import serve_load_model as model_dir
-from benchmarks.serve_load_report import NOT_EXPORTED, counters, level_row, long_row, table
+from benchmarks import serve_load_report as report
 from benchmarks.serve_workload import Lengths, Workload, arrivals
 
 
@@ -118,12 +119,22 @@ def server_argv(args, work: Path, names: list[str]) -> list[str]:
             "--max-model-len", str(max_model_len(args)),
             "--lora-modules", *[f"{n}={work / f'adapter{i % args.adapters}'}"
                                 for i, n in enumerate(names)]]  # fmt: skip
+    if args.gpu_memory_utilization is None and not args.tiny and cuda_available():
+        # rows x --max-model-len of static KV slabs (16k for the long prompt) would not fit
+        # beside 48 layers' weights at --max-num-seqs 64: the server sizes them to 0.9
+        args.gpu_memory_utilization = 0.9
     for flag in ("max_num_batched_tokens", "gpu_memory_utilization"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.tiny:
         argv += ["--dtype", "float32"]
     return argv
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def free_port() -> int:
@@ -157,6 +168,14 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 9
         except OSError:
             time.sleep(0.5)
     raise SystemExit(f"the server was not ready after {timeout_s} s (log: {log})")
+
+
+def kv_rows(log: Path, args) -> int:
+    """The engine's rows of KV cache: --max-num-seqs, or what the server printed it sized
+    under --gpu-memory-utilization (one slab of --max-model-len per row: a long
+    --max-model-len leaves fewer rows than --max-num-seqs)."""
+    found = re.search(r"KV cache of (\d+) rows", log.read_text())
+    return int(found.group(1)) if found else args.max_num_seqs
 
 
 async def one(client, model: str, prompt, max_tokens: int, timeout: float, times=None) -> dict:
@@ -204,14 +223,14 @@ async def run_level(url, plan, concurrency: int, adapters: bool, args) -> dict:
             model = a.adapter if adapters else "base"
             return await one(client, model, a.prompt, a.output, args.request_timeout)
 
-    before = counters(get(url + "/metrics"))
+    before = report.counters(get(url + "/metrics"))
     start = time.perf_counter()
     results = await asyncio.gather(*(request(a) for a in plan))
     elapsed = time.perf_counter() - start
-    after = counters(get(url + "/metrics"))
+    after = report.counters(get(url + "/metrics"))
     await client.close()
     used = len({a.adapter for a in plan}) if adapters else 0
-    return level_row(results, elapsed, before, after) | {"adapter_names_drawn": used}
+    return report.level_row(results, elapsed, before, after) | {"adapter_names_drawn": used}
 
 
 async def run_long(url, names: list[str], adapters: bool, args, rng: random.Random) -> dict:
@@ -245,7 +264,7 @@ async def run_long(url, names: list[str], adapters: bool, args, rng: random.Rand
     before = [b - a for a, b in pairs if a >= started and b <= sent]
     during = [b - a for a, b in pairs if b > sent and a < first]
     through = sum(1 for s in streams if s["times"] and s["times"][-1] > first)
-    return long_row(streams, long, before, during, through) | {
+    return report.long_row(streams, long, before, during, through) | {
         "streams": args.long_streams, "stream_tokens": args.long_stream_tokens,
         "long_prompt_tokens": args.long_prompt,
     }  # fmt: skip
@@ -254,9 +273,11 @@ async def run_long(url, names: list[str], adapters: bool, args, rng: random.Rand
 async def measure(args, url: str, names: list[str], doc: dict) -> None:
     """Every level's two runs, then the long-prompt scenario's, saved as each ends."""
     client = client_of(url, args.request_timeout)
-    for name in ["base", *names]:  # each name read from its directory once (the host cache)
-        await one(client, name, [1, 2, 3], 2, args.request_timeout)
+    warm = [
+        await one(client, name, [1, 2, 3], 2, args.request_timeout) for name in ["base", *names]
+    ]  # each name read from its directory once (host cache)
     await client.close()
+    doc["warmup"] = report.outcome(warm)  # its failures counted too
     work = Workload(args.rate, args.prompt_dist, args.output_dist, tuple(names), args.zipf,
                     args.vocab)  # fmt: skip
     for concurrency in (int(c) for c in args.concurrency.split(",")):
@@ -305,7 +326,7 @@ def main() -> None:
     args.port = args.port or free_port()
     argv, log = server_argv(args, work, names), work / "server.log"
     kept = {k: v for k, v in vars(args).items() if k not in ("prompt_dist", "output_dist")}
-    doc = {"stamp": stamp(), "args": kept, "not_exported": NOT_EXPORTED,
+    doc = {"stamp": stamp(), "args": kept, "not_exported": report.NOT_EXPORTED,
            "server": {"command": ["moelora", "serve", *argv], "log": str(log)},
            "levels": [], "long_prompt": [], "complete": False}  # fmt: skip
     print(f"serve_load: model and {args.adapters} adapters in {work}; "
@@ -314,6 +335,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_ready(url, proc, log)
+        doc["server"]["kv_rows"] = kv_rows(log, args)
         print(f"serve_load: server ready after {time.perf_counter() - start:.0f} s", flush=True)
         asyncio.run(measure(args, url, names, doc))
         doc["complete"] = True
@@ -324,7 +346,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             doc["server"]["exit_code"] = proc.wait()
-        print(table(doc))
+        print(report.table(doc))
         save(args, doc)
 
 

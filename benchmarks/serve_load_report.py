@@ -123,9 +123,16 @@ def table(doc: dict) -> str:
             f"{r['requests']} ({r['failed']}) |"
         )  # fmt: skip
     out.append("")
-    for key, note in (("preemptions", "preemptions_note"), ("prefix hit rate", "prefix_cache_note")):
+    for key, note in (
+        ("preemptions", "preemptions_note"),
+        ("prefix hit rate", "prefix_cache_note"),
+    ):
         out += [f"{key}: {n}" for n in sorted({r[note] for r in doc["levels"] if r[note]})]
     for r in [*doc["levels"], *doc["long_prompt"]]:
         out += [f"errors ({r['run']}): {n} x {e}" for e, n in r["errors"].items()]
-    out.append(f"server exit code after SIGTERM: {doc['server'].get('exit_code')}")
+    warm = doc.get("warmup", {})
+    out += [f"errors (warm-up): {n} x {e}" for e, n in warm.get("errors", {}).items()]
+    out.append(f"warm-up: {warm.get('requests')} requests ({warm.get('failed')} failed); "
+               f"KV cache rows: {doc['server'].get('kv_rows')}; server exit code after "
+               f"SIGTERM: {doc['server'].get('exit_code')}")  # fmt: skip
     return "\n".join(out)

@@ -114,6 +114,8 @@ def test_the_benchmark_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert doc["server"]["command"][:4] == ["moelora", "serve", str(tmp_path / "w" / "model"),
                                             "--load-format"]  # fmt: skip
     assert "--max-num-batched-tokens" in doc["server"]["command"]
+    assert doc["server"]["kv_rows"] == 64  # --max-num-seqs: no --gpu-memory-utilization on a CPU
+    assert doc["warmup"]["requests"] == 7 and doc["warmup"]["failed"] == 0  # base + 6 names
     assert {"device", "commit", "torch"} <= set(doc["stamp"])
     runs = {r["run"]: r for r in doc["levels"]}
     assert [r["run"] for r in doc["levels"]] == ["lora-free", "adapters"]
