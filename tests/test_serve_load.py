@@ -6,6 +6,7 @@ every field, the counts add up and the latencies are ordered. Its workload's pie
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
@@ -13,9 +14,11 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from benchmarks import serve_load, serve_load_report
 from benchmarks.serve_load_report import COPIES, EVICTIONS, PREEMPTIONS, counters
 from benchmarks.serve_workload import Lengths, Shape, Workload, arrivals, popularity
 
@@ -144,3 +147,52 @@ def test_the_benchmark_runs_end_to_end_on_the_tiny_model(tmp_path):
     table = done.stdout
     assert "| 2 | lora-free | 4 (0) |" in table and "| 2 | adapters | 4 (0) |" in table
     assert "| lora-free | 2 | 160 |" in table and "prefix hit rate: not applicable" in table
+
+
+class _Stub:
+    """An AsyncOpenAI stand-in: completions.create answers `chunks` (words, usage) after
+    `delay` seconds, or raises `error`."""
+
+    def __init__(self, chunks=(), error=None, delay=0.0):
+        self.completions, self.chunks, self.error, self.delay = self, chunks, error, delay
+
+    async def create(self, **body):
+        await asyncio.sleep(self.delay)
+        if self.error:
+            raise self.error
+
+        async def stream():
+            for text, usage in self.chunks:
+                choice = SimpleNamespace(text=text)
+                yield SimpleNamespace(choices=[choice] if text else [], usage=usage)
+
+        return stream()
+
+
+FAILURES = [
+    # (id, client, what the error says): each way a request fails, counted with its reason
+    ("raises", _Stub(error=ConnectionError("refused")), "ConnectionError: refused"),
+    (
+        "short-stream",
+        _Stub([(" w1 w2", None), ("", SimpleNamespace(completion_tokens=2))]),
+        "short stream: 2 of 3 tokens",
+    ),
+    ("no-token", _Stub([("", SimpleNamespace(completion_tokens=0))]), "0 of 3 tokens"),
+    ("timeout", _Stub([(" w1", None)], delay=5.0), "TimeoutError"),  # past the 0.05 s limit
+]
+
+
+@pytest.mark.parametrize("case", FAILURES, ids=[c[0] for c in FAILURES])
+def test_a_failed_request_is_counted_with_its_reason(case):
+    _, client, words = case
+    out = asyncio.run(serve_load.one(client, "base", [1, 2], 3, timeout=0.05))
+    assert not out["ok"] and words in out["error"], out["error"]
+    row = serve_load_report.outcome([out, {"ok": True, "error": None}])
+    assert (row["requests"], row["completed"], row["failed"]) == (2, 1, 1)
+
+
+def test_a_whole_stream_is_a_completed_request():
+    usage = SimpleNamespace(completion_tokens=3)
+    out = asyncio.run(serve_load.one(_Stub([(" w1", None), (" w2 w3", None), ("", usage)]),
+                                     "base", [1], 3, timeout=5.0))  # fmt: skip
+    assert out["ok"] and out["tokens"] == 3 and len(out["itl"]) == 2 and out["ttft"] > 0
