@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import random
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from moelora.engine import Request, Sampling, TokenEvent
 from moelora.errors import InputError
+from moelora.serve.admission import AdmissionPolicy
 from moelora.serve.scheduler import (
     Accepted,
     Admitted,
@@ -23,12 +25,46 @@ from moelora.serve.scheduler import (
 )
 
 
+class ScriptedHandle:
+    """What the scheduler reads of moelora.hf's handle: slot keys (the names), the slots,
+    and hold() (the prefetch thread's copy into a slot)."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        self.engine = engine
+        self.registry = SimpleNamespace(manager=self)
+        self.pinned = frozenset()
+
+    @property
+    def num_slots(self) -> int:
+        return self.engine.slots
+
+    @property
+    def loaded(self) -> dict[str, int]:
+        with self.engine.lock:
+            return {a: i for i, a in enumerate(self.engine.resident)}
+
+    def version(self, name: str | None):
+        return None if name is None or name in self.engine.unloaded else SimpleNamespace(key=name)
+
+    def hold(self, names: list) -> list:
+        for name in names:
+            self.engine.copy_in(name, ahead=True)
+        return [SimpleNamespace(release=lambda: None) for _ in names]
+
+
 class ScriptedEngine:
-    """Token i of a request is hash(request_id, i) % 1000; `slots` distinct adapters at once;
-    `gate` (an Event) blocks step() so a test can hold rows running."""
+    """Token i of a request is hash(request_id, i) % 1000; `slots` distinct adapters at once,
+    resident in LRU slots (an add or a hold of an adapter in none evicts the least recently
+    used one no row holds: none being free is a scheduler bug, raised); `gate` (an Event)
+    blocks step() so a test can hold rows running."""
 
     def __init__(self, rows: int, slots: int, max_len: int = 64) -> None:
         self.rows, self.slots, self.max_len = rows, slots, max_len
+        self.max_rows = rows
+        self.lock = threading.Lock()
+        self.resident: list[str] = []  # LRU first
+        self.copies = {"ahead": 0, "at_add": 0}
+        self.handle = ScriptedHandle(self)
         self.running_rows: dict[str, list] = {}
         self.pending: list = []
         self.cancelled: set[str] = set()
@@ -54,8 +90,24 @@ class ScriptedEngine:
         return "no slot" if len(held - {None}) > self.slots else None
 
     def add(self, r) -> None:
-        self.added.append(r.request_id)
-        self.pending.append([r, 0])
+        with self.lock:  # the prefetch thread's copy_in reads the rows
+            self.added.append(r.request_id)
+            self.pending.append([r, 0])
+        if r.adapter is not None:
+            self.copy_in(r.adapter, ahead=False)
+
+    def copy_in(self, adapter: str, ahead: bool) -> None:
+        with self.lock:
+            if adapter in self.resident:
+                self.resident.remove(adapter)
+            else:
+                held = {row[0].adapter for row in self._live()}
+                if len(self.resident) >= self.slots:
+                    idle = [a for a in self.resident if a not in held]
+                    assert idle, f"no idle slot for {adapter}: {self.resident} all held"
+                    self.resident.remove(idle[0])
+                self.copies["ahead" if ahead else "at_add"] += 1
+            self.resident.append(adapter)
 
     def cancel(self, rid: str) -> None:
         self.cancelled.add(rid)
@@ -70,6 +122,10 @@ class ScriptedEngine:
 
     def step(self) -> list:
         self.gate.wait(30)
+        with self.lock:  # the prefetch thread's copy_in reads the rows
+            return self._step()
+
+    def _step(self) -> list:
         for row in self.pending:
             self.running_rows[row[0].request_id] = row
         self.pending = []
@@ -124,12 +180,17 @@ CASES = [
 ]
 
 
+POLICIES = [("fifo", None), ("by-adapter", AdmissionPolicy(max_wait=0.2))]
+
+
+@pytest.mark.parametrize("policy", [p for _, p in POLICIES], ids=[i for i, _ in POLICIES])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_every_request_runs_in_fifo_order_and_none_is_refused(case, seed):
+def test_every_request_runs_once_and_none_is_refused(case, policy, seed):
+    """FIFO adds in arrival order; by adapter in its own order, each request once."""
     _, rows, slots, count, adapters = case
     rng = random.Random(seed)
     engine = ScriptedEngine(rows, slots)
-    scheduler = Scheduler(engine, idle_wait_s=0.01).start()
+    scheduler = Scheduler(engine, idle_wait_s=0.01, admission=policy).start()
     got = Collector()
     got.expected = count
     reqs = [request(f"r{i}", rng.choice([None, *range(adapters)]), rng.randrange(1, 6))
@@ -138,7 +199,9 @@ def test_every_request_runs_in_fifo_order_and_none_is_refused(case, seed):
         scheduler.submit(r, got.sink(r.request_id))
     assert got.done.wait(30)
     scheduler.stop()
-    assert engine.added == [r.request_id for r in reqs]  # FIFO admission
+    if policy is None:
+        assert engine.added == [r.request_id for r in reqs]  # FIFO admission
+    assert sorted(engine.added) == sorted(r.request_id for r in reqs)
     assert engine.most_adapters <= slots
     for r in reqs:
         items = got.items[r.request_id]
@@ -223,7 +286,7 @@ def test_a_queued_request_whose_adapter_was_unloaded_is_refused():
     assert isinstance(refused, Refused) and "'b'" in str(refused.error)
     assert got.items["first"][-1].finish_reason == "length"
     assert got.items["third"][-1].finish_reason == "length"  # the queue went on behind it
-    assert engine.added == ["first", "third"]
+    assert sorted(engine.added) == ["first", "third"]
 
 
 class FaultyEngine(ScriptedEngine):
@@ -313,3 +376,31 @@ def test_a_dead_thread_refuses_everything_and_says_so():
     for rid in ("running", "queued", "late"):
         item = got.items[rid][-1]
         assert isinstance(item, Refused) and isinstance(item.error, EngineDead), rid
+
+
+def test_by_adapter_a_held_adapter_skips_a_blocked_head_and_a_cold_one_is_copied_ahead():
+    """Rows of "a" and "b" hold both slots; "c" (needs a slot) queued before "a2": FIFO would
+    hold "a2" behind it, by adapter "a2" joins a's rows at once. Every adapter ("c" once a
+    slot frees) is copied by the prefetch thread before its requests join: none in add()."""
+    engine = ScriptedEngine(rows=4, slots=2)
+    engine.gate.clear()  # the first step blocks: "a1" and "b1" hold the slots meanwhile
+    scheduler = Scheduler(engine, idle_wait_s=0.01, admission=AdmissionPolicy(max_wait=30))
+    scheduler.start()
+    got = Collector()
+    got.expected = 4
+    for rid, adapter in (("a1", "a"), ("b1", "b")):
+        scheduler.submit(request(rid, adapter, 5), got.sink(rid))
+    for _ in range(3000):  # bounded: until both are added and the step waits on the gate
+        if len(engine.added) == 2:
+            break
+        threading.Event().wait(0.01)
+    for rid, adapter in (("c1", "c"), ("a2", "a")):
+        scheduler.submit(request(rid, adapter, 2), got.sink(rid))
+    threading.Event().wait(0.2)  # the scheduler sees both while the step still blocks
+    engine.gate.set()
+    assert got.done.wait(30)
+    scheduler.stop()
+    assert engine.added.index("a2") < engine.added.index("c1")
+    assert engine.copies == {"ahead": 3, "at_add": 0}  # every copy ahead, none in add()
+    for rid in ("a1", "b1", "c1", "a2"):
+        assert got.items[rid][-1].finish_reason == "length"

@@ -3,10 +3,14 @@
 A request is submitted with a sink (a callable the scheduler thread calls with each item for
 it: Accepted or Refused first, then Admitted when it joins the engine, then the engine's
 TokenEvents). The thread checks it (Engine.check: a request that can never run is refused at
-once), queues it FIFO and adds the head of the queue whenever Engine.admissible() says it
-runs at the next step; a request that must wait (no free row, every adapter slot held by
-other adapters' rows) waits, it is never refused for it. Rows join at the next step and
-leave when they finish (continuous batching). The engine is touched by this thread only.
+once) and queues it. Before each step it asks admission.py which waiting requests join
+(adapter-aware: those that need no slot first, then whole groups of an adapter, copies of
+adapters in no slot started ahead on the prefetch thread, and a bound on every request's
+wait) and adds them while Engine.admissible() agrees; with `admission=None` it adds the
+head of the queue first in first out instead. A request that must wait (no free row,
+every adapter slot held by other adapters' rows) waits, it is never refused for it. Rows
+join at the next step and leave when they finish (continuous batching). The engine is
+touched by this thread only (and its handle's hold() by the prefetch thread).
 
 No request can stop the thread: a check, an add or a step that raises fails only the
 requests it concerns (the engine itself fails only the rows of a step that fail alone). If
@@ -23,7 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .admission import AdmissionPolicy, Slots, Waiting, admit
 from .metrics import Metrics
+from .prefetch import Prefetcher
 
 log = logging.getLogger("moelora.serve")
 
@@ -75,9 +81,21 @@ class _Ticket:
 class Scheduler:
     """Drives `engine` (moelora.engine.Engine's API) from its own thread; see module doc."""
 
-    def __init__(self, engine, metrics: Metrics | None = None, idle_wait_s: float = 0.05):
+    def __init__(
+        self,
+        engine,
+        metrics: Metrics | None = None,
+        idle_wait_s: float = 0.05,
+        admission: AdmissionPolicy | None = AdmissionPolicy(),  # noqa: B008 - frozen
+    ) -> None:
+        """admission: the adapter-aware policy (admission.py); None: first in first out.
+        It reads the slots through engine.handle (moelora.hf's handle: num_slots,
+        version(), hold(), registry.manager's loaded and pinned keys)."""
         self.engine = engine
         self.metrics = metrics or Metrics()
+        self.admission = admission
+        self._keys: dict[str, object] = {}  # running request id -> the slot key it holds
+        self.prefetcher = None if admission is None else Prefetcher(engine.handle, self._wake)
         self.idle_wait_s = idle_wait_s  # how long an idle thread sleeps between inbox checks
         self._cond = threading.Condition()
         self._inbox: list[_Ticket] = []  # submitted, not yet checked (under _cond)
@@ -147,6 +165,10 @@ class Scheduler:
 
     # ---- the scheduler thread ------------------------------------------------------------------
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def _main(self) -> None:
         try:
             self._loop()
@@ -155,12 +177,15 @@ class Scheduler:
             with self._cond:
                 self.fault = err
                 tickets = [*self._inbox, *self._waiting, *self._running.values()]
-                self._inbox, self._running = [], {}
+                self._inbox, self._running, self._keys = [], {}, {}
                 self._waiting.clear()
             dead = EngineDead(f"the engine stopped on an error: {err!r}")
             for ticket in tickets:
                 _send(ticket, Refused(ticket.request.request_id, dead))
             self.metrics.set_load(queued=0, running=0)
+        finally:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
 
     def _loop(self) -> None:
         while True:
@@ -219,25 +244,63 @@ class Scheduler:
                 self.engine.cancel(request_id)  # its cancelled event is dropped by _step
                 _send(ticket, Refused(request_id, error))
             self._running.clear()
+            self._keys.clear()
 
     def _admit(self) -> None:
-        """FIFO: add the head while the engine says it runs at the next step. A request the
-        engine refuses now (its adapter was unloaded while it waited) is refused."""
-        while self._waiting:
-            ticket = self._waiting[0]
-            try:
-                if self.engine.admissible(ticket.request) is not None:
-                    break
-                self.engine.add(ticket.request)
-            except Exception as err:
-                self._waiting.popleft()
-                _send(ticket, Refused(ticket.request.request_id, err))
-                continue
-            self._waiting.popleft()
-            self._running[ticket.request.request_id] = ticket
-            self.metrics.admitted(time.perf_counter() - ticket.submitted)
-            _send(ticket, Admitted(ticket.request.request_id))
+        """Add what the admission policy plans (FIFO without one: the head while the engine
+        says it runs at the next step), in the plan's order, stopping where the engine says
+        wait. A request the engine refuses now (its adapter was unloaded while it waited)
+        is refused."""
+        if self.admission is None:
+            while self._waiting and self._add(self._waiting[0]) is not False:
+                pass
+            self._report_load()
+            return
+        keys = {id(t): self._key(t.request.adapter) for t in self._waiting}
+        queue = [Waiting(t.request.request_id, keys[id(t)], t.submitted) for t in self._waiting]
+        free_rows = max(0, self.engine.max_rows - len(self._running))
+        plan = admit(queue, self._slots(), free_rows, time.perf_counter(), self.admission)
+        by_id = {t.request.request_id: t for t in self._waiting}
+        for request_id in plan.admit:
+            if self._add(by_id[request_id], keys[id(by_id[request_id])]) is False:
+                break
+        names = {keys[id(t)]: t.request.adapter for t in self._waiting}
+        for key in plan.prefetch:
+            self.prefetcher.start(key, names[key])
         self._report_load()
+
+    def _add(self, ticket: _Ticket, key: object = None) -> bool:
+        """Add `ticket`'s request if the engine says it runs at the next step (False when
+        it must wait); a refusal ends it. Either way but waiting it leaves the queue."""
+        try:
+            if self.engine.admissible(ticket.request) is not None:
+                return False
+            self.engine.add(ticket.request)
+        except Exception as err:
+            self._waiting.remove(ticket)
+            _send(ticket, Refused(ticket.request.request_id, err))
+            return True
+        self._waiting.remove(ticket)
+        self._running[ticket.request.request_id] = ticket
+        self._keys[ticket.request.request_id] = key
+        self.metrics.admitted(time.perf_counter() - ticket.submitted)
+        _send(ticket, Admitted(ticket.request.request_id))
+        return True
+
+    def _key(self, name: str | None) -> object:
+        """The slot key of adapter `name`'s current version (None: the base model, or a
+        name not loaded, which needs no slot: the engine refuses it when it is added)."""
+        version = None if name is None else self.engine.handle.version(name)
+        return None if version is None else version.key
+
+    def _slots(self) -> Slots:
+        """The slots now: resident and pinned keys, the running rows' keys, the copies."""
+        manager = self.engine.handle.registry.manager
+        running = collections.Counter(k for k in self._keys.values() if k is not None)
+        return Slots(
+            self.engine.handle.num_slots, frozenset(manager.loaded), running,
+            frozenset(manager.pinned), self.prefetcher.loading, self.prefetcher.uncopyable,
+        )  # fmt: skip
 
     def _step(self) -> None:
         try:
@@ -248,6 +311,7 @@ class Scheduler:
                 self.engine.cancel(request_id)
                 _send(ticket, Refused(request_id, err))
             self._running.clear()
+            self._keys.clear()
             self._report_load()
             return
         now = time.perf_counter()
@@ -262,6 +326,7 @@ class Scheduler:
                 ticket.last_token, ticket.tokens = now, ticket.tokens + 1
             if event.finished:
                 del self._running[event.request_id]
+                self._keys.pop(event.request_id, None)
                 self._ended(ticket, now)
             _send(ticket, event)
         self._report_load()

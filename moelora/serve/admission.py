@@ -1,0 +1,190 @@
+"""Adapter-aware admission: which waiting requests join the engine at the next step and
+which adapters are copied into a slot ahead of their requests, as one pure function over
+plain data (no engine, no model), so that its guarantees are property-tested
+(tests/test_serve_admission.py). The scheduler thread (scheduler.py) feeds it the queue and
+the slots, adds what it admits and hands the copies to its prefetch thread.
+
+A slot can take a new adapter when no running row holds its adapter (the slot manager
+evicts the least recently used idle one), so an adapter in no slot can join while fewer
+than L adapters are held ("taken": held by running rows, pinned, being copied, or admitted
+in this plan). The rule, in order:
+
+1. Aged first. A request that has waited `max_wait` or longer goes before every other,
+   oldest first. When the oldest of them cannot run now (no free row, or every slot taken)
+   nothing else is admitted until it can: rows only end, so it runs once the rows holding
+   what it needs have ended. Where every request ages this is the FIFO scheduler.
+2. Free next, in arrival order: requests that take no slot (the base model, an adapter
+   running rows hold), so a group joins the rows of its adapter.
+3. Slots last: the adapters that need one, each group scored by its queue length, an
+   adapter already in an idle slot (no copy) counted `swap_ratio` times, the highest first
+   (resident first, then the oldest, among equal ones), while a slot can be taken without
+   evicting an idle adapter whose waiting group ranks above it. A resident group joins at once.
+   An adapter in no slot, with `Copy.AHEAD`, is copied by the prefetch thread and its
+   requests join once it is in (the copy runs beside the steps); with `Copy.AT_ADMISSION`
+   they join now and the engine's add() copies it.
+4. Draining, for a queue worth a swap: when an adapter in no slot waits and every slot is
+   taken, the held adapter with the fewest waiting requests (then the fewest running rows)
+   is drained if the waiting adapter's queue is more than `swap_ratio` times its own: its
+   new requests do not join (they age as any other), so its slot frees once its rows end,
+   and the waiting adapter's score then beats its own.
+
+Times are in the caller's unit (seconds in the server, steps in the tests).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+Adapter = Hashable  # a slot key: one loaded version of an adapter (None: the base model)
+
+
+class Copy(enum.Enum):
+    """When an adapter in no slot is copied into one."""
+
+    AHEAD = "ahead"  # by the prefetch thread; its requests join once it is in
+    AT_ADMISSION = "at_admission"  # by the engine's add() of its first request
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A queued request: its id, its adapter's slot key (None: the base model), arrival."""
+
+    request_id: str
+    adapter: Adapter | None
+    arrived: float
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The adapter slots as the scheduler sees them before a plan. running: adapter ->
+    running rows holding it (their slots cannot be written); pinned: never evicted;
+    loading: being copied ahead (each takes a slot); uncopyable: adapters whose copy ahead
+    failed (their requests join and the engine's add() copies, or refuses, them)."""
+
+    num_slots: int
+    resident: frozenset = frozenset()
+    running: Mapping = field(default_factory=dict)
+    pinned: frozenset = frozenset()
+    loading: frozenset = frozenset()
+    uncopyable: frozenset = frozenset()
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """max_wait: a request waiting this long goes first (see the module doc); 3 s, chosen,
+    not measured: under issue 37's TTFT p99 target of 5 s with room for the rows ahead of
+    it to end. swap_ratio: how much longer a waiting adapter's queue must be than a held
+    one's to drain the held one (2: chosen; 1 would drain for a tie)."""
+
+    max_wait: float = 3.0
+    swap_ratio: float = 2.0
+    copy: Copy = Copy.AHEAD
+
+
+@dataclass(frozen=True)
+class Plan:
+    """admit: request ids to add, in order (aged, resident, swapped); prefetch: adapters to
+    copy into a slot now; draining: held adapters whose new requests wait."""
+
+    admit: tuple[str, ...] = ()
+    prefetch: tuple = ()
+    draining: frozenset = frozenset()
+
+
+def admit(
+    queue: Sequence[Waiting], slots: Slots, free_rows: int, now: float, policy: AdmissionPolicy
+) -> Plan:
+    """The plan for the next step (see the module doc); `queue` in arrival order."""
+    held = {a for a, n in slots.running.items() if n > 0 and a is not None}
+    taken = held | set(slots.pinned) | set(slots.loading)
+    admitted: list[str] = []
+    aged = [w for w in queue if now - w.arrived >= policy.max_wait]
+    for w in aged:
+        if free_rows == 0 or not _fits(w.adapter, taken, slots.num_slots):
+            return Plan(tuple(admitted), (), frozenset())  # the oldest waits: nothing else
+        admitted.append(w.request_id)
+        taken.add(w.adapter)
+        free_rows -= 1
+    rest = [w for w in queue if now - w.arrived < policy.max_wait]
+    draining = _draining(rest, slots, held, taken, policy)
+    for w in rest:
+        if free_rows == 0:
+            break
+        if w.adapter is None or (w.adapter in taken and w.adapter not in draining | slots.loading):
+            admitted.append(w.request_id)
+            free_rows -= 1
+    joined = set(admitted)
+    left = [w for w in rest if w.request_id not in joined and w.adapter not in draining]
+    prefetch = _slots_for_groups(left, slots, taken, free_rows, policy, admitted)
+    return Plan(tuple(admitted), tuple(prefetch), frozenset(draining))
+
+
+def _fits(adapter: Adapter | None, taken: set, num_slots: int) -> bool:
+    return adapter is None or adapter in taken or len(taken) < num_slots
+
+
+def _slots_for_groups(left: list[Waiting], slots: Slots, taken: set, free_rows: int,
+                      policy: AdmissionPolicy, admitted: list[str]) -> list:  # fmt: skip
+    """Rule 3: the groups that need a slot, best score first; appends the requests that
+    join now to `admitted` and returns the adapters to copy ahead."""
+    groups: dict[Adapter, list[Waiting]] = {}
+    for w in left:
+        if w.adapter not in taken and w.adapter is not None:
+            groups.setdefault(w.adapter, []).append(w)
+    resident = set(slots.resident)
+
+    def rank(item):
+        adapter, group = item
+        weight = policy.swap_ratio if adapter in resident else 1.0
+        return (-len(group) * weight, adapter not in resident, group[0].arrived)
+
+    prefetch = []
+    for adapter, group in sorted(groups.items(), key=rank):
+        if adapter in resident:
+            if free_rows == 0 or len(taken) >= slots.num_slots:
+                continue
+        elif not _spare_slot(slots, taken, [rank((a, g)) for a, g in groups.items()
+                                            if a in resident and a not in taken],
+                             rank((adapter, group))):  # fmt: skip
+            continue
+        elif policy.copy is Copy.AHEAD and adapter not in slots.uncopyable:
+            prefetch.append(adapter)
+            taken.add(adapter)
+            continue
+        elif free_rows == 0:
+            continue
+        group = group[:free_rows]
+        admitted.extend(w.request_id for w in group)
+        free_rows -= len(group)
+        taken.add(adapter)
+    return prefetch
+
+
+def _spare_slot(slots: Slots, taken: set, idle_queues: list, mine: tuple) -> bool:
+    """A slot a new adapter may take now: fewer than L adapters taken, and either a slot
+    no adapter occupies or every idle adapter with requests waiting (`idle_queues`, their
+    ranks) ranked below it (the slot manager evicts the least recently used idle one,
+    whichever it is)."""
+    if len(taken) >= slots.num_slots:
+        return False
+    if len((set(slots.resident) | taken) - {None}) < slots.num_slots:
+        return True
+    return all(other > mine for other in idle_queues)
+
+
+def _draining(rest: list[Waiting], slots: Slots, held: set, taken: set,
+              policy: AdmissionPolicy) -> set:  # fmt: skip
+    """Rule 4: the held adapter to drain ({} or one), when every slot is taken and an
+    adapter in no slot has a queue more than `swap_ratio` times the held one's."""
+    if len(taken) < slots.num_slots:
+        return set()
+    queues = Counter(w.adapter for w in rest)
+    cold = [n for a, n in queues.items() if a is not None and a not in taken]
+    drainable = [a for a in held if a not in slots.pinned]
+    if not cold or not drainable:
+        return set()
+    victim = min(drainable, key=lambda a: (queues[a], slots.running.get(a, 0), str(a)))
+    return {victim} if max(cold) > policy.swap_ratio * max(queues[victim], 1) else set()
