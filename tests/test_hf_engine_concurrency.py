@@ -1,5 +1,6 @@
 """The engine keeps each request's adapter version while another thread replaces, loads and
-unloads adapters: every finished row equals HF + PEFT alone with one version of its adapter
+unloads adapters, on transformers' forward and on the runner (its prefill and decode): a
+row added while one version of 'a' was current equals HF + PEFT alone with that version; every finished row equals HF + PEFT alone with one version of its adapter
 (never a mixture), base and attention-LoRA rows equal theirs, no step raises, and at the end
 nothing is held (no slot lease, no version reference)."""
 
@@ -20,6 +21,9 @@ from moelora.hf import attach
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 NEW, SECONDS = 4, 4.0
+# the runner's kernels run in Triton's interpreter here (seconds a step, one program at a
+# time): shorter rows over a longer window, so rows start under several versions
+RUNNER_NEW, RUNNER_SECONDS = 2, 20.0
 # adapter name in the requests -> the directories it may hold while the swapper runs
 VERSIONS = {"a": ("fused-r8", "fused-r2"), "attn": ("fused-r4-attn",), None: (None,)}
 
@@ -29,14 +33,19 @@ def qwen(tmp_path_factory):
     return build_family("qwen3_moe", tmp_path_factory.mktemp("qwen"), seed=5)
 
 
-def test_swaps_while_the_engine_runs(qwen, seed):
-    handle = attach(qwen.fresh(), num_slots=4, max_rank=16, moe_backend="reference")
+@pytest.mark.parametrize("runner", [False, True], ids=["model-forward", "runner"])
+def test_swaps_while_the_engine_runs(qwen, seed, runner):
+    # a slot for every version 6 rows can hold at once, beside 'attn' and 'spare': the swaps
+    # never wait for a slot (slot pressure is tests/test_slots_serving.py's)
+    handle = attach(qwen.fresh(), num_slots=8, max_rank=16, moe_backend="reference")
     handle.load_adapter(qwen.dirs["fused-r8"], name="a")
     handle.load_adapter(qwen.dirs["fused-r4-attn"], name="attn")
+    loaded = {handle.version("a").key: "fused-r8"}  # version key of 'a' -> its directory
     rng = random.Random(seed)
     pool = [tuple(rng.randrange(1, 96) for _ in range(rng.randint(3, 8))) for _ in range(4)]
+    new = RUNNER_NEW if runner else NEW
     truth = {
-        (p, d): greedy_alone(qwen.truth(d), torch.tensor(p), NEW)
+        (p, d): greedy_alone(qwen.truth(d), torch.tensor(p), new)
         for p in pool
         for ds in VERSIONS.values()
         for d in ds
@@ -45,28 +54,43 @@ def test_swaps_while_the_engine_runs(qwen, seed):
 
     def swapper():
         try:
-            for i in itertools.count():
+            for i in itertools.count(1):
                 if stop.is_set():
                     return
-                handle.load_adapter(qwen.dirs[VERSIONS["a"][i % 2]], name="a")
+                directory = VERSIONS["a"][i % 2]
+                handle.load_adapter(qwen.dirs[directory], name="a")
+                loaded[handle.version("a").key] = directory  # only this thread loads 'a'
                 handle.load_adapter(qwen.dirs["modules-r4"], name="spare")
                 handle.unload_adapter("spare")
                 next(swaps)
-                time.sleep(0.02)
+                time.sleep(0.3 if runner else 0.02)  # the interpreter needs the cores
         except Exception as exc:  # reported by the main thread
             errors.append(exc)
 
-    engine = Engine(handle, max_rows=6, max_len=24, enforce_eager=True)
+    def current() -> str | None:
+        return loaded.get(handle.version("a").key)
+
+    engine = Engine(handle, max_rows=6, max_len=24, enforce_eager=True, runner=runner)
     thread = threading.Thread(target=swapper)
     thread.start()
-    asked, done, ids = {}, {}, itertools.count()
-    deadline = time.monotonic() + SECONDS
+    asked, done, ids, last = {}, {}, itertools.count(), None
+    deadline = time.monotonic() + (RUNNER_SECONDS if runner else SECONDS)
     try:
         while time.monotonic() < deadline or engine.has_work:
             while time.monotonic() < deadline and engine.running < engine.max_rows:
                 rid, name, prompt = f"r{next(ids)}", rng.choice(list(VERSIONS)), rng.choice(pool)
-                asked[rid] = (name, prompt)
-                engine.add(Request(rid, prompt, name, Sampling(max_new_tokens=NEW)))
+                version = None
+                if name == "a":  # alternate the versions rows start with (bounded wait)
+                    wait = time.monotonic() + 1.0
+                    while current() == last and time.monotonic() < wait:
+                        time.sleep(0.01)
+                    before = current()
+                    engine.add(Request(rid, prompt, name, Sampling(max_new_tokens=new)))
+                    version = before if current() == before else None  # None: swapped meanwhile
+                    last = version or last
+                else:
+                    engine.add(Request(rid, prompt, name, Sampling(max_new_tokens=new)))
+                asked[rid] = (name, prompt, version)
             for event in engine.step():
                 done.setdefault(event.request_id, []).append(event.token_id)
     finally:
@@ -74,13 +98,16 @@ def test_swaps_while_the_engine_runs(qwen, seed):
         thread.join(timeout=60)
     assert not errors, errors
     assert sorted(done) == sorted(asked)
-    seen = set()
+    served = set()
     for rid, tokens in done.items():
-        name, prompt = asked[rid]
-        matches = [d for d in VERSIONS[name] if truth[(prompt, d)] == tokens]
-        assert matches, f"{rid} ({name}): {tokens} is no version's output"
-        seen.add(matches[0])
+        name, prompt, version = asked[rid]
+        if version is not None:  # the version it was added under: exactly its output
+            assert tokens == truth[(prompt, version)], f"{rid} ({name} as {version}): {tokens}"
+            served.add(version)
+        else:
+            matches = [d for d in VERSIONS[name] if truth[(prompt, d)] == tokens]
+            assert matches, f"{rid} ({name}): {tokens} is no version's output"
     assert next(swaps) >= 3 and len(done) >= 12, "too little happened to test anything"
-    assert {"fused-r8", "fused-r2"} <= seen, "both versions of 'a' must have served rows"
+    assert {"fused-r8", "fused-r2"} <= served, ("rows under both versions of 'a'", served)
     engine.close()
     assert not handle.registry.manager.leased(), "a slot is still leased"
