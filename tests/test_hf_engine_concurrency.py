@@ -1,8 +1,9 @@
 """The engine keeps each request's adapter version while another thread replaces, loads and
 unloads adapters, on transformers' forward and on the runner (its prefill and decode): a
-row added while one version of 'a' was current equals HF + PEFT alone with that version; every finished row equals HF + PEFT alone with one version of its adapter
-(never a mixture), base and attention-LoRA rows equal theirs, no step raises, and at the end
-nothing is held (no slot lease, no version reference)."""
+row added while one version of 'a' was current equals HF + PEFT alone with that version;
+every finished row equals HF + PEFT alone with one version of its adapter (never a
+mixture), base and attention-LoRA rows equal theirs, no step raises, and at the end nothing
+is held (no slot lease, no version reference)."""
 
 from __future__ import annotations
 
