@@ -1,7 +1,7 @@
 """Starting `moelora serve` / `moelora run-batch` from parsed flags: the oracle's verdict
 printed, the weights and adapters loaded, the decode engine warmed, the scheduler running,
-and (serve) the ASGI app under uvicorn. The commands parse flags; this module runs them, so
-tools (benchmarks/serve_load.py) start a server without importing the CLI.
+and (serve) the ASGI app under uvicorn. The commands parse flags; this module runs them
+(Ray Serve's replicas start their engines through start(), serve/ray.py).
 
 serve binds its port before any weight is read (a port in use is refused at once, exit 2),
 and a signal (SIGTERM, or Ctrl-C) stops the scheduler from accepting at once: queued
