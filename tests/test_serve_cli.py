@@ -44,6 +44,9 @@ CASES = [
      ["--max-num-batched-tokens", ">= 1"]),
     ("port-out-of-range", ["--port", "99999"], ["--port", "1..65535"]),
     ("negative-shutdown-timeout", ["--shutdown-timeout", "-1"], ["--shutdown-timeout"]),
+    ("negative-stall-dump-seconds", ["--stall-dump-seconds", "-1"],
+     ["--stall-dump-seconds", "'-1'", "[0, 1e6]"]),
+    ("stall-dump-seconds-nan", ["--stall-dump-seconds", "nan"], ["--stall-dump-seconds", "'nan'"]),
     ("utilization-above-one", ["--gpu-memory-utilization", "1.5"], ["(0, 1]"]),
     # past the model's 128 positions (build's default): vLLM refuses it too
     ("max-model-len-past-positions", ["--max-model-len", "1024"],

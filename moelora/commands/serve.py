@@ -78,6 +78,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the tokenizer's)")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                    help="seconds running requests may finish after SIGTERM (default 30)")  # fmt: skip
+    p.add_argument("--stall-dump-seconds", type=seconds, default=300.0, metavar="S",
+                   help="log every thread's stack, once per stall, when a request has been "
+                   "in flight longer than S seconds (default 300; 0: off)")  # fmt: skip
     p.add_argument("--ray-replicas", type=positive_int, default=None, metavar="N",
                    help="N engines behind Ray Serve (one GPU each when there are GPUs), "
                    "requests routed by adapter (the ray extra; docs/serve.md)")  # fmt: skip

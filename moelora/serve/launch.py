@@ -54,6 +54,7 @@ def start(args: argparse.Namespace, model=None):
     from .context import ServeContext
     from .metrics import Metrics, Setting
     from .scheduler import Scheduler
+    from .watchdog import StallWatchdog
 
     settings = settings_of(args)
     allowed = _allowed_root(getattr(args, "allowed_local_lora_path", None))
@@ -74,6 +75,8 @@ def start(args: argparse.Namespace, model=None):
     metrics = Metrics(Setting(name, settings.max_loras, rows,
                               is_loaded=lambda adapter: handle.version(adapter) is not None))  # fmt: skip
     scheduler = Scheduler(engine, metrics).start()
+    stall_s = getattr(args, "stall_dump_seconds", 0.0)  # serve's flag; run-batch: off
+    StallWatchdog(scheduler.snapshot, stall_s, metrics, lambda: scheduler.alive).start()
     parents = {n: m.base_model_name for n, m in settings.lora_modules.items()
                if m.base_model_name}  # fmt: skip
     return ServeContext(

@@ -7,7 +7,8 @@ adapter. The scheduler thread, the request readers and the adapter loaders write
 moelora's counters: requests started (they passed the engine's check) and requests ended
 by the reason their client read (stop, length, cancelled, error: every started request
 ends in exactly one), requests refused before they started, prompt and generated tokens,
-runtime adapter loads and unloads, adapter copies into slots and slot evictions; gauges:
+runtime adapter loads and unloads, adapter copies into slots and slot evictions, stall
+reports (watchdog.py); gauges:
 requests queued, rows running; histograms: time to first token and inter-token latency.
 
 Label values are bounded by the server's configuration, never by what clients send: the
@@ -88,6 +89,7 @@ class Metrics:
         self.generation_tokens = 0
         self.adapter_loads = 0
         self.adapter_unloads = 0
+        self.stall_reports = 0  # watchdog.py's reports: requests in flight past the deadline
         self.queued = 0
         self.running = 0
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -177,6 +179,11 @@ class Metrics:
         with self._lock:
             self.load_time.setdefault(source, Histogram(LOAD_BUCKETS)).observe(seconds)
 
+    def stall_reported(self) -> None:
+        """The stall watchdog (watchdog.py) logged a report: a stall episode began."""
+        with self._lock:
+            self.stall_reports += 1
+
     # ---- /metrics -------------------------------------------------------------------------
 
     def render(self, handle) -> str:
@@ -210,6 +217,7 @@ class Metrics:
             ("adapter_slot_loads_total", "counter", sum(stats.loads.values())),
             ("adapter_slot_load_seconds_total", "counter", sum(stats.load_seconds.values())),
             ("adapter_evictions_total", "counter", stats.evictions),
+            ("stall_reports_total", "counter", self.stall_reports),
             ("requests_queued", "gauge", self.queued),
             ("rows_running", "gauge", self.running),
         ):

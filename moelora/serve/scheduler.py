@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from .admission import AdmissionPolicy, Slots, Waiting, admit
 from .metrics import Metrics
 from .prefetch import Prefetcher
+from .watchdog import InFlight, SchedulerSnapshot, State
 
 log = logging.getLogger("moelora.serve")
 
@@ -147,6 +148,29 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """The requests held now, for the stall watchdog (watchdog.py), read from any thread
+        without the lock (the scheduler thread may be the one stuck): each container is
+        copied by one C call the GIL keeps whole; a copy that meets a change is taken again.
+        The slots are read from the slot manager's published map (no lock either)."""
+        waiting, running = [], []
+        for _ in range(3):
+            try:
+                waiting, running = [*self._inbox, *self._waiting], list(self._running.values())
+                break
+            except RuntimeError:  # changed while copied (possible only without the GIL)
+                continue
+        requests = [InFlight(t.request.request_id, t.request.adapter, t.submitted, State.WAITING)
+                    for t in waiting]  # fmt: skip
+        requests += [InFlight(t.request.request_id, t.request.adapter, t.submitted,
+                              State.RUNNING if t.tokens else State.ADMITTED, t.tokens,
+                              t.last_token) for t in running]  # fmt: skip
+        try:
+            slots = dict(self.engine.handle.registry.manager.loaded)
+        except Exception:  # an engine without a slot manager: the report says unknown
+            slots = None
+        return SchedulerSnapshot(tuple(requests), len(running), len(waiting), slots)
 
     def begin_stop(self, grace_s: float = 30.0) -> None:
         """Stop accepting (queued requests are refused with ShuttingDown); running rows
