@@ -59,10 +59,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
         num_hidden_layers=2, intermediate_size=12, num_local_experts=6, num_experts_per_tok=2,
         layer_types=["full_attention"] * 2,
     ),
+    # attention first: transformers 5.25's DynamicCache.get_seq_length() reads layer 0, which
+    # fails on a first layer without a cache (a DummyLayer: "E*E" breaks HF's own generate)
     "nemotron_h": dict(
         moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
         topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, mlp_hidden_act="relu2",
-        hybrid_override_pattern="E*E", moe_shared_expert_intermediate_size=24,
+        hybrid_override_pattern="*EE", moe_shared_expert_intermediate_size=24,
         intermediate_size=40, num_hidden_layers=3,
     ),
     "llama4_text": dict(
