@@ -245,6 +245,25 @@ def test_admissible_reasons(qwen):
     engine.close()
 
 
+def test_a_pinned_adapter_takes_its_slot_for_admissible(qwen):
+    """A pinned adapter no row holds still fills its slot: with the other slot held by a
+    running row, a third adapter must wait (its hold would wait for a slot), while the
+    pinned one and the held one are admissible."""
+    handle = _attached(qwen, num_slots=2)
+    handle.load_adapter(qwen.dirs["fused-r2"], name="fused-r2", pin=True)
+    engine = Engine(handle, max_rows=3, max_len=32, enforce_eager=True)
+    req = lambda rid, name: Request(rid, (5, 6, 7), name, Sampling(max_new_tokens=2))  # noqa: E731
+    assert engine.admissible(req("a", "fused-r8")) is None  # one slot not pinned: free
+    engine.add(req("a", "fused-r8"))
+    reason = engine.admissible(req("b", "modules-r4"))
+    assert reason is not None and "pinned" in reason, reason
+    assert engine.admissible(req("b", "fused-r2")) is None  # the pinned one is in its slot
+    assert engine.admissible(req("b", "fused-r8")) is None  # shares a's slot
+    got = run_all(engine)
+    assert sorted(got) == ["a"] and engine.admissible(req("c", "modules-r4")) is None
+    engine.close()
+
+
 def test_same_length_prompts_prefill_in_one_forward(qwen, seed, monkeypatch):
     """Five requests of two prompt lengths added at once (attention LoRA, experts, base):
     two prefill forwards, and every row equals HF + PEFT alone."""

@@ -228,8 +228,10 @@ class Engine:
         version = self.handle.version(request.adapter)  # the one add() would hold
         key = None if version is None else version.key
         held = {r.hold.key for r in self._rows.values()} - {None}
-        if key is not None and key not in held and len(held) >= self.handle.num_slots:
-            return f"every adapter slot ({self.handle.num_slots}) is held by running requests"
+        taken = held | self.handle.pinned_keys  # a pinned adapter's slot is never free
+        if key is not None and key not in taken and len(taken) >= self.handle.num_slots:
+            return (f"every adapter slot ({self.handle.num_slots}) is held by running requests "
+                    f"or pinned ({len(taken - held)} pinned)")  # fmt: skip
         return None
 
     def _row_free(self) -> str | None:

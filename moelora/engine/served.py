@@ -35,6 +35,10 @@ class ServedModel(Protocol):
     def lora_modules(self) -> frozenset[str]:
         """The served Linear modules some loaded adapter has factors on."""
 
+    @property
+    def pinned_keys(self) -> frozenset[str]:
+        """The version keys of the pinned adapters (their slots are never free)."""
+
     def version(self, name: str | None) -> Version | None:
         """The current version of an adapter name (None: base model, or not loaded)."""
 

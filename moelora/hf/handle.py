@@ -104,6 +104,12 @@ class MoELoRAModel:
         """The current version of `name` (None: the base model or a name not loaded)."""
         return self.registry.version(name)
 
+    @property
+    def pinned_keys(self) -> frozenset[str]:
+        """The version keys of the pinned adapters (their slots are never free)."""
+        versions = (self.registry.version(n) for n in self.registry.pinned)
+        return frozenset(v.key for v in versions if v is not None and v.pinned)
+
     def describe(self, name: str) -> dict[str, Any]:
         """What is loaded under `name`: rank, expert factors or not, pinned, Linear modules."""
         return self.registry.describe(name)
