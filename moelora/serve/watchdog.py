@@ -119,11 +119,11 @@ class StallWatchdog:
         if not overdue:
             return None
         self.stalled = True
-        self.reports += 1
         report = stall_report(snap, overdue, now, self.stall_s) + "\n" + thread_stacks()
         log.warning("%s", report)
         if self.metrics is not None:
             self.metrics.stall_reported()
+        self.reports += 1  # last: who sees the count sees the report logged and counted
         return report
 
     def _main(self) -> None:
