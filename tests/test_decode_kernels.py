@@ -17,7 +17,7 @@ from moelora.compare import assert_close
 from moelora.kernels.decode_attention import decode_attention, splits_for
 from moelora.kernels.dense_linear import dense_linear, lora_shrink
 from moelora.kernels.dense_lora import add_dense_lora
-from moelora.kernels.prefill_attention import prefill_attention
+from moelora.kernels.prefill_attention import prefill_attention, varlen_table
 from moelora.kernels.rms_norm import add_rms_norm
 from moelora.kernels.rope_cache import rope_and_cache
 from moelora.kernels.router_topk import router_topk
@@ -162,7 +162,8 @@ def test_prefill_attention_equals_causal_softmax_attention(case, dtype, seed):
         v_cache[r, :, p + n :] = float("nan")
     q = torch.randn(sum(lengths), hq, d, generator=g).to(dtype)
     scale = d**-0.5
-    out = prefill_attention(q, k_cache, v_cache, lengths, rows, pos0, scale)
+    table = varlen_table(lengths, rows, pos0, hq // hk, q.device)
+    out = prefill_attention(q, k_cache, v_cache, table, scale)
     group = hq // hk
     ref = torch.empty(q.shape, dtype=torch.float64)
     t = 0

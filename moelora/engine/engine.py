@@ -141,7 +141,8 @@ class Engine:
         self._cancelled: list[str] = []
         budget = PREFILL_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
         if int(budget) < 1:
-            raise ConfigError("max_num_batched_tokens", max_num_batched_tokens, ">= 1")
+            raise ConfigError("max_num_batched_tokens", max_num_batched_tokens, ">= 1",
+                              "pass None (16384) or a positive number of prompt tokens")  # fmt: skip
         self.max_num_batched_tokens = int(budget)
         self.runner = self._runner(runner)
         use_graphs = self.device.type == "cuda" if enforce_eager is None else not enforce_eager

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..kernels.decode_attention import decode_attention
 from ..kernels.dense_linear import dense_linear, lora_shrink
 from ..kernels.dense_lora import add_dense_lora
-from ..kernels.prefill_attention import prefill_attention
+from ..kernels.prefill_attention import prefill_attention, varlen_table
 from ..kernels.rms_norm import add_rms_norm
 from ..kernels.rope_cache import rope_and_cache
 from ..kernels.router_topk import router_topk
@@ -155,10 +155,11 @@ class DecodeRunner:
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
         pos0 = [int(p) for p in positions[starts].tolist()] if lengths else []
+        group = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
+        table = varlen_table(lengths, cache_rows, pos0, group, ids.device)  # once, every layer
 
         def attend(q, cache_layer, scaling):
-            return prefill_attention(q, cache_layer.keys, cache_layer.values, lengths,
-                                     cache_rows, pos0, scaling)  # fmt: skip
+            return prefill_attention(q, cache_layer.keys, cache_layer.values, table, scaling)
 
         last = None if every else torch.tensor([a + n - 1 for a, n in zip(starts, lengths)],
                                                device=ids.device)  # fmt: skip

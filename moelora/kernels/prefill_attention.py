@@ -15,6 +15,8 @@ N cache rows, M positions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -111,26 +113,26 @@ def block_size(group: int) -> int:
     return max(16, ROWS // next_pow2(group))
 
 
-def prefill_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    lengths: list[int],
-    rows: list[int],
-    pos0: list[int] | None = None,
-    scale: float = 1.0,
-) -> Tensor:
-    """out [T, Hq, D] for q [T, Hq, D] packing len(lengths) sequences of lengths[s] tokens
-    each (T = sum), sequence s at positions pos0[s] .. of cache row rows[s] (pos0 default
-    0), caches [N, Hk, M, D] already holding every position read. The sequence table is
-    built on the host (prefill runs eagerly)."""
-    tokens, q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    group = q_heads // kv_heads
+@dataclass(frozen=True)
+class VarlenTable:
+    """Where each packed sequence is and which programs take which tokens, on the device:
+    built once per prefill (varlen_table), read by every layer's prefill_attention."""
+
+    tokens: int
+    sequences: Tensor  # [4, S] int32: starts, ends, cache rows, first positions
+    blocks: Tensor  # [2, B] int32: each program's sequence and first token
+    block_q: int
+
+
+def varlen_table(
+    lengths: list[int], rows: list[int], pos0: list[int] | None, group: int, device
+) -> VarlenTable:
+    """The table of len(lengths) sequences of lengths[s] tokens packed one after another,
+    sequence s at positions pos0[s] .. (default 0) of cache row rows[s], for programs of
+    block_size(group) tokens."""
     pos0 = [0] * len(lengths) if pos0 is None else pos0
-    if sum(lengths) != tokens or len(rows) != len(lengths) or len(pos0) != len(lengths):
-        raise ValueError(f"prefill_attention: lengths {lengths} (sum {sum(lengths)}) for "
-                         f"{tokens} tokens, rows {rows}, pos0 {pos0}")  # fmt: skip
+    if len(rows) != len(lengths) or len(pos0) != len(lengths):
+        raise ValueError(f"varlen_table: lengths {lengths}, rows {rows}, pos0 {pos0}")
     bq = block_size(group)
     starts, block_seq, block_tok, at = [], [], [], 0
     for s, n in enumerate(lengths):
@@ -139,17 +141,33 @@ def prefill_attention(
             block_seq.append(s)
             block_tok.append(t)
         at += n
-    dev = q.device
-    table = torch.tensor([starts, [a + n for a, n in zip(starts, lengths)], rows, pos0],
-                         dtype=torch.int32).to(dev)  # fmt: skip
-    blocks = torch.tensor([block_seq, block_tok], dtype=torch.int32).to(dev)
+    ends = [a + n for a, n in zip(starts, lengths)]
+    sequences = torch.tensor([starts, ends, rows, pos0], dtype=torch.int32).to(device)
+    blocks = torch.tensor([block_seq, block_tok], dtype=torch.int32).to(device)
+    return VarlenTable(at, sequences, blocks, bq)
+
+
+def prefill_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, table: VarlenTable, scale: float = 1.0
+) -> Tensor:
+    """out [T, Hq, D] for q [T, Hq, D] packing the sequences `table` describes (built by
+    varlen_table for this q's group of heads), caches [N, Hk, M, D] already holding every
+    position read."""
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = q_heads // kv_heads
+    if table.tokens != tokens or table.block_q != block_size(group):
+        raise ValueError(f"prefill_attention: a table of {table.tokens} tokens in blocks of "
+                         f"{table.block_q} for q {tuple(q.shape)}")  # fmt: skip
     out = torch.empty_like(q)
-    if block_seq:
-        _prefill_attention_kernel[(len(block_seq), kv_heads)](
-            q, k_cache, v_cache, out, blocks[0], blocks[1], table[0], table[1], table[2],
-            table[3], scale, group, head_dim, q.stride(0), q.stride(1),
+    programs = table.blocks.shape[1]
+    if programs:
+        seq = table.sequences
+        _prefill_attention_kernel[(programs, kv_heads)](
+            q, k_cache, v_cache, out, table.blocks[0], table.blocks[1], seq[0], seq[1], seq[2],
+            seq[3], scale, group, head_dim, q.stride(0), q.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
-            BLOCK_Q=bq, BLOCK_G=next_pow2(group), BLOCK_N=BLOCK_N,
+            BLOCK_Q=table.block_q, BLOCK_G=next_pow2(group), BLOCK_N=BLOCK_N,
             BLOCK_D=next_pow2(head_dim), IEEE=q.dtype == torch.float32, num_warps=4,
         )  # fmt: skip
     return out
