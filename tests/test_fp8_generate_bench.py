@@ -22,7 +22,11 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 ARGS = ["--tiny", "--batches", "1,3", "--prompt", "6", "--new", "3", "--adapters", "3",
         "--rank", "4", "--check-new", "4", "--check-prompt", "8", "--repeats", "2",
-        "--lora-std", "0.1", "--dtype", "fp32"]  # fmt: skip
+        "--lora-std", "0.2", "--dtype", "fp32"]  # fmt: skip
+# --lora-std: an adapter must move its row past the tolerance, twice the noise between the W8A8
+# truth and transformers' dequantized experts (activations unquantized); on this 2-layer model
+# that noise reaches ~0.5 (a routing flip in layer 2), and at 0.1 an adapter's effect fell to
+# 0.74 under CI's seed; over 84 seeds at 0.2 the effect stays in 1.22..1.36, the tolerance <= 0.98.
 # An activation on an e4m3 rounding boundary, summed in another order, rounds the other
 # way and moves a row by up to this (the table's FP8 row says why); it happens to about one
 # row in twenty here, so at most one adapter row may sit above the fp32 tolerance.
