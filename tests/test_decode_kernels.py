@@ -1,6 +1,7 @@
 """The decode step's own kernels (moelora/kernels: rms_norm, rope_cache, decode_attention,
 dense_lora, router_topk) against outside truth: transformers' Qwen3-MoE RMSNorm, rotary
-code and router, an fp64 softmax attention over each row's length, and the per-token LoRA
+code and router, an fp64 softmax attention over each row's positions gathered through its
+paged cache's block table (positions no row holds poisoned with NaN), and the per-token LoRA
 delta of the module banks (itself checked against PEFT in the module tests). Fresh random
 inputs per seed, outputs poisoned first; fp32 and fp16 (the interpreter's bf16 rounds by
 its own rule)."""
@@ -100,82 +101,164 @@ def test_rope_and_cache_equal_transformers(case, dtype, seed):
     assert k_cache.isnan().all(dim=(1, 3))[~written].all()  # nothing else was touched
 
 
+def _paged_cache(
+    lengths: list[int],
+    hk: int,
+    d: int,
+    bs: int,
+    share: tuple[int, int, int] | None,
+    dtype: torch.dtype,
+    g: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Paged caches k / v [NB, Hk, BS, D] and block_table [R, MB] int32 for R = len(lengths)
+    rows, row r holding positions 0 .. lengths[r] - 1 in blocks drawn from a random
+    permutation of the ids (in no set order, seldom adjacent); share = (a, b, n):
+    row b's first n blocks are row a's (a shared prefix). Every position no row holds is
+    NaN, whole spare blocks included, and table entries past a row's blocks name a spare
+    block: a kernel reading anything it should not returns NaN."""
+    need = [math.ceil(n / bs) for n in lengths]
+    shared = share[2] if share else 0
+    num_blocks = sum(need) - shared + 2  # two spare blocks, never any row's
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    spare = ids.pop()
+    table = torch.full((len(lengths), max(1, *need)), spare, dtype=torch.int32)
+    for r, k in enumerate(need):
+        take = shared if share and r == share[1] else 0
+        if take:
+            table[r, :take] = table[share[0], :take]
+        table[r, take:k] = torch.tensor([ids.pop() for _ in range(k - take)], dtype=torch.int32)
+    held = torch.zeros(num_blocks, bs, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        pos = torch.arange(n)
+        held[table[r, pos // bs].long(), pos % bs] = True
+    caches = []
+    for _ in range(2):
+        data = torch.randn(num_blocks, hk, bs, d, generator=g)
+        caches.append(data.masked_fill(~held[:, None, :, None], float("nan")).to(dtype))
+    return caches[0], caches[1], table
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, row: int, n: int) -> torch.Tensor:
+    """Positions 0 .. n - 1 of block-table row `row`, dense: [Hk, n, D]."""
+    pos = torch.arange(n)
+    bs = cache.shape[2]
+    return cache[block_table[row, pos // bs].long(), :, pos % bs].transpose(0, 1)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+    """fp64 softmax attention of q [Hq, D] over keys / values [Hk, n, D] (Hq / Hk query
+    heads per KV head): [Hq, D]."""
+    group = q.shape[0] // keys.shape[0]
+    keys = keys.double().repeat_interleave(group, dim=0)
+    values = values.double().repeat_interleave(group, dim=0)
+    probs = torch.softmax(torch.einsum("hd,hnd->hn", q.double(), keys) * scale, dim=-1)
+    return torch.einsum("hn,hnd->hd", probs, values)
+
+
 ATTENTION = [
-    # (id, rows, q heads, kv heads, head dim, cache positions, max_len): the edges
-    ("gqa-one-split", 2, 8, 2, 16, 40, 40),
-    ("gqa-splits", 3, 8, 2, 16, 300, 300),  # several splits, rows of 1 .. 300 keys
-    ("mha", 2, 4, 4, 32, 70, 70),
-    ("group-of-one-row", 1, 4, 1, 16, 130, 130),
+    # (id, rows, q heads, kv heads, head dim, block size, positions, max_len, shared blocks)
+    ("gqa-one-split", 2, 8, 2, 16, 16, 40, 40, 0),
+    ("gqa-splits-bs5", 3, 8, 2, 16, 5, 300, 300, 0),  # 8 splits over 60 blocks of 5 each
+    ("mha-bs24-default-max-len", 2, 4, 4, 32, 24, 70, None, 0),  # max_len: MB x BS = 72
+    ("group-of-one-bs128", 1, 4, 1, 16, 128, 130, 130, 0),  # 4 splits inside 128-blocks
+    ("shared-prefix", 3, 8, 2, 16, 16, 100, 100, 2),  # rows 0 and 2 share 2 blocks
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ATTENTION, ids=[c[0] for c in ATTENTION])
 def test_decode_attention_equals_softmax_attention(case, dtype, seed):
-    _, rows, hq, hk, d, positions, max_len = case
+    """Each row against an fp64 softmax over its positions gathered through the block
+    table; rows of every length from 1 to `positions`, the last of them sharing row 0's
+    first blocks where the case says so."""
+    name, rows, hq, hk, d, bs, positions, max_len, shared = case
     g = _gen(seed)
-    q = torch.randn(rows, hq, d, generator=g).to(dtype)
-    k_cache = torch.randn(rows + 1, hk, positions, d, generator=g).to(dtype)
-    v_cache = torch.randn(rows + 1, hk, positions, d, generator=g).to(dtype)
     lengths = torch.randint(1, positions + 1, (rows,), generator=g)
     lengths[0] = positions  # a full row, and a one-key row where there is room
     if rows > 1:
         lengths[1] = 1
+    if shared:
+        lengths[-1] = int(torch.randint(shared * bs + 1, positions + 1, (1,), generator=g))
+    share = (0, rows - 1, shared) if shared else None
+    # one table row more than q has: it is never read
+    k_cache, v_cache, block_table = _paged_cache([*lengths.tolist(), 0], hk, d, bs, share,
+                                                 dtype, g)  # fmt: skip
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
     scale = d**-0.5
-    out = decode_attention(q, k_cache, v_cache, lengths, scale, max_len)
-    group = hq // hk
+    out = decode_attention(q, k_cache, v_cache, block_table, lengths, scale, max_len)
     ref = torch.empty(rows, hq, d, dtype=torch.float64)
     for t in range(rows):
         n = int(lengths[t])
-        for h in range(hq):
-            keys = k_cache[t, h // group, :n].double()
-            probs = torch.softmax(keys @ q[t, h].double() * scale, dim=0)
-            ref[t, h] = probs @ v_cache[t, h // group, :n].double()
+        keys, values = (_gather(c, block_table, t, n) for c in (k_cache, v_cache))
+        ref[t] = _attend(q[t], keys, values, scale)
     assert_close(out, ref, dtype, what="attention")
-    if case[0] == "gqa-splits":
-        assert splits_for(rows, hk, max_len) > 1  # the case covers the combine kernel
+    if "splits" in name or "bs128" in name:  # the case covers the combine kernel
+        assert splits_for(rows, hk, max_len) > 1
 
 
 PREFILLS = [
-    # (id, q heads, kv heads, head dim, [(length, cache row, first position)]): the edges
-    ("gqa-varlen", 8, 2, 16, [(5, 2, 0), (37, 0, 0), (1, 3, 0)]),  # one-token sequence too
-    ("prefix-in-cache", 4, 4, 32, [(20, 1, 70), (9, 0, 3)]),  # chunks after a cached prefix
-    ("one-long-group-of-one", 4, 1, 16, [(150, 0, 0)]),  # several key blocks, several q blocks
+    # (id, q heads, kv heads, head dim, block size, [(length, table row, first position)],
+    #  shared blocks (row a, row b, n)): the edges each covers
+    ("gqa-varlen", 8, 2, 16, 16, [(5, 2, 0), (37, 0, 0), (1, 3, 0)], None),  # a 1-token one
+    ("prefix-in-cache-bs5", 4, 4, 32, 5, [(20, 1, 70), (9, 0, 3)], None),  # chunks after a
+    # cached prefix, BS neither a power of two nor a divisor of BLOCK_N
+    ("one-long-group-of-one-bs128", 4, 1, 16, 128, [(150, 0, 0)], None),  # BS >= BLOCK_N;
+    # several key tiles, several q blocks
+    ("shared-prefix-bs24", 8, 2, 16, 24, [(30, 0, 50), (10, 1, 48)], (0, 1, 2)),  # two
+    # chunks after one cached 48-position prefix (two shared blocks)
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", PREFILLS, ids=[c[0] for c in PREFILLS])
 def test_prefill_attention_equals_causal_softmax_attention(case, dtype, seed):
-    """Each packed token against an fp64 softmax over its cache row's positions 0 .. its
-    own; cache positions past every read position hold NaN (never read)."""
-    _, hq, hk, d, seqs = case
+    """Each packed token against an fp64 softmax over its block-table row's positions
+    0 .. its own, gathered through the table; every position no row holds is NaN."""
+    _, hq, hk, d, bs, seqs, share = case
     g = _gen(seed)
     lengths = [n for n, _, _ in seqs]
     rows = [r for _, r, _ in seqs]
     pos0 = [p for _, _, p in seqs]
-    positions = max(p + n for n, _, p in seqs) + 3
-    k_cache = torch.randn(4, hk, positions, d, generator=g).to(dtype)
-    v_cache = torch.randn(4, hk, positions, d, generator=g).to(dtype)
-    for n, r, p in seqs:  # nothing past a sequence's last position may be read
-        k_cache[r, :, p + n :] = float("nan")
-        v_cache[r, :, p + n :] = float("nan")
+    held = [0] * 4  # four table rows, those no sequence reads empty
+    for n, r, p in seqs:
+        held[r] = p + n
+    k_cache, v_cache, block_table = _paged_cache(held, hk, d, bs, share, dtype, g)
     q = torch.randn(sum(lengths), hq, d, generator=g).to(dtype)
     scale = d**-0.5
     table = varlen_table(lengths, rows, pos0, hq // hk, q.device)
-    out = prefill_attention(q, k_cache, v_cache, table, scale)
-    group = hq // hk
+    out = prefill_attention(q, k_cache, v_cache, table, block_table, scale)
     ref = torch.empty(q.shape, dtype=torch.float64)
     t = 0
     for n, r, p in seqs:
+        keys, values = (_gather(c, block_table, r, p + n) for c in (k_cache, v_cache))
         for i in range(n):
-            for h in range(hq):
-                keys = k_cache[r, h // group, : p + i + 1].double()
-                probs = torch.softmax(keys @ q[t, h].double() * scale, dim=0)
-                ref[t, h] = probs @ v_cache[r, h // group, : p + i + 1].double()
+            ref[t] = _attend(q[t], keys[:, : p + i + 1], values[:, : p + i + 1], scale)
             t += 1
     assert not out.isnan().any()
     assert_close(out, ref, dtype, what="prefill attention")
+
+
+REFUSALS = [
+    # (id, what breaks the paged layout, the field the error names)
+    ("table-int64", lambda k, v, bt: (k, v, bt.long()), "block_table"),
+    ("table-not-contiguous", lambda k, v, bt: (k, v, bt.repeat(1, 2)[:, ::2]), "block_table"),
+    ("v-shape", lambda k, v, bt: (k, v[:, :, :-1], bt), "v_cache"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c[0] for c in REFUSALS])
+def test_paged_attention_refuses_a_broken_layout(case):
+    """Both launchers refuse (ValueError naming the field) a cache or table that does not
+    fit the paged layout, before anything runs."""
+    _, broken, field = case
+    k, v, bt = _paged_cache([3, 5], 1, 16, 4, None, torch.float32, _gen(0))
+    k, v, bt = broken(k, v, bt)
+    q = torch.randn(2, 2, 16)
+    with pytest.raises(ValueError, match=field):
+        decode_attention(q, k, v, bt, torch.tensor([3, 5]), 1.0)
+    table = varlen_table([2, 3], [0, 1], [1, 2], 2, q.device)
+    with pytest.raises(ValueError, match=field):
+        prefill_attention(torch.randn(5, 2, 16), k, v, table, bt)
 
 
 LORA = [

@@ -1,14 +1,20 @@
-"""Attention of one new token per row over that row's KV cache (decode), split over the keys.
+"""Attention of one new token per row over that row's paged KV cache (decode), split over
+the keys.
 
-Each row t reads its own cache row t, positions 0 .. lengths[t] - 1 (a loop bound read on
-the device: a CUDA graph captured at the cache's full length reads only what each row
-holds). One program per (row, KV head, split of the positions) takes the KV head's group of
-query heads together (grouped-query attention), scores in fp32, an online softmax, and
-writes its unnormalized output with its max and sum; a second kernel combines the splits.
-With one split the first kernel writes the output itself. fp32 inputs take exact fp32 dots
-(no tf32), as the model's own attention does.
-Legend: T rows, Hq / Hk query / KV heads, G = Hq / Hk, D head width, N cache rows,
-M positions.
+The cache is paged (vLLM's layout): NB blocks of BS positions each, and a block table whose
+row r lists the blocks of logical row r, position p in block block_table[r, p // BS] at
+offset p % BS. Block ids are arbitrary (in any order; rows may share blocks, a shared
+prefix). Row t reads block-table row t, positions 0 .. lengths[t] - 1 (a loop bound read
+on the device: a CUDA graph captured at the table's full length reads only what each row
+holds; neither a block nor a table entry past a row's length is read, so those entries may
+hold anything). BS is a runtime argument: one compile serves every block size. One program
+per (row, KV head, split of the positions) takes the KV head's group of query heads
+together (grouped-query attention), scores in fp32, an online softmax, and writes its
+unnormalized output with its max and sum; a second kernel combines the splits. With one
+split the first kernel writes the output itself. fp32 inputs take exact fp32 dots (no
+tf32), as the model's own attention does.
+Legend: T rows, Hq / Hk query / KV heads, G = Hq / Hk, D head width, NB cache blocks, BS
+positions per block, R block-table rows, MB blocks per row.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ def _decode_attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    block_table_ptr,
     len_ptr,
     out_ptr,
     part_ptr,
@@ -43,6 +50,8 @@ def _decode_attention_kernel(
     group,
     head_dim,
     split_len,
+    kv_block_size,
+    stride_bt,
     stride_qt,
     stride_qh,
     stride_kn,
@@ -81,21 +90,25 @@ def _decode_attention_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    k_row = k_ptr + t * stride_kn + kv * stride_kh
-    v_row = v_ptr + t * stride_vn + kv * stride_vh
+    table_row = block_table_ptr + t * stride_bt
+    k_head = k_ptr + kv * stride_kh
+    v_head = v_ptr + kv * stride_vh
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        k = tl.load(k_row + offs_n[:, None] * stride_km + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        # int64: NB x the block stride may pass 2^31 elements
+        blk = tl.load(table_row + offs_n // kv_block_size, mask=n_ok, other=0).to(tl.int64)
+        in_blk = offs_n % kv_block_size  # offset inside its block
+        k_at = k_head + blk[:, None] * stride_kn + in_blk[:, None] * stride_km
+        k = tl.load(k_at + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), IEEE) * scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_row + offs_n[:, None] * stride_vm + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        v_at = v_head + blk[:, None] * stride_vn + in_blk[:, None] * stride_vm
+        v = tl.load(v_at + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m = m_new
     rows = g_ok[:, None] & d_ok[None, :]
@@ -155,21 +168,49 @@ def splits_for(rows: int, kv_heads: int, max_len: int) -> int:
     return min(next_pow2(want), next_pow2(cap))
 
 
+def paged_block_size(caller: str, k_cache: Tensor, v_cache: Tensor, block_table: Tensor) -> int:
+    """BS of the paged caches k_cache / v_cache [NB, Hk, BS, D] read through block_table
+    [R, MB] (int32, contiguous); raises ValueError naming what does not fit that layout."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{caller}: k_cache {tuple(k_cache.shape)} / v_cache "
+                         f"{tuple(v_cache.shape)}; expected both [NB, Hk, BS, D], one shape "
+                         "(the paged layout: NB blocks of BS positions)")  # fmt: skip
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"{caller}: k_cache / v_cache strides {k_cache.stride()} / "
+                         f"{v_cache.stride()}; expected the head width D contiguous (stride 1): "
+                         "allocate the caches contiguous")  # fmt: skip
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"{caller}: block_table {block_table.dtype} "
+                         f"{tuple(block_table.shape)}; expected [R, MB] torch.int32: build it "
+                         "with dtype=torch.int32")  # fmt: skip
+    if not block_table.is_contiguous():
+        raise ValueError(f"{caller}: block_table strides {block_table.stride()}; expected a "
+                         "contiguous [R, MB] table: pass block_table.contiguous()")  # fmt: skip
+    return k_cache.shape[2]
+
+
 def decode_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    block_table: Tensor,
     lengths: Tensor,
     scale: float,
     max_len: int | None = None,
 ) -> Tensor:
-    """out [T, Hq, D] for q [T, Hq, D] (row t's one query per head), caches [N >= T, Hk, M,
-    D] (row t reads cache row t), lengths [T] (positions 0 .. lengths[t] - 1 are read;
-    >= 1). max_len: the most any row may read (default M): sizes the splits."""
+    """out [T, Hq, D] for q [T, Hq, D] (row t's one query per head), paged caches k_cache /
+    v_cache [NB, Hk, BS, D], block_table [R >= T, MB] int32 (row t of q reads block-table
+    row t), lengths [T] (positions 0 .. lengths[t] - 1 are read; 1 <= lengths[t] <= MB x
+    BS, not checked: it stays on the device). max_len: the most any row may read (default
+    MB x BS): sizes the splits."""
     tokens, q_heads, head_dim = q.shape
+    kv_block_size = paged_block_size("decode_attention", k_cache, v_cache, block_table)
+    if block_table.shape[0] < tokens:
+        raise ValueError(f"decode_attention: block_table has {block_table.shape[0]} rows for "
+                         f"q of {tokens} rows; expected one row per q row (R >= T)")  # fmt: skip
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
-    max_len = k_cache.shape[2] if max_len is None else max_len
+    max_len = block_table.shape[1] * kv_block_size if max_len is None else max_len
     splits = splits_for(tokens, kv_heads, max_len)
     split_len = math.ceil(math.ceil(max_len / splits) / BLOCK_N) * BLOCK_N
     out = torch.empty_like(q)
@@ -183,9 +224,9 @@ def decode_attention(
     block_d = next_pow2(head_dim)
     if tokens:
         _decode_attention_kernel[(tokens, kv_heads, splits)](
-            q, k_cache, v_cache, lengths, out, part, stat, scale, group, head_dim, split_len,
-            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            out.stride(0), out.stride(1), *strides,
+            q, k_cache, v_cache, block_table, lengths, out, part, stat, scale, group, head_dim,
+            split_len, kv_block_size, block_table.stride(0), q.stride(0), q.stride(1),
+            *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1), *strides,
             SPLITS=splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=BLOCK_N,
             BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=4,
         )  # fmt: skip

@@ -1,16 +1,21 @@
 """Causal attention of prompts of any lengths, packed one after another (varlen), over each
-prompt's row of the KV cache: the prefill's attention, with no padding and no mask tensor.
+prompt's row of the paged KV cache: the prefill's attention, with no padding and no mask
+tensor.
 
-Sequence s holds tokens starts[s] .. ends[s] - 1 of the packed q, at positions pos0[s],
-pos0[s] + 1, ... of cache row rows[s] (pos0 > 0: a prefix already in the cache, read as
-well); each token reads positions 0 .. its own (its k / v written before, as
-kernels/rope_cache.py does). One program per (block of BLOCK_Q tokens of one sequence, KV
-head) takes the head's group of query heads with them (BLOCK_Q x G rows of the dots, grouped
-query attention), scores in fp32, an online softmax over blocks of BLOCK_N keys up to the
-block's last position; the probabilities are rounded to the values' dtype for their dot, as
-the model's eager attention does. fp32 inputs take exact fp32 dots (no tf32).
+The cache is paged (vLLM's layout, as kernels/decode_attention.py reads it): NB blocks of
+BS positions, position p of block-table row r in block block_table[r, p // BS] at offset
+p % BS; block ids in any order, shared between rows where they share a prefix. Sequence s
+holds tokens starts[s] .. ends[s] - 1 of the packed q, at positions pos0[s], pos0[s] + 1,
+... of block-table row rows[s] (pos0 > 0: a prefix already in the cache, read as well);
+each token reads positions 0 .. its own (its k / v written before, as kernels/rope_cache.py
+does); neither a block nor a table entry past its sequence's last position is read. One
+program per (block of BLOCK_Q tokens of one sequence, KV head) takes the head's group of
+query heads with them (BLOCK_Q x G rows of the dots, grouped query attention), scores in
+fp32, an online softmax over blocks of BLOCK_N keys up to the block's last position; the
+probabilities are rounded to the values' dtype for their dot, as the model's eager
+attention does. fp32 inputs take exact fp32 dots (no tf32).
 Legend: T packed tokens, S sequences, Hq / Hk query / KV heads, G = Hq / Hk, D head width,
-N cache rows, M positions.
+NB cache blocks, BS positions per block, R block-table rows, MB blocks per row.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..tiling.geometry import next_pow2
+from .decode_attention import paged_block_size
 from .output import as_stored
 from .tiles import mma
 
@@ -35,6 +41,7 @@ def _prefill_attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    block_table_ptr,
     out_ptr,
     block_seq_ptr,
     block_tok_ptr,
@@ -45,6 +52,8 @@ def _prefill_attention_kernel(
     scale,
     group,
     head_dim,
+    kv_block_size,
+    stride_bt,
     stride_qt,
     stride_qh,
     stride_kn,
@@ -84,13 +93,17 @@ def _prefill_attention_kernel(
     m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-    k_row = k_ptr + row * stride_kn + kv * stride_kh
-    v_row = v_ptr + row * stride_vn + kv * stride_vh
+    table_row = block_table_ptr + row * stride_bt
+    k_head = k_ptr + kv * stride_kh
+    v_head = v_ptr + kv * stride_vh
     for n0 in range(0, last + 1, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n <= last
-        k = tl.load(k_row + offs_n[:, None] * stride_km + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        # int64: NB x the block stride may pass 2^31 elements
+        blk = tl.load(table_row + offs_n // kv_block_size, mask=n_ok, other=0).to(tl.int64)
+        in_blk = offs_n % kv_block_size  # offset inside its block
+        k_at = k_head + blk[:, None] * stride_kn + in_blk[:, None] * stride_km
+        k = tl.load(k_at + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         zeros = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_N], tl.float32)
         scores = mma(q, tl.trans(k), zeros, IEEE) * scale
         scores = tl.where(offs_n[None, :] <= pos[:, None], scores, float("-inf"))
@@ -98,8 +111,8 @@ def _prefill_attention_kernel(
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_row + offs_n[:, None] * stride_vm + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        v_at = v_head + blk[:, None] * stride_vn + in_blk[:, None] * stride_vm
+        v = tl.load(v_at + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m = m_new
     out = acc / total[:, None]
@@ -119,7 +132,7 @@ class VarlenTable:
     built once per prefill (varlen_table), read by every layer's prefill_attention."""
 
     tokens: int
-    sequences: Tensor  # [4, S] int32: starts, ends, cache rows, first positions
+    sequences: Tensor  # [4, S] int32: starts, ends, block-table rows, first positions
     blocks: Tensor  # [2, B] int32: each program's sequence and first token
     block_q: int
 
@@ -128,8 +141,8 @@ def varlen_table(
     lengths: list[int], rows: list[int], pos0: list[int] | None, group: int, device
 ) -> VarlenTable:
     """The table of len(lengths) sequences of lengths[s] tokens packed one after another,
-    sequence s at positions pos0[s] .. (default 0) of cache row rows[s], for programs of
-    block_size(group) tokens."""
+    sequence s at positions pos0[s] .. (default 0) of block-table row rows[s], for programs
+    of block_size(group) tokens."""
     pos0 = [0] * len(lengths) if pos0 is None else pos0
     if len(rows) != len(lengths) or len(pos0) != len(lengths):
         raise ValueError(f"varlen_table: lengths {lengths}, rows {rows}, pos0 {pos0}")
@@ -148,12 +161,20 @@ def varlen_table(
 
 
 def prefill_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, table: VarlenTable, scale: float = 1.0
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    table: VarlenTable,
+    block_table: Tensor,
+    scale: float = 1.0,
 ) -> Tensor:
     """out [T, Hq, D] for q [T, Hq, D] packing the sequences `table` describes (built by
-    varlen_table for this q's group of heads), caches [N, Hk, M, D] already holding every
-    position read."""
+    varlen_table for this q's group of heads), paged caches k_cache / v_cache [NB, Hk, BS,
+    D] already holding every position read, block_table [R, MB] int32 (sequence s reads
+    its row rows[s]; R and MB cover every row and position read, not checked: they stay on
+    the device)."""
     tokens, q_heads, head_dim = q.shape
+    kv_block_size = paged_block_size("prefill_attention", k_cache, v_cache, block_table)
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
     if table.tokens != tokens or table.block_q != block_size(group):
@@ -164,8 +185,9 @@ def prefill_attention(
     if programs:
         seq = table.sequences
         _prefill_attention_kernel[(programs, kv_heads)](
-            q, k_cache, v_cache, out, table.blocks[0], table.blocks[1], seq[0], seq[1], seq[2],
-            seq[3], scale, group, head_dim, q.stride(0), q.stride(1),
+            q, k_cache, v_cache, block_table, out, table.blocks[0], table.blocks[1], seq[0],
+            seq[1], seq[2], seq[3], scale, group, head_dim, kv_block_size, block_table.stride(0),
+            q.stride(0), q.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
             BLOCK_Q=table.block_q, BLOCK_G=next_pow2(group), BLOCK_N=BLOCK_N,
             BLOCK_D=next_pow2(head_dim), IEEE=q.dtype == torch.float32, num_warps=4,
