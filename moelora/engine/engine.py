@@ -1,5 +1,6 @@
 """The decode engine: continuous batching of requests, each with its own adapter, over a
-per-row KV cache, with whole decode steps replayed from CUDA graphs on a GPU.
+KV cache (paged on the runner: blocks.py, paged_cache.py; one row of max_len per request on
+transformers' forward), with whole decode steps replayed from CUDA graphs on a GPU.
 
 One scheduler thread drives an Engine (it is not thread-safe itself); adapters are loaded,
 replaced and unloaded through the handle from any thread at any time, and a request keeps
@@ -29,9 +30,11 @@ from ..errors import ConfigError, InputError
 from ..lora.registry import AdapterHold
 from ..lora.rows import RowAdapters, using
 from . import step_graphs
+from .blocks import BlockPool, digest, seed
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
 from .logprobs import TokenLogprobs, prompt_logprobs, raw_logprobs, token_logprobs
+from .paged_cache import PagedCache
 from .runner import DecodeRunner, runner_support
 from .sampling import (
     RowSampler,
@@ -81,12 +84,25 @@ class _Row:
     sampler: RowSampler
     generated: list[int] = field(default_factory=list)
     prompt_logprobs: list | None = None  # computed at the prefill, sent with the first event
-    prefilled: int = 0  # prompt tokens in the cache so far (a chunked prefill's progress)
+    prefilled: int = 0  # tokens of `fill` in the cache so far (a chunked prefill's progress)
+    seq: int = 0  # order of arrival: the newest row is preempted first
+    blocks: list[int] = field(default_factory=list)  # the paged cache's blocks it holds
+    digests: list[bytes] = field(default_factory=list)  # of its full blocks' contents so far
+    registered: int = 0  # leading blocks in the prefix cache
+    resume: bool = False  # preempted after its first token: its tokens are recomputed
 
     @property
     def position(self) -> int:
         """Where the last generated token goes when it is fed back."""
         return len(self.request.prompt_ids) + len(self.generated) - 1
+
+    @property
+    def fill(self) -> tuple[int, ...]:
+        """The tokens a prefill puts in the cache before the row decodes: its prompt, or,
+        resuming after a preemption, its prompt and every generated token but the last."""
+        if not self.resume:
+            return self.request.prompt_ids
+        return self.request.prompt_ids + tuple(self.generated[:-1])
 
 
 class Engine:
@@ -101,6 +117,9 @@ class Engine:
         enforce_eager: bool | None = None,
         runner: bool | None = None,
         max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """runner: decode steps and prefills on moelora's runner (runner.py) rather than the
         model's own forward; None: on a GPU where the runner knows the model (True refuses
@@ -108,7 +127,16 @@ class Engine:
         one step prefills at most (default PREFILL_TOKENS); on the runner, prompts longer
         than what is left of it are prefilled in chunks over several steps beside the
         running rows' decodes (each chunk reads the ones before it from the cache), so a
-        long prompt delays the running rows by one chunk a step."""
+        long prompt delays the running rows by one chunk a step.
+
+        On the runner the KV cache is paged (vLLM's): num_blocks blocks of block_size
+        positions (default: max_rows rows of max_len, and the null block), a request holds
+        the blocks of its tokens so far, so rows are bounded by tokens held, not by
+        max_rows x max_len. When a running row needs a block and none is free, the newest
+        row is preempted and later recomputed (its tokens so far prefilled again): it goes on
+        with exactly the tokens it would have produced. enable_prefix_caching: a prompt
+        whose leading full blocks another request of the same adapter version computed
+        reads them instead (blocks.py)."""
         model = handle.model
         reasons = engine_support(model)
         if reasons:
@@ -131,8 +159,13 @@ class Engine:
         self._eos = _eos_ids(model)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        # one spare row past max_rows: what padding rows of a graph bucket write
-        self.cache = RowCache(config.num_hidden_layers, self.max_rows + 1, self.max_len)
+        self.runner = self._runner(runner)
+        self.pool: BlockPool | None = None
+        self.preemptions = 0
+        if self.runner is not None:
+            self._paged(block_size, num_blocks, enable_prefix_caching)
+        else:  # one spare row past max_rows: what padding rows of a graph bucket write
+            self.cache = RowCache(config.num_hidden_layers, self.max_rows + 1, self.max_len)
         self._static_buffers()
         self._base = handle.hold([None])[0]  # the banks' snapshot for rows without adapter
         self._rows: dict[str, _Row] = {}  # request id -> row, running or waiting for prefill
@@ -144,7 +177,7 @@ class Engine:
             raise ConfigError("max_num_batched_tokens", max_num_batched_tokens, ">= 1",
                               "pass None (16384) or a positive number of prompt tokens")  # fmt: skip
         self.max_num_batched_tokens = int(budget)
-        self.runner = self._runner(runner)
+        self._arrivals = 0
         use_graphs = self.device.type == "cuda" if enforce_eager is None else not enforce_eager
         self.graphs = (
             step_graphs.StepGraphs(self.max_rows, self._graph_step) if use_graphs else None
@@ -161,9 +194,41 @@ class Engine:
             return None
         return DecodeRunner(self.model, self.handle.layers, self.handle.module_banks)
 
+    def _paged(self, block_size: int, num_blocks: int | None, prefix_caching: bool) -> None:
+        """The runner's paged cache, its block pool and the block table [max_rows + 1, MB]
+        (the last row all null blocks: what padding rows of a graph bucket write)."""
+        if int(block_size) < 1:
+            raise ConfigError("block_size", block_size, ">= 1 positions per block",
+                              "pass 16 (vLLM's default)")  # fmt: skip
+        size = int(block_size)
+        per_row = -(-self.max_len // size)
+        count = self.max_rows * per_row + 1 if num_blocks is None else int(num_blocks)
+        if count - 1 < per_row:
+            raise ConfigError(
+                "num_blocks", num_blocks,
+                f">= {per_row + 1}: one request of max_len {self.max_len} positions fills "
+                f"{per_row} blocks of {size}, and block 0 is the null block",
+                "give the cache more blocks (--gpu-memory-utilization) or lower max_len",
+            )  # fmt: skip
+        self.pool = BlockPool(count, size, bool(prefix_caching))
+        try:
+            self.cache = PagedCache(self.model, count, size, self.device, self.dtype)
+        except torch.OutOfMemoryError:
+            raise ConfigError(
+                "num_blocks x block_size", f"{count} x {size}",
+                "a KV cache that fits in the device's free memory",
+                "pass fewer blocks (num_blocks, --gpu-memory-utilization) or a smaller max_len",
+            ) from None  # fmt: skip
+        self._table = torch.zeros(self.max_rows + 1, per_row, dtype=torch.int32,
+                                  device=self.device)  # fmt: skip
+        self._table_writes: list[tuple[int, int, int]] = []  # (row, index, block) to copy
+
     def _allocate(self) -> None:
         """A one-token prefill into row 0 allocates every layer's cache (shapes as the model
-        gives them); a cache larger than the device's memory is refused, named."""
+        gives them; the paged cache is allocated already); a cache larger than the device's
+        memory is refused, named."""
+        if self.pool is not None:
+            return
         try:
             self._prefill_tokens([0], row=0, hold=self._base)
         except torch.OutOfMemoryError:
@@ -233,6 +298,11 @@ class Engine:
         if key is not None and key not in taken and len(taken) >= self.handle.num_slots:
             return (f"every adapter slot ({self.handle.num_slots}) is held by running requests "
                     f"or pinned ({len(taken - held)} pinned)")  # fmt: skip
+        if self.pool is not None:
+            need = self.pool.blocks_for(len(request.prompt_ids) + 1)
+            if need > self.pool.available:
+                return (f"the KV cache has {self.pool.available} free blocks of "
+                        f"{self.pool.block_size} positions; the prompt needs {need}")  # fmt: skip
         return None
 
     def _row_free(self) -> str | None:
@@ -262,7 +332,8 @@ class Engine:
             request.sampling, self._eos, self.device, request.prompt_ids, self._vocab,
             request.constraint,
         )  # fmt: skip
-        state = _Row(request, row, hold, sampler)
+        self._arrivals += 1
+        state = _Row(request, row, hold, sampler, seq=self._arrivals)
         self._rows[request.request_id] = state
         self._waiting.append(state)
 
@@ -280,7 +351,14 @@ class Engine:
         waiting, self._waiting = self._waiting, []
         decode = [r for r in self._rows.values() if r not in waiting and r not in self._prefilling]
         if self.runner is not None:
+            decode = self._grow(decode)  # running rows first: prefills take what is left
             events += self._prefill_step(waiting)
+            decode = [r for r in decode if r not in self._prefilling]  # preempted by a prefill
+            if decode:
+                self._write_table()
+                events += self._isolated(decode, self._decode, self._decode_alone)
+                self._register([r for r in decode if r.request.request_id in self._rows])
+            return events
         else:
             for group in _prefill_groups(waiting, self.max_num_batched_tokens, varlen=False):
                 events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
@@ -347,41 +425,149 @@ class Engine:
 
     def _prefill_step(self, waiting: list[_Row]) -> list[TokenEvent]:
         """The runner's prefills of one step: rows asking for prompt logprobs whole, in
-        groups of their own; the others' next chunks, in arrival order, up to
-        max_num_batched_tokens prompt tokens in one packed forward. A row whose chunk ends
-        its prompt gets its first token; the others go on next step."""
+        groups of their own (once their blocks are free); the others' next chunks, oldest
+        row first, up to max_num_batched_tokens tokens in one packed forward, each chunk's
+        blocks taken first (a prompt starting with cached blocks begins after them). A row
+        whose chunk ends its prompt gets its first token (a resumed row goes back to
+        decoding); the others go on next step."""
         events = []
         asking = [r for r in waiting if r.request.sampling.prompt_logprobs is not None]
-        for group in _prefill_groups(asking, self.max_num_batched_tokens, varlen=True):
+        ready = []
+        for r in asking:  # whole prompts: every position's logits, no cached block read
+            if self._give(r, self.pool.blocks_for(len(r.fill))):
+                ready.append(r)
+            else:
+                self._waiting.append(r)
+        self._write_table()
+        for group in _prefill_groups(ready, self.max_num_batched_tokens, varlen=True):
             events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
+        self._register([r for r in ready if r.request.request_id in self._rows], filled=True)
         self._prefilling += [r for r in waiting if r not in asking]
+        self._prefilling.sort(key=lambda r: r.seq)
         left, chunks = self.max_num_batched_tokens, []
-        for r in self._prefilling:
+        for r in list(self._prefilling):
             if left == 0:
                 break
-            end = min(len(r.request.prompt_ids), r.prefilled + left)
+            if r not in self._prefilling:  # preempted by an older row's chunk
+                continue
+            tokens = r.fill
+            if not r.blocks:
+                self._match(r, tokens)
+            end = min(len(tokens), r.prefilled + left)
+            if not self._give(r, self.pool.blocks_for(end) - len(r.blocks)):
+                break  # the rows before it hold the blocks: it waits for them
             chunks.append((r, r.prefilled, end))
             left -= end - r.prefilled
+        chunks = [c for c in chunks if c[0] in self._prefilling]
         if not chunks:
             return events
+        self._write_table()
         rows = [r for r, _, _ in chunks]
 
         def forward(rows: list[_Row]) -> Tensor:
             mine = [c for c in chunks if c[0] in rows]  # in the order of `rows`
-            return self._prefill_rows([list(r.request.prompt_ids[a:b]) for r, a, b in mine],
+            return self._prefill_rows([list(r.fill[a:b]) for r, a, b in mine],
                                       [r.row for r, _, _ in mine], [r.hold for r, _, _ in mine],
                                       starts=[a for _, a, _ in mine])  # fmt: skip
 
-        done = [r for r, _, end in chunks if end == len(r.request.prompt_ids)]
+        done = [r for r, _, end in chunks if end == len(r.fill)]
         for r, _, end in chunks:
             r.prefilled = end
         self._prefilling = [r for r in self._prefilling if r not in done]
 
         def accept_done(rows: list[_Row], logits: Tensor) -> list[TokenEvent]:
-            keep = [i for i, r in enumerate(rows) if r in done]
+            keep = [i for i, r in enumerate(rows) if r in done and not r.resume]
             return self._accept([rows[i] for i in keep], logits[keep])
 
-        return events + self._isolated(rows, forward, lambda r: forward([r]), accept_done)
+        events += self._isolated(rows, forward, lambda r: forward([r]), accept_done)
+        self._register([r for r in rows if r.request.request_id in self._rows], filled=True)
+        for r in done:
+            r.resume = False  # back to decoding (its last token is fed next step)
+        return events
+
+    # ---- the paged cache's blocks ----------------------------------------------------------
+
+    def _grow(self, decode: list[_Row]) -> list[_Row]:
+        """A block for each decoding row whose next position starts one, oldest row first;
+        when none is free, the newest row holding blocks is preempted (the row itself when
+        it is the newest). The rows still decoding."""
+        for r in sorted(decode, key=lambda r: r.seq):
+            if r in self._prefilling:  # preempted for an older row
+                continue
+            need = self.pool.blocks_for(r.position + 1) - len(r.blocks)
+            if need > 0 and not self._give(r, need):
+                self._preempt(r)
+        return [r for r in decode if r not in self._prefilling]
+
+    def _give(self, row: _Row, n: int) -> bool:
+        """n more blocks to `row`, preempting rows newer than it while too few are free;
+        False (nothing taken) when the rows before it hold the rest."""
+        if n <= 0:
+            return True
+        while self.pool.available < n:
+            newer = [r for r in self._rows.values() if r.seq > row.seq and r.blocks]
+            if not newer:
+                return False
+            self._preempt(max(newer, key=lambda r: r.seq))
+        blocks = self.pool.allocate(n)
+        at = len(row.blocks)
+        self._table_writes += [(row.row, at + i, b) for i, b in enumerate(blocks)]
+        row.blocks += blocks
+        return True
+
+    def _preempt(self, row: _Row) -> None:
+        """Free a row's blocks (vLLM's preemption by recompute): it is prefilled again, its
+        prompt and the tokens it generated, and decodes on from where it was."""
+        log.info("preempting request %s (%d blocks)", row.request.request_id, len(row.blocks))
+        self.pool.release(row.blocks)
+        row.blocks, row.registered, row.prefilled = [], 0, 0
+        row.resume = bool(row.generated)
+        if row not in self._prefilling:
+            self._prefilling.append(row)
+        self.preemptions += 1
+
+    def _write_table(self) -> None:
+        """The blocks handed out since the last forward, into the device's block table."""
+        if self._table_writes:
+            where = torch.tensor(self._table_writes, dtype=torch.long).to(self.device)
+            self._table[where[:, 0], where[:, 1]] = where[:, 2].to(torch.int32)
+            self._table_writes.clear()
+
+    def _digests(self, row: _Row, tokens, n: int) -> list[bytes]:
+        """The digests of row's first n full blocks of `tokens` (its prompt and outputs)."""
+        size = self.pool.block_size
+        while len(row.digests) < n:
+            i = len(row.digests)
+            parent = row.digests[-1] if row.digests else seed(row.hold.key)
+            row.digests.append(digest(parent, tokens[i * size : (i + 1) * size]))
+        return row.digests[:n]
+
+    def _match(self, row: _Row, tokens) -> None:
+        """A row starting its prefill takes the cached blocks of its leading full blocks
+        (at most up to its last token, which is always computed)."""
+        full = (len(tokens) - 1) // self.pool.block_size
+        hit = self.pool.match(self._digests(row, tokens, full) if self.pool.prefix_caching else [])
+        self._table_writes += [(row.row, i, b) for i, b in enumerate(hit)]
+        row.blocks, row.registered = list(hit), len(hit)
+        row.prefilled = len(hit) * self.pool.block_size
+        self.pool.count(len(tokens), row.prefilled)
+
+    def _register(self, rows: list[_Row], filled: bool = False) -> None:
+        """The blocks the last forward filled, into the prefix cache: after a prefill
+        (filled: each row's `prefilled` tokens held) or a decode (positions up to each
+        row's last fed token)."""
+        if not self.pool.prefix_caching:
+            return
+        size = self.pool.block_size
+        for r in rows:
+            held = r.prefilled if filled else r.position  # the decode appended one since
+            full = min(held // size, len(r.blocks))
+            if full <= r.registered:
+                continue
+            tokens = r.fill if filled else r.request.prompt_ids + tuple(r.generated)
+            for i, d in enumerate(self._digests(r, tokens, full)[r.registered :], r.registered):
+                self.pool.register(r.blocks[i], d)
+            r.registered = full
 
     def _prefill(self, group: list[_Row]) -> Tensor:
         """Prompts into their cache rows in one forward (of one length on transformers'
@@ -408,7 +594,7 @@ class Engine:
         """Logits [n, V] of each prompt's last token; with `every`, a list of each prompt's
         [S_i, V]; starts: each prompt's first position (a chunk; the runner only). On the runner once the cache is allocated (its first prefill, which
         allocates it, runs transformers' forward)."""
-        if self.runner is not None and self.cache.allocated:
+        if self.runner is not None:
             return self._prefill_runner(prompts, rows, holds, every, starts)
         plan = plan_prefill(rows, len(prompts[0]), self.device)
         self.cache.plan = plan
@@ -444,7 +630,7 @@ class Engine:
         )  # fmt: skip
         with torch.no_grad():
             logits = self.runner.prefill(host[0], host[1], host[2], lengths, rows, adapters,
-                                         self.cache, every)  # fmt: skip
+                                         self.cache, self._table, every)  # fmt: skip
         return list(logits.split(lengths)) if every else logits
 
     def _decode(self, running: list[_Row], eager: bool = False) -> Tensor:
@@ -489,15 +675,15 @@ class Engine:
     def _decode_step(self, width: int, kv_len: int, modules: frozenset[str]) -> Tensor:
         """The decode forward of rows 0 .. width-1 from the static buffers."""
         positions = self._positions[:width]
-        self.cache.plan = plan_decode(self._write_rows[:width], positions, kv_len)
         rows = RowAdapters(
             row_slots=self._slots[:width], snapshot=self._base.snapshot, expert_lora=True,
             lora_modules=modules, token_buffer=self._token_slots[:width],
         )  # fmt: skip
         if self.runner is not None:
             with torch.no_grad():
-                return self.runner.decode(self._ids[:width], positions,
-                                          self._write_rows[:width], rows, self.cache, kv_len)  # fmt: skip
+                return self.runner.decode(self._ids[:width], positions, self._write_rows[:width],
+                                          rows, self.cache, kv_len, self._table)  # fmt: skip
+        self.cache.plan = plan_decode(self._write_rows[:width], positions, kv_len)
         masks = build_masks(self._rule, positions, kv_len, self.dtype)
         return self._forward(self._ids[:width], positions, masks, rows)
 
@@ -550,6 +736,9 @@ class Engine:
             self._waiting.remove(state)
         if state in self._prefilling:
             self._prefilling.remove(state)
+        if state.blocks:
+            self.pool.release(state.blocks)
+            state.blocks = []
         state.hold.release()
         return TokenEvent(request_id, token, True, reason, error, **extra)
 

@@ -8,9 +8,10 @@ padding, no mask tensor).
 Per layer: the residual add fused into each RMSNorm (kernels/rms_norm.py); the q / k / v
 projections as one GEMM over the model's three weights, their LoRA over the slots the rows
 name in its epilogue (kernels/dense_linear.py, the shrink one launch before); q / k norm,
-rotary and the KV-cache write in one kernel (kernels/rope_cache.py); attention over each
-row's own cache length (kernels/decode_attention.py at decode, kernels/prefill_attention.py
-causal over each packed prompt at prefill); o_proj and its LoRA alike; the router (its
+rotary and the KV-cache write in one kernel (kernels/rope_cache.py, into the paged cache's
+block and offset of each token, found once per forward from the block table); attention
+over each row's blocks up to its own length (kernels/decode_attention.py at decode,
+kernels/prefill_attention.py causal over each packed prompt at prefill); o_proj and its LoRA alike; the router (its
 logits on cuBLAS, their LoRA, softmax / top-k / renormalization in one kernel,
 kernels/router_topk.py); the experts on moelora's layer. Then the final norm and the LM head
 (cuBLAS; at prefill over each prompt's last token only, or every token when prompt
@@ -123,17 +124,20 @@ class DecodeRunner:
         rows: RowAdapters,
         cache,
         kv_len: int,
+        table: Tensor,
     ) -> Tensor:
-        """ids / positions / write_rows [B, 1]: each row's token, its position, the cache row
-        its k / v go to (batch row b reads cache row b); rows: the call context; cache: the
-        engine's RowCache (allocated); kv_len: the most positions any row reads."""
+        """ids / positions / write_rows [B, 1]: each row's token, its position, the block-table
+        row its k / v go to (batch row b reads table row b; padding rows write a row of null
+        blocks); rows: the call context; cache: the engine's PagedCache; kv_len: the most
+        positions any row reads; table [R, MB] int32: each row's blocks."""
         lengths = positions[:, 0] + 1
 
         def attend(q, cache_layer, scaling):
-            return decode_attention(q, cache_layer.keys, cache_layer.values, lengths, scaling,
-                                    kv_len)  # fmt: skip
+            return decode_attention(q, cache_layer.keys, cache_layer.values, table, lengths,
+                                    scaling, kv_len)  # fmt: skip
 
-        return self._forward(ids[:, 0], positions[:, 0], write_rows[:, 0], rows, cache, attend)
+        write = _slots(table, write_rows[:, 0], positions[:, 0], cache.block_size)
+        return self._forward(ids[:, 0], positions[:, 0], write, rows, cache, attend)
 
     def prefill(
         self,
@@ -144,30 +148,34 @@ class DecodeRunner:
         cache_rows: list[int],
         rows: RowAdapters,
         cache,
+        table: Tensor,
         every: bool = False,
     ) -> Tensor:
         """Prompts of any lengths packed one after another (varlen, no padding): ids /
-        positions / write_rows [T] (each token, its position, its cache row), lengths and
-        cache_rows per prompt, rows: the call context with one slot per token (row_slots
-        [T]). Logits [len(lengths), V] of each prompt's last token, or [T, V] of every
+        positions / write_rows [T] (each token, its position, its block-table row), lengths
+        and cache_rows (block-table rows) per prompt, rows: the call context with one slot
+        per token (row_slots [T]), table [R, MB] int32 (every block written or read
+        allocated). Logits [len(lengths), V] of each prompt's last token, or [T, V] of every
         token with `every`."""
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
         pos0 = [int(p) for p in positions[starts].tolist()] if lengths else []
         group = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
-        table = varlen_table(lengths, cache_rows, pos0, group, ids.device)  # once, every layer
+        spans = varlen_table(lengths, cache_rows, pos0, group, ids.device)  # once, every layer
 
         def attend(q, cache_layer, scaling):
-            return prefill_attention(q, cache_layer.keys, cache_layer.values, table, scaling)
+            return prefill_attention(q, cache_layer.keys, cache_layer.values, spans, table,
+                                     scaling)  # fmt: skip
 
         last = None if every else torch.tensor([a + n - 1 for a, n in zip(starts, lengths)],
                                                device=ids.device)  # fmt: skip
-        return self._forward(ids, positions, write_rows, rows, cache, attend, last)
+        write = _slots(table, write_rows, positions, cache.block_size)
+        return self._forward(ids, positions, write, rows, cache, attend, last)
 
-    def _forward(self, ids, positions, write_rows, rows, cache, attend, last=None) -> Tensor:
-        """The layers over tokens ids [T] at positions [T] writing cache rows write_rows [T];
-        logits of the tokens `last` selects (all when None)."""
+    def _forward(self, ids, positions, write, rows, cache, attend, last=None) -> Tensor:
+        """The layers over tokens ids [T] at positions [T] writing their k / v at `write`
+        (blocks [T], offsets [T]); logits of the tokens `last` selects (all when None)."""
         model = self.model
         h = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary_emb(h[None], positions[None])
@@ -176,8 +184,8 @@ class DecodeRunner:
         residual = None
         for layer in self.layers:
             x, residual = add_rms_norm(h, residual, layer.norm_in, self.eps)
-            att = self._attention(layer, x, cos, sin, cache.layers[layer.index], write_rows,
-                                  positions, slots, rows, attend)  # fmt: skip
+            att = self._attention(layer, x, cos, sin, cache.layers[layer.index], write, slots,
+                                  rows, attend)  # fmt: skip
             x, residual = add_rms_norm(att, residual, layer.norm_post, self.eps)
             h = self._moe(layer, x, slots, rows)
         x, _ = add_rms_norm(h, residual, model.model.norm.weight, self.eps)
@@ -207,8 +215,7 @@ class DecodeRunner:
         weights = [m.weight for m in modules]
         return dense_linear(x, weights, [m.bias for m in modules], slots, z, bt)
 
-    def _attention(self, layer, x, cos, sin, cache_layer, write_rows, pos, slots, rows,
-                   attend) -> Tensor:  # fmt: skip
+    def _attention(self, layer, x, cos, sin, cache_layer, write, slots, rows, attend) -> Tensor:
         attn, path = layer.attn, f"{layer.path}.self_attn"
         names = ("q_proj", "k_proj", "v_proj")
         q, k, v = self._projections([getattr(attn, n) for n in names],
@@ -219,8 +226,8 @@ class DecodeRunner:
         elif self.family.qk_norm == "full":
             q, _ = add_rms_norm(q, None, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k, _ = add_rms_norm(k, None, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-        q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, write_rows,
-                           pos, *head_norms, self.eps)  # fmt: skip
+        q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, *write,
+                           *head_norms, self.eps)  # fmt: skip
         out = attend(q, cache_layer, attn.scaling)
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out.view(x.shape[0], -1),
                                  slots, rows)  # fmt: skip
@@ -239,3 +246,10 @@ class DecodeRunner:
             return layer.experts(x, ids, weights)
         token_slots = rows.token_slots(x.shape[0], refresh=layer.index == self.first_moe)
         return layer.experts(x, ids, weights, token_slots, rows.snapshot.banks[layer.index])
+
+
+def _slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int):
+    """Where tokens at `positions` of block-table rows `rows` ([T] each) are cached: their
+    blocks and offsets in them ([T] long each), once per forward for every layer."""
+    blocks = table[rows, torch.div(positions, block_size, rounding_mode="floor")]
+    return blocks.long(), positions % block_size

@@ -1,0 +1,181 @@
+"""The engine's paged KV cache on the runner (CPU, kernels through Triton's interpreter):
+rows that run out of blocks are preempted and recomputed and still give the tokens HF + PEFT
+give each row alone; a prompt whose leading blocks another request of the same adapter
+version computed reads them from the cache (fewer tokens prefilled, the row still exact),
+never another adapter's or a replaced version's; random arrivals, lengths, adapters and
+cancellations on a pool too small for them all end with every block returned."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from engine_helpers import greedy_alone, run_all
+
+from moelora.engine import Engine, Request, Sampling
+from moelora.errors import ConfigError
+from moelora.hf import attach, toy
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A tiny Qwen3-MoE model and two PEFT adapters (one on every module, one on attention)."""
+    root = tmp_path_factory.mktemp("paged")
+    base = toy.build_model("qwen3_moe", seed=33)
+    linears = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+    kinds = {
+        "every": dict(r=4, lora_alpha=8, target_modules=linears,
+                      target_parameters=toy.expert_parameters(base)),
+        "attn": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+    }  # fmt: skip
+    truths, dirs = {None: base}, {}
+    for i, (name, kw) in enumerate(kinds.items()):
+        dirs[name] = root / name
+        truths[name] = toy.write_peft_adapter(base, dirs[name], seed=50 + i, **kw)
+    return base, truths, dirs
+
+
+def _engine(made, **kw) -> Engine:
+    base, _, dirs = made
+    handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
+    for name, path in dirs.items():
+        handle.load_adapter(path, name=name)
+    return Engine(handle, enforce_eager=True, runner=True, **kw)
+
+
+def _prompts(seed: int, lengths) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in lengths]
+
+
+def _alone(made, request: Request, n: int) -> list[int]:
+    truth = made[1][request.adapter]
+    return greedy_alone(truth, torch.tensor(request.prompt_ids), n)
+
+
+def _prefilled(engine: Engine, monkeypatch) -> list[int]:
+    """The token count of each runner prefill from now on."""
+    sizes, real = [], engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill",
+                        lambda *a, **k: sizes.append(int(a[0].shape[0])) or real(*a, **k))  # fmt: skip
+    return sizes
+
+
+def test_rows_out_of_blocks_are_preempted_and_resume_with_their_own_tokens(made, seed):
+    """10 blocks of 4 positions (one max_len row) for 4 rows that need 5 each: the newest
+    rows are preempted, recomputed, and every row equals HF + PEFT alone."""
+    engine = _engine(made, max_rows=4, max_len=40, block_size=4, num_blocks=11)
+    names = ["every", None, "attn", "every"]
+    requests = [Request(f"r{i}", p, name, Sampling(max_new_tokens=10))
+                for i, (p, name) in enumerate(zip(_prompts(seed, (7, 9, 6, 8)), names))]  # fmt: skip
+    got = run_all(engine, {0: requests[:2], 1: requests[2:]})
+    assert engine.preemptions > 0
+    for r in requests:
+        assert got[r.request_id] == (_alone(made, r, 10), "length"), r.request_id
+    engine.pool.check()
+    assert engine.pool.used == 0 and engine.pool.available == engine.pool.capacity
+    engine.close()
+
+
+def test_a_cached_prefix_is_read_not_recomputed_and_only_for_its_adapter_version(
+    made, seed, monkeypatch
+):
+    engine = _engine(made, max_rows=2, max_len=40, block_size=4)
+    sizes = _prefilled(engine, monkeypatch)
+    (prompt,) = _prompts(seed, (13,))
+    longer = (*prompt, 5, 6, 7)
+    first = Request("first", prompt, "every", Sampling(max_new_tokens=4))
+    assert run_all(engine, {0: [first]})["first"][0] == _alone(made, first, 4)
+    assert sizes == [13]
+    # the same adapter, the prompt and more: 3 full blocks (12 tokens) read from the cache
+    again = Request("again", longer, "every", Sampling(max_new_tokens=4))
+    assert run_all(engine, {0: [again]})["again"][0] == _alone(made, again, 4)
+    assert sizes[1:] == [16 - 12] and engine.pool.stats.hits == 12
+    # another adapter, and the base model: nothing read
+    for name in ("attn", None):
+        other = Request(f"other-{name}", longer, name, Sampling(max_new_tokens=3))
+        assert run_all(engine, {0: [other]})[other.request_id][0] == _alone(made, other, 3)
+        assert sizes[-1] == 16
+    # the adapter replaced by a new version of the same name: its old blocks are never read
+    engine.handle.load_adapter(made[2]["attn"], name="every")
+    replaced = Request("replaced", longer, "every", Sampling(max_new_tokens=3))
+    want = greedy_alone(made[1]["attn"], torch.tensor(longer), 3)
+    assert run_all(engine, {0: [replaced]})["replaced"][0] == want
+    assert sizes[-1] == 16 and engine.pool.stats.hits == 12
+    engine.close()
+
+
+def test_a_prompt_read_whole_from_the_cache_still_computes_its_last_token(made, seed, monkeypatch):
+    engine = _engine(made, max_rows=2, max_len=40, block_size=4)
+    sizes = _prefilled(engine, monkeypatch)
+    (prompt,) = _prompts(seed, (12,))  # three full blocks
+    requests = [Request(f"r{i}", prompt, None, Sampling(max_new_tokens=3)) for i in range(2)]
+    got = run_all(engine, {0: requests[:1], 4: requests[1:]})
+    assert sizes == [12, 4]  # two blocks read; the third holds the last token: recomputed
+    want = _alone(made, requests[0], 3)
+    assert got["r0"][0] == got["r1"][0] == want
+    engine.close()
+
+
+def test_random_arrivals_lengths_and_cancels_return_every_block(made, seed):
+    """A pool of 13 blocks of 4 for up to 4 rows of up to 32 positions: random arrivals,
+    prompt lengths, output lengths, adapters and cancellations, each request added once
+    admissible() agrees (as the server's scheduler does). Every row that runs to its end
+    equals HF + PEFT alone; preemptions happen; the books agree after every step and every
+    block comes back."""
+    rng = random.Random(seed)
+    engine = _engine(made, max_rows=4, max_len=32, block_size=4, num_blocks=13,
+                     max_num_batched_tokens=8)  # fmt: skip
+    shared = _prompts(seed, (9,))[0]  # some prompts share a prefix: cache hits happen too
+    arrivals = []
+    for i in range(9):
+        own = _prompts(seed + i + 1, (rng.randint(2, 12),))[0]
+        if i < 3:  # the same adapter and 9 leading tokens, arriving together: shared blocks
+            request = Request(f"q{i}", shared + own, "every", Sampling(max_new_tokens=6))
+            arrivals.append((i, request))
+            continue
+        request = Request(f"q{i}", own, rng.choice(["every", "attn", None]),
+                          Sampling(max_new_tokens=rng.randint(1, 10)))  # fmt: skip
+        arrivals.append((rng.randint(0, 8), request))
+    arrivals.sort(key=lambda a: a[0])
+    cancels = {r.request_id: rng.randint(1, 12) for _, r in rng.sample(arrivals, 2)}
+    queue, tokens, reasons = [], {}, {}
+    for step in range(400):
+        queue += [r for at, r in arrivals if at == step]
+        while queue and engine.admissible(queue[0]) is None:
+            engine.add(queue.pop(0))
+        for rid, at in cancels.items():
+            if at == step:
+                engine.cancel(rid)
+        for event in engine.step():
+            assert event.error is None, event
+            if event.token_id >= 0:
+                tokens.setdefault(event.request_id, []).append(event.token_id)
+            if event.finished:
+                reasons[event.request_id] = event.finish_reason
+        engine.pool.check()
+        held = {b for r in engine._rows.values() for b in r.blocks}
+        assert engine.pool.used == len(held)  # a block two rows share counts once
+        if len(reasons) == len(arrivals):
+            break
+    assert len(reasons) == len(arrivals), reasons
+    for _, r in arrivals:
+        reason, got = reasons[r.request_id], tokens.get(r.request_id, [])
+        if reason == "cancelled":
+            continue
+        assert reason in ("length", "stop"), (r.request_id, reason)
+        assert got == _alone(made, r, len(got)), r.request_id
+        assert reason == "stop" or len(got) == r.sampling.max_new_tokens
+    assert engine.preemptions > 0 and engine.pool.stats.hits > 0
+    assert engine.pool.used == 0 and engine.pool.available == engine.pool.capacity
+    engine.close()
+
+
+def test_too_few_blocks_for_one_request_is_refused_at_startup(made):
+    with pytest.raises(ConfigError, match="num_blocks") as err:
+        _engine(made, max_rows=2, max_len=40, block_size=4, num_blocks=10)
+    assert "11" in str(err.value) and "max_len" in str(err.value)
