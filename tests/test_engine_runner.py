@@ -164,16 +164,17 @@ def test_prompts_of_any_lengths_prefill_in_one_varlen_runner_forward(qwen, seed,
 
 def test_a_long_prompt_prefills_in_chunks_beside_running_decodes(qwen, seed, monkeypatch):
     """max_num_batched_tokens 5: a 13-token prompt arriving while a row decodes is
-    prefilled 5 tokens a step (each chunk reading the ones before from the cache), the
+    prefilled in chunks of 4 in the same forward as the running row's token (vLLM V1's
+    unified batch: 5 tokens a step), each chunk reading the ones before from the cache; the
     running row gets a token every step meanwhile, and every row equals HF + PEFT alone."""
     _, truths, _ = qwen
     engine = Engine(_handle(qwen), max_rows=4, max_len=40, enforce_eager=True, runner=True,
                     max_num_batched_tokens=5)  # fmt: skip
-    sizes = []
+    forwards = []  # each runner forward's sequence lengths, by step
     prefill = engine.runner.prefill
 
     def spy(*args):  # (ids, positions, write_rows, lengths, ...)
-        sizes.append(int(args[0].shape[0]))
+        forwards.append((len(per_step), list(args[3])))
         return prefill(*args)
 
     monkeypatch.setattr(engine.runner, "prefill", spy)
@@ -192,10 +193,10 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_decodes(qwen, seed, mon
         per_step.append({e.request_id: e.token_id for e in events if e.token_id >= 0})
         if not engine.has_work:
             break
-    assert all(n <= 5 for n in sizes) and sum(sizes) == 4 + 13, sizes
-    # the long prompt's chunks (steps 2, 3, 4) each beside a token of the running row
-    assert all("short" in per_step[k] for k in (2, 3, 4)), per_step
-    assert "long" not in {**per_step[2], **per_step[3]} and "long" in per_step[4], per_step
+    # step 0 the short prompt; steps 2-5 the running row's token and a chunk of the long one
+    assert forwards == [(0, [4]), (2, [1, 4]), (3, [1, 4]), (4, [1, 4]), (5, [1, 1])], forwards
+    assert all("short" in per_step[k] for k in (2, 3, 4, 5)), per_step
+    assert all("long" not in per_step[k] for k in (2, 3, 4)) and "long" in per_step[5], per_step
     for request, name in ((first, "every-module"), (second, "attention-only")):
         got = [step[request.request_id] for step in per_step if request.request_id in step]
         want = greedy_alone(truths[name], torch.tensor(request.prompt_ids), len(got))

@@ -351,17 +351,9 @@ class Engine:
         waiting, self._waiting = self._waiting, []
         decode = [r for r in self._rows.values() if r not in waiting and r not in self._prefilling]
         if self.runner is not None:
-            decode = self._grow(decode)  # running rows first: prefills take what is left
-            events += self._prefill_step(waiting)
-            decode = [r for r in decode if r not in self._prefilling]  # preempted by a prefill
-            if decode:
-                self._write_table()
-                events += self._isolated(decode, self._decode, self._decode_alone)
-                self._register([r for r in decode if r.request.request_id in self._rows])
-            return events
-        else:
-            for group in _prefill_groups(waiting, self.max_num_batched_tokens, varlen=False):
-                events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
+            return events + self._runner_step(waiting, decode)
+        for group in _prefill_groups(waiting, self.max_num_batched_tokens, varlen=False):
+            events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
         if decode:
             events += self._isolated(decode, self._decode, self._decode_alone)
         return events
@@ -423,30 +415,81 @@ class Engine:
             )  # fmt: skip
         return out.logits if every else out.logits[:, -1]
 
-    def _prefill_step(self, waiting: list[_Row]) -> list[TokenEvent]:
-        """The runner's prefills of one step: rows asking for prompt logprobs whole, in
-        groups of their own (once their blocks are free); the others' next chunks, oldest
-        row first, up to max_num_batched_tokens tokens in one packed forward, each chunk's
-        blocks taken first (a prompt starting with cached blocks begins after them). A row
-        whose chunk ends its prompt gets its first token (a resumed row goes back to
-        decoding); the others go on next step."""
-        events = []
+    def _runner_step(self, waiting: list[_Row], decode: list[_Row]) -> list[TokenEvent]:
+        """One step on the runner (vLLM V1's unified batch): the running rows' blocks first;
+        rows asking for prompt logprobs prefilled whole, in groups of their own; then one
+        forward of every running row's next token and the waiting prompts' next chunks,
+        oldest row first, up to max_num_batched_tokens tokens in all (each chunk's blocks
+        taken first; a prompt starting with cached blocks begins after them). Without
+        chunks the running rows decode alone (a graph replay on a GPU). A row whose chunk
+        ends its prompt gets its first token (a resumed row goes back to decoding)."""
+        decode = self._grow(decode)
         asking = [r for r in waiting if r.request.sampling.prompt_logprobs is not None]
+        events = self._whole_prompts(asking)
+        self._prefilling += [r for r in waiting if r not in asking]
+        chunks = self._chunks(self.max_num_batched_tokens - len(decode))
+        decode = [r for r in decode if r not in self._prefilling]  # preempted by a chunk
+        self._write_table()
+        if not chunks:
+            if decode:
+                events += self._isolated(decode, self._decode, self._decode_alone)
+                self._register([r for r in decode if r.request.request_id in self._rows])
+            return events
+        chunks = [(r, r.position, r.position + 1) for r in decode] + chunks
+        rows = [r for r, _, _ in chunks]
+
+        def tokens(r: _Row, a: int, b: int) -> list[int]:
+            return [r.generated[-1]] if r in decode else list(r.fill[a:b])
+
+        def forward(rows: list[_Row]) -> Tensor:
+            mine = [c for c in chunks if c[0] in rows]  # in the order of `rows`
+            return self._prefill_rows([tokens(*c) for c in mine], [r.row for r, _, _ in mine],
+                                      [r.hold for r, _, _ in mine],
+                                      starts=[a for _, a, _ in mine])  # fmt: skip
+
+        done = [r for r, _, end in chunks if r not in decode and end == len(r.fill)]
+        for r, _, end in chunks:
+            if r not in decode:
+                r.prefilled = end
+        self._prefilling = [r for r in self._prefilling if r not in done]
+        sampled = set(decode) | {r for r in done if not r.resume}
+
+        def accept(rows: list[_Row], logits: Tensor) -> list[TokenEvent]:
+            keep = [i for i, r in enumerate(rows) if r in sampled]
+            return self._accept([rows[i] for i in keep], logits[keep])
+
+        events += self._isolated(rows, forward, lambda r: forward([r]), accept)
+        live = [r for r in rows if r.request.request_id in self._rows]
+        self._register([r for r in live if r in decode])
+        self._register([r for r in live if r not in decode], filled=True)
+        for r in done:
+            r.resume = False  # back to decoding (its last token is fed next step)
+        return events
+
+    def _whole_prompts(self, asking: list[_Row]) -> list[TokenEvent]:
+        """Rows asking for prompt logprobs: every position's logits, no cached block read,
+        once the blocks of the whole prompt are free (else they wait for the next step)."""
         ready = []
-        for r in asking:  # whole prompts: every position's logits, no cached block read
+        for r in asking:
             if self._give(r, self.pool.blocks_for(len(r.fill))):
                 ready.append(r)
             else:
                 self._waiting.append(r)
         self._write_table()
+        events = []
         for group in _prefill_groups(ready, self.max_num_batched_tokens, varlen=True):
             events += self._isolated(group, self._prefill, lambda r: self._prefill([r]))
         self._register([r for r in ready if r.request.request_id in self._rows], filled=True)
-        self._prefilling += [r for r in waiting if r not in asking]
+        return events
+
+    def _chunks(self, budget: int) -> list[tuple[_Row, int, int]]:
+        """The prefilling rows' next chunks (row, first, end) in `fill`, oldest row first, up
+        to `budget` tokens, each one's blocks taken (preempting rows newer than it); a row
+        whose blocks the rows before it hold waits, and the rows after it too."""
         self._prefilling.sort(key=lambda r: r.seq)
-        left, chunks = self.max_num_batched_tokens, []
+        left, chunks = budget, []
         for r in list(self._prefilling):
-            if left == 0:
+            if left <= 0:
                 break
             if r not in self._prefilling:  # preempted by an older row's chunk
                 continue
@@ -455,35 +498,10 @@ class Engine:
                 self._match(r, tokens)
             end = min(len(tokens), r.prefilled + left)
             if not self._give(r, self.pool.blocks_for(end) - len(r.blocks)):
-                break  # the rows before it hold the blocks: it waits for them
+                break
             chunks.append((r, r.prefilled, end))
             left -= end - r.prefilled
-        chunks = [c for c in chunks if c[0] in self._prefilling]
-        if not chunks:
-            return events
-        self._write_table()
-        rows = [r for r, _, _ in chunks]
-
-        def forward(rows: list[_Row]) -> Tensor:
-            mine = [c for c in chunks if c[0] in rows]  # in the order of `rows`
-            return self._prefill_rows([list(r.fill[a:b]) for r, a, b in mine],
-                                      [r.row for r, _, _ in mine], [r.hold for r, _, _ in mine],
-                                      starts=[a for _, a, _ in mine])  # fmt: skip
-
-        done = [r for r, _, end in chunks if end == len(r.fill)]
-        for r, _, end in chunks:
-            r.prefilled = end
-        self._prefilling = [r for r in self._prefilling if r not in done]
-
-        def accept_done(rows: list[_Row], logits: Tensor) -> list[TokenEvent]:
-            keep = [i for i, r in enumerate(rows) if r in done and not r.resume]
-            return self._accept([rows[i] for i in keep], logits[keep])
-
-        events += self._isolated(rows, forward, lambda r: forward([r]), accept_done)
-        self._register([r for r in rows if r.request.request_id in self._rows], filled=True)
-        for r in done:
-            r.resume = False  # back to decoding (its last token is fed next step)
-        return events
+        return [c for c in chunks if c[0] in self._prefilling]
 
     # ---- the paged cache's blocks ----------------------------------------------------------
 
