@@ -114,8 +114,9 @@ def test_a_family_the_runner_does_not_know_is_refused_or_left_to_transformers(tm
 
 
 def test_prompts_of_any_lengths_prefill_in_one_varlen_runner_forward(qwen, seed, monkeypatch):
-    """Waiting prompts of different lengths go through one packed runner prefill; a row asking for prompt logprobs runs apart and its logprobs equal
-    HF + PEFT's log_softmax of its prompt, every position."""
+    """Waiting prompts of different lengths go through one packed runner prefill; a row
+    asking for prompt logprobs runs apart and its logprobs equal HF + PEFT's log_softmax of
+    its prompt, every position."""
     base, truths, _ = qwen
     engine = Engine(_handle(qwen), max_rows=6, max_len=40, enforce_eager=True, runner=True)
     calls = []
