@@ -106,6 +106,7 @@ def test_a_cached_prefix_is_read_not_recomputed_and_only_for_its_adapter_version
     want = greedy_alone(made[1]["attn"], torch.tensor(longer), 3)
     assert run_all(engine, {0: [replaced]})["replaced"][0] == want
     assert sizes[-1] == 16 and engine.pool.stats.hits == 12
+    assert engine.pool.stats.queries == 13 + 4 * 16  # each prompt looked up once
     engine.close()
 
 
@@ -122,27 +123,29 @@ def test_a_prompt_read_whole_from_the_cache_still_computes_its_last_token(made, 
 
 
 def test_random_arrivals_lengths_and_cancels_return_every_block(made, seed):
-    """A pool of 13 blocks of 4 for up to 4 rows of up to 32 positions: random arrivals,
+    """A pool of 8 blocks of 4 for up to 4 rows of up to 32 positions: random arrivals,
     prompt lengths, output lengths, adapters and cancellations, each request added once
     admissible() agrees (as the server's scheduler does). Every row that runs to its end
     equals HF + PEFT alone; preemptions happen; the books agree after every step and every
     block comes back."""
     rng = random.Random(seed)
-    engine = _engine(made, max_rows=4, max_len=32, block_size=4, num_blocks=13,
+    engine = _engine(made, max_rows=4, max_len=32, block_size=4, num_blocks=9,
                      max_num_batched_tokens=8)  # fmt: skip
     shared = _prompts(seed, (9,))[0]  # some prompts share a prefix: cache hits happen too
     arrivals = []
-    for i in range(9):
+    for i in range(8):
         own = _prompts(seed + i + 1, (rng.randint(2, 12),))[0]
-        if i < 3:  # the same adapter and 9 leading tokens, arriving together: shared blocks
-            request = Request(f"q{i}", shared + own, "every", Sampling(max_new_tokens=6))
+        if i < 3:  # the same adapter and 9 leading tokens, arriving together: shared blocks;
+            # 26 positions each (7 blocks, 2 shared) on a pool of 8: preemptions
+            prompt = shared + own[: rng.randint(1, 3)]
+            request = Request(f"q{i}", prompt, "every", Sampling(max_new_tokens=14))
             arrivals.append((i, request))
             continue
         request = Request(f"q{i}", own, rng.choice(["every", "attn", None]),
                           Sampling(max_new_tokens=rng.randint(1, 10)))  # fmt: skip
         arrivals.append((rng.randint(0, 8), request))
+    cancels = {r.request_id: rng.randint(1, 12) for _, r in rng.sample(arrivals[3:], 2)}
     arrivals.sort(key=lambda a: a[0])
-    cancels = {r.request_id: rng.randint(1, 12) for _, r in rng.sample(arrivals, 2)}
     queue, tokens, reasons = [], {}, {}
     for step in range(400):
         queue += [r for at, r in arrivals if at == step]

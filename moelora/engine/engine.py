@@ -89,6 +89,7 @@ class _Row:
     blocks: list[int] = field(default_factory=list)  # the paged cache's blocks it holds
     digests: list[bytes] = field(default_factory=list)  # of its full blocks' contents so far
     registered: int = 0  # leading blocks in the prefix cache
+    matched: bool = False  # its fill looked up in the prefix cache (once per prefill)
     resume: bool = False  # preempted after its first token: its tokens are recomputed
 
     @property
@@ -494,7 +495,7 @@ class Engine:
             if r not in self._prefilling:  # preempted by an older row's chunk
                 continue
             tokens = r.fill
-            if not r.blocks:
+            if not r.matched:
                 self._match(r, tokens)
             end = min(len(tokens), r.prefilled + left)
             if not self._give(r, self.pool.blocks_for(end) - len(r.blocks)):
@@ -538,7 +539,7 @@ class Engine:
         prompt and the tokens it generated, and decodes on from where it was."""
         log.info("preempting request %s (%d blocks)", row.request.request_id, len(row.blocks))
         self.pool.release(row.blocks)
-        row.blocks, row.registered, row.prefilled = [], 0, 0
+        row.blocks, row.registered, row.prefilled, row.matched = [], 0, 0, False
         row.resume = bool(row.generated)
         if row not in self._prefilling:
             self._prefilling.append(row)
@@ -566,7 +567,7 @@ class Engine:
         full = (len(tokens) - 1) // self.pool.block_size
         hit = self.pool.match(self._digests(row, tokens, full) if self.pool.prefix_caching else [])
         self._table_writes += [(row.row, i, b) for i, b in enumerate(hit)]
-        row.blocks, row.registered = list(hit), len(hit)
+        row.blocks, row.registered, row.matched = list(hit), len(hit), True
         row.prefilled = len(hit) * self.pool.block_size
         self.pool.count(len(tokens), row.prefilled)
 
