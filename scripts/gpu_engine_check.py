@@ -10,10 +10,16 @@ and a JSON record:
    (equal to the eager engine's) without a new capture;
 4. rows with attention LoRA (moelora module banks) in the batch: graphs equal eager;
 5. handle.generate (engine, graphs by default) equals the eager engine row by row;
-6. decode tokens/s of eager and graph engines at batch 1 / 16 / 64 (timed after prefill).
+6. decode tokens/s of eager and graph engines at batch 1 / 16 / 64 (timed after prefill);
+7. the paged KV cache (on the runner): a graph engine with blocks for one row of max_len
+   runs 6 rows of --paged-new tokens (preemptions by recompute) equal to the eager engine;
+   a graph engine of default blocks runs 12 rows twice: the second run reads their prompts'
+   blocks from the prefix cache and equals the first.
 
     python scripts/gpu_engine_check.py --out /tmp/engine_check      # on the H200
     python scripts/gpu_engine_check.py --device cpu --layers 2      # dry run (graphs off)
+    TRITON_INTERPRET=1 python scripts/gpu_engine_check.py --device cpu --layers 1 --hidden 128 \
+        --experts 8 --max-rows 4 --new-tokens 3 --batches 1 --runner on --paged-new 24 --dtype float32
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ def parse(argv):
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--batches", default="1,16,64", help="batch sizes timed in item 6")
     p.add_argument("--out", type=Path, default=None, help="folder for gpu_engine_check.json")
+    p.add_argument("--paged-new", type=int, default=40, help="new tokens of item 7's rows")
+    p.add_argument("--runner", choices=("auto", "on"), default="auto",
+                   help="moelora's decode runner: auto (on a GPU) or on (also on a CPU)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -98,10 +107,11 @@ def drive(engine, reqs, per_join: int = 4):
     try:
         pending, step = list(reqs), 0
         while pending or engine.has_work:
-            if step % 2 == 0:
-                for r in pending[:per_join]:
-                    engine.add(r)
-                pending = pending[per_join:]
+            if step % 2 == 0:  # up to per_join rows, in order, while the engine has room
+                joined = 0
+                while pending and joined < per_join and engine.admissible(pending[0]) is None:
+                    engine.add(pending.pop(0))
+                    joined += 1
             for e in engine.step():
                 tokens.setdefault(e.request_id, []).append(e.token_id)
             step += 1
@@ -139,6 +149,36 @@ def decode_rate(engine, batch: int, new: int, seed: int) -> float:
     return made / (time.perf_counter() - start)
 
 
+def paged_check(check, handle, names, args, runner, eager, dtype, tol) -> None:
+    """Item 7: preemption by recompute and prefix caching, against the eager engine."""
+    from moelora.engine import Engine
+
+    if eager.pool is None:
+        print("SKIP paged KV cache: the engine is not on the runner here (--runner on)")
+        return
+    per_row = -(-128 // 16)
+    small = Engine(handle, max_rows=args.max_rows, max_len=128, runner=runner, block_size=16,
+                   num_blocks=per_row + 1)  # fmt: skip
+    small.warmup()
+    reqs = requests(5, names[:6], args.paged_new)  # rows growing by paged_new / 16 blocks
+    p_out, e_out = drive(small, reqs), drive(eager, reqs)
+    worst, share = agreement(p_out, e_out, dtype)
+    check("paged: preempted rows equal eager", worst <= tol and small.preemptions > 0,
+          {"rel_err": worst, "equal_tokens": share, "preemptions": small.preemptions,
+           "blocks_back": small.pool.used == 0})  # fmt: skip
+    small.close()
+    big = Engine(handle, max_rows=args.max_rows, max_len=128, runner=runner)
+    big.warmup()
+    first = drive(big, requests(6, names, args.new_tokens))
+    again = drive(big, requests(6, names, args.new_tokens))
+    worst, share = agreement(again, first, dtype)
+    check("paged: prefix-cache hits equal the first run",
+          worst <= tol and big.pool.stats.hits > 0,
+          {"rel_err": worst, "equal_tokens": share, "hit_tokens": big.pool.stats.hits,
+           "blocks_back": big.pool.used == 0})  # fmt: skip
+    big.close()
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -160,8 +200,9 @@ def main(argv=None) -> int:
         result.setdefault("checks", {})[name] = {"pass": bool(passed), **detail}
         print(f"{'PASS' if passed else 'FAIL'} {name}: {detail}")
 
-    eager = Engine(handle, max_rows=args.max_rows, max_len=128, enforce_eager=True)
-    graphs = Engine(handle, max_rows=args.max_rows, max_len=128)
+    runner = True if args.runner == "on" else None
+    eager = Engine(handle, max_rows=args.max_rows, max_len=128, enforce_eager=True, runner=runner)
+    graphs = Engine(handle, max_rows=args.max_rows, max_len=128, runner=runner)
     report = graphs.warmup()
     result["startup"] = (
         None if report is None else {"seconds": report.seconds, "buckets": list(report.buckets)}
@@ -211,6 +252,8 @@ def main(argv=None) -> int:
         equal >= len(reqs) // 2,
         {"rows_equal_eager": f"{equal}/{len(reqs)}"},
     )
+
+    paged_check(check, handle, names, args, runner, eager, dtype, tol)
 
     rates = {}
     for batch in [int(b) for b in args.batches.split(",") if int(b) <= args.max_rows]:
