@@ -1,10 +1,11 @@
 """/metrics as a router reads it: vLLM's families (names, types, labels, buckets as
-vllm/v1/metrics/loggers.py declares them) beside moelora's, parsed with prometheus_client's
-text parser from a real `moelora serve` on 127.0.0.1 (the `openai` client). With one adapter
-slot, a stream of adapter A holds it while a request of adapter B waits: the gauges and
-vllm:lora_requests_info's running / waiting labels follow A, then B, then nothing; slot
-residency names the adapter in the slot; per-adapter series hold only loaded adapters (an
-unloaded one's counts move to __other__, a name no adapter has never appears)."""
+vllm/v1/metrics/loggers.py declares them; the paged cache's values in test_serve_paged.py)
+beside moelora's, parsed with prometheus_client's text parser from a real `moelora serve` on
+127.0.0.1 (the `openai` client). With one adapter slot, a stream of adapter A holds it
+while a request of adapter B waits: the gauges and vllm:lora_requests_info's running /
+waiting labels follow A, then B, then nothing; slot residency names the adapter in the slot;
+per-adapter series hold only loaded adapters (an unloaded one's counts move to __other__, a
+name no adapter has never appears)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ VLLM_FAMILIES = [
     ("vllm:num_requests_running", "gauge", {"model_name", "engine"}, None),
     ("vllm:num_requests_waiting", "gauge", {"model_name", "engine"}, None),
     ("vllm:kv_cache_usage_perc", "gauge", {"model_name", "engine"}, None),
+    ("vllm:num_preemptions", "counter", {"model_name", "engine"}, None),
+    ("vllm:prefix_cache_queries", "counter", {"model_name", "engine"}, None),
+    ("vllm:prefix_cache_hits", "counter", {"model_name", "engine"}, None),
     ("vllm:prompt_tokens", "counter", {"model_name", "engine"}, None),
     ("vllm:generation_tokens", "counter", {"model_name", "engine"}, None),
     ("vllm:request_success", "counter", {"model_name", "engine", "finished_reason"}, None),
@@ -120,6 +124,9 @@ def test_vllm_families_have_vllms_names_types_labels_and_buckets(server, client)
             bounds = [float(s.labels["le"]) for s in fams[name].samples
                       if s.name == name + "_bucket"]  # fmt: skip
             assert bounds == [*buckets, float("inf")], name
+    # a CPU: transformers' forward, one KV slab per row: nothing preempted, no prefix cache
+    for name in ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+        assert value(fams, name, name + "_total") == 0, name
     reasons = {s.labels["finished_reason"] for s in fams["vllm:request_success"].samples}
     assert reasons == {"stop", "length", "abort", "error", "repetition"}  # vLLM's, from 0
     assert value(fams, "vllm:request_success", "vllm:request_success_total",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..serve.model_dir import DecodeRunner
 from .flag_terms import VLLM_LORA_FLAGS
 from .flag_types import float_in, int_at_least, port, positive_int
 from .vllm_serve_flags import add_refused
@@ -20,6 +21,8 @@ SERVE_FLAGS = VLLM_LORA_FLAGS | {
     "max_rows": "--max-num-seqs",
     "max_len": "--max-model-len",
     "max_new_tokens": "max_tokens",
+    "num_blocks": "--num-gpu-blocks-override",
+    "block_size": "--block-size",
 }
 
 
@@ -116,7 +119,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output (default: the model's max positions)")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=fraction, default=None,
                    help="size the KV cache to fill this fraction of the GPU's memory after "
-                   "weights and adapter banks (at most --max-num-seqs rows; GPU only)")  # fmt: skip
+                   "weights, adapter banks and the longest prefill's activations: blocks on "
+                   "the decode runner, else rows (at most --max-num-seqs); GPU only")  # fmt: skip
+    add_cache_flags(p)
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the generator requests without a seed sample from")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), bf16, "
@@ -128,6 +133,26 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     add_refused(p)
     p.set_defaults(flag_terms=SERVE_FLAGS)  # errors name --max-loras, not num_slots
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    """Where decode steps run and the paged KV cache the decode runner keeps (vLLM's names)."""
+    p.add_argument("--decode-runner", choices=[r.value for r in DecodeRunner], default="auto",
+                   help="auto: moelora's decode runner (paged KV cache) on a CUDA GPU when it "
+                   "knows the model's family, else transformers' forward (one KV slab per "
+                   "row); on: the runner wherever the model runs (a model it does not know is "
+                   "refused with why); off: transformers' forward (default auto)")  # fmt: skip
+    p.add_argument("--block-size", type=positive_int, default=16,
+                   help="positions per KV-cache block on the decode runner (default 16)")  # fmt: skip
+    p.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N",
+                   help="KV-cache blocks on the decode runner, whatever "
+                   "--gpu-memory-utilization sizes (default: --max-num-seqs requests of "
+                   "--max-model-len, or that sizing)")  # fmt: skip
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="a prompt whose leading full blocks a request of the same adapter "
+                   "version computed reads them from the cache (decode runner; default "
+                   "on)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

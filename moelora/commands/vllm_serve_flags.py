@@ -19,8 +19,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--quantization", "-q"): "the experts' format is read from the checkpoint's config.json "
     "(quantization_config; FP8 experts: docs/fp8.md)",
     ("--kv-cache-dtype",): "the KV cache is kept in the model's dtype",
-    ("--block-size",): "the KV cache is one slab of --max-model-len positions per row, not blocks",
-    ("--enable-prefix-caching",): "no prefix cache is kept (each request prefills its prompt)",
     ("--swap-space",): "no KV cache is swapped to host memory",
     ("--trust-remote-code",): "models are built with transformers' own classes; no code from "
     "the model directory is run",

@@ -31,7 +31,7 @@ SHUTDOWN_MARGIN_S = 5.0
 
 
 def settings_of(args: argparse.Namespace):
-    from .model_dir import LoadFormat, ServeSettings, parse_lora_modules
+    from .model_dir import DecodeRunner, LoadFormat, ServeSettings, parse_lora_modules
 
     return ServeSettings(
         model=Path(args.model), lora_modules=parse_lora_modules(args.lora_modules),
@@ -41,6 +41,10 @@ def settings_of(args: argparse.Namespace):
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         chat_template=getattr(args, "chat_template", None),
         load_format=LoadFormat(getattr(args, "load_format", "auto")),
+        decode_runner=DecodeRunner(getattr(args, "decode_runner", "auto")),
+        block_size=getattr(args, "block_size", 16),
+        num_gpu_blocks_override=getattr(args, "num_gpu_blocks_override", None),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
     )  # fmt: skip
 
 
@@ -48,11 +52,10 @@ def start(args: argparse.Namespace, model=None):
     """The ServeContext: verdict printed, weights loaded, the scheduler thread running.
     model: weights already on the device instead of MODEL_DIR's (model_dir.load)."""
     _need_serve_extra()
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: Triton's interpreter
+    _interpret_without_gpu()
     from . import model_dir
     from .context import ServeContext
-    from .metrics import Metrics, Setting
+    from .metrics import Metrics, Setting, paged_cache_of
     from .scheduler import Scheduler
     from .watchdog import StallWatchdog
 
@@ -62,18 +65,14 @@ def start(args: argparse.Namespace, model=None):
     if getattr(args, "seed", None) is not None:
         torch.manual_seed(args.seed)  # requests without a seed draw from this generator
     handle, tokenizer = model_dir.load(settings, model)
-    from ..engine import Engine
-
-    rows = _engine_rows(args, settings, handle)
-    engine = Engine(handle, max_rows=rows, max_len=settings.max_model_len,
-                    enforce_eager=settings.enforce_eager or None,
-                    max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None))  # fmt: skip
+    engine = _engine(args, settings, handle)
     report = engine.warmup()  # every decode graph captured before the first request (GPU)
     if report is not None:
         print(f"moelora {args.command}: {report}", flush=True)
     name = getattr(args, "served_model_name", None) or args.model
-    metrics = Metrics(Setting(name, settings.max_loras, rows,
-                              is_loaded=lambda adapter: handle.version(adapter) is not None))  # fmt: skip
+    metrics = Metrics(Setting(name, settings.max_loras, engine.max_rows,
+                              is_loaded=lambda adapter: handle.version(adapter) is not None,
+                              kv_cache=paged_cache_of(engine)))  # fmt: skip
     scheduler = Scheduler(engine, metrics).start()
     stall_s = getattr(args, "stall_dump_seconds", 0.0)  # serve's flag; run-batch: off
     StallWatchdog(scheduler.snapshot, stall_s, metrics, lambda: scheduler.alive).start()
@@ -85,6 +84,13 @@ def start(args: argparse.Namespace, model=None):
         runtime_lora=getattr(args, "enable_runtime_lora", False),
         allowed_lora_root=allowed, parents=parents, metrics=metrics,
     )  # fmt: skip
+
+
+def _interpret_without_gpu() -> None:
+    """No GPU: Triton's interpreter runs the kernels (the decode runner's). Set before any
+    kernel module is imported: Triton picks the interpreter when a kernel is defined."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _need_serve_extra() -> None:
@@ -141,19 +147,73 @@ def _allowed_root(value: str | None) -> Path | None:
     return root
 
 
-def _engine_rows(args, settings, handle) -> int:
-    """--max-num-seqs, or what --gpu-memory-utilization leaves room for (printed)."""
-    if settings.gpu_memory_utilization is None:
-        return settings.max_num_seqs
+def _engine(args, settings, handle):
+    """The decode engine of the flags, its KV cache sized and described in one printed line.
+    Refused: --decode-runner on for a model the runner does not know (why), and
+    --num-gpu-blocks-override where the cache is not paged."""
+    from ..engine import Engine
+    from ..engine.runner import runner_support
+    from . import kv_budget
+    from .model_dir import DecodeRunner
+
+    reasons = runner_support(handle.model)
+    if settings.decode_runner is DecodeRunner.ON and reasons:
+        raise ConfigError("--decode-runner", "on", "a model the decode runner knows: "
+                          + "; ".join(reasons), "pass --decode-runner auto (or off): "
+                          "transformers' forward decodes this model")  # fmt: skip
+    max_len = settings.max_model_len or handle.model.config.max_position_embeddings
+    batched = getattr(args, "max_num_batched_tokens", None)
+    size, source = _kv_size(settings, handle, max_len, batched)
+    engine = Engine(handle, max_rows=size.rows, max_len=settings.max_model_len,
+                    enforce_eager=settings.enforce_eager or None,
+                    runner=settings.decode_runner.engine_value, max_num_batched_tokens=batched,
+                    block_size=settings.block_size, num_blocks=size.num_blocks,
+                    enable_prefix_caching=settings.enable_prefix_caching)  # fmt: skip
+    if engine.pool is None:
+        why = _unpaged_why(settings, reasons)
+        if settings.num_gpu_blocks_override is not None:
+            engine.close()
+            raise ConfigError("--num-gpu-blocks-override", settings.num_gpu_blocks_override,
+                              "a paged KV cache to size, which only the decode runner keeps "
+                              f"(this engine runs transformers' forward: {why})",
+                              "leave --num-gpu-blocks-override out"
+                              + ("" if reasons else ", or pass --decode-runner on"))  # fmt: skip
+        line = (f"{kv_budget.describe(engine, max_len, source)} on transformers' forward "
+                f"({why}): --block-size and --enable-prefix-caching apply to the decode "
+                "runner's paged cache only")  # fmt: skip
+    else:
+        line = kv_budget.describe(engine, max_len, source)
+    print(f"moelora {args.command}: {line}", flush=True)
+    return engine
+
+
+def _kv_size(settings, handle, max_len: int, batched: int | None):
+    """(KvSize, the flag that sized it): --num-gpu-blocks-override over
+    --gpu-memory-utilization (vLLM's order), else --max-num-seqs rows of --max-model-len."""
     from . import kv_budget
 
-    max_len = settings.max_model_len or handle.model.config.max_position_embeddings
-    rows = kv_budget.engine_rows(
-        handle, max_len, settings.max_num_seqs, settings.gpu_memory_utilization
-    )
-    print(f"moelora {args.command}: KV cache of {rows} rows x {max_len} positions under "
-          f"--gpu-memory-utilization {settings.gpu_memory_utilization}", flush=True)  # fmt: skip
-    return rows
+    rows, blocks = settings.max_num_seqs, settings.num_gpu_blocks_override
+    if blocks is not None:
+        return kv_budget.KvSize(rows, blocks), f"--num-gpu-blocks-override {blocks}"
+    utilization = settings.gpu_memory_utilization
+    if utilization is None:
+        return kv_budget.KvSize(rows, None), "--max-num-seqs x --max-model-len"
+    size = kv_budget.engine_size(
+        handle, max_len, rows, utilization, runner=settings.decode_runner.engine_value,
+        block_size=settings.block_size, max_num_batched_tokens=batched,
+    )  # fmt: skip
+    return size, f"--gpu-memory-utilization {utilization}"
+
+
+def _unpaged_why(settings, reasons: list[str]) -> str:
+    """Why the engine runs transformers' forward (its KV cache one slab per row)."""
+    from .model_dir import DecodeRunner
+
+    if settings.decode_runner is DecodeRunner.OFF:
+        return "--decode-runner off"
+    if reasons:
+        return "the decode runner does not know this model: " + "; ".join(reasons)
+    return "no CUDA GPU: --decode-runner auto runs the decode runner on one, on runs it here"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -174,6 +234,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace, model=None) -> int:
+    _interpret_without_gpu()  # before the app's imports reach the engine's kernels
     import uvicorn
 
     from .app import build_app

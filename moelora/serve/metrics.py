@@ -11,6 +11,11 @@ runtime adapter loads and unloads, adapter copies into slots and slot evictions,
 reports (watchdog.py); gauges:
 requests queued, rows running; histograms: time to first token and inter-token latency.
 
+The paged KV cache's numbers (blocks held, preemptions, prefix-cache tokens queried and hit:
+vLLM's kv_cache_usage_perc, num_preemptions, prefix_cache_queries / _hits) are read from
+the engine on the scheduler thread, each time it reports the load (after every step), so a
+scrape sees them as they were between two steps, never half-way through one.
+
 Label values are bounded by the server's configuration, never by what clients send: the
 per-adapter series name only adapters loaded now (a request can only run on one); the
 counts of an adapter that was unloaded move to `adapter_name="__other__"`, so each series
@@ -49,6 +54,9 @@ VLLM_HELP = {
     "num_requests_running": "Number of requests in model execution batches.",
     "num_requests_waiting": "Number of requests waiting to be processed.",
     "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "num_preemptions_total": "Cumulative number of preemption from the engine.",
+    "prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
     "prompt_tokens_total": "Number of prefill tokens processed.",
     "generation_tokens_total": "Number of generation tokens processed.",
     "request_success_total": "Count of successfully processed requests.",
@@ -67,15 +75,44 @@ ENGINE = "0"  # vLLM's `engine` label: this server runs one engine
 
 
 @dataclass(frozen=True)
+class KvCache:
+    """The paged KV cache between two steps: blocks held and usable (the null block not
+    among them), and since the start preemptions and prefix-cache tokens queried and hit."""
+
+    used: int = 0
+    capacity: int = 0
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+def paged_cache_of(engine) -> Callable[[], KvCache] | None:
+    """A reader of `engine`'s paged cache (moelora.engine.Engine: pool, preemptions), for
+    Setting.kv_cache; None when its cache is not paged (rows of one slab each). Without
+    prefix caching no prefix is looked up: 0 queries, as vLLM counts them."""
+    pool = engine.pool
+    if pool is None:
+        return None
+    on = pool.prefix_caching
+    return lambda: KvCache(
+        pool.used, pool.capacity, engine.preemptions,
+        pool.stats.queries if on else 0, pool.stats.hits if on else 0,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Setting:
     """What the metrics are labelled with: the served model's name (vLLM's `model_name`),
     --max-loras (`max_lora`), the engine's rows (the KV cache's), and whether a name is an
-    adapter loaded now (per-adapter series keep only those)."""
+    adapter loaded now (per-adapter series keep only those). kv_cache: the paged cache's
+    reader (paged_cache_of), called on the scheduler thread; None: the cache is one slab per
+    row, its usage is rows running / rows, and nothing is preempted or cached."""
 
     model_name: str = ""
     max_loras: int = 0
     rows: int = 0
     is_loaded: Callable[[str], bool] = lambda name: False
+    kv_cache: Callable[[], KvCache] | None = None
 
 
 class Metrics:
@@ -101,17 +138,20 @@ class Metrics:
         self.per_adapter: dict[str, Counter[str]] = {}  # adapter -> requests, tokens
         self._lora_state: tuple[str, str] = ("", "")  # running, waiting adapters (joined)
         self._lora_time = time.time()
+        self.kv = KvCache()  # the paged cache at the last report (zeros when not paged)
 
     # ---- the scheduler thread ------------------------------------------------------------
 
     def set_load(self, queued: int, running: int, running_adapters: Sequence = (),
                  waiting_adapters: Sequence = ()) -> None:  # fmt: skip
         """Requests queued and rows running, and the adapters of each (None: the base
-        model), as vLLM's lora_requests_info reports them, stamped with the time."""
+        model), as vLLM's lora_requests_info reports them, stamped with the time; the paged
+        cache's numbers read now (this thread drives the engine)."""
         running_names = ",".join(sorted({str(a) for a in running_adapters if a is not None}))
         waiting_names = ",".join(sorted({str(a) for a in waiting_adapters if a is not None}))
+        kv = self.setting.kv_cache() if self.setting.kv_cache is not None else KvCache()
         with self._lock:
-            self.queued, self.running = queued, running
+            self.queued, self.running, self.kv = queued, running, kv
             self._lora_state = (running_names, waiting_names)
             self._lora_time = time.time()
 
@@ -229,7 +269,11 @@ class Metrics:
     def _vllm_lines(self) -> list[str]:
         """vLLM's families under vLLM's names, labels and help texts."""
         engine = (("model_name", self.setting.model_name), ("engine", ENGINE))
-        rows = self.setting.rows
+        rows, kv = self.setting.rows, self.kv
+        if self.setting.kv_cache is not None:  # paged: blocks held / blocks usable
+            usage = kv.used / kv.capacity if kv.capacity else 0.0
+        else:  # a row's KV cache is one slab of max_len positions, reserved whole while it runs
+            usage = self.running / rows if rows else 0.0
         reasons = Counter({r: 0 for r in VLLM_REASONS})
         for reason, n in self.requests.items():
             reasons[TO_VLLM_REASON.get(reason, reason)] += n
@@ -240,8 +284,10 @@ class Metrics:
         for name, kind, samples in (
             ("num_requests_running", "gauge", [(engine, self.running)]),
             ("num_requests_waiting", "gauge", [(engine, self.queued)]),
-            # a row's KV cache is one slab of max_len positions, reserved whole while it runs
-            ("kv_cache_usage_perc", "gauge", [(engine, self.running / rows if rows else 0.0)]),
+            ("kv_cache_usage_perc", "gauge", [(engine, usage)]),
+            ("num_preemptions_total", "counter", [(engine, kv.preemptions)]),
+            ("prefix_cache_queries_total", "counter", [(engine, kv.prefix_queries)]),
+            ("prefix_cache_hits_total", "counter", [(engine, kv.prefix_hits)]),
             ("prompt_tokens_total", "counter", [(engine, self.prompt_tokens)]),
             ("generation_tokens_total", "counter", [(engine, self.generation_tokens)]),
             ("request_success_total", "counter",

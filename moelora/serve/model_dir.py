@@ -34,6 +34,24 @@ class LoadFormat(str, enum.Enum):
     DUMMY = "dummy"
 
 
+class DecodeRunner(str, enum.Enum):
+    """--decode-runner: where decode steps and prefills run. auto: moelora's decode runner on
+    a CUDA GPU when it knows the model's family (the engine's runner=None); on: the runner
+    wherever the model runs, a model it does not know refused with why (runner=True); off:
+    transformers' forward (runner=False). On the runner the KV cache is paged (blocks of
+    --block-size positions); on transformers' forward it is one slab of --max-model-len per
+    row."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @property
+    def engine_value(self) -> bool | None:
+        """The Engine's `runner` argument."""
+        return {DecodeRunner.AUTO: None, DecodeRunner.ON: True, DecodeRunner.OFF: False}[self]
+
+
 # vLLM's dummy weights: every floating tensor uniform in [-1e-3, 1e-3] (vLLM found this
 # range gives no NaN for most models), each from a generator seeded with 1234 (vLLM's), so
 # two servers of one config hold the same weights.
@@ -66,6 +84,12 @@ class ServeSettings:
     gpu_memory_utilization: float | None = None  # None: --max-num-seqs rows of KV cache
     chat_template: str | None = None  # --chat-template: a file, or the template itself
     load_format: LoadFormat = LoadFormat.AUTO
+    decode_runner: DecodeRunner = DecodeRunner.AUTO
+    # the paged KV cache (the decode runner's; vLLM's CacheConfig names)
+    block_size: int = 16  # positions per block
+    num_gpu_blocks_override: int | None = None  # None: --max-num-seqs rows' worth, or sized
+    # by --gpu-memory-utilization
+    enable_prefix_caching: bool = True
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, LoraModule]:
@@ -118,6 +142,7 @@ def preflight(settings: ServeSettings) -> str:
         raise ConfigError("MODEL_DIR", str(settings.model), "a model directory with config.json",
                           "save_pretrained the model there")  # fmt: skip
     _check_model_len(settings, config)
+    _check_blocks(settings, config)
     device, dtype = device_and_dtype(settings)
     model_config = from_hf(config)
     if settings.load_format is LoadFormat.DUMMY and model_config.quantization.method.is_fp8:
@@ -144,13 +169,46 @@ def _check_model_len(settings: ServeSettings, config: Path) -> None:
     """--max-model-len past the model's positions is refused (as vLLM refuses it)."""
     if settings.max_model_len is None:
         return
-    raw = json.loads(config.read_text())
-    raw = raw.get("text_config", raw)  # multimodal configs (Llama 4) nest the text model's
-    positions = raw.get("max_position_embeddings")
-    if positions is not None and settings.max_model_len > int(positions):
+    positions = _positions(config)
+    if positions is not None and settings.max_model_len > positions:
         raise ConfigError("--max-model-len", settings.max_model_len,
                           f"at most the model's max_position_embeddings ({positions})",
                           f"pass --max-model-len {positions} or less, or leave it out")  # fmt: skip
+
+
+def _check_blocks(settings: ServeSettings, config: Path) -> None:
+    """--num-gpu-blocks-override: only where the KV cache is paged, and at least one
+    --max-model-len request's blocks and the null block (the engine refuses fewer)."""
+    from .kv_budget import min_blocks
+
+    blocks = settings.num_gpu_blocks_override
+    if blocks is None:
+        return
+    if settings.decode_runner is DecodeRunner.OFF:
+        raise ConfigError("--num-gpu-blocks-override", blocks, "a paged KV cache to size, "
+                          "which only the decode runner keeps (--decode-runner off: one slab "
+                          "of --max-model-len per row, --max-num-seqs rows)",
+                          "leave --num-gpu-blocks-override out, or pass --decode-runner auto "
+                          "or on")  # fmt: skip
+    max_len = settings.max_model_len or _positions(config)
+    if max_len is None:
+        return  # no length in config.json: the engine checks it once the model is built
+    need = min_blocks(max_len, settings.block_size)
+    if blocks < need:
+        raise ConfigError("--num-gpu-blocks-override", blocks,
+                          f">= {need}: one request of --max-model-len {max_len} fills "
+                          f"{need - 1} blocks of --block-size {settings.block_size}, and "
+                          "block 0 is the null block",
+                          f"pass --num-gpu-blocks-override {need} or more, or a smaller "
+                          "--max-model-len")  # fmt: skip
+
+
+def _positions(config: Path) -> int | None:
+    """config.json's max_position_embeddings (the text model's in a multimodal config)."""
+    raw = json.loads(config.read_text())
+    raw = raw.get("text_config", raw)  # multimodal configs (Llama 4) nest the text model's
+    positions = raw.get("max_position_embeddings")
+    return None if positions is None else int(positions)
 
 
 def chat_template(value: str) -> str:
