@@ -20,9 +20,12 @@ than asked is counted failed, with its error. The long-prompt scenario starts
 --long-streams streams, and once each has streamed tokens sends one --long-prompt-token
 prompt: the streams' inter-token latency before it is sent against while it waits for its
 first token. Adapter copies into slots are read from the server's /metrics
-(moelora_adapter_slot_loads_total); preemptions and the prefix-cache hit rate too, where the
-server exports them (vLLM's names), else reported with the reason. Output: a table on stdout
-(rows as BENCHMARKS.md cites them) and --json.
+(moelora_adapter_slot_loads_total) before and after each run, and so are preemptions and the
+prefix-cache hit rate (vLLM's vllm:num_preemptions_total, vllm:prefix_cache_hits_total /
+vllm:prefix_cache_queries_total), each with the reason when it is 0 by construction or not
+applicable (the server's KV cache, as its startup line says, is in the JSON). --decode-runner,
+--block-size, --num-gpu-blocks-override and --[no-]enable-prefix-caching are passed to the
+server when given. Output: a table on stdout (rows as BENCHMARKS.md cites them) and --json.
 
     python -m benchmarks.serve_load --json $OUT/serve_load.json
 """
@@ -71,6 +74,12 @@ def parse(argv=None) -> argparse.Namespace:
     add("--max-num-seqs", type=int, default=64)
     add("--max-num-batched-tokens", type=int, default=None, help="passed to the server")
     add("--gpu-memory-utilization", type=float, default=None, help="passed to the server")
+    add("--decode-runner", choices=("auto", "on", "off"), default=None,
+        help="passed to the server (its default: auto)")  # fmt: skip
+    add("--block-size", type=int, default=None, help="passed to the server (its default: 16)")
+    add("--num-gpu-blocks-override", type=int, default=None, help="passed to the server")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="passed to the server (its default: on)")  # fmt: skip
     add("--long-prompt", type=int, default=16384, help="the long prompt's tokens (0: no run)")
     add("--long-streams", type=int, default=16, help="streams running when it arrives")
     add("--long-stream-tokens", type=int, default=512, help="each stream's output tokens")
@@ -123,9 +132,13 @@ def server_argv(args, work: Path, names: list[str]) -> list[str]:
         # rows x --max-model-len of static KV slabs (16k for the long prompt) would not fit
         # beside 48 layers' weights at --max-num-seqs 64: the server sizes them to 0.9
         args.gpu_memory_utilization = 0.9
-    for flag in ("max_num_batched_tokens", "gpu_memory_utilization"):
+    for flag in ("max_num_batched_tokens", "gpu_memory_utilization", "decode_runner",
+                 "block_size", "num_gpu_blocks_override"):  # fmt: skip
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.enable_prefix_caching is not None:
+        argv.append("--enable-prefix-caching" if args.enable_prefix_caching
+                    else "--no-enable-prefix-caching")  # fmt: skip
     if args.tiny:
         argv += ["--dtype", "float32"]
     return argv
@@ -170,12 +183,19 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 9
     raise SystemExit(f"the server was not ready after {timeout_s} s (log: {log})")
 
 
-def kv_rows(log: Path, args) -> int:
-    """The engine's rows of KV cache: --max-num-seqs, or what the server printed it sized
-    under --gpu-memory-utilization (one slab of --max-model-len per row: a long
-    --max-model-len leaves fewer rows than --max-num-seqs)."""
-    found = re.search(r"KV cache of (\d+) rows", log.read_text())
-    return int(found.group(1)) if found else args.max_num_seqs
+def kv_cache_of(log: Path, args) -> dict:
+    """The server's KV cache as its startup line says: paged (blocks of block_size
+    positions, prefix caching on or off) or one slab of max_len positions per row (rows:
+    --max-num-seqs, or what --gpu-memory-utilization left room for)."""
+    text = log.read_text()
+    paged = re.search(r"KV cache of (\d+) blocks x (\d+) positions .*prefix caching (on|off)",
+                      text)  # fmt: skip
+    if paged:
+        return {"paged": True, "blocks": int(paged[1]), "block_size": int(paged[2]),
+                "prefix_caching": paged[3] == "on"}  # fmt: skip
+    slab = re.search(r"KV cache of (\d+) rows x (\d+) positions", text)
+    rows, positions = (int(slab[1]), int(slab[2])) if slab else (args.max_num_seqs, None)
+    return {"paged": False, "rows": rows, "positions": positions}
 
 
 async def one(client, model: str, prompt, max_tokens: int, timeout: float, times=None) -> dict:
@@ -230,7 +250,8 @@ async def run_level(url, plan, concurrency: int, adapters: bool, args) -> dict:
     after = report.counters(get(url + "/metrics"))
     await client.close()
     used = len({a.adapter for a in plan}) if adapters else 0
-    return report.level_row(results, elapsed, before, after) | {"adapter_names_drawn": used}
+    row = report.level_row(results, elapsed, before, after, args.kv_cache)
+    return row | {"adapter_names_drawn": used}
 
 
 async def run_long(url, names: list[str], adapters: bool, args, rng: random.Random) -> dict:
@@ -335,7 +356,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_ready(url, proc, log)
-        doc["server"]["kv_rows"] = kv_rows(log, args)
+        doc["server"]["kv_cache"] = args.kv_cache = kv_cache_of(log, args)
         print(f"serve_load: server ready after {time.perf_counter() - start:.0f} s", flush=True)
         asyncio.run(measure(args, url, names, doc))
         doc["complete"] = True

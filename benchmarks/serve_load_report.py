@@ -1,8 +1,8 @@
 """The load benchmark's rows (benchmarks/serve_load.py): a run's streamed requests summarised
 (completed and failed with their errors, output tokens/s, TTFT and ITL percentiles), the
-server's /metrics counters read before and after it (adapter copies into slots; preemptions
-and prefix-cache hits where the server exports them, else the reason they are not numbers),
-and the readable tables printed at the end."""
+server's /metrics counters read before and after it (adapter copies into slots, preemptions
+and the prefix-cache hit rate, each with the reason when it is 0 by construction, not
+applicable or not exported), and the readable tables printed at the end."""
 
 from __future__ import annotations
 
@@ -15,13 +15,18 @@ PREEMPTIONS = "vllm:num_preemptions_total"  # vLLM's names, read once the server
 PREFIX_HITS, PREFIX_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 READ = (COPIES, COPY_SECONDS, EVICTIONS, PREEMPTIONS, PREFIX_HITS, PREFIX_QUERIES)
 
-# what a row says instead of a number while the server exports no such counter (issue 37)
+# what a row says instead of a number while the server exports no such counter
 NOT_EXPORTED = {
-    "preemptions": "0 by construction: moelora serve holds one KV slab of --max-model-len per "
-    f"running row, so no running request is preempted; {PREEMPTIONS} is read once issue 37's "
-    "paged KV cache exports it",
-    "prefix_cache_hit_rate": "not applicable: moelora serve has no prefix cache yet (issue 37 "
-    f"item 3); read from {PREFIX_HITS} / {PREFIX_QUERIES} once exported",
+    "preemptions": f"not exported: the server's /metrics has no {PREEMPTIONS}",
+    "prefix_cache_hit_rate": f"not exported: the server's /metrics has no {PREFIX_HITS} / "
+    f"{PREFIX_QUERIES}",
+}
+# why a number the server exports is 0 or no rate, from its KV cache (kv_cache_of's dict)
+SLAB = "the KV cache is not paged (transformers' forward: one slab of --max-model-len per row)"
+NOT_APPLICABLE = {
+    "preemptions": f"0 by construction: {SLAB}, so no running request is preempted",
+    "prefix_cache_hit_rate": f"not applicable: {SLAB}, no prefix cache",
+    "prefix_caching_off": "not applicable: the server runs with --no-enable-prefix-caching",
 }
 
 
@@ -51,25 +56,51 @@ def outcome(results: list[dict]) -> dict:
             "failed": sum(failed.values()), "errors": dict(failed)}  # fmt: skip
 
 
-def server_counts(before: dict, after: dict, elapsed: float) -> dict:
+def server_counts(before: dict, after: dict, elapsed: float, kv: dict | None = None) -> dict:
+    """The /metrics counters' growth over a run; `kv`: the server's KV cache as its startup
+    line said (kv_cache_of), which says why a count is 0 or a rate missing."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in READ}
     row = {"adapter_copies": int(delta[COPIES]), "adapter_copies_per_s": delta[COPIES] / elapsed,
            "adapter_copy_seconds": delta[COPY_SECONDS],
            "adapter_evictions": int(delta[EVICTIONS])}  # fmt: skip
+    paged = kv is None or kv["paged"]  # a server that does not say: taken as paged
     exported = PREEMPTIONS in after
     row["preemptions"] = int(delta[PREEMPTIONS]) if exported else 0
-    row["preemptions_note"] = None if exported else NOT_EXPORTED["preemptions"]
+    row["preemptions_note"] = (NOT_EXPORTED["preemptions"] if not exported else None if paged
+                               else NOT_APPLICABLE["preemptions"])  # fmt: skip
     exported = PREFIX_HITS in after and PREFIX_QUERIES in after
     queries = delta[PREFIX_QUERIES]
     row["prefix_cache_hit_rate"] = delta[PREFIX_HITS] / queries if exported and queries else None
-    row["prefix_cache_note"] = (None if exported and queries else "no prefix-cache query" if
-                                exported else NOT_EXPORTED["prefix_cache_hit_rate"])  # fmt: skip
+    row["prefix_cache_note"] = _prefix_note(exported, queries, paged, kv)
     return row
 
 
-def level_row(results: list[dict], elapsed: float, before: dict, after: dict) -> dict:
+def _prefix_note(exported: bool, queries: float, paged: bool, kv: dict | None) -> str | None:
+    if not exported:
+        return NOT_EXPORTED["prefix_cache_hit_rate"]
+    if queries:
+        return None
+    if not paged:
+        return NOT_APPLICABLE["prefix_cache_hit_rate"]
+    if kv is not None and not kv["prefix_caching"]:
+        return NOT_APPLICABLE["prefix_caching_off"]
+    return "no prefix-cache query"
+
+
+def kv_summary(kv: dict) -> str:
+    """The server's KV cache in a few words (the table's last line)."""
+    if kv["paged"]:
+        return (f"{kv['blocks']} blocks x {kv['block_size']} positions, prefix caching "
+                f"{'on' if kv['prefix_caching'] else 'off'}")  # fmt: skip
+    return f"{kv['rows']} rows x {kv['positions']} positions (not paged)"
+
+
+def level_row(
+    results: list[dict], elapsed: float, before: dict, after: dict, kv: dict | None = None
+) -> dict:
     """One run of a level: every request counted, latencies of the completed ones, the
-    tokens of all (a failed request's streamed tokens were still produced)."""
+    tokens of all (a failed request's streamed tokens were still produced); `kv`: the
+    server's KV cache (server_counts)."""
     ok = [r for r in results if r["ok"]]
     ttft, itl = [r["ttft"] for r in ok], [g for r in ok for g in r["itl"]]
     tokens = sum(r["tokens"] for r in results)
@@ -77,7 +108,7 @@ def level_row(results: list[dict], elapsed: float, before: dict, after: dict) ->
             "output_tok_s": tokens / elapsed, "ttft_p50_ms": percentile_ms(ttft, 0.5),
             "ttft_p99_ms": percentile_ms(ttft, 0.99), "itl_p50_ms": percentile_ms(itl, 0.5),
             "itl_p99_ms": percentile_ms(itl, 0.99),
-            **server_counts(before, after, elapsed)}  # fmt: skip
+            **server_counts(before, after, elapsed, kv)}  # fmt: skip
 
 
 def long_row(streams: list[dict], long: dict, before: list, during: list, through: int) -> dict:
@@ -132,7 +163,8 @@ def table(doc: dict) -> str:
         out += [f"errors ({r['run']}): {n} x {e}" for e, n in r["errors"].items()]
     warm = doc.get("warmup", {})
     out += [f"errors (warm-up): {n} x {e}" for e, n in warm.get("errors", {}).items()]
+    kv = doc["server"].get("kv_cache")
     out.append(f"warm-up: {warm.get('requests')} requests ({warm.get('failed')} failed); "
-               f"KV cache rows: {doc['server'].get('kv_rows')}; server exit code after "
+               f"KV cache: {kv_summary(kv) if kv else None}; server exit code after "
                f"SIGTERM: {doc['server'].get('exit_code')}")  # fmt: skip
     return "\n".join(out)

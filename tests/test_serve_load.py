@@ -19,7 +19,15 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import serve_load, serve_load_report
-from benchmarks.serve_load_report import COPIES, EVICTIONS, PREEMPTIONS, counters
+from benchmarks.serve_load_report import (
+    COPIES,
+    EVICTIONS,
+    PREEMPTIONS,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    counters,
+    server_counts,
+)
 from benchmarks.serve_workload import Lengths, Shape, Workload, arrivals, popularity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,12 +92,62 @@ def test_metrics_counters_sum_label_sets_and_leave_absent_families_out():
     assert counters(text) == {COPIES: 3.0, EVICTIONS: 1.0, PREEMPTIONS: 7.0}
 
 
+PAGED = {"paged": True, "blocks": 64, "block_size": 16, "prefix_caching": True}
+SLAB = {"paged": False, "rows": 8, "positions": 512}
+COUNTS = [
+    # (id, /metrics after (before: all 0), the server's KV cache, preemptions, its note's
+    # words, hit rate, the rate note's words): each reason a number is 0 or missing
+    ("paged-hits", {PREEMPTIONS: 3, PREFIX_HITS: 32, PREFIX_QUERIES: 128}, PAGED, 3, None,
+     0.25, None),
+    ("paged-no-query", {PREEMPTIONS: 0, PREFIX_HITS: 0, PREFIX_QUERIES: 0}, PAGED, 0, None,
+     None, "no prefix-cache query"),
+    ("prefix-caching-off", {PREEMPTIONS: 1, PREFIX_HITS: 0, PREFIX_QUERIES: 0},
+     PAGED | {"prefix_caching": False}, 1, None, None, "--no-enable-prefix-caching"),
+    ("slab", {PREEMPTIONS: 0, PREFIX_HITS: 0, PREFIX_QUERIES: 0}, SLAB, 0, "0 by construction",
+     None, "no prefix cache"),
+    ("not-exported", {}, None, 0, "not exported", None, "not exported"),
+    ("kv-cache-unknown", {PREEMPTIONS: 2, PREFIX_HITS: 1, PREFIX_QUERIES: 4}, None, 2, None,
+     0.25, None),  # a server whose startup line was not found: its numbers as they are
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", COUNTS, ids=[c[0] for c in COUNTS])
+def test_preemptions_and_hit_rate_say_why_they_are_zero_or_missing(case):
+    _, after, kv, preemptions, why, rate, rate_why = case
+    row = server_counts({}, after, 2.0, kv)
+    assert row["preemptions"] == preemptions and row["prefix_cache_hit_rate"] == rate
+    for note, words in ((row["preemptions_note"], why), (row["prefix_cache_note"], rate_why)):
+        assert note is None if words is None else words in note, (note, words)
+
+
+LOGS = [
+    # (id, the server's startup line, kv_cache_of's dict)
+    ("paged", "moelora serve: KV cache of 40 blocks x 4 positions (160 tokens, 0.00 GiB: "
+     "13.33 requests of --max-model-len 12 at once; at most --max-num-seqs 4 running), "
+     "prefix caching off, sized by --num-gpu-blocks-override 41",
+     {"paged": True, "blocks": 40, "block_size": 4, "prefix_caching": False}),
+    ("slab", "moelora serve: KV cache of 64 rows x 172 positions (0.00 GiB), sized by "
+     "--max-num-seqs x --max-model-len on transformers' forward (no CUDA GPU: ...)",
+     {"paged": False, "rows": 64, "positions": 172}),
+    ("no-line", "moelora serve: base and adapters [] on http://127.0.0.1:1/v1",
+     {"paged": False, "rows": 7, "positions": None}),  # --max-num-seqs
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", LOGS, ids=[c[0] for c in LOGS])
+def test_the_kv_cache_is_read_from_the_servers_startup_line(case, tmp_path):
+    _, line, expected = case
+    (tmp_path / "server.log").write_text(f"INFO x\n{line}\nINFO y\n")
+    args = SimpleNamespace(max_num_seqs=7)
+    assert serve_load.kv_cache_of(tmp_path / "server.log", args) == expected
+
+
 REQUESTS = 4
 ARGV = ["--tiny", "--layers", "1", "--concurrency", "2", "--requests", str(REQUESTS),
         "--prompt-len", "uniform:4:12", "--output-len", "uniform:2:6", "--adapter-names", "6",
         "--adapters", "2", "--max-loras", "2", "--max-num-batched-tokens", "64",
         "--long-prompt", "160", "--long-streams", "2", "--long-stream-tokens", "48",
-        "--request-timeout", "60"]  # fmt: skip
+        "--request-timeout", "60", "--block-size", "8", "--no-enable-prefix-caching"]  # fmt: skip
 LEVEL_FIELDS = {
     "run", "concurrency", "requests", "completed", "failed", "errors", "output_tokens",
     "seconds", "output_tok_s", "vs_lora_free", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
@@ -116,8 +174,12 @@ def test_the_benchmark_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert doc["complete"] and doc["server"]["exit_code"] == 0
     assert doc["server"]["command"][:4] == ["moelora", "serve", str(tmp_path / "w" / "model"),
                                             "--load-format"]  # fmt: skip
-    assert "--max-num-batched-tokens" in doc["server"]["command"]
-    assert doc["server"]["kv_rows"] == 64  # --max-num-seqs: no --gpu-memory-utilization on a CPU
+    command = doc["server"]["command"]
+    assert "--max-num-batched-tokens" in command and "--no-enable-prefix-caching" in command
+    assert command[command.index("--block-size") + 1] == "8"
+    # a CPU: transformers' forward (not paged), --max-num-seqs rows of the long prompt's
+    # 160 tokens, its 4 outputs and 8 spare positions
+    assert doc["server"]["kv_cache"] == {"paged": False, "rows": 64, "positions": 172}
     assert doc["warmup"]["requests"] == 7 and doc["warmup"]["failed"] == 0  # base + 6 names
     assert {"device", "commit", "torch"} <= set(doc["stamp"])
     runs = {r["run"]: r for r in doc["levels"]}
@@ -128,7 +190,7 @@ def test_the_benchmark_runs_end_to_end_on_the_tiny_model(tmp_path):
         assert r["failed"] == 0 and r["errors"] == {}, r["errors"]  # the tiny server fails none
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
         assert r["output_tokens"] >= 2 * REQUESTS and r["output_tok_s"] > 0
-        assert r["preemptions"] == 0 and "paged KV cache" in r["preemptions_note"]
+        assert r["preemptions"] == 0 and "0 by construction" in r["preemptions_note"]
         assert r["prefix_cache_hit_rate"] is None and "no prefix cache" in r["prefix_cache_note"]
     # the same arrivals: the same tokens; LoRA-free copies no adapter
     assert runs["lora-free"]["output_tokens"] == runs["adapters"]["output_tokens"]
@@ -147,6 +209,7 @@ def test_the_benchmark_runs_end_to_end_on_the_tiny_model(tmp_path):
     table = done.stdout
     assert "| 2 | lora-free | 4 (0) |" in table and "| 2 | adapters | 4 (0) |" in table
     assert "| lora-free | 2 | 160 |" in table and "prefix hit rate: not applicable" in table
+    assert "KV cache: 64 rows x 172 positions (not paged)" in table
 
 
 class _Stub:
