@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..serve.launch import _interpret_without_gpu
+
+    _interpret_without_gpu()  # before batch_file's imports reach the kernels
     from tqdm import tqdm
 
     from ..serve.batch_file import count_lines

@@ -547,8 +547,10 @@ class Engine:
 
     def _write_table(self) -> None:
         """The blocks handed out since the last forward, into the device's block table."""
-        if self._table_writes:
-            where = torch.tensor(self._table_writes, dtype=torch.long).to(self.device)
+        if self._table_writes:  # one write per entry, the last (index_put keeps any one)
+            last = {(row, i): block for row, i, block in self._table_writes}
+            where = torch.tensor([(*k, b) for k, b in last.items()], dtype=torch.long)
+            where = where.to(self.device)
             self._table[where[:, 0], where[:, 1]] = where[:, 2].to(torch.int32)
             self._table_writes.clear()
 
