@@ -73,3 +73,30 @@ def greedy_alone(model, prompt: torch.Tensor, new_tokens: int, **kwargs) -> list
             input_ids=prompt[None], max_new_tokens=new_tokens, pad_token_id=0, **kwargs
         )
     return out[0, len(prompt) :].tolist()
+
+
+def run_paged(engine: Engine, arrivals, cancels: dict[str, int], limit: int = 400):
+    """Step a paged engine until every request finished: arrivals [(step, request)] queue at
+    their step and join while admissible() agrees (as the server's scheduler adds them),
+    cancels {request id: step}; after every step the pool's books agree and its used blocks
+    are the rows' (a shared block counted once). Returns (tokens, finish reasons) by id."""
+    queue, tokens, reasons = [], defaultdict(list), {}
+    for step in range(limit):
+        queue += [r for at, r in arrivals if at == step]
+        while queue and engine.admissible(queue[0]) is None:
+            engine.add(queue.pop(0))
+        for rid, at in cancels.items():
+            if at == step:
+                engine.cancel(rid)
+        for event in engine.step():
+            assert event.error is None, event
+            if event.token_id >= 0:
+                tokens[event.request_id].append(event.token_id)
+            if event.finished:
+                reasons[event.request_id] = event.finish_reason
+        engine.pool.check()
+        assert engine.pool.used == len({b for r in engine._rows.values() for b in r.blocks})
+        if len(reasons) == len(arrivals):
+            break
+    assert len(reasons) == len(arrivals), (reasons, queue)
+    return tokens, reasons

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import greedy_alone, run_all
+from engine_helpers import greedy_alone, run_all, run_paged
 
 from moelora.engine import Engine, Request, Sampling
 from moelora.errors import ConfigError
@@ -146,26 +146,7 @@ def test_random_arrivals_lengths_and_cancels_return_every_block(made, seed):
         arrivals.append((rng.randint(0, 8), request))
     cancels = {r.request_id: rng.randint(1, 12) for _, r in rng.sample(arrivals[3:], 2)}
     arrivals.sort(key=lambda a: a[0])
-    queue, tokens, reasons = [], {}, {}
-    for step in range(400):
-        queue += [r for at, r in arrivals if at == step]
-        while queue and engine.admissible(queue[0]) is None:
-            engine.add(queue.pop(0))
-        for rid, at in cancels.items():
-            if at == step:
-                engine.cancel(rid)
-        for event in engine.step():
-            assert event.error is None, event
-            if event.token_id >= 0:
-                tokens.setdefault(event.request_id, []).append(event.token_id)
-            if event.finished:
-                reasons[event.request_id] = event.finish_reason
-        engine.pool.check()
-        held = {b for r in engine._rows.values() for b in r.blocks}
-        assert engine.pool.used == len(held)  # a block two rows share counts once
-        if len(reasons) == len(arrivals):
-            break
-    assert len(reasons) == len(arrivals), reasons
+    tokens, reasons = run_paged(engine, arrivals, cancels)
     for _, r in arrivals:
         reason, got = reasons[r.request_id], tokens.get(r.request_id, [])
         if reason == "cancelled":

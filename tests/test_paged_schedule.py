@@ -16,6 +16,7 @@ import hashlib
 
 import pytest
 import torch
+from engine_helpers import run_paged
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as tally
 from hypothesis import strategies as st
@@ -143,26 +144,10 @@ def test_any_schedule_gives_each_row_its_own_tokens_and_returns_every_block(
         )
         requests.append((r, Request(f"q{i}", prompt, r["adapter"], sampling)))
     slot = {None: -1, **{n: _slot(handle, n) for n in ("a", "b")}}
-    queue, tokens, reasons = [], {}, {}
     try:
-        for step in range(300):
-            queue += [q for r, q in requests if r["at"] == step]
-            while queue and engine.admissible(queue[0]) is None:
-                engine.add(queue.pop(0))
-            for r, q in requests:
-                if r["cancel"] == step:
-                    engine.cancel(q.request_id)
-            for event in engine.step():
-                assert event.error is None, event
-                if event.token_id >= 0:
-                    tokens.setdefault(event.request_id, []).append(event.token_id)
-                if event.finished:
-                    reasons[event.request_id] = event.finish_reason
-            engine.pool.check()
-            assert engine.pool.used == len({b for r in engine._rows.values() for b in r.blocks})
-            if len(reasons) == len(requests):
-                break
-        assert len(reasons) == len(requests), (reasons, queue)
+        arrivals = [(r["at"], q) for r, q in requests]
+        cancels = {q.request_id: r["cancel"] for r, q in requests if r["cancel"] is not None}
+        tokens, reasons = run_paged(engine, arrivals, cancels, limit=300)
         for r, q in requests:
             got = tokens.get(q.request_id, [])
             want = _alone(slot[q.adapter], q.prompt_ids, len(got), vocab)
