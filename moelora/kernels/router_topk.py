@@ -2,7 +2,8 @@
 F.linear returns them, LoRA delta added), a softmax over the experts in fp32, the top-k,
 renormalized over the k when asked, rounded to the logits' dtype as transformers' Qwen3-MoE
 and OLMoE routers return them (or kept in fp32, as Mixtral's); weights come back as fp32 [T, K], ids as int32 [T, K], in descending order of
-weight (torch.topk's order; the lowest expert index among equal probabilities).
+weight (torch.topk's order; among exactly equal probabilities, whose order torch.topk
+leaves unspecified, the lowest expert index first).
 
 One program per token reads its E logits and picks the k largest by k rounds of max /
 argmax. Replaces the softmax, topk, sum, divide and casts (seven launches) after the
