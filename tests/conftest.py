@@ -3,6 +3,8 @@ the variable must be set before any kernel module is imported."""
 
 import os
 import random
+import signal
+import threading
 
 import pytest
 import torch
@@ -14,6 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # kernel workspaces start as NaN: a kernel reading a row nobody wrote fails the test
 os.environ.setdefault("MOELORA_POISON_WORKSPACES", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# A suite started in the background by a non-interactive shell (`cmd &`) inherits SIGINT
+# ignored, and so would every process it starts: the Ctrl-C tests' children would never see
+# theirs. Python's own handler again (children get the default at exec).
+if (
+    signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    and threading.current_thread() is threading.main_thread()
+):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # pytest-xdist runs one worker per core: one intra-op thread each avoids oversubscription,
 # which made small CPU ops (index_add_ in the reference) ~1000x slower on 2-core machines.
