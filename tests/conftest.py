@@ -50,11 +50,24 @@ def seed(request) -> int:
     return value
 
 
+@pytest.fixture(scope="module")
+def model_seed(request) -> int:
+    """A fresh random seed below 1000 for a module's served model (MOELORA_MODEL_SEED=N
+    reproduces one; else MOELORA_SEED % 1000 when that is set); a failure prints it."""
+    fixed = os.environ.get("MOELORA_MODEL_SEED", os.environ.get("MOELORA_SEED"))
+    value = int(fixed) % 1000 if fixed is not None else random.randrange(1000)
+    request.module._moelora_model_seed = value
+    return value
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed:
-        for key, value in item.user_properties:
-            if key == "seed":
-                report.sections.append(("seed", f"reproduce with MOELORA_SEED={value}"))
+        env = [f"MOELORA_SEED={value}" for key, value in item.user_properties if key == "seed"]
+        model = getattr(item.module, "_moelora_model_seed", None)
+        if model is not None:
+            env.append(f"MOELORA_MODEL_SEED={model}")
+        if env:
+            report.sections.append(("seed", f"reproduce with {' '.join(env)}"))

@@ -50,10 +50,10 @@ def test_load_formats_are_served_or_refused_with_the_reason(case, capsys):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, model_seed):
     """The servers' tiny model saved whole (weights included), and its word tokenizer."""
     root = tmp_path_factory.mktemp("dummy")
-    base = toy.build_model("qwen3_moe", seed=random.randrange(1000), max_position_embeddings=64)
+    base = toy.build_model("qwen3_moe", seed=model_seed, max_position_embeddings=64)
     base.save_pretrained(root / "model")
     tokenizer = sf.word_tokenizer(base.config.vocab_size)
     tokenizer.save_pretrained(root / "model")

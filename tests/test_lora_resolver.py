@@ -193,8 +193,8 @@ def test_a_failed_load_is_shared_by_its_waiters_and_tried_again_later(tmp_path, 
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    return sf.build(tmp_path_factory.mktemp("resolver"), seed=random.randrange(1000))
+def served(tmp_path_factory, model_seed):
+    return sf.build(tmp_path_factory.mktemp("resolver"), seed=model_seed)
 
 
 @pytest.fixture(scope="module")

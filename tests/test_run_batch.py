@@ -28,9 +28,9 @@ ADAPTERS = ["fused-r8", "fused-r4-attn", "modules-r4", "fused-r2"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, model_seed):
     # 256 positions: the signal test's 3-word prompts + 200 new tokens fit
-    return sf.build(tmp_path_factory.mktemp("batch"), seed=random.randrange(1000),
+    return sf.build(tmp_path_factory.mktemp("batch"), seed=model_seed,
                     max_positions=256)  # fmt: skip
 
 

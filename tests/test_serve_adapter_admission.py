@@ -22,8 +22,8 @@ NAMES = {f"{d}-{copy}": d for d in DIRS for copy in ("a", "b")}  # name -> adapt
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    return sf.build(tmp_path_factory.mktemp("admission"), seed=random.randrange(1000))
+def served(tmp_path_factory, model_seed):
+    return sf.build(tmp_path_factory.mktemp("admission"), seed=model_seed)
 
 
 @pytest.fixture(scope="module")

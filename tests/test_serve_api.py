@@ -23,8 +23,8 @@ ADAPTERS = ["fused-r8", "fused-r4-attn", "modules-r4", "fused-r2"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    return sf.build(tmp_path_factory.mktemp("served"), seed=random.randrange(1000))
+def served(tmp_path_factory, model_seed):
+    return sf.build(tmp_path_factory.mktemp("served"), seed=model_seed)
 
 
 @pytest.fixture(scope="module")

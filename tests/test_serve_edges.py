@@ -38,9 +38,9 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, model_seed):
     # 4096 positions: rows that run long enough to be caught running
-    return sf.build(tmp_path_factory.mktemp("edges"), seed=random.randrange(1000),
+    return sf.build(tmp_path_factory.mktemp("edges"), seed=model_seed,
                     max_positions=4096)  # fmt: skip
 
 

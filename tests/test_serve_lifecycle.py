@@ -5,7 +5,6 @@ last test."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
@@ -18,9 +17,9 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
+def plain(tmp_path_factory, model_seed):
     """No --api-key, no --enable-runtime-lora; one adapter; 4096 positions (a long request)."""
-    served = sf.build(tmp_path_factory.mktemp("plain"), seed=random.randrange(1000),
+    served = sf.build(tmp_path_factory.mktemp("plain"), seed=model_seed,
                       max_positions=4096)  # fmt: skip
     argv = [str(served.root / "model"), "--served-model-name", "base", "--moe-backend",
             "reference", "--max-num-seqs", "4", "--lora-modules",

@@ -26,8 +26,8 @@ ATOL = 1e-5  # fp32 tiny model: the served logits and HF + PEFT's agree to ~1e-6
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    return sf.build(tmp_path_factory.mktemp("logprobs"), seed=random.randrange(1000))
+def served(tmp_path_factory, model_seed):
+    return sf.build(tmp_path_factory.mktemp("logprobs"), seed=model_seed)
 
 
 @pytest.fixture(scope="module")

@@ -57,9 +57,9 @@ VLLM_FAMILIES = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, model_seed):
     root = tmp_path_factory.mktemp("metrics")
-    return sf.build(root, seed=random.randrange(1000), max_positions=2 * LONG)
+    return sf.build(root, seed=model_seed, max_positions=2 * LONG)
 
 
 @pytest.fixture(scope="module")

@@ -51,8 +51,8 @@ PATIENT_ROUTER = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1",
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    return sf.build(tmp_path_factory.mktemp("ray-served"), seed=random.randrange(1000))
+def served(tmp_path_factory, model_seed):
+    return sf.build(tmp_path_factory.mktemp("ray-served"), seed=model_seed)
 
 
 def serve_argv(served) -> list[str]:

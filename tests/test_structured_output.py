@@ -45,9 +45,9 @@ def bpe_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, model_seed):
     root = tmp_path_factory.mktemp("structured")
-    seed = random.randrange(1000)
+    seed = model_seed
     base = toy.build_model("qwen3_moe", seed=seed, vocab_size=VOCAB)
     base.generation_config.eos_token_id = None  # no end token: the grammar ends the rows
     base.save_pretrained(root / "model")
