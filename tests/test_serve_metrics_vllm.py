@@ -33,6 +33,13 @@ ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 
        20.0, 40.0, 80.0]  # fmt: skip
 REQUEST = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+# token counts: vLLM's 1-2-5 series up to --max-model-len (the model's 2 x LONG positions)
+COUNTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+ITERATION = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+N = [1, 2, 5, 10, 20]
+ENGINE = {"model_name", "engine"}
+CACHE_CONFIG = {"block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+                "num_gpu_blocks", "num_gpu_blocks_override", "engine"}  # fmt: skip
 
 # (family as the parser names it, type, its labels besides le, its bucket bounds or None)
 VLLM_FAMILIES = [
@@ -51,8 +58,18 @@ VLLM_FAMILIES = [
     ("vllm:request_time_per_output_token_seconds", "histogram", {"model_name", "engine"}, ITL),
     ("vllm:e2e_request_latency_seconds", "histogram", {"model_name", "engine"}, REQUEST),
     ("vllm:request_queue_time_seconds", "histogram", {"model_name", "engine"}, REQUEST),
+    ("vllm:request_inference_time_seconds", "histogram", ENGINE, REQUEST),
+    ("vllm:request_prefill_time_seconds", "histogram", ENGINE, REQUEST),
+    ("vllm:request_decode_time_seconds", "histogram", ENGINE, REQUEST),
+    ("vllm:request_prompt_tokens", "histogram", ENGINE, COUNTS),
+    ("vllm:request_generation_tokens", "histogram", ENGINE, COUNTS),
+    ("vllm:request_params_max_tokens", "histogram", ENGINE, COUNTS),
+    ("vllm:request_max_num_generation_tokens", "histogram", ENGINE, COUNTS),
+    ("vllm:request_params_n", "histogram", ENGINE, N),
+    ("vllm:iteration_tokens_total", "histogram", ENGINE, ITERATION),
     ("vllm:lora_requests_info", "gauge",
      {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}, None),
+    ("vllm:cache_config_info", "gauge", CACHE_CONFIG, None),
 ]  # fmt: skip
 
 
@@ -119,7 +136,9 @@ def test_vllm_families_have_vllms_names_types_labels_and_buckets(server, client)
         for s in fams[name].samples:
             assert set(s.labels) - {"le"} == labels, (name, s.labels)
             if "engine" in labels:
-                assert (s.labels["model_name"], s.labels["engine"]) == (BASE, "0")
+                assert s.labels["engine"] == "0"
+            if "model_name" in labels:
+                assert s.labels["model_name"] == BASE
         if buckets is not None:
             bounds = [float(s.labels["le"]) for s in fams[name].samples
                       if s.name == name + "_bucket"]  # fmt: skip
@@ -131,6 +150,51 @@ def test_vllm_families_have_vllms_names_types_labels_and_buckets(server, client)
     assert reasons == {"stop", "length", "abort", "error", "repetition"}  # vLLM's, from 0
     assert value(fams, "vllm:request_success", "vllm:request_success_total",
                  finished_reason="length") >= 1  # fmt: skip
+
+
+def test_per_request_histograms_count_each_row_and_prompt(served, server, client, seed):
+    """Two prompts of lengths p, q with n = 2 and max_tokens m (no end token: every row
+    runs m): 4 rows of their prompt's tokens, m generated, max_tokens m; 2 prompts of n 2,
+    m at most; the steps forwarded every prompt token once and m - 1 decodes per row; each
+    row's inference time holds its prefill and decode times."""
+    rng = random.Random(seed)
+    lengths, m = [rng.randrange(2, 9), rng.randrange(2, 9)], rng.randrange(2, 6)
+    prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in lengths]
+    idle = lambda f: value(f, "vllm:num_requests_running", model_name=BASE) == 0  # noqa: E731
+    before = wait_for(server, idle)
+    out = client.completions.create(model=BASE, prompt=prompts, max_tokens=m, n=2)
+    assert [c.finish_reason for c in out.choices] == ["length"] * 4
+    after = wait_for(server, idle)
+    fams = {f: {s.name: s.value for s in after[f].samples} for f in after}
+    was = {f: {s.name: s.value for s in before[f].samples} for f in before}
+
+    def grew(family: str, part: str) -> float:
+        name = f"{family}_{part}"
+        return fams[family][name] - was[family].get(name, 0)
+
+    rows, tokens = [(n, m) for n in lengths for _ in range(2)], sum(lengths)
+    for family, count, total in (
+        ("vllm:request_prompt_tokens", 4, 2 * tokens),
+        ("vllm:request_generation_tokens", 4, 4 * m),
+        ("vllm:request_params_max_tokens", 4, 4 * m),
+        ("vllm:request_params_n", 2, 4),
+        ("vllm:request_max_num_generation_tokens", 2, 2 * m),
+    ):
+        assert (grew(family, "count"), grew(family, "sum")) == (count, total), family
+    assert grew("vllm:iteration_tokens_total", "sum") == sum(n + m - 1 for n, m in rows)
+    assert grew("vllm:iteration_tokens_total", "count") >= m  # at least one step per token
+    times = {f: grew(f"vllm:request_{f}_time_seconds", "sum")
+             for f in ("prefill", "decode", "inference")}  # fmt: skip
+    for f in times:
+        assert grew(f"vllm:request_{f}_time_seconds", "count") == 4, f
+    assert times["prefill"] > 0 and times["decode"] > 0
+    assert times["inference"] >= times["prefill"] + times["decode"] - 1e-6, times
+    e2e = grew("vllm:e2e_request_latency_seconds", "sum")
+    assert e2e >= times["inference"] - 1e-6, (e2e, times)
+    (info,) = after["vllm:cache_config_info"].samples
+    assert info.value == 1 and info.labels["enable_prefix_caching"] == "False"  # a slab cache
+    assert int(info.labels["num_gpu_blocks"]) == ROWS  # one slab of max_model_len per row
+    assert int(info.labels["block_size"]) == 2 * LONG
 
 
 def test_running_and_waiting_adapters_follow_the_requests(served, server, client, seed):

@@ -88,7 +88,7 @@ def scrape(server) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(text):
         if fam.name.startswith("vllm:") and fam.type in ("gauge", "counter"):
-            samples = [s for s in fam.samples if "engine" in s.labels]
+            samples = [s for s in fam.samples if "model_name" in s.labels]
             if len(samples) == 1:
                 assert samples[0].labels == {"model_name": BASE, "engine": "0"}, samples
                 out[fam.name] = samples[0].value

@@ -73,6 +73,7 @@ class ScriptedEngine:
         self.unloaded: set[str] = set()
         self.gate = threading.Event()
         self.gate.set()
+        self.step_tokens = 0  # the engine's count of the last step's tokens
 
     def check(self, r) -> None:
         if len(r.prompt_ids) + r.sampling.max_new_tokens > self.max_len:
@@ -132,6 +133,7 @@ class ScriptedEngine:
         adapters = {row[0].adapter for row in self.running_rows.values()} - {None}
         self.most_adapters = max(self.most_adapters, len(adapters))
         events = []
+        self.step_tokens = len(set(self.running_rows) - self.cancelled)
         for rid in self.cancelled & set(self.running_rows):
             del self.running_rows[rid]
             events.append(TokenEvent(rid, -1, True, "cancelled"))

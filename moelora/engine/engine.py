@@ -163,6 +163,7 @@ class Engine:
         self.runner = self._runner(runner)
         self.pool: BlockPool | None = None
         self.preemptions = 0
+        self.step_tokens = 0  # tokens the last step() forwarded (prompt and decode; a retry again)
         if self.runner is not None:
             self._paged(block_size, num_blocks, enable_prefix_caching)
         else:  # one spare row past max_rows: what padding rows of a graph bucket write
@@ -347,6 +348,7 @@ class Engine:
         """Prefill the requests added since the last step, then decode every running row.
         A forward that raises is retried row by row: only the rows that fail alone end, with
         finish reason "error" (see the module doc)."""
+        self.step_tokens = 0
         events = [self._finish(rid, -1, "cancelled") for rid in self._cancelled]
         self._cancelled.clear()
         waiting, self._waiting = self._waiting, []
@@ -615,6 +617,7 @@ class Engine:
         """Logits [n, V] of each prompt's last token; with `every`, a list of each prompt's
         [S_i, V]; starts: each prompt's first position (a chunk; the runner only). On the runner once the cache is allocated (its first prefill, which
         allocates it, runs transformers' forward)."""
+        self.step_tokens += sum(len(p) for p in prompts)
         if self.runner is not None:
             return self._prefill_runner(prompts, rows, holds, every, starts)
         plan = plan_prefill(rows, len(prompts[0]), self.device)
@@ -657,6 +660,7 @@ class Engine:
     def _decode(self, running: list[_Row], eager: bool = False) -> Tensor:
         """One token of every running row; logits [len(running), V] in their order.
         eager: no graph replay (a retry of one row after a step failed)."""
+        self.step_tokens += len(running)
         width = max(r.row for r in running) + 1
         # the served modules with LoRA: a Python branch in each module's hook, fixed in a
         # graph, so one set for every step while the loaded adapters' set stays (rows without

@@ -186,9 +186,10 @@ class Generations:
     read whole or as one stream of (choice index, piece)."""
 
     def __init__(self, ctx: ServeContext, prepared: Prepared) -> None:
-        self.prepared = prepared
+        self.ctx, self.prepared = ctx, prepared
         self.items = [Generation(ctx, c, prepared.stop, prepared.chat)
                       for c in prepared.choices]  # fmt: skip
+        self._closed = False
 
     async def start(self) -> None:
         await self._all([g.start() for g in self.items])
@@ -247,8 +248,21 @@ class Generations:
             self.close()
 
     def close(self) -> None:
+        """Cancel what still runs; the first time, each prompt whose choices started is
+        counted in the metrics (its n, the most tokens one of its choices generated)."""
         for g in self.items:
             g.close()
+        if self._closed:
+            return
+        self._closed = True
+        groups: list[list[Generation]] = []
+        for g in self.items:  # a prompt's n choices follow its first
+            if g.choice.first:
+                groups.append([])
+            groups[-1].append(g)
+        for group in groups:
+            if any(g.started for g in group):
+                self.ctx.metrics.prompt_ended(len(group), max(g.completion_tokens for g in group))
 
 
 async def answer(ctx: ServeContext, body: protocol.SamplingFields, chat: bool) -> dict:

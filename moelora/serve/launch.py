@@ -55,7 +55,7 @@ def start(args: argparse.Namespace, model=None):
     _interpret_without_gpu()
     from . import model_dir
     from .context import ServeContext
-    from .metrics import Metrics, Setting, paged_cache_of
+    from .metrics import Metrics, Setting, cache_config_of, paged_cache_of
     from .scheduler import Scheduler
     from .watchdog import StallWatchdog
 
@@ -72,7 +72,8 @@ def start(args: argparse.Namespace, model=None):
     name = getattr(args, "served_model_name", None) or args.model
     metrics = Metrics(Setting(name, settings.max_loras, engine.max_rows,
                               is_loaded=lambda adapter: handle.version(adapter) is not None,
-                              kv_cache=paged_cache_of(engine)))  # fmt: skip
+                              kv_cache=paged_cache_of(engine), max_model_len=engine.max_len,
+                              cache_config=cache_config_of(engine, settings)))  # fmt: skip
     scheduler = Scheduler(engine, metrics).start()
     stall_s = getattr(args, "stall_dump_seconds", 0.0)  # serve's flag; run-batch: off
     StallWatchdog(scheduler.snapshot, stall_s, metrics, lambda: scheduler.alive).start()

@@ -41,6 +41,22 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# vLLM's tokens per engine step, and its values of the n request parameter
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `limit` (--max-model-len)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
 # Adapter loads (read, validate, write a slot): chosen to span a small adapter read from the
 # page cache (a few ms) to a large one from network storage (tens of seconds).
 LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -69,6 +85,17 @@ VLLM_HELP = {
     "request.",
     "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
     "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "request_max_num_generation_tokens": "Histogram of maximum number of requested generation "
+    "tokens.",
+    "request_params_n": "Histogram of the n request parameter.",
+    "iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+    "cache_config_info": "Information of the LLMEngine CacheConfig",
 }
 OTHER = "__other__"  # the adapters unloaded since their requests were counted
 ENGINE = "0"  # vLLM's `engine` label: this server runs one engine
@@ -100,19 +127,57 @@ def paged_cache_of(engine) -> Callable[[], KvCache] | None:
     )  # fmt: skip
 
 
+def cache_config_of(engine, settings) -> tuple[tuple[str, str], ...]:
+    """vllm:cache_config_info's labels (vLLM's CacheConfig field names) for `engine` served
+    under `settings` (launch.ServeSettings): the blocks and their size on a paged engine;
+    on a slab engine (one cache row of max_model_len per request) block_size is
+    max_model_len and num_gpu_blocks the rows."""
+    pool = engine.pool
+    size = pool.block_size if pool is not None else engine.max_len
+    blocks = pool.num_blocks if pool is not None else engine.max_rows
+    caching = pool is not None and pool.prefix_caching
+    return (
+        ("block_size", str(size)), ("cache_dtype", "auto"),
+        ("enable_prefix_caching", str(caching)),
+        ("gpu_memory_utilization", str(settings.gpu_memory_utilization)),
+        ("num_gpu_blocks", str(blocks)),
+        ("num_gpu_blocks_override", str(settings.num_gpu_blocks_override)),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RowEnd:
+    """A row that ended, as vLLM's per-request histograms read it: seconds from submission
+    to its end (e2e), from joining the engine to its first token (prefill), from the first token to the last (decode), from joining to its end
+    (inference); its mean time per output token after the first (0 for one token or none);
+    its prompt and generated tokens and its max_tokens (the engine's limit of new tokens)."""
+
+    e2e_s: float
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    inference_s: float = 0.0
+    per_token_s: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    max_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class Setting:
     """What the metrics are labelled with: the served model's name (vLLM's `model_name`),
     --max-loras (`max_lora`), the engine's rows (the KV cache's), and whether a name is an
     adapter loaded now (per-adapter series keep only those). kv_cache: the paged cache's
     reader (paged_cache_of), called on the scheduler thread; None: the cache is one slab per
-    row, its usage is rows running / rows, and nothing is preempted or cached."""
+    row, its usage is rows running / rows, and nothing is preempted or cached. max_model_len
+    bounds the token-count buckets; cache_config: the KV cache's settings (cache_config_of)."""
 
     model_name: str = ""
     max_loras: int = 0
     rows: int = 0
     is_loaded: Callable[[str], bool] = lambda name: False
     kv_cache: Callable[[], KvCache] | None = None
+    max_model_len: int = 0  # the token-count histograms' last bucket (vLLM's 1-2-5 series)
+    cache_config: tuple[tuple[str, str], ...] = ()  # vllm:cache_config_info's labels
 
 
 class Metrics:
@@ -134,6 +199,16 @@ class Metrics:
         self.e2e = Histogram(REQUEST_BUCKETS)
         self.queue_time = Histogram(REQUEST_BUCKETS)
         self.tpot = Histogram(ITL_BUCKETS)  # each request's mean time per output token
+        self.inference_time = Histogram(REQUEST_BUCKETS)
+        self.prefill_time = Histogram(REQUEST_BUCKETS)
+        self.decode_time = Histogram(REQUEST_BUCKETS)
+        counts = one_two_five(self.setting.max_model_len)
+        self.request_prompt = Histogram(counts)
+        self.request_generation = Histogram(counts)
+        self.request_max_tokens = Histogram(counts)
+        self.request_max_generation = Histogram(counts)  # per prompt: the most of its n rows
+        self.request_n = Histogram(N_BUCKETS)
+        self.iteration_tokens = Histogram(ITERATION_BUCKETS)
         self.load_time: dict[str, Histogram] = {}  # source (runtime, resolver) -> histogram
         self.per_adapter: dict[str, Counter[str]] = {}  # adapter -> requests, tokens
         self._lora_state: tuple[str, str] = ("", "")  # running, waiting adapters (joined)
@@ -176,12 +251,25 @@ class Metrics:
             if adapter is not None:
                 self._adapter(adapter)["generation_tokens"] += 1
 
-    def ended(self, e2e_s: float, per_token_s: float) -> None:
-        """A request's row ended `e2e_s` after its submission; `per_token_s` its mean time
-        per output token after the first (0 for one token or none, as vLLM)."""
+    def ended(self, row: RowEnd) -> None:
+        """A request's row ended (its times and counts: RowEnd)."""
         with self._lock:
-            self.e2e.observe(e2e_s)
-            self.tpot.observe(per_token_s)
+            self.e2e.observe(row.e2e_s)
+            self.tpot.observe(row.per_token_s)
+            self.inference_time.observe(row.inference_s)
+            self.prefill_time.observe(row.prefill_s)
+            self.decode_time.observe(row.decode_s)
+            self.request_prompt.observe(row.prompt_tokens)
+            self.request_generation.observe(row.generation_tokens)
+            if row.max_tokens:
+                self.request_max_tokens.observe(row.max_tokens)
+
+    def stepped(self, tokens: int) -> None:
+        """An engine step forwarded `tokens` tokens (prompt chunks and decodes); a step
+        that forwarded none (only cancellations) is not one."""
+        if tokens:
+            with self._lock:
+                self.iteration_tokens.observe(tokens)
 
     def _adapter(self, name: str) -> Counter[str]:
         """Under the lock: the tally a count of `name` goes to (OTHER once it is unloaded)."""
@@ -218,6 +306,13 @@ class Metrics:
         /v1/load_lora_adapter, resolver for --lora-resolver-dir) in `seconds`."""
         with self._lock:
             self.load_time.setdefault(source, Histogram(LOAD_BUCKETS)).observe(seconds)
+
+    def prompt_ended(self, n: int, most_generated: int) -> None:
+        """The `n` choices of one prompt of a body (its `n`) have all ended, the longest
+        with `most_generated` tokens."""
+        with self._lock:
+            self.request_n.observe(n)
+            self.request_max_generation.observe(most_generated)
 
     def stall_reported(self) -> None:
         """The stall watchdog (watchdog.py) logged a report: a stall episode began."""
@@ -293,6 +388,8 @@ class Metrics:
             ("request_success_total", "counter",
              [((*engine, ("finished_reason", r)), n) for r, n in reasons.items()]),
             ("lora_requests_info", "gauge", [(info, self._lora_time)]),
+            ("cache_config_info", "gauge",
+             [((*self.setting.cache_config, ("engine", ENGINE)), 1)]),
         ):  # fmt: skip
             lines += family(f"vllm:{name}", kind, VLLM_HELP[name], samples)
         for name, histogram in (
@@ -302,6 +399,15 @@ class Metrics:
             ("request_time_per_output_token_seconds", self.tpot),
             ("e2e_request_latency_seconds", self.e2e),
             ("request_queue_time_seconds", self.queue_time),
+            ("request_inference_time_seconds", self.inference_time),
+            ("request_prefill_time_seconds", self.prefill_time),
+            ("request_decode_time_seconds", self.decode_time),
+            ("request_prompt_tokens", self.request_prompt),
+            ("request_generation_tokens", self.request_generation),
+            ("request_params_max_tokens", self.request_max_tokens),
+            ("request_max_num_generation_tokens", self.request_max_generation),
+            ("request_params_n", self.request_n),
+            ("iteration_tokens_total", self.iteration_tokens),
         ):
             lines += histograms(f"vllm:{name}", VLLM_HELP[name], [(engine, histogram)])
         return lines

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .admission import AdmissionPolicy, Slots, Waiting, admit
-from .metrics import Metrics
+from .metrics import Metrics, RowEnd
 from .prefetch import Prefetcher
 from .watchdog import InFlight, SchedulerSnapshot, State
 
@@ -74,6 +74,7 @@ class _Ticket:
     request: object  # moelora.engine.Request
     sink: Sink
     submitted: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # joined the engine (vLLM's scheduled time)
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
@@ -307,7 +308,8 @@ class Scheduler:
         self._waiting.remove(ticket)
         self._running[ticket.request.request_id] = ticket
         self._keys[ticket.request.request_id] = key
-        self.metrics.admitted(time.perf_counter() - ticket.submitted)
+        ticket.admitted = time.perf_counter()
+        self.metrics.admitted(ticket.admitted - ticket.submitted)
         _send(ticket, Admitted(ticket.request.request_id))
         return True
 
@@ -339,6 +341,7 @@ class Scheduler:
             self._report_load()
             return
         now = time.perf_counter()
+        self.metrics.stepped(self.engine.step_tokens)
         for event in events:
             ticket = self._running.get(event.request_id)
             if ticket is None:  # cancelled at shutdown (its reader was told) or unknown
@@ -361,10 +364,17 @@ class Scheduler:
         self.metrics.set_load(self.queued, len(self._running), running, waiting)
 
     def _ended(self, ticket: _Ticket, now: float) -> None:
-        """A row ended: its end-to-end time and mean time per output token (vLLM's)."""
-        decode = (ticket.last_token or now) - (ticket.first_token or now)
-        per_token = decode / (ticket.tokens - 1) if ticket.tokens > 1 else 0.0
-        self.metrics.ended(now - ticket.submitted, per_token)
+        """A row ended: its times and counts as vLLM's per-request histograms read them
+        (a row that never got a token: prefill until its end, no decode)."""
+        joined = ticket.admitted or ticket.submitted
+        first, last = ticket.first_token or now, ticket.last_token or now
+        decode = last - first
+        self.metrics.ended(RowEnd(
+            e2e_s=now - ticket.submitted, prefill_s=first - joined, decode_s=decode, inference_s=now - joined,
+            per_token_s=decode / (ticket.tokens - 1) if ticket.tokens > 1 else 0.0,
+            prompt_tokens=len(ticket.request.prompt_ids), generation_tokens=ticket.tokens,
+            max_tokens=ticket.request.sampling.max_new_tokens,
+        ))  # fmt: skip
 
 
 def _send(ticket: _Ticket, item: object) -> None:
