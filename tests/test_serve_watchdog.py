@@ -7,6 +7,7 @@ the scripted engine's step() (tests/test_serve_scheduler.py's double)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from types import SimpleNamespace
 
@@ -120,7 +121,11 @@ def test_a_request_blocked_in_step_is_reported_once_per_episode(caplog):
     engine = ScriptedEngine(rows=2, slots=2)
     engine.gate.clear()
     metrics = Metrics()
+    before = {t.ident for t in threading.enumerate()}
     scheduler = Scheduler(engine, metrics, idle_wait_s=0.01).start()
+    # this scheduler's thread (other tests of the worker may leave idle ones of the name)
+    (ours,) = [t.ident for t in threading.enumerate()
+               if t.name == "moelora-scheduler" and t.ident not in before]  # fmt: skip
     dog = StallWatchdog(scheduler.snapshot, 0.2, metrics, lambda: scheduler.alive).start()
     try:
         got = Collector()
@@ -131,7 +136,9 @@ def test_a_request_blocked_in_step_is_reported_once_per_episode(caplog):
         assert "id=stuck-1 adapter=a" in report and "state=admitted tokens=0" in report
         assert "1 rows running, 0 queued" in report and "a: slot 0" in report
         # the blocked thread's stack: the scheduler thread, in the scripted step, on the gate
-        scheduler_stack = report.split("thread moelora-scheduler")[1].split("\nthread ")[0]
+        scheduler_stack = report.split(f"thread moelora-scheduler (id {ours}")[1].split(
+            "\nthread "
+        )[0]
         assert "in step" in scheduler_stack and "self.gate.wait(30)" in scheduler_stack
         assert "in _step" in scheduler_stack  # Scheduler._step called it
         assert "moelora_stall_reports_total 1" in _metrics_text(metrics)
