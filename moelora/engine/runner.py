@@ -73,11 +73,13 @@ def runner_support(model: nn.Module) -> list[str]:
         reasons.append("sliding-window attention")
     if getattr(config, "clip_qkv", None) is not None:
         reasons.append(f"clip_qkv {config.clip_qkv} (q / k / v clamped)")
-    if getattr(config, "quantization_config", None) is not None:
-        reasons.append("a quantized checkpoint (its attention and dense layers are not bf16)")
-    plain = all(type(m) is nn.Linear for n, m in model.named_modules() if n.endswith(_LINEARS))
-    if not plain:
-        reasons.append("attention projections or LM head that are not plain nn.Linear")
+    # an FP8 checkpoint's experts run on moelora's layer like any others; what the runner
+    # reads itself (attention projections, router, LM head) must hold plain weights
+    quantized = sorted({type(m).__name__ for n, m in model.named_modules()
+                        if n.endswith(_LINEARS) and type(m) is not nn.Linear})  # fmt: skip
+    if quantized:
+        reasons.append(f"attention projections or LM head of {quantized} (quantized or "
+                       "wrapped), not plain nn.Linear")  # fmt: skip
     return reasons
 
 

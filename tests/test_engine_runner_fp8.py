@@ -1,0 +1,96 @@
+"""An FP8 checkpoint on the decode runner: block-scaled e4m3 experts (transformers' FP8Experts
+kept, as on a GPU >= sm89), attention, router and LM head in the serving dtype. The experts
+run on moelora's W8A8 layer on both of the engine's paths, so the runner's rows equal the
+rows of transformers' forward on the same engine, every step (fp32: tokens equal, logits
+within fp32's tolerance), with experts-only adapters and without; a checkpoint whose
+attention projections are quantized modules is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import LogitsLog, run_all
+
+from benchmarks.fp8_checkpoint import write_fp8_checkpoint
+from benchmarks.fp8_generate import TINY, write_adapters
+from benchmarks.qwen3_moe import build
+from moelora.compare import assert_close
+from moelora.engine import Engine, Request, Sampling
+from moelora.engine.runner import runner_support
+from moelora.errors import ConfigError
+from moelora.hf import attach
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+NEW = 4
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory, model_seed):
+    """transformers' FP8 model of a 2-layer checkpoint (its FP8Experts kept on the CPU), in
+    fp32 but the e4m3 experts, and two experts-only PEFT adapters."""
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    root = tmp_path_factory.mktemp("fp8-runner")
+    model = build(2, "cpu", model_seed, **TINY).float()
+    adapters = write_adapters(model, root / "adapters", 2, 4, 0.2)
+    write_fp8_checkpoint(model, root / "model", 32, "per_expert")
+    keep = pytest.MonkeyPatch()
+    keep.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
+    finally:
+        keep.undo()
+    assert type(base.model.layers[0].mlp.experts).__name__ == "FP8Experts"
+    assert base.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    return base, adapters
+
+
+def test_fp8_experts_rows_on_the_runner_equal_transformers_forward(fp8_model, seed, monkeypatch):
+    base, adapters = fp8_model
+    handle = attach(base, num_slots=2, max_rank=8, moe_backend="triton")
+    for name, path in adapters.items():
+        handle.load_adapter(path, name=name)
+    assert runner_support(base) == []
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (5, 3)]
+    prompts.append(prompts[0])  # the base model on the first adapter's prompt
+    names = [*adapters, None]
+    logs, tokens = {}, {}
+    for runner in (True, False):
+        log = LogitsLog(monkeypatch)
+        engine = Engine(handle, max_rows=4, max_len=24, enforce_eager=True, runner=runner)
+        assert (engine.runner is not None) == runner
+        reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
+                for i, (n, p) in enumerate(zip(names, prompts))]  # fmt: skip
+        got = run_all(engine, {0: reqs[:2], 1: reqs[2:]})
+        tokens[runner] = [got[r.request_id] for r in reqs]
+        logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
+        engine.close()
+        monkeypatch.undo()
+    assert tokens[True] == tokens[False]
+    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
+        assert torch.isfinite(out).all()
+        assert_close(out, ref, torch.float32, what=f"row {i} ({names[i]})")
+    # the adapter moves its row from the base model's on the same prompt (so the rows the
+    # check compares carry the adapters' expert LoRA, not only the base experts)
+    moved = (logs[True][0] - logs[True][2]).norm() / logs[True][2].norm()
+    assert moved > 0.1, moved  # ~1.3 at lora std 0.2
+
+
+def test_quantized_attention_projections_are_refused_by_name(fp8_model):
+    import copy
+
+    base, _ = fp8_model
+    model = copy.deepcopy(base)
+
+    class FP8Linear(torch.nn.Linear):  # the name transformers' quantized Linear has
+        pass
+
+    old = model.model.layers[1].self_attn.o_proj
+    model.model.layers[1].self_attn.o_proj = FP8Linear(old.in_features, old.out_features, False)
+    (reason,) = runner_support(model)
+    assert "FP8Linear" in reason and "plain nn.Linear" in reason
+    handle = attach(model, num_slots=1, max_rank=4, moe_backend="triton")
+    with pytest.raises(ConfigError, match="FP8Linear"):
+        Engine(handle, max_rows=2, max_len=16, enforce_eager=True, runner=True)
