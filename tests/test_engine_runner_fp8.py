@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import LogitsLog, run_all
+from engine_helpers import LogitsLog, greedy_alone, run_all, truth_logits
 
 from benchmarks.fp8_checkpoint import write_fp8_checkpoint
 from benchmarks.fp8_generate import TINY, write_adapters
@@ -94,3 +94,103 @@ def test_quantized_attention_projections_are_refused_by_name(fp8_model):
     handle = attach(model, num_slots=1, max_rank=4, moe_backend="triton")
     with pytest.raises(ConfigError, match="FP8Linear"):
         Engine(handle, max_rows=2, max_len=16, enforce_eager=True, runner=True)
+
+
+# ---- FP8 attention projections (transformers' FP8Linear), W8A8 on the runner ----------
+
+
+def _quantize_attention(model, block) -> None:
+    """q / k / v / o of every layer replaced by transformers' FP8Linear holding the weight
+    quantized per block (each block's amax to 448), in place."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            old = getattr(attn, name)
+            module = FP8Linear(old.in_features, old.out_features, block_size=block)
+            w = old.weight.detach().float()
+            bn, bk = block
+            n, k = w.shape
+            padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+            padded[:n, :k] = w
+            scale = padded.reshape(-1, bn, padded.shape[1] // bk, bk).abs().amax(dim=(1, 3))
+            scale = scale.clamp(min=1e-12) / 448.0
+            full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+            module.weight.data = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+            module.weight_scale_inv.data = scale
+            setattr(attn, name, module)
+
+
+@pytest.fixture(scope="module")
+def fp8_attention(tmp_path_factory, model_seed):
+    """A tiny Qwen3-MoE whose attention projections are FP8Linear (block 32 x 32), their
+    forward the truth's arithmetic (transformers' own kernels come from the Hub), and PEFT
+    adapters with attention LoRA written on the full-precision model before."""
+    import copy
+
+    import peft
+
+    from moelora.hf import toy
+
+    root = tmp_path_factory.mktemp("fp8-attention")
+    base = toy.build_model("qwen3_moe", seed=model_seed)
+    experts = toy.expert_parameters(base)
+    kinds = {
+        "attention+experts": dict(r=4, lora_alpha=8, target_parameters=experts,
+                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        "q-v-only": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+    }  # fmt: skip
+    dirs = {}
+    for i, (name, kw) in enumerate(kinds.items()):
+        dirs[name] = root / name
+        toy.write_peft_adapter(base, dirs[name], seed=model_seed + i + 1, **kw)
+    _quantize_attention(base, (32, 32))
+    truths = {name: peft.PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+              for name, path in dirs.items()}  # fmt: skip
+    truths[None] = copy.deepcopy(base)
+    return base, dirs, truths
+
+
+def test_fp8_attention_rows_on_the_runner_equal_transformers_forward(fp8_attention, seed,
+                                                                    monkeypatch):  # fmt: skip
+    """The runner's W8A8 projections (kernels/fp8_linear.py), with FP8Linear computing the
+    truth's arithmetic, against HF + PEFT generating each row alone (PEFT's LoRA wraps the
+    FP8Linear, on its unquantized input) and against transformers' forward on the same
+    engine: equal tokens, fp32 logits, every step, adapters with q / k / v / o LoRA beside
+    the base model."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from moelora.truth import w8a8
+
+    base, dirs, truths = fp8_attention
+    monkeypatch.setattr(FP8Linear, "forward", w8a8.fp8_linear)
+    handle = attach(base, num_slots=2, max_rank=8, moe_backend="reference")
+    for name, path in dirs.items():
+        handle.load_adapter(path, name=name)
+    assert runner_support(base) == []
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (6, 4, 5)]
+    names = [*dirs, None]
+    logs, tokens = {}, {}
+    for runner in (True, False):
+        with pytest.MonkeyPatch.context() as logged:
+            log = LogitsLog(logged)
+            engine = Engine(handle, max_rows=4, max_len=24, enforce_eager=True, runner=runner)
+            assert (engine.runner is not None) == runner
+            reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
+                    for i, (n, p) in enumerate(zip(names, prompts))]  # fmt: skip
+            got = run_all(engine, {0: reqs[:1], 1: reqs[1:]})
+            tokens[runner] = [got[r.request_id] for r in reqs]
+            logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
+            engine.close()
+    assert tokens[True] == tokens[False]
+    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
+        assert torch.isfinite(out).all()
+        assert_close(out, ref, torch.float32, what=f"row {i} ({names[i]})")
+    for i, (name, prompt) in enumerate(zip(names, prompts)):
+        got, reason = tokens[True][i]
+        alone = greedy_alone(truths[name], torch.tensor(prompt), NEW)
+        assert (got, reason) == (alone, "length"), (i, name)
+        ref = truth_logits(truths[name], torch.tensor(prompt), got)
+        assert_close(logs[True][i], ref, torch.float32, what=f"row {i} ({name}) vs HF + PEFT")

@@ -34,12 +34,14 @@ from torch import Tensor, nn
 from ..kernels.decode_attention import decode_attention
 from ..kernels.dense_linear import dense_linear, lora_shrink
 from ..kernels.dense_lora import add_dense_lora
+from ..kernels.fp8_linear import fp8_linear, quantize_input
 from ..kernels.prefill_attention import prefill_attention, varlen_table
 from ..kernels.rms_norm import add_rms_norm
 from ..kernels.rope_cache import rope_and_cache
 from ..kernels.router_topk import router_topk
 from ..lora.module_banks import ModuleBanks
 from ..lora.rows import RowAdapters
+from ..quant.module_fp8 import fp8_block
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,15 @@ def runner_support(model: nn.Module) -> list[str]:
         reasons.append("sliding-window attention")
     if getattr(config, "clip_qkv", None) is not None:
         reasons.append(f"clip_qkv {config.clip_qkv} (q / k / v clamped)")
-    # an FP8 checkpoint's experts run on moelora's layer like any others; what the runner
-    # reads itself (attention projections, router, LM head) must hold plain weights
-    quantized = sorted({type(m).__name__ for n, m in model.named_modules()
-                        if n.endswith(_LINEARS) and type(m) is not nn.Linear})  # fmt: skip
-    if quantized:
-        reasons.append(f"attention projections or LM head of {quantized} (quantized or "
-                       "wrapped), not plain nn.Linear")  # fmt: skip
+    # an FP8 checkpoint's experts run on moelora's layer like any others; the projections
+    # and LM head the runner reads itself are plain Linears or block-scaled FP8 ones
+    others = sorted({type(m).__name__ for n, m in model.named_modules()
+                     if n.endswith(_LINEARS) and type(m) is not nn.Linear
+                     and fp8_block(m) is None})  # fmt: skip
+    if others:
+        reasons.append(f"attention projections or LM head of {others}: not plain nn.Linear "
+                       "nor transformers' FP8Linear with block scales and dynamic activation "
+                       "scales")  # fmt: skip
     return reasons
 
 
@@ -196,10 +200,30 @@ class DecodeRunner:
         return self._linear(model.lm_head, "lm_head", x, slots, rows)
 
     def _linear(self, module: nn.Linear, path: str, x: Tensor, slots, rows) -> Tensor:
+        if fp8_block(module) is not None:
+            return self._fp8_projections([module], [path], x, slots, rows)[0]
         out = F.linear(x, module.weight, module.bias)
         if path in rows.lora_modules:
             add_dense_lora(out, x, slots, self.banks.a[path], self.banks.bt[path])
         return out
+
+    def _fp8_projections(self, modules, paths, x, slots, rows) -> list[Tensor]:
+        """Linears of one input x, the block-scaled FP8 ones W8A8 (kernels/fp8_linear.py: x
+        quantized once per scale block), each with its LoRA on the unquantized x."""
+        quantized, outs = {}, []
+        for module, path in zip(modules, paths):
+            block = fp8_block(module)
+            if block is None:  # a plain Linear beside them
+                out = F.linear(x, module.weight, module.bias)
+            else:
+                if block not in quantized:
+                    quantized[block] = quantize_input(x, block)
+                out = fp8_linear(quantized[block], module.weight, module.weight_scale_inv,
+                                 block, module.bias, x.dtype)  # fmt: skip
+            if path in rows.lora_modules:
+                add_dense_lora(out, x, slots, self.banks.a[path], self.banks.bt[path])
+            outs.append(out)
+        return outs
 
     def _projections(self, modules: list[nn.Linear], paths: list[str], x: Tensor, slots,
                      rows) -> list[Tensor]:  # fmt: skip
@@ -207,6 +231,8 @@ class DecodeRunner:
         LoRA of those in rows.lora_modules (their shrink one launch before); one Linear
         without LoRA on cuBLAS (faster there for o_proj's shape on the H200: BENCHMARKS.md,
         "Decode step")."""
+        if any(fp8_block(m) is not None for m in modules):
+            return self._fp8_projections(modules, paths, x, slots, rows)
         on = [p in rows.lora_modules for p in paths]
         if len(modules) == 1 and not on[0]:
             return [F.linear(x, modules[0].weight, modules[0].bias)]

@@ -109,7 +109,7 @@ def attach(
         dtype=dtype,
         load_timeout_s=load_timeout_s,
         max_cpu_loras=max_cpu_loras,
-        module_shapes=module_shapes(served),
+        module_shapes=module_shapes(served, dtype),
     )
     experts.register()
     for index, module in modules.items():

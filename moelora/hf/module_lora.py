@@ -26,6 +26,7 @@ from ..lora import formats
 from ..lora.module_banks import ModuleBanks, ModuleLoRA, ModuleShape, dense_lora_delta
 from ..lora.rows import current
 from ..lora.validate import check_tensor, lora_scale
+from ..quant.module_fp8 import fp8_block
 from .router_lora import serve_router
 
 _FACTOR = {"lora_A.weight": "A", "lora_B.weight": "B"}
@@ -36,10 +37,11 @@ def served_modules(
     model: nn.Module, names: Sequence[str] | None, routers: dict[str, nn.Module]
 ) -> dict[str, nn.Module]:
     """path -> module of every module attach() serves LoRA on: all of the model's plain
-    nn.Linear modules and `routers` (names None), or those whose path equals or ends with
+    nn.Linear modules, its block-scaled FP8 Linears (transformers' FP8Linear: the LoRA
+    reads the unquantized input) and `routers` (names None), or those whose path equals or ends with
     ".name" for a name in `names` (PEFT's target_modules matching). A name matching none is
     refused."""
-    candidates = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    candidates = {n: m for n, m in model.named_modules() if _linear(m)}
     candidates.update(routers)
     if names is None:
         return candidates
@@ -63,16 +65,25 @@ def served_modules(
     return chosen
 
 
+def _linear(module: nn.Module) -> bool:
+    """A Linear whose output a forward hook adds LoRA to: plain, or block-scaled FP8."""
+    return type(module) is nn.Linear or fp8_block(module) is not None
+
+
 def _matches(path: str, name: str) -> bool:
     return path == name or path.endswith("." + name)
 
 
-def module_shapes(modules: dict[str, nn.Module]) -> dict[str, ModuleShape]:
-    """The bank shape of each served module, from its weight [M, N]."""
-    return {
-        p: ModuleShape(m.weight.shape[1], m.weight.shape[0], m.weight.device, m.weight.dtype)
-        for p, m in modules.items()
-    }
+def module_shapes(modules: dict[str, nn.Module], dtype: torch.dtype) -> dict[str, ModuleShape]:
+    """The bank shape of each served module, from its weight [M, N]; its dtype the weight's,
+    or the serving `dtype` for an FP8 Linear's (LoRA stays in the serving dtype)."""
+    shapes = {}
+    for path, m in modules.items():
+        bank_dtype = dtype if fp8_block(m) is not None else m.weight.dtype
+        shapes[path] = ModuleShape(
+            m.weight.shape[1], m.weight.shape[0], m.weight.device, bank_dtype
+        )
+    return shapes
 
 
 def read_module_factors(
@@ -168,7 +179,7 @@ class ModuleHooks:
         self._undo = []
         for path, module in modules.items():
             a, bt = banks.a[path], banks.bt[path]
-            if type(module) is nn.Linear:
+            if _linear(module):
                 self._undo.append(module.register_forward_hook(_Delta(path, a, bt)).remove)
             else:  # a router: its logits are computed inside its forward
                 self._undo.append(serve_router(module, path, a, bt))

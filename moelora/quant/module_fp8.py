@@ -1,4 +1,7 @@
-"""FP8 experts from a transformers experts module that keeps them in FP8: on a GPU of
+"""FP8 weights read from transformers modules that keep them in FP8 (an FP8 checkpoint
+loaded on a GPU of compute capability >= 8.9).
+
+Experts (fp8_experts_from_module): on a GPU of
 compute capability >= 8.9, transformers 5.24 loads an FP8 checkpoint's fused experts as
 e4m3 `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] with fp32 `gate_up_proj_scale_inv`
 and `down_proj_scale_inv` (integrations/finegrained_fp8.py); elsewhere it dequantizes them
@@ -60,3 +63,21 @@ def fp8_experts_for_layer(
             "load the model from a local directory, or pass its path",
         )  # fmt: skip
     return read_fp8_experts(model_dir, model, layer)
+
+
+def fp8_block(module: nn.Module) -> tuple[int, int] | None:
+    """The scale block (bn, bk) of a Linear holding e4m3 weights with fp32 block scales
+    `weight_scale_inv` and dynamic activation quantization (transformers' FP8Linear of a
+    `quant_method: fp8` checkpoint, which keeps its tensors: nothing is copied); None for
+    any other module (a plain Linear, per-tensor scales, static activation scales, an
+    activation group that is not a power of two)."""
+    if not isinstance(module, nn.Linear) or module.weight.dtype != torch.float8_e4m3fn:
+        return None
+    block = getattr(module, "block_size", None)
+    scale = getattr(module, "weight_scale_inv", None)
+    if block is None or scale is None or scale.dtype != torch.float32:
+        return None
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        return None
+    bn, bk = (int(b) for b in block)
+    return (bn, bk) if bk & (bk - 1) == 0 else None  # the activation group: a power of two
