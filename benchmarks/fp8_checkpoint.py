@@ -6,9 +6,10 @@ every other tensor as the model holds it, and a config whose quantization_config
 safetensors file per layer's experts (quantized on the model's device one layer at a time)
 plus one for the rest, with the index.
 
-`modules_to_not_convert` names the non-expert Linear modules: the checkpoint holds them in
-bf16 without scales, so transformers must not swap them for its FP8Linear (that would load
-bf16 values into e4m3 parameters with no scales).
+`modules_to_not_convert` names the Linear modules the checkpoint holds in bf16 without
+scales, so transformers must not swap them for its FP8Linear (that would load bf16 values
+into e4m3 parameters with no scales): every non-expert one, or with `attention` (as the
+published checkpoints) all but q / k / v / o, which are then e4m3 with block scales too.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from moelora.weights import ExpertWeights
 # FP8Experts hold them (transformers 5.24 on a CPU leaves these scales unread and loads the
 # raw e4m3 values as the weights: use this layout on a GPU that keeps FP8Experts only).
 LAYOUTS = ("per_expert", "fused")
-NOT_CONVERTED = ["lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+NOT_CONVERTED = ["lm_head", *ATTENTION, "mlp.gate"]
 
 
 def _layer_tensors(fp8, base: str, layout: str, block: int) -> dict:
@@ -55,11 +57,20 @@ def _layer_tensors(fp8, base: str, layout: str, block: int) -> dict:
     return out
 
 
-def quantization_config(block: int) -> dict:
+def quantization_config(block: int, attention: bool = False) -> dict:
+    kept = [m for m in NOT_CONVERTED if not (attention and m in ATTENTION)]
     return {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [block, block], "modules_to_not_convert": NOT_CONVERTED,
+        "weight_block_size": [block, block], "modules_to_not_convert": kept,
     }  # fmt: skip
+
+
+def quantize_block(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 weight_scale_inv [ceil(N / block), ceil(K / block)]):
+    each block's amax maps to 448."""
+    quant = QuantConfig(Quantization.FP8_BLOCK, (block, block))
+    fp8 = quantize_experts(ExpertWeights(w[None], w.t()[None]), quant)  # w2 unused
+    return fp8.w13[0], fp8.w13_scale[0]
 
 
 def scratch_dir(need_bytes: int) -> Path:
@@ -71,9 +82,11 @@ def scratch_dir(need_bytes: int) -> Path:
     return Path(tempfile.mkdtemp(prefix="moelora-fp8-"))
 
 
-def write_fp8_checkpoint(model, root: Path, block: int, layout: str = "per_expert") -> Path:
+def write_fp8_checkpoint(
+    model, root: Path, block: int, layout: str = "per_expert", attention: bool = False
+) -> Path:
     """`model` (a bf16 Qwen3-MoE, experts fused) -> an FP8 checkpoint in `root`, the experts
-    in `layout` (LAYOUTS)."""
+    in `layout` (LAYOUTS); with `attention` q / k / v / o in e4m3 with block scales too."""
     from safetensors.torch import save_file
 
     quant = QuantConfig(Quantization.FP8_BLOCK, (block, block))
@@ -81,7 +94,15 @@ def write_fp8_checkpoint(model, root: Path, block: int, layout: str = "per_exper
     where: dict[str, str] = {}
     rest = {}
     for key, tensor in model.state_dict().items():
-        if ".mlp.experts." not in key:
+        if ".mlp.experts." in key:
+            continue
+        module = key.rsplit(".", 2)
+        if attention and module[-1] == "weight" and module[-2] in ATTENTION:
+            with torch.no_grad():
+                w, scale = quantize_block(tensor.detach(), block)
+            rest[key] = w.to("cpu").contiguous()
+            rest[key + "_scale_inv"] = scale.to("cpu").contiguous()
+        else:
             rest[key] = tensor.detach().to("cpu").contiguous()
     save_file(rest, str(root / "rest.safetensors"), metadata={"format": "pt"})
     where.update(dict.fromkeys(rest, "rest.safetensors"))
@@ -99,7 +120,7 @@ def write_fp8_checkpoint(model, root: Path, block: int, layout: str = "per_exper
         del fp8, tensors
     index_doc = {"metadata": {}, "weight_map": where}
     (root / "model.safetensors.index.json").write_text(json.dumps(index_doc))
-    config = model.config.to_dict() | {"quantization_config": quantization_config(block)}
+    config = model.config.to_dict() | {"quantization_config": quantization_config(block, attention)}
     config.pop("_experts_implementation", None)
     (root / "config.json").write_text(json.dumps(config, indent=1))
     return root

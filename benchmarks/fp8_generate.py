@@ -50,6 +50,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="the model's dtype (fp32: the tests' exact check)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weights, factors and prompts")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU tests)")
+    p.add_argument("--fp8-attention", action="store_true",
+                   help="q / k / v / o in e4m3 with block scales too, as the published "
+                   "checkpoints (moelora computes them; transformers' kernels are the Hub's)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -111,7 +114,7 @@ def main(argv=None) -> list[dict]:
     try:
         adapters = write_adapters(model, lora / "adapters", a.adapters, a.rank, a.lora_std)
         step("adapters")
-        write_fp8_checkpoint(model, ckpt / "model", a.block, a.layout)
+        write_fp8_checkpoint(model, ckpt / "model", a.block, a.layout, a.fp8_attention)
         step("fp8 checkpoint")
         full_precision_phase(a, model, adapters, emit, device)
         step("bf16 timing")

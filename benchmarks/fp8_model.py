@@ -106,9 +106,19 @@ def _hf_runs(runs, device: str, emit) -> bool:
 
 
 def _prompt_logits(runs, implementation: str, ids) -> torch.Tensor:
+    """Prompt logits under the experts `implementation`; under the W8A8 truth, FP8Linear
+    projections (a published checkpoint's attention) compute the truth's arithmetic too."""
     runs.model.set_experts_implementation(implementation)
-    with torch.no_grad():
+    with torch.no_grad(), _truth_linears(runs.model, implementation):
         return runs.model(input_ids=ids).logits[0].float()
+
+
+def _truth_linears(model, implementation: str):
+    import contextlib
+
+    if implementation == w8a8.NAME:
+        return w8a8.fp8_linears_as_truth(model)
+    return contextlib.nullcontext()
 
 
 def _rel(out, ref) -> float:
@@ -134,7 +144,7 @@ def check(a, runs, truth, device: str, hf_runs: bool, twin) -> dict:
         own = name is None and hf_runs
         truth.select(name)
         want = _prompt_logits(runs, runs.hf_own if own else w8a8.NAME, ids[[row]])
-        with torch.no_grad():
+        with torch.no_grad(), _truth_linears(runs.model, runs.hf_own if own else w8a8.NAME):
             ref = runs.model.generate(input_ids=ids[[row]], max_new_tokens=n, min_new_tokens=n,
                                       **runs.kw)  # fmt: skip
         equal = int((out[row, width:] == ref[0, width:]).cumprod(0).sum())
@@ -176,7 +186,7 @@ def _noise(runs, truth, ids, mine, names, hf_runs: bool, twin) -> dict:
     w8a8_base = _prompt_logits(runs, w8a8.NAME, ids[[base]])
     noise = {"hf_own_vs_w8a8": None, "w8a8_vs_w8a8_fp32": None}
     if twin is not None:  # the shared experts run the truth: `model` has it selected
-        with torch.no_grad():
+        with torch.no_grad(), w8a8.fp8_linears_as_truth(twin):
             exact = twin(input_ids=ids[[base]]).logits[0].float()
         noise["w8a8_vs_w8a8_fp32"] = _rel(w8a8_base, exact)
     if hf_runs:

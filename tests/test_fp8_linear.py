@@ -73,3 +73,27 @@ def test_fp8_block_tells_the_formats_it_runs():
     assert fp8_block(per_tensor) is None
     static = FP8Linear(32, 32, block_size=(32, 32), activation_scheme="static")
     assert fp8_block(static) is None
+
+
+def test_attach_serves_fp8_linears_with_the_kernel_and_detach_gives_them_back(seed):
+    """transformers' FP8Linear kernels come from the Hub (unreachable offline): while
+    attached, each FP8Linear projection computes kernels/fp8_linear.py, equal to the truth's
+    arithmetic on inputs of any leading shape; detach() gives the class's forward back."""
+    from test_engine_runner_fp8 import _quantize_attention
+
+    from moelora.hf import attach, toy
+
+    model = toy.build_model("qwen3_moe", seed=seed % 1000)
+    _quantize_attention(model, (32, 32))
+    q = model.model.layers[0].self_attn.q_proj
+    assert "forward" not in q.__dict__
+    handle = attach(model, num_slots=1, max_rank=4, moe_backend="reference")
+    x = torch.randn(2, 3, q.in_features, generator=torch.Generator().manual_seed(seed))
+    out = q(x)
+    assert out.shape == (2, 3, q.out_features)
+    assert_close(out, w8a8.fp8_linear(q, x), torch.float32, what="q_proj")
+    with w8a8.fp8_linears_as_truth(model):  # the truth's own forward inside, the kernel after
+        assert q.forward.func is w8a8.fp8_linear
+    assert_close(q(x), out, torch.float32, what="q_proj after the truth's context")
+    handle.detach()
+    assert "forward" not in q.__dict__

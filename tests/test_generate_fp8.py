@@ -24,21 +24,27 @@ from moelora.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-# (id, transformers keeps FP8Experts, the check runs the W8A8 truth)
-CASES = [("dequantized", False, False), ("fp8-module", True, True)]
+# (id, transformers keeps FP8Experts, the check runs the W8A8 truth, q / k / v / o in FP8)
+CASES = [
+    ("dequantized", False, False, False),
+    ("fp8-module", True, True, False),
+    # the published checkpoints' layout: transformers keeps its FP8Linear projections too,
+    # which moelora computes with its own kernel (transformers' come from the Hub)
+    ("fp8-attention", True, True, True),
+]
 
 
-def _fp8_dir(tmp_path, seed: int):
+def _fp8_dir(tmp_path, seed: int, attention: bool = False):
     model = build(2, "cpu", seed, **TINY).float()
     adapters = write_adapters(model, tmp_path / "adapters", 2, 4, 0.1)
-    write_fp8_checkpoint(model, tmp_path / "model", 32, "per_expert")
+    write_fp8_checkpoint(model, tmp_path / "model", 32, "per_expert", attention=attention)
     return tmp_path / "model", adapters
 
 
-@pytest.mark.parametrize("name,fp8_module,w8a8", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,fp8_module,w8a8,attention", CASES, ids=[c[0] for c in CASES])
 def test_generate_checks_rows_on_an_fp8_dir(tmp_path, capsys, monkeypatch, seed, name,
-                                           fp8_module, w8a8):  # fmt: skip
-    model_dir, adapters = _fp8_dir(tmp_path, seed)
+                                           fp8_module, w8a8, attention):  # fmt: skip
+    model_dir, adapters = _fp8_dir(tmp_path, seed, attention)
     if fp8_module:
         from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 

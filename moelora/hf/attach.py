@@ -27,6 +27,7 @@ from ..lora.registry import AdapterRegistry
 from ..oracle import select
 from . import experts
 from .bound import Bound
+from .fp8_linears import FP8Linears
 from .graphs import MAX_GRAPH_TOKENS, LayerGraphs
 from .handle import MoELoRAModel
 from .llama4 import swap_llama4_blocks
@@ -124,7 +125,7 @@ def attach(
         model.set_experts_implementation(experts.NAME)
     model.eval()
     hooks = ModuleHooks(served, manager.module_banks)
-    bound = Bound(list(modules.values()), swapped, previous, hooks)
+    bound = Bound(list(modules.values()), swapped, previous, hooks, FP8Linears(model))
     return MoELoRAModel(model, model_config, selection, AdapterRegistry(manager), served,
                         layers, bound, device, enforce_eager)  # fmt: skip
 

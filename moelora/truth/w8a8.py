@@ -15,6 +15,8 @@ Legend: T tokens, K top-k, E experts, H hidden, I intermediate, r rank, bn x bk 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +148,27 @@ def fp8_linear(module: nn.Module, x: Tensor) -> Tensor:
     if module.bias is not None:
         y = y + module.bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+@contextlib.contextmanager
+def fp8_linears_as_truth(model: nn.Module):
+    """Within: every Linear of `model` holding e4m3 weights with block scales computes
+    fp8_linear (whatever forward it had: transformers' Hub kernels, or moelora's kernel
+    while attached); after: its forward as before."""
+    found = [m for m in model.modules() if isinstance(m, nn.Linear)
+             and m.weight.dtype == torch.float8_e4m3fn
+             and getattr(m, "block_size", None) is not None]  # fmt: skip
+    before = [m.__dict__.get("forward") for m in found]
+    for m in found:
+        m.forward = functools.partial(fp8_linear, m)
+    try:
+        yield
+    finally:
+        for m, forward in zip(found, before):
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
 
 
 def _linear(v: Tensor, w: Tensor, delta: Tensor | None, group: int) -> Tensor:

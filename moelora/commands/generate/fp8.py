@@ -3,7 +3,8 @@ quantization_config kept: transformers holds the experts as its FP8Experts, on a
 sm89, or the config says FP8 while the experts were dequantized): PEFT cannot be the truth
 there (it merges its delta into a weight an e4m3 tensor cannot hold), so every row is
 checked against the W8A8 truth (truth/w8a8.py: transformers' eager experts loop, base GEMMs
-on inputs quantized per token and block, PEFT's delta weight on the unquantized rows),
+on inputs quantized per token and block, PEFT's delta weight on the unquantized rows, and
+the checkpoint's FP8Linear projections, if any, as truth/w8a8.fp8_linear computes them),
 alone. The noise: the rows' prompts on the base model under transformers' own FP8 experts
 against that truth (none where transformers' FP8 kernels do not run here).
 The tolerance: the FP8 row of the table or twice the noise, the larger; tokens may part
@@ -43,12 +44,14 @@ class W8A8Truth:
     def __call__(self, **kwargs):
         self.deltas.select(self.name)
         self.model.set_experts_implementation(w8a8.NAME)
-        return self.model(**kwargs)
+        with w8a8.fp8_linears_as_truth(self.model):
+            return self.model(**kwargs)
 
     def generate(self, **kwargs):
         self.deltas.select(self.name)
         self.model.set_experts_implementation(w8a8.NAME)
-        return self.model.generate(**kwargs)
+        with w8a8.fp8_linears_as_truth(self.model):
+            return self.model.generate(**kwargs)
 
 
 def install_truth(base, model_dir: str, adapters: dict[str, Path]) -> w8a8.PeftDeltas:
@@ -94,8 +97,9 @@ def _noise(base, own: str, deltas, prompts) -> list[Noise]:
     for row, prompt in enumerate(prompts):
         truth = W8A8Truth(base, deltas, None)(input_ids=prompt[None]).logits[0].float()
         base.set_experts_implementation(own)
-        try:
-            theirs = base(input_ids=prompt[None]).logits[0].float()
+        try:  # the experts' noise: FP8 attention projections compute the truth's arithmetic
+            with w8a8.fp8_linears_as_truth(base):
+                theirs = base(input_ids=prompt[None]).logits[0].float()
         except Exception:  # transformers' FP8 kernels unavailable here: nothing to measure
             return []
         err = compare(theirs, truth, tol=float("inf")).rel_err
