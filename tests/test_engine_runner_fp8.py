@@ -24,6 +24,29 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 NEW = 4
 
 
+def _both_paths(handle, names, prompts, joined: int):
+    """The same requests (names[i] on prompts[i], the first `joined` at step 0, the rest
+    at step 1) through the runner and through transformers' forward on `handle`: tokens and
+    every step's logits equal (fp32); (tokens, logits) by path (True: the runner)."""
+    logs, tokens = {}, {}
+    for runner in (True, False):
+        with pytest.MonkeyPatch.context() as logged:
+            log = LogitsLog(logged)
+            engine = Engine(handle, max_rows=4, max_len=24, enforce_eager=True, runner=runner)
+            assert (engine.runner is not None) == runner
+            reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
+                    for i, (n, p) in enumerate(zip(names, prompts))]  # fmt: skip
+            got = run_all(engine, {0: reqs[:joined], 1: reqs[joined:]})
+            tokens[runner] = [got[r.request_id] for r in reqs]
+            logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
+            engine.close()
+    assert tokens[True] == tokens[False]
+    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
+        assert torch.isfinite(out).all()
+        assert_close(out, ref, torch.float32, what=f"row {i} ({names[i]})")
+    return tokens, logs
+
+
 @pytest.fixture(scope="module")
 def fp8_model(tmp_path_factory, model_seed):
     """transformers' FP8 model of a 2-layer checkpoint (its FP8Experts kept on the CPU), in
@@ -56,22 +79,7 @@ def test_fp8_experts_rows_on_the_runner_equal_transformers_forward(fp8_model, se
     prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (5, 3)]
     prompts.append(prompts[0])  # the base model on the first adapter's prompt
     names = [*adapters, None]
-    logs, tokens = {}, {}
-    for runner in (True, False):
-        log = LogitsLog(monkeypatch)
-        engine = Engine(handle, max_rows=4, max_len=24, enforce_eager=True, runner=runner)
-        assert (engine.runner is not None) == runner
-        reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
-                for i, (n, p) in enumerate(zip(names, prompts))]  # fmt: skip
-        got = run_all(engine, {0: reqs[:2], 1: reqs[2:]})
-        tokens[runner] = [got[r.request_id] for r in reqs]
-        logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
-        engine.close()
-        monkeypatch.undo()
-    assert tokens[True] == tokens[False]
-    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
-        assert torch.isfinite(out).all()
-        assert_close(out, ref, torch.float32, what=f"row {i} ({names[i]})")
+    _, logs = _both_paths(handle, names, prompts, joined=2)
     # the adapter moves its row from the base model's on the same prompt (so the rows the
     # check compares carry the adapters' expert LoRA, not only the base experts)
     moved = (logs[True][0] - logs[True][2]).norm() / logs[True][2].norm()
@@ -172,22 +180,7 @@ def test_fp8_attention_rows_on_the_runner_equal_transformers_forward(fp8_attenti
     g = torch.Generator().manual_seed(seed)
     prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (6, 4, 5)]
     names = [*dirs, None]
-    logs, tokens = {}, {}
-    for runner in (True, False):
-        with pytest.MonkeyPatch.context() as logged:
-            log = LogitsLog(logged)
-            engine = Engine(handle, max_rows=4, max_len=24, enforce_eager=True, runner=runner)
-            assert (engine.runner is not None) == runner
-            reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
-                    for i, (n, p) in enumerate(zip(names, prompts))]  # fmt: skip
-            got = run_all(engine, {0: reqs[:1], 1: reqs[1:]})
-            tokens[runner] = [got[r.request_id] for r in reqs]
-            logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
-            engine.close()
-    assert tokens[True] == tokens[False]
-    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
-        assert torch.isfinite(out).all()
-        assert_close(out, ref, torch.float32, what=f"row {i} ({names[i]})")
+    tokens, logs = _both_paths(handle, names, prompts, joined=1)
     for i, (name, prompt) in enumerate(zip(names, prompts)):
         got, reason = tokens[True][i]
         alone = greedy_alone(truths[name], torch.tensor(prompt), NEW)
