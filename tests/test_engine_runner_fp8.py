@@ -69,7 +69,7 @@ def fp8_model(tmp_path_factory, model_seed):
     return base, adapters
 
 
-def test_fp8_experts_rows_on_the_runner_equal_transformers_forward(fp8_model, seed, monkeypatch):
+def test_fp8_experts_rows_on_the_runner_equal_transformers_forward(fp8_model, seed):
     base, adapters = fp8_model
     handle = attach(base, num_slots=2, max_rank=8, moe_backend="triton")
     for name, path in adapters.items():
