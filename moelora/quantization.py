@@ -18,6 +18,10 @@ from typing import Any
 from .errors import ConfigError
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# The K step of an FP8 dot, one activation group: Hopper's e4m3 MMA takes K in steps of 32
+# (Triton refuses a smaller fp8 dot on NVIDIA GPUs; the interpreter accepts it); a
+# [BLOCK_M, 256] e4m3 tile is the widest the kernels keep in shared memory.
+FP8_MIN_STEP, FP8_MAX_STEP = 32, 256
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3 / Qwen3-FP8's weight_block_size
 
 

@@ -73,6 +73,11 @@ def test_fp8_block_tells_the_formats_it_runs():
     assert fp8_block(per_tensor) is None
     static = FP8Linear(32, 32, block_size=(32, 32), activation_scheme="static")
     assert fp8_block(static) is None
+    # an activation group outside an FP8 dot's K step (32 to 256; Triton refuses a smaller
+    # fp8 dot on the GPU, which the interpreter would run)
+    for block in ((32, 16), (128, 512), (32, 48)):
+        odd = fp8_module(64, 96, block, False, torch.float32, g)
+        assert fp8_block(odd) is None, block
 
 
 def test_attach_serves_fp8_linears_with_the_kernel_and_detach_gives_them_back(seed):

@@ -77,7 +77,7 @@ def _decode_attention_kernel(
     t = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
-    length = tl.load(len_ptr + t)
+    length = tl.load(len_ptr + t).to(tl.int32)  # 32-bit block / offset arithmetic below
     start = split * split_len
     end = tl.minimum(start + split_len, length)
     offs_g = tl.arange(0, BLOCK_G)

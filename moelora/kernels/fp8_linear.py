@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .checks import check_shape
 from .fp8_tiles import fp8_mma
+from .output import as_stored
 from .quant_rows import quant_rows
 
 # a tile of rows for tl.dot (16 at least; decode's one row masks the rest) and of outputs;
@@ -81,7 +82,8 @@ def _fp8_linear_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, as_stored(acc, out_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & n_mask[None, :])  # fmt: skip
 
 
 def quantize_input(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import WeightsError
-from ..quantization import QuantConfig
+from ..quantization import FP8_MAX_STEP, FP8_MIN_STEP, QuantConfig
 from .checkpoint import read_fp8_experts
 from .fp8_experts import FP8ExpertWeights
 
@@ -70,7 +70,7 @@ def fp8_block(module: nn.Module) -> tuple[int, int] | None:
     `weight_scale_inv` and dynamic activation quantization (transformers' FP8Linear of a
     `quant_method: fp8` checkpoint, which keeps its tensors: nothing is copied); None for
     any other module (a plain Linear, per-tensor scales, static activation scales, an
-    activation group that is not a power of two)."""
+    activation group that is not a power of two from 32 to 256: an FP8 dot's K step)."""
     if not isinstance(module, nn.Linear) or module.weight.dtype != torch.float8_e4m3fn:
         return None
     block = getattr(module, "block_size", None)
@@ -80,4 +80,6 @@ def fp8_block(module: nn.Module) -> tuple[int, int] | None:
     if getattr(module, "activation_scheme", "dynamic") != "dynamic":
         return None
     bn, bk = (int(b) for b in block)
-    return (bn, bk) if bk & (bk - 1) == 0 else None  # the activation group: a power of two
+    if bk & (bk - 1) or not FP8_MIN_STEP <= bk <= FP8_MAX_STEP:  # one dot step per group
+        return None
+    return bn, bk

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
-from ..quantization import QuantConfig
+from ..quantization import FP8_MAX_STEP, FP8_MIN_STEP, QuantConfig
 from .config import GemmTiles, TileConfig
 from .fit import MARGIN
 from .geometry import gate_up_rows, rows_share_scale_block
@@ -31,9 +31,9 @@ LARGE_DOWN = GemmTiles(128, 128, 4, 3)
 # block scale), and its widest measured step won at 4 rows (T = 1: 14.8 us, 0.074 -> 0.047
 # ms for the layer), so it keeps its step at any BLOCK_N.
 COLUMN_ROWS = 8
-# A K step of the FP8 dot: Hopper's e4m3 MMA takes K in steps of 32; a [BLOCK_M, 256] x tile
-# is the widest the fit below keeps in shared memory at BLOCK_M 128.
-MIN_STEP, MAX_STEP = 32, 256
+# A K step of the FP8 dot (quantization.py): 32 to 256; the fit below keeps a
+# [BLOCK_M, 256] x tile in shared memory at BLOCK_M 128.
+MIN_STEP, MAX_STEP = FP8_MIN_STEP, FP8_MAX_STEP
 
 
 def fp8_pipeline_bytes(block_m: int, tiles: GemmTiles, parts: int) -> int:
