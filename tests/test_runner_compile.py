@@ -1,0 +1,121 @@
+"""The decode runner's kernels that read the paged KV cache or FP8 weights compile for sm_90
+without a GPU (the interpreter runs what the GPU compiler refuses: an fp8 dot with K < 32
+passed every interpreted test): decode attention (each split count, the combine), varlen
+prefill attention (query groups 4 and 8), the rotary + cache write, the FP8 Linear at each
+row tile and the activation groups it serves, in the serving dtypes. Run as a script with
+the interpreter off (tests/sm90_child.py); the tests read what it printed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from sm90_child import run_compile_child
+
+# the pointers' element types, by parameter name ("dt": the serving dtype of the case)
+POINTERS = {
+    "block_table_ptr": "*i32", "len_ptr": "*i64", "part_ptr": "*fp32", "stat_ptr": "*fp32",
+    "block_seq_ptr": "*i32", "block_tok_ptr": "*i32", "starts_ptr": "*i32", "ends_ptr": "*i32",
+    "rows_ptr": "*i64", "pos_ptr": "*i64", "pos0_ptr": "*i32", "q_ptr": "dt", "k_ptr": "dt",
+    "v_ptr": "dt", "out_ptr": "dt", "qw_ptr": "dt", "kw_ptr": "dt", "cos_ptr": "dt",
+    "sin_ptr": "dt", "q_out_ptr": "dt", "k_cache_ptr": "dt", "v_cache_ptr": "dt",
+    "xs_ptr": "*fp32", "ws_ptr": "*fp32", "w_ptr": "*fp8e4nv", "bias_ptr": "dt",
+}  # fmt: skip
+# the FP8 Linear's q_ptr is its quantized input, not attention's queries
+OVERRIDES = {"_fp8_linear_kernel": {"q_ptr": "*fp8e4nv"}}
+FLOATS = {"scale", "eps"}
+DTYPES = {"bf16": "*bf16", "fp32": "*fp32", "fp16": "*fp16"}
+
+
+def cases() -> dict[str, tuple[str, str, dict, int]]:
+    """name -> (module, kernel, constexprs, num_warps), with the dtype in the name."""
+    out = {}
+    for dt in ("bf16", "fp32"):
+        for splits in (1, 4):
+            out[f"decode/{dt}/splits{splits}"] = (
+                "decode_attention", "_decode_attention_kernel",
+                dict(SPLITS=splits, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32"), 4,
+            )  # fmt: skip
+        for group, block_q in ((4, 32), (8, 16)):
+            out[f"prefill/{dt}/group{group}"] = (
+                "prefill_attention", "_prefill_attention_kernel",
+                dict(BLOCK_Q=block_q, BLOCK_G=group, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32"),
+                4,
+            )  # fmt: skip
+        for norm in (True, False):
+            out[f"rope_cache/{dt}/norm{norm}"] = (
+                "rope_cache", "_rope_cache_kernel", dict(HAS_NORM=norm, BLOCK_D=128), 1,
+            )  # fmt: skip
+    out["combine/bf16"] = ("decode_attention", "_combine_kernel", dict(SPLITS=4, BLOCK_D=128), 1)
+    for dt in ("bf16", "fp16"):
+        for rows in (16, 64):
+            for bk in (32, 128):
+                out[f"fp8_linear/{dt}/rows{rows}/group{bk}"] = (
+                    "fp8_linear", "_fp8_linear_kernel",
+                    dict(SCALE_N=128, HAS_BIAS=True, BLOCK_T=rows, BLOCK_N=64, BLOCK_K=bk), 4,
+                )  # fmt: skip
+    return out
+
+
+CASES = cases()
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    return run_compile_child(__file__, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_runner_kernel_compiles_for_sm90(compiled, name) -> None:
+    got = compiled[name]
+    assert "error" not in got, got["error"]
+    assert got["ptx_lines"] > 0
+
+
+def test_fp8_linear_dots_on_fp8_tensor_cores(compiled) -> None:
+    """The FP8 Linear's dot runs on e4m3 operands (not widened to 16 bits first)."""
+    for name in CASES:
+        if name.startswith("fp8_linear/"):
+            assert compiled[name].get("e4m3_dot"), (name, compiled[name])
+
+
+def _compile(module: str, kernel: str, constexprs: dict, warps: int, dt: str) -> dict:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(f"moelora.kernels.{module}"), kernel)
+
+    def kind(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name in FLOATS:
+            return "fp32"
+        if name.endswith("_ptr"):
+            ptr = OVERRIDES.get(kernel, {}).get(name, POINTERS[name])
+            return DTYPES[dt] if ptr == "dt" else ptr
+        return "i32"
+
+    signature = {name: kind(name) for name in fn.arg_names}
+    try:
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        done = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except Exception as err:  # reported: the test fails with it
+        return {"error": f"{type(err).__name__}: {str(err)[-600:]}"}
+    ttgir = done.asm["ttgir"]
+    dots = [line for line in ttgir.splitlines() if "dot" in line and "=" in line]
+    return {
+        "ptx_lines": done.asm["ptx"].count("\n"),
+        "e4m3_dot": any("f8E4M3FN" in line for line in dots),
+    }
+
+
+if __name__ == "__main__":
+    import moelora
+
+    result = {name: _compile(*case, name.split("/")[1]) for name, case in CASES.items()}
+    result["moelora"] = os.path.abspath(moelora.__file__)
+    print(json.dumps(result))
