@@ -145,13 +145,18 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, row: int, n: int) ->
     return cache[block_table[row, pos // bs].long(), :, pos % bs].transpose(0, 1)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None = None):  # fmt: skip
     """fp64 softmax attention of q [Hq, D] over keys / values [Hk, n, D] (Hq / Hk query
-    heads per KV head): [Hq, D]."""
+    heads per KV head): [Hq, D]; sinks [Hq]: a logit per head in the softmax, its
+    probability dropped (transformers' gpt-oss eager attention)."""
     group = q.shape[0] // keys.shape[0]
     keys = keys.double().repeat_interleave(group, dim=0)
     values = values.double().repeat_interleave(group, dim=0)
-    probs = torch.softmax(torch.einsum("hd,hnd->hn", q.double(), keys) * scale, dim=-1)
+    scores = torch.einsum("hd,hnd->hn", q.double(), keys) * scale
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+    probs = torch.softmax(scores, dim=-1)[:, : keys.shape[1]]
     return torch.einsum("hn,hnd->hd", probs, values)
 
 
@@ -233,6 +238,85 @@ def test_prefill_attention_equals_causal_softmax_attention(case, dtype, seed):
         keys, values = (_gather(c, block_table, r, p + n) for c in (k_cache, v_cache))
         for i in range(n):
             ref[t] = _attend(q[t], keys[:, : p + i + 1], values[:, : p + i + 1], scale)
+            t += 1
+    assert not out.isnan().any()
+    assert_close(out, ref, dtype, what="prefill attention")
+
+
+WINDOWS = [
+    # (id, rows, q heads, kv heads, head dim, block size, positions, window, sinks): the
+    # edges each covers (gpt-oss: sliding windows on half its layers, sinks on every one)
+    ("splits-below-the-window", 3, 8, 2, 16, 5, 300, 37, True),  # whole splits skipped
+    ("one-split", 2, 4, 2, 16, 16, 40, 7, True),
+    ("window-past-the-length", 2, 4, 1, 16, 16, 50, 500, True),  # every position
+    ("sinks-alone", 2, 8, 2, 16, 16, 90, 0, True),
+    ("window-alone", 2, 8, 2, 32, 24, 130, 50, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", WINDOWS, ids=[c[0] for c in WINDOWS])
+def test_decode_attention_with_a_window_and_sinks(case, dtype, seed):
+    """Each row against an fp64 softmax over its last `window` positions (0: all) with a
+    sink logit per head, at the lengths the splits cut differently."""
+    _, rows, hq, hk, d, bs, positions, window, has_sinks = case
+    g = _gen(seed)
+    lengths = torch.randint(1, positions + 1, (rows,), generator=g)
+    lengths[0] = positions
+    k_cache, v_cache, block_table = _paged_cache(lengths.tolist(), hk, d, bs, None, dtype, g)
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
+    sinks = torch.randn(hq, generator=g).to(dtype) if has_sinks else None
+    scale = d**-0.5
+    out = decode_attention(q, k_cache, v_cache, block_table, lengths, scale, positions,
+                           window=window, sinks=sinks)  # fmt: skip
+    ref = torch.empty(rows, hq, d, dtype=torch.float64)
+    for t in range(rows):
+        n = int(lengths[t])
+        first = max(0, n - window) if window else 0
+        keys, values = (_gather(c, block_table, t, n)[:, first:] for c in (k_cache, v_cache))
+        ref[t] = _attend(q[t], keys, values, scale, sinks)
+    assert_close(out, ref, dtype, what="attention")
+    if "splits" in _:
+        assert splits_for(rows, hk, positions) > 1
+
+
+PREFILL_WINDOWS = [
+    # (id, q heads, kv heads, head dim, block size, [(length, table row, first position)],
+    #  window, sinks)
+    ("varlen-window-4", 8, 2, 16, 16, [(5, 2, 0), (37, 0, 0), (1, 3, 0)], 4, True),
+    ("chunk-after-prefix-window-13", 4, 4, 32, 5, [(20, 1, 70), (9, 0, 3)], 13, True),
+    ("long-window-70-many-tiles", 4, 1, 16, 128, [(150, 0, 0)], 70, False),  # the first
+    # key tile of a q block starts mid-tile
+    ("sinks-alone", 8, 2, 16, 16, [(30, 0, 10)], 0, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PREFILL_WINDOWS, ids=[c[0] for c in PREFILL_WINDOWS])
+def test_prefill_attention_with_a_window_and_sinks(case, dtype, seed):
+    """Each packed token against an fp64 softmax over the positions of its window up to its
+    own, with a sink logit per head."""
+    _, hq, hk, d, bs, seqs, window, has_sinks = case
+    g = _gen(seed)
+    held = [0] * 4
+    for n, r, p in seqs:
+        held[r] = p + n
+    k_cache, v_cache, block_table = _paged_cache(held, hk, d, bs, None, dtype, g)
+    lengths = [n for n, _, _ in seqs]
+    q = torch.randn(sum(lengths), hq, d, generator=g).to(dtype)
+    sinks = torch.randn(hq, generator=g).to(dtype) if has_sinks else None
+    scale = d**-0.5
+    table = varlen_table(lengths, [r for _, r, _ in seqs], [p for _, _, p in seqs], hq // hk,
+                         q.device)  # fmt: skip
+    out = prefill_attention(q, k_cache, v_cache, table, block_table, scale, window, sinks)
+    ref = torch.empty(q.shape, dtype=torch.float64)
+    t = 0
+    for n, r, p in seqs:
+        keys, values = (_gather(c, block_table, r, p + n) for c in (k_cache, v_cache))
+        for i in range(n):
+            first = max(0, p + i + 1 - window) if window else 0
+            ref[t] = _attend(q[t], keys[:, first : p + i + 1], values[:, first : p + i + 1],
+                             scale, sinks)  # fmt: skip
             t += 1
     assert not out.isnan().any()
     assert_close(out, ref, dtype, what="prefill attention")

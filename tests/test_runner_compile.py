@@ -1,7 +1,7 @@
 """The decode runner's kernels that read the paged KV cache or FP8 weights compile for sm_90
 without a GPU (the interpreter runs what the GPU compiler refuses: an fp8 dot with K < 32
-passed every interpreted test): decode attention (each split count, the combine), varlen
-prefill attention (query groups 4 and 8), the rotary + cache write, the FP8 Linear at each
+passed every interpreted test): decode attention (each split count, the combine, with and
+without attention sinks), varlen prefill attention (query groups 4 and 8, sinks), the rotary + cache write, the FP8 Linear at each
 row tile and the activation groups it serves, in the serving dtypes. Run as a script with
 the interpreter off (tests/sm90_child.py); the tests read what it printed."""
 
@@ -20,7 +20,7 @@ POINTERS = {
     "rows_ptr": "*i64", "pos_ptr": "*i64", "pos0_ptr": "*i32", "q_ptr": "dt", "k_ptr": "dt",
     "v_ptr": "dt", "out_ptr": "dt", "qw_ptr": "dt", "kw_ptr": "dt", "cos_ptr": "dt",
     "sin_ptr": "dt", "q_out_ptr": "dt", "k_cache_ptr": "dt", "v_cache_ptr": "dt",
-    "xs_ptr": "*fp32", "ws_ptr": "*fp32", "w_ptr": "*fp8e4nv", "bias_ptr": "dt",
+    "xs_ptr": "*fp32", "ws_ptr": "*fp32", "w_ptr": "*fp8e4nv", "bias_ptr": "dt", "sink_ptr": "dt",
 }  # fmt: skip
 # the FP8 Linear's q_ptr is its quantized input, not attention's queries
 OVERRIDES = {"_fp8_linear_kernel": {"q_ptr": "*fp8e4nv"}}
@@ -32,22 +32,26 @@ def cases() -> dict[str, tuple[str, str, dict, int]]:
     """name -> (module, kernel, constexprs, num_warps), with the dtype in the name."""
     out = {}
     for dt in ("bf16", "fp32"):
-        for splits in (1, 4):
-            out[f"decode/{dt}/splits{splits}"] = (
+        for splits, sinks in ((1, False), (4, False), (1, True), (4, True)):
+            out[f"decode/{dt}/splits{splits}/sinks{sinks}"] = (
                 "decode_attention", "_decode_attention_kernel",
-                dict(SPLITS=splits, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32"), 4,
+                dict(SPLITS=splits, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32",
+                     HAS_SINKS=sinks), 4,
             )  # fmt: skip
-        for group, block_q in ((4, 32), (8, 16)):
-            out[f"prefill/{dt}/group{group}"] = (
+        for group, block_q, sinks in ((4, 32, False), (8, 16, False), (8, 16, True)):
+            out[f"prefill/{dt}/group{group}/sinks{sinks}"] = (
                 "prefill_attention", "_prefill_attention_kernel",
-                dict(BLOCK_Q=block_q, BLOCK_G=group, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32"),
-                4,
+                dict(BLOCK_Q=block_q, BLOCK_G=group, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32",
+                     HAS_SINKS=sinks), 4,
             )  # fmt: skip
         for norm in (True, False):
             out[f"rope_cache/{dt}/norm{norm}"] = (
                 "rope_cache", "_rope_cache_kernel", dict(HAS_NORM=norm, BLOCK_D=128), 1,
             )  # fmt: skip
-    out["combine/bf16"] = ("decode_attention", "_combine_kernel", dict(SPLITS=4, BLOCK_D=128), 1)
+    for sinks in (False, True):
+        out[f"combine/bf16/sinks{sinks}"] = (
+            "decode_attention", "_combine_kernel", dict(SPLITS=4, BLOCK_D=128, HAS_SINKS=sinks), 1,
+        )  # fmt: skip
     for dt in ("bf16", "fp16"):
         for rows in (16, 64):
             for bk in (32, 128):

@@ -12,7 +12,9 @@ per (row, KV head, split of the positions) takes the KV head's group of query he
 together (grouped-query attention), scores in fp32, an online softmax, and writes its
 unnormalized output with its max and sum; a second kernel combines the splits. With one
 split the first kernel writes the output itself. fp32 inputs take exact fp32 dots (no
-tf32), as the model's own attention does.
+tf32), as the model's own attention does. A sliding window (a runtime int, 0: none) starts
+each row's positions at its length minus the window; attention sinks (gpt-oss: a logit per
+head in each softmax's sum, with no value) join where the splits are combined.
 Legend: T rows, Hq / Hk query / KV heads, G = Hq / Hk, D head width, NB cache blocks, BS
 positions per block, R block-table rows, MB blocks per row.
 """
@@ -46,11 +48,13 @@ def _decode_attention_kernel(
     out_ptr,
     part_ptr,
     stat_ptr,
+    sink_ptr,
     scale,
     group,
     head_dim,
     split_len,
     kv_block_size,
+    window,
     stride_bt,
     stride_qt,
     stride_qh,
@@ -73,13 +77,17 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     t = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(len_ptr + t).to(tl.int32)  # 32-bit block / offset arithmetic below
-    start = split * split_len
-    end = tl.minimum(start + split_len, length)
+    first = 0
+    if window > 0:  # a sliding window: the last `window` positions
+        first = tl.maximum(length - window, 0)
+    start = tl.maximum(split * split_len, first)
+    end = tl.minimum(split * split_len + split_len, length)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < group
@@ -113,6 +121,11 @@ def _decode_attention_kernel(
         m = m_new
     rows = g_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
+        if HAS_SINKS:  # each head's sink logit joins the softmax's sum, not its values
+            sink = tl.load(sink_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)
+            m_all = tl.maximum(m, sink)
+            total = total * tl.exp(m - m_all) + tl.exp(sink - m_all)
+            acc = acc * tl.exp(m - m_all)[:, None]
         out = acc / total[:, None]
         dst = out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, as_stored(out, out_ptr.dtype.element_ty), mask=rows)
@@ -129,6 +142,7 @@ def _combine_kernel(
     part_ptr,
     stat_ptr,
     out_ptr,
+    sink_ptr,
     head_dim,
     stride_pt,
     stride_ph,
@@ -140,6 +154,7 @@ def _combine_kernel(
     stride_oh,
     SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -151,8 +166,13 @@ def _combine_kernel(
     m_s = tl.load(stat)
     l_s = tl.load(stat + 1)
     m = tl.max(m_s, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + h).to(tl.float32)
+        m = tl.maximum(m, sink)
     w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)
     total = tl.sum(l_s * w, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m)
     part = tl.load(part_ptr + base + offs_s[:, None] * stride_ps + offs_d[None, :],
                    mask=d_ok[None, :], other=0.0)  # fmt: skip
     out = tl.sum(part * w[:, None], axis=0) / total
@@ -166,6 +186,13 @@ def splits_for(rows: int, kv_heads: int, max_len: int) -> int:
     want = max(1, math.ceil(TARGET_PROGRAMS / max(1, rows * kv_heads)))
     cap = max(1, math.ceil(max_len / BLOCK_N))
     return min(next_pow2(want), next_pow2(cap))
+
+
+def check_sinks(caller: str, sinks: Tensor | None, heads: int) -> None:
+    """Raises ValueError unless sinks is None or one contiguous logit per query head."""
+    if sinks is not None and (sinks.shape != (heads,) or not sinks.is_contiguous()):
+        raise ValueError(f"{caller}: sinks {tuple(sinks.shape)}; expected [{heads}] (one "
+                         "logit per query head), contiguous")  # fmt: skip
 
 
 def paged_block_size(caller: str, k_cache: Tensor, v_cache: Tensor, block_table: Tensor) -> int:
@@ -197,12 +224,17 @@ def decode_attention(
     lengths: Tensor,
     scale: float,
     max_len: int | None = None,
+    window: int = 0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """out [T, Hq, D] for q [T, Hq, D] (row t's one query per head), paged caches k_cache /
     v_cache [NB, Hk, BS, D], block_table [R >= T, MB] int32 (row t of q reads block-table
     row t), lengths [T] (positions 0 .. lengths[t] - 1 are read; 1 <= lengths[t] <= MB x
     BS, not checked: it stays on the device). max_len: the most any row may read (default
-    MB x BS): sizes the splits."""
+    MB x BS): sizes the splits. window > 0: only the last `window` positions are read (a
+    sliding window: position p sees p - window < j <= p). sinks [Hq]: one logit per head
+    that joins each softmax's sum without a value (gpt-oss's attention sinks)."""
+    check_sinks("decode_attention", sinks, q.shape[1])
     tokens, q_heads, head_dim = q.shape
     kv_block_size = paged_block_size("decode_attention", k_cache, v_cache, block_table)
     if block_table.shape[0] < tokens:
@@ -224,15 +256,18 @@ def decode_attention(
     block_d = next_pow2(head_dim)
     if tokens:
         _decode_attention_kernel[(tokens, kv_heads, splits)](
-            q, k_cache, v_cache, block_table, lengths, out, part, stat, scale, group, head_dim,
-            split_len, kv_block_size, block_table.stride(0), q.stride(0), q.stride(1),
+            q, k_cache, v_cache, block_table, lengths, out, part, stat,
+            out if sinks is None else sinks, scale, group, head_dim, split_len, kv_block_size,
+            window, block_table.stride(0), q.stride(0), q.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1), *strides,
             SPLITS=splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=BLOCK_N,
-            BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=4,
+            BLOCK_D=block_d, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,
+            num_warps=4,
         )  # fmt: skip
         if splits > 1:
             _combine_kernel[(tokens, q_heads)](
-                part, stat, out, head_dim, *strides, out.stride(0), out.stride(1),
-                SPLITS=splits, BLOCK_D=block_d, num_warps=1,
+                part, stat, out, out if sinks is None else sinks, head_dim, *strides,
+                out.stride(0), out.stride(1), SPLITS=splits, BLOCK_D=block_d,
+                HAS_SINKS=sinks is not None, num_warps=1,
             )  # fmt: skip
     return out

@@ -13,7 +13,10 @@ program per (block of BLOCK_Q tokens of one sequence, KV head) takes the head's 
 query heads with them (BLOCK_Q x G rows of the dots, grouped query attention), scores in
 fp32, an online softmax over blocks of BLOCK_N keys up to the block's last position; the
 probabilities are rounded to the values' dtype for their dot, as the model's eager
-attention does. fp32 inputs take exact fp32 dots (no tf32).
+attention does. fp32 inputs take exact fp32 dots (no tf32). A sliding window (a runtime
+int, 0: none) limits each token to the positions after its own minus the window, and the
+key loop starts at the block's first token's; attention sinks (gpt-oss) join each row's
+softmax sum at the end.
 Legend: T packed tokens, S sequences, Hq / Hk query / KV heads, G = Hq / Hk, D head width,
 NB cache blocks, BS positions per block, R block-table rows, MB blocks per row.
 """
@@ -28,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..tiling.geometry import next_pow2
-from .decode_attention import paged_block_size
+from .decode_attention import check_sinks, paged_block_size
 from .output import as_stored
 from .tiles import mma
 
@@ -49,10 +52,12 @@ def _prefill_attention_kernel(
     ends_ptr,
     rows_ptr,
     pos0_ptr,
+    sink_ptr,
     scale,
     group,
     head_dim,
     kv_block_size,
+    window,
     stride_bt,
     stride_qt,
     stride_qh,
@@ -69,6 +74,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv = tl.program_id(1)
@@ -96,7 +102,10 @@ def _prefill_attention_kernel(
     table_row = block_table_ptr + row * stride_bt
     k_head = k_ptr + kv * stride_kh
     v_head = v_ptr + kv * stride_vh
-    for n0 in range(0, last + 1, BLOCK_N):
+    lowest = 0  # the first position a row of the block sees
+    if window > 0:  # a sliding window: position p sees p - window < j <= p
+        lowest = tl.maximum(pos0 + t0 - start - window + 1, 0)
+    for n0 in range(lowest, last + 1, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n <= last
         # int64: NB x the block stride may pass 2^31 elements
@@ -106,7 +115,10 @@ def _prefill_attention_kernel(
         k = tl.load(k_at + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         zeros = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_N], tl.float32)
         scores = mma(q, tl.trans(k), zeros, IEEE) * scale
-        scores = tl.where(offs_n[None, :] <= pos[:, None], scores, float("-inf"))
+        seen = offs_n[None, :] <= pos[:, None]
+        if window > 0:
+            seen = seen & (offs_n[None, :] > pos[:, None] - window)
+        scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
@@ -115,6 +127,11 @@ def _prefill_attention_kernel(
         v = tl.load(v_at + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m = m_new
+    if HAS_SINKS:  # each head's sink logit joins the softmax's sum, not its values
+        sink = tl.load(sink_ptr + heads, mask=r_ok, other=0.0).to(tl.float32)
+        m_all = tl.maximum(m, sink)
+        total = total * tl.exp(m - m_all) + tl.exp(sink - m_all)
+        acc = acc * tl.exp(m - m_all)[:, None]
     out = acc / total[:, None]
     dst = out_ptr + tok[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
     tl.store(dst + offs_d[None, :], as_stored(out, out_ptr.dtype.element_ty),
@@ -167,12 +184,16 @@ def prefill_attention(
     table: VarlenTable,
     block_table: Tensor,
     scale: float = 1.0,
+    window: int = 0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """out [T, Hq, D] for q [T, Hq, D] packing the sequences `table` describes (built by
     varlen_table for this q's group of heads), paged caches k_cache / v_cache [NB, Hk, BS,
     D] already holding every position read, block_table [R, MB] int32 (sequence s reads
     its row rows[s]; R and MB cover every row and position read, not checked: they stay on
-    the device)."""
+    the device). window > 0: position p sees p - window < j <= p (a sliding window);
+    sinks [Hq]: one logit per head in each softmax's sum, with no value (gpt-oss)."""
+    check_sinks("prefill_attention", sinks, q.shape[1])
     tokens, q_heads, head_dim = q.shape
     kv_block_size = paged_block_size("prefill_attention", k_cache, v_cache, block_table)
     kv_heads = k_cache.shape[1]
@@ -186,10 +207,11 @@ def prefill_attention(
         seq = table.sequences
         _prefill_attention_kernel[(programs, kv_heads)](
             q, k_cache, v_cache, block_table, out, table.blocks[0], table.blocks[1], seq[0],
-            seq[1], seq[2], seq[3], scale, group, head_dim, kv_block_size, block_table.stride(0),
-            q.stride(0), q.stride(1),
+            seq[1], seq[2], seq[3], out if sinks is None else sinks, scale, group, head_dim,
+            kv_block_size, window, block_table.stride(0), q.stride(0), q.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
             BLOCK_Q=table.block_q, BLOCK_G=next_pow2(group), BLOCK_N=BLOCK_N,
-            BLOCK_D=next_pow2(head_dim), IEEE=q.dtype == torch.float32, num_warps=4,
+            BLOCK_D=next_pow2(head_dim), IEEE=q.dtype == torch.float32,
+            HAS_SINKS=sinks is not None, num_warps=4,
         )  # fmt: skip
     return out
