@@ -32,25 +32,29 @@ def _gen(seed: int) -> torch.Generator:
 
 
 NORMS = [
-    # (id, rows, hidden, residual): the edges each covers
-    ("one-row-residual", 1, 64, True),
-    ("rows-no-residual", 5, 48, False),  # hidden not a power of two: masked lanes
-    ("wide", 3, 256, True),
+    # (id, rows, hidden, residual, transformers' norm): the edges each covers
+    ("one-row-residual", 1, 64, True, "qwen3"),
+    ("rows-no-residual", 5, 48, False, "qwen3"),  # hidden not a power of two: masked lanes
+    ("wide", 3, 256, True, "qwen3"),
+    ("gpt-oss-one-rounding", 4, 64, True, "gpt_oss"),  # weight x the fp32 row, then rounded
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", NORMS, ids=[c[0] for c in NORMS])
 def test_add_rms_norm_equals_transformers(case, dtype, seed):
-    _, rows, hidden, with_res = case
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    _, rows, hidden, with_res, family = case
     g = _gen(seed)
     x = torch.randn(rows, hidden, generator=g).to(dtype)
     residual = torch.randn(rows, hidden, generator=g).to(dtype) if with_res else None
-    norm = Qwen3MoeRMSNorm(hidden, eps=1e-6).to(dtype)
+    norm = {"qwen3": Qwen3MoeRMSNorm, "gpt_oss": GptOssRMSNorm}[family](hidden, eps=1e-6)
+    norm = norm.to(dtype)
     norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
     s = x + residual if with_res else x  # transformers adds in the activation dtype
     ref = norm(s)
-    out, out_sum = add_rms_norm(x, residual, norm.weight, 1e-6)
+    out, out_sum = add_rms_norm(x, residual, norm.weight, 1e-6, family != "gpt_oss")
     assert_close(out, ref, dtype, what="y")
     assert torch.equal(out_sum, s)
 

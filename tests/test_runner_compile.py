@@ -1,7 +1,7 @@
 """The decode runner's kernels that read the paged KV cache or FP8 weights compile for sm_90
 without a GPU (the interpreter runs what the GPU compiler refuses: an fp8 dot with K < 32
 passed every interpreted test): decode attention (each split count, the combine, with and
-without attention sinks), varlen prefill attention (query groups 4 and 8, sinks), the rotary + cache write, the FP8 Linear at each
+without attention sinks), varlen prefill attention (query groups 4 and 8, sinks), the rotary + cache write, the residual add + RMSNorm in both roundings, the FP8 Linear at each
 row tile and the activation groups it serves, in the serving dtypes. Run as a script with
 the interpreter off (tests/sm90_child.py); the tests read what it printed."""
 
@@ -21,9 +21,10 @@ POINTERS = {
     "v_ptr": "dt", "out_ptr": "dt", "qw_ptr": "dt", "kw_ptr": "dt", "cos_ptr": "dt",
     "sin_ptr": "dt", "q_out_ptr": "dt", "k_cache_ptr": "dt", "v_cache_ptr": "dt",
     "xs_ptr": "*fp32", "ws_ptr": "*fp32", "w_ptr": "*fp8e4nv", "bias_ptr": "dt", "sink_ptr": "dt",
+    "x_ptr": "dt", "res_ptr": "dt", "y_ptr": "dt", "sum_ptr": "dt",
 }  # fmt: skip
 # the FP8 Linear's q_ptr is its quantized input, not attention's queries
-OVERRIDES = {"_fp8_linear_kernel": {"q_ptr": "*fp8e4nv"}}
+OVERRIDES = {"_fp8_linear_kernel": {"q_ptr": "*fp8e4nv"}, "_add_rms_norm_kernel": {"w_ptr": "dt"}}
 FLOATS = {"scale", "eps"}
 DTYPES = {"bf16": "*bf16", "fp32": "*fp32", "fp16": "*fp16"}
 
@@ -48,6 +49,11 @@ def cases() -> dict[str, tuple[str, str, dict, int]]:
             out[f"rope_cache/{dt}/norm{norm}"] = (
                 "rope_cache", "_rope_cache_kernel", dict(HAS_NORM=norm, BLOCK_D=128), 1,
             )  # fmt: skip
+    for rounded in (True, False):  # gpt-oss's norm rounds once
+        out[f"rms_norm/bf16/round_normed{rounded}"] = (
+            "rms_norm", "_add_rms_norm_kernel",
+            dict(HAS_RES=True, ROUND_NORMED=rounded, BLOCK_H=2048), 4,
+        )  # fmt: skip
     for sinks in (False, True):
         out[f"combine/bf16/sinks{sinks}"] = (
             "decode_attention", "_combine_kernel", dict(SPLITS=4, BLOCK_D=128, HAS_SINKS=sinks), 1,

@@ -1,5 +1,5 @@
 """The decode step and the prefill as moelora runs them, for the families it knows
-(Qwen3-MoE, OLMoE, Mixtral: FAMILIES, what differs between them as data): the model's own
+(Qwen3-MoE, OLMoE, Mixtral, gpt-oss: FAMILIES, what differs between them as data): the model's own
 weights read in place, few kernels per layer, every LoRA module per token in moelora's
 kernels; the engine replays a decode step as one CUDA graph per bucket of rows and runs a
 prefill eagerly, the waiting prompts of any lengths packed into one forward (varlen: no
@@ -11,7 +11,8 @@ name in its epilogue (kernels/dense_linear.py, the shrink one launch before); q 
 rotary and the KV-cache write in one kernel (kernels/rope_cache.py, into the paged cache's
 block and offset of each token, found once per forward from the block table); attention
 over each row's blocks up to its own length (kernels/decode_attention.py at decode,
-kernels/prefill_attention.py causal over each packed prompt at prefill); o_proj and its LoRA alike; the router (its
+kernels/prefill_attention.py causal over each packed prompt at prefill; a sliding-window
+layer reads its window, gpt-oss's sinks join each softmax); o_proj and its LoRA alike; the router (its
 logits on cuBLAS, their LoRA, softmax / top-k / renormalization in one kernel,
 kernels/router_topk.py); the experts on moelora's layer. Then the final norm and the LM head
 (cuBLAS; at prefill over each prompt's last token only, or every token when prompt
@@ -49,15 +50,32 @@ class Family:
     """What a family's decode layer does differently, as transformers writes it."""
 
     qk_norm: str  # "head": RMSNorm per head (Qwen3); "full": over the whole projection
-    # (OLMoE); "none" (Mixtral)
+    # (OLMoE); "none" (Mixtral, gpt-oss)
     round_router: bool  # the top-k weights rounded to the logits' dtype (else kept fp32)
     renorm: bool | None  # the top-k weights divided by their sum; None: config.norm_topk_prob
+    # (gpt-oss's softmax over the top-k logits is the softmax renormalized over the top k)
+    router: str = "gate"  # the router's name in the MLP (its weight, and its bias if any)
+    half_rope: bool = False  # cos / sin of half the head width, for both halves (gpt-oss)
+    sinks: bool = False  # a sink logit per query head in every softmax (gpt-oss)
+    windows: bool = False  # sliding-window layers (attn.sliding_window) are run as such
+    round_normed: bool = True  # RMSNorm rounds the normalized row before its weight (not
+    # gpt-oss's: weight x the fp32 row, one rounding)
 
 
 FAMILIES = {
     "qwen3_moe": Family(qk_norm="head", round_router=True, renorm=None),
     "olmoe": Family(qk_norm="full", round_router=True, renorm=None),
     "mixtral": Family(qk_norm="none", round_router=False, renorm=True),
+    "gpt_oss": Family(
+        qk_norm="none",
+        round_router=True,
+        renorm=True,
+        router="router",
+        half_rope=True,
+        sinks=True,
+        windows=True,
+        round_normed=False,
+    ),
 }
 
 
@@ -69,10 +87,15 @@ def runner_support(model: nn.Module) -> list[str]:
     reasons = []
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
         reasons.append("dense MLP layers between the MoE layers")
-    if getattr(config, "use_sliding_window", False) or (
+    family = FAMILIES[config.model_type]
+    if not family.windows and (getattr(config, "use_sliding_window", False) or (
         config.model_type == "mixtral" and getattr(config, "sliding_window", None) is not None
-    ):
+    )):  # fmt: skip
         reasons.append("sliding-window attention")
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if family.windows and not kinds <= {"full_attention", "sliding_attention"}:
+        reasons.append(f"layer types {sorted(kinds)} (the runner knows full_attention and "
+                       "sliding_attention)")  # fmt: skip
     if getattr(config, "clip_qkv", None) is not None:
         reasons.append(f"clip_qkv {config.clip_qkv} (q / k / v clamped)")
     # an FP8 checkpoint's experts run on moelora's layer like any others; the projections
@@ -101,6 +124,9 @@ class _Layer:
     gate: Tensor  # the router's weight [E, H]
     experts: nn.Module  # the MoELoRALayer serving this layer's experts
     path: str  # "model.layers.<i>"
+    gate_bias: Tensor | None = None  # the router's bias [E] (gpt-oss)
+    window: int = 0  # a sliding window's positions (0: full attention)
+    sinks: Tensor | None = None  # a sink logit per query head [Hq] (gpt-oss)
 
 
 class DecodeRunner:
@@ -111,16 +137,24 @@ class DecodeRunner:
         self.model, self.banks = model, banks
         self.eps = config.rms_norm_eps
         self.family = FAMILIES[config.model_type]
+        self.round_normed = self.family.round_normed
         self.top_k = config.num_experts_per_tok
         renorm = self.family.renorm
         self.renorm = config.norm_topk_prob if renorm is None else renorm
-        self.layers = [
-            _Layer(i, layer.self_attn, layer.input_layernorm.weight,
-                   layer.post_attention_layernorm.weight, layer.mlp.gate.weight, experts[i],
-                   f"model.layers.{i}")
-            for i, layer in enumerate(model.model.layers)
-        ]  # fmt: skip
+        self.layers = [self._layer(i, layer, experts[i])
+                       for i, layer in enumerate(model.model.layers)]  # fmt: skip
         self.first_moe = min(experts)
+
+    def _layer(self, index: int, layer: nn.Module, experts: nn.Module) -> _Layer:
+        family, attn = self.family, layer.self_attn
+        router = getattr(layer.mlp, family.router)
+        window = (getattr(attn, "sliding_window", None) or 0) if family.windows else 0
+        return _Layer(
+            index, attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            router.weight, experts, f"model.layers.{index}",
+            gate_bias=getattr(router, "bias", None), window=int(window),
+            sinks=attn.sinks if family.sinks else None,
+        )  # fmt: skip
 
     def decode(
         self,
@@ -138,9 +172,9 @@ class DecodeRunner:
         positions any row reads; table [R, MB] int32: each row's blocks."""
         lengths = positions[:, 0] + 1
 
-        def attend(q, cache_layer, scaling):
+        def attend(q, cache_layer, scaling, window, sinks):
             return decode_attention(q, cache_layer.keys, cache_layer.values, table, lengths,
-                                    scaling, kv_len)  # fmt: skip
+                                    scaling, kv_len, window, sinks)  # fmt: skip
 
         write = _slots(table, write_rows[:, 0], positions[:, 0], cache.block_size)
         return self._forward(ids[:, 0], positions[:, 0], write, rows, cache, attend)
@@ -170,9 +204,9 @@ class DecodeRunner:
         group = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
         spans = varlen_table(lengths, cache_rows, pos0, group, ids.device)  # once, every layer
 
-        def attend(q, cache_layer, scaling):
+        def attend(q, cache_layer, scaling, window, sinks):
             return prefill_attention(q, cache_layer.keys, cache_layer.values, spans, table,
-                                     scaling)  # fmt: skip
+                                     scaling, window, sinks)  # fmt: skip
 
         last = None if every else torch.tensor([a + n - 1 for a, n in zip(starts, lengths)],
                                                device=ids.device)  # fmt: skip
@@ -186,15 +220,17 @@ class DecodeRunner:
         h = model.model.embed_tokens(ids)
         cos, sin = model.model.rotary_emb(h[None], positions[None])
         cos, sin = cos[0], sin[0]
+        if self.family.half_rope:  # each half rotated by the same angles: rotate_half's form
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         slots = rows.row_slots[: ids.shape[0]]
         residual = None
         for layer in self.layers:
-            x, residual = add_rms_norm(h, residual, layer.norm_in, self.eps)
+            x, residual = add_rms_norm(h, residual, layer.norm_in, self.eps, self.round_normed)
             att = self._attention(layer, x, cos, sin, cache.layers[layer.index], write, slots,
                                   rows, attend)  # fmt: skip
-            x, residual = add_rms_norm(att, residual, layer.norm_post, self.eps)
+            x, residual = add_rms_norm(att, residual, layer.norm_post, self.eps, self.round_normed)
             h = self._moe(layer, x, slots, rows)
-        x, _ = add_rms_norm(h, residual, model.model.norm.weight, self.eps)
+        x, _ = add_rms_norm(h, residual, model.model.norm.weight, self.eps, self.round_normed)
         if last is not None:
             x, slots = x[last], slots[last]
         return self._linear(model.lm_head, "lm_head", x, slots, rows)
@@ -256,7 +292,7 @@ class DecodeRunner:
             k, _ = add_rms_norm(k, None, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, *write,
                            *head_norms, self.eps)  # fmt: skip
-        out = attend(q, cache_layer, attn.scaling)
+        out = attend(q, cache_layer, attn.scaling, layer.window, layer.sinks)
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out.view(x.shape[0], -1),
                                  slots, rows)  # fmt: skip
         return o
@@ -265,8 +301,8 @@ class DecodeRunner:
         """The router as transformers' (its logits and their LoRA; softmax in fp32, top-k,
         renormalized, rounded to the logits' dtype, in one kernel), then the experts on
         moelora's layer."""
-        logits = F.linear(x, layer.gate)
-        path = f"{layer.path}.mlp.gate"
+        logits = F.linear(x, layer.gate, layer.gate_bias)
+        path = f"{layer.path}.mlp.{self.family.router}"
         if path in rows.lora_modules:
             add_dense_lora(logits, x, slots, self.banks.a[path], self.banks.bt[path])
         weights, ids = router_topk(logits, self.top_k, self.renorm, self.family.round_router)
