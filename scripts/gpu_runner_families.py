@@ -1,0 +1,187 @@
+"""GPU check of the decode runner for every family it knows (moelora/engine/runner.py:
+FAMILIES), PASS / FAIL lines and a JSON record. Per family, a small random model (gpt-oss
+with a sliding-window layer and attention sinks) with two PEFT adapters (q / k / v / o +
+expert LoRA, expert-only), rows joining at two steps:
+
+1. fp32: the runner's rows equal HF + PEFT generating each row alone (tokens equal, every
+   step's logits within fp32's tolerance);
+2. bf16: each row's logits, every step on the runner's own tokens, against HF + PEFT in
+   fp32 on those tokens, within the bf16 table's tolerance or twice the noise of HF + PEFT
+   in bf16 against fp32 on them (measured in the same run), whichever is larger; the rows
+   of transformers' forward on the same engine (runner off) beside them, and the tokens
+   equal between the two paths counted.
+
+    python scripts/gpu_runner_families.py --out /tmp/families     # on the H200
+    TRITON_INTERPRET=1 python scripts/gpu_runner_families.py --device cpu --tiny   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+NEW = 6
+SIZES = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=512, max_position_embeddings=256)  # fmt: skip
+OVERRIDES = {
+    "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+}
+
+
+def parse(argv):
+    from moelora.engine.runner import FAMILIES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
+    p.add_argument("--out", type=Path, default=None, help="folder for gpu_runner_families.json")
+    p.add_argument("--tiny", action="store_true", help="toy sizes (a CPU dry run)")
+    return p.parse_args(argv)
+
+
+def _adapters(model) -> dict[str, dict]:
+    from moelora.hf import toy
+
+    experts = toy.expert_parameters(model)
+    return {
+        "attention+experts": dict(r=4, lora_alpha=8, target_parameters=experts,
+                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        "experts": dict(r=8, lora_alpha=16, target_parameters=experts),
+    }  # fmt: skip
+
+
+def _run(handle, names, prompts, runner: bool, device):
+    """(tokens, logits per step) of each row through an engine with or without the runner."""
+    from moelora.engine import Engine, Request, Sampling
+    from moelora.engine import engine as engine_module
+
+    logits: dict[str, list] = {}
+    real_accept, real_next = engine_module.Engine._accept, engine_module.next_tokens
+    current: list[str] = []
+
+    def accept(engine, rows, out):
+        current[:] = [r.request.request_id for r in rows]
+        return real_accept(engine, rows, out)
+
+    def record(out, rows, generated):
+        for rid, row in zip(current, out):
+            logits.setdefault(rid, []).append(row.detach().float().cpu())
+        return real_next(out, rows, generated)
+
+    engine_module.Engine._accept, engine_module.next_tokens = accept, record
+    try:
+        engine = Engine(handle, max_rows=4, max_len=64, enforce_eager=True, runner=runner)
+        reqs = [Request(f"r{i}", p, n, Sampling(max_new_tokens=NEW))
+                for i, (n, p) in enumerate(zip(names, prompts))]  # fmt: skip
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        step = 0
+        while step == 0 or engine.has_work:
+            for r in reqs[:2] if step == 0 else reqs[2:] if step == 1 else []:
+                engine.add(r)
+            for event in engine.step():
+                if event.token_id >= 0:
+                    tokens[event.request_id].append(event.token_id)
+            step += 1
+        engine.close()
+    finally:
+        engine_module.Engine._accept, engine_module.next_tokens = real_accept, real_next
+    return [tokens[r.request_id] for r in reqs], [torch.stack(logits[r.request_id]) for r in reqs]
+
+
+def family_check(family: str, device: str, check, tiny: bool = False) -> None:
+    from moelora.compare import REL_TOL, compare
+    from moelora.hf import attach, toy
+
+    tmp = Path(tempfile.mkdtemp())
+    sizes = ({} if tiny else SIZES) | OVERRIDES.get(family, {})
+    model = toy.build_model(family, seed=7, **sizes)
+    dirs = {}
+    for i, (name, kw) in enumerate(_adapters(model).items()):
+        dirs[name] = tmp / name
+        toy.write_peft_adapter(model, dirs[name], seed=11 + i, scale=0.1, **kw)
+    g = torch.Generator().manual_seed(5)
+    vocab = model.config.vocab_size
+    prompts = [tuple(torch.randint(1, vocab, (n,), generator=g).tolist()) for n in (12, 5, 20)]
+    names = [*dirs, None]
+    import peft
+
+    fp32_truths = None
+    # bf16 on a GPU only: Triton's interpreter computes bf16 wrongly (and transformers'
+    # grouped experts refuse the toy's 12-wide bf16 rows on a CPU)
+    dtypes = (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16)
+    for dtype in dtypes:
+        base = copy.deepcopy(model).to(device=device, dtype=dtype)
+        truths = {n: peft.PeftModel.from_pretrained(copy.deepcopy(base), d).eval()
+                  for n, d in dirs.items()}  # fmt: skip
+        truths[None] = copy.deepcopy(base)
+        if dtype == torch.float32:
+            fp32_truths = {n: copy.deepcopy(t) for n, t in truths.items()}
+        handle = attach(base, num_slots=2, max_rank=8)
+        for n, d in dirs.items():
+            handle.load_adapter(d, name=n)
+        mine, mine_logits = _run(handle, names, prompts, True, device)
+        tol = REL_TOL[dtype]
+        if dtype == torch.float32:
+            worst, equal = 0.0, 0
+            for i, (n, p) in enumerate(zip(names, prompts)):
+                ids = torch.tensor(p, device=device)
+                with torch.no_grad():
+                    out = truths[n].generate(input_ids=ids[None], max_new_tokens=NEW,
+                                             do_sample=False, pad_token_id=0)  # fmt: skip
+                    ref_tokens = out[0, len(p) :].tolist()
+                    full = torch.cat([ids, torch.tensor(mine[i][:-1], device=device)])[None]
+                    ref = truths[n](input_ids=full).logits[0, len(p) - 1 :].float().cpu()
+                equal += ref_tokens == mine[i]
+                worst = max(worst, compare(mine_logits[i], ref, tol=float("inf")).rel_err)
+            check(f"{family} fp32 vs HF + PEFT alone", equal == len(names) and worst <= tol,
+                  {"rows_equal": f"{equal}/{len(names)}", "rel_err": worst, "tol": tol})  # fmt: skip
+        else:
+            theirs, theirs_logits = _run(handle, names, prompts, False, device)
+            worst = {"runner": 0.0, "forward": 0.0, "noise": 0.0}
+            equal = sum(a == b for a, b in zip(mine, theirs))
+            for i, (n, p) in enumerate(zip(names, prompts)):
+                for path, toks, got in (("runner", mine[i], mine_logits[i]),
+                                        ("forward", theirs[i], theirs_logits[i])):  # fmt: skip
+                    ids = torch.tensor([*p, *toks[:-1]], device=device)[None]
+                    with torch.no_grad():
+                        exact = fp32_truths[n](input_ids=ids).logits[0, len(p) - 1 :].float().cpu()
+                        plain = truths[n](input_ids=ids).logits[0, len(p) - 1 :].float().cpu()
+                    worst[path] = max(worst[path], compare(got, exact, tol=float("inf")).rel_err)
+                    noise = compare(plain, exact, tol=float("inf")).rel_err
+                    worst["noise"] = max(worst["noise"], noise)
+            bound = max(tol, 2 * worst["noise"])
+            check(f"{family} bf16 vs HF + PEFT in fp32", worst["runner"] <= bound,
+                  {**worst, "tol": bound, "tokens_equal_between_paths": f"{equal}/{len(names)}"})  # fmt: skip
+        handle.detach()
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    result, ok = {"args": {k: str(v) for k, v in vars(args).items()}}, True
+
+    def check(name, passed, detail):
+        nonlocal ok
+        ok &= bool(passed)
+        result.setdefault("checks", {})[name] = {"pass": bool(passed), **detail}
+        print(f"{'PASS' if passed else 'FAIL'} {name}: {detail}", flush=True)
+
+    for family in args.families.split(","):
+        try:
+            family_check(family, args.device, check, args.tiny)
+        except Exception as err:  # one family's failure is reported, the others still run
+            check(f"{family} ran", False, {"error": f"{type(err).__name__}: {err}"[:400]})
+    result["ok"] = ok
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_runner_families.json").write_text(json.dumps(result, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
