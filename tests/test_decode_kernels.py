@@ -292,6 +292,8 @@ PREFILL_WINDOWS = [
     ("long-window-70-many-tiles", 4, 1, 16, 128, [(150, 0, 0)], 70, False),  # the first
     # key tile of a q block starts mid-tile
     ("sinks-alone", 8, 2, 16, 16, [(30, 0, 10)], 0, True),
+    ("group-of-one-150-window-4", 2, 2, 16, 16, [(150, 0, 0)], 4, True),  # q blocks of 128
+    # tokens over key tiles of 64: rows past 64 see no key of the block's first tile
 ]
 
 

@@ -2,7 +2,7 @@
 interpreter: rows of a continuously batched run decoded by the runner equal HF + PEFT
 generating each row alone (tokens equal; the logits each token was picked from within the
 fp32 tolerance of HF's), with adapters on every LoRA module the runner serves (q / k / v / o,
-the router, the LM head, the experts) and rows without, for each family it knows (Qwen3-MoE,
+the router where PEFT can target it (not gpt-oss's), the LM head, the experts) and rows without, for each family it knows (Qwen3-MoE,
 OLMoE, Mixtral, gpt-oss with a sliding-window layer and attention sinks); configurations and families it does not know are refused when asked for
 and left to transformers' forward otherwise."""
 

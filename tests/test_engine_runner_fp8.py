@@ -162,11 +162,12 @@ def fp8_attention(tmp_path_factory, model_seed):
 
 def test_fp8_attention_rows_on_the_runner_equal_transformers_forward(fp8_attention, seed,
                                                                     monkeypatch):  # fmt: skip
-    """The runner's W8A8 projections (kernels/fp8_linear.py), with FP8Linear computing the
-    truth's arithmetic, against HF + PEFT generating each row alone (PEFT's LoRA wraps the
-    FP8Linear, on its unquantized input) and against transformers' forward on the same
-    engine: equal tokens, fp32 logits, every step, adapters with q / k / v / o LoRA beside
-    the base model."""
+    """The runner's W8A8 projections (kernels/fp8_linear.py) against HF + PEFT generating
+    each row alone (copies made before attach: their FP8Linear computes the truth's torch
+    arithmetic, PEFT's LoRA wrapping it on its unquantized input), and against
+    transformers' forward on the same engine (whose FP8Linear modules run moelora's kernel
+    while attached: that comparison covers the rest of the step): equal tokens, fp32
+    logits, every step, adapters with q / k / v / o LoRA beside the base model."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
     from moelora.truth import w8a8

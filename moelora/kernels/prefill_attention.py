@@ -120,8 +120,11 @@ def _prefill_attention_kernel(
             seen = seen & (offs_n[None, :] > pos[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        # a row with no key seen yet (a window starting past this tile: BLOCK_Q may exceed
+        # BLOCK_N) keeps 0: exp(-inf - -inf) would be NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
         total = total * alpha + tl.sum(p, axis=1)
         v_at = v_head + blk[:, None] * stride_vn + in_blk[:, None] * stride_vm
         v = tl.load(v_at + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)

@@ -138,16 +138,17 @@ def _layer_factors(path: Path, layer: int, shapes: tuple) -> list[tuple[Tensor, 
 def fp8_linear(module: nn.Module, x: Tensor) -> Tensor:
     """transformers' FP8Linear (block scales `weight_scale_inv`, `activation_scheme:
     dynamic`) as its kernels compute it: x [..., K] quantized per token and per group of bk
-    columns, times the e4m3 weight dequantized exactly, in fp32, + bias; in x's dtype. Its
-    own kernels come from the Hub (the `kernels` package) at first use, which an offline
+    columns, times the e4m3 weight dequantized exactly, in fp32, rounded to x's dtype, then
+    + bias in that dtype (transformers' order: the product rounded, the bias added after).
+    Its own kernels come from the Hub (the `kernels` package) at first use, which an offline
     machine cannot reach; this is their arithmetic in torch."""
     block = tuple(module.block_size)
     v = x.reshape(-1, x.shape[-1])
     w = _dequantize(module.weight, module.weight_scale_inv, block)
-    y = quantized_input(v, block[1]) @ w.t()
+    y = (quantized_input(v, block[1]) @ w.t()).to(x.dtype)
     if module.bias is not None:
-        y = y + module.bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        y = y + module.bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], -1)
 
 
 @contextlib.contextmanager
