@@ -536,9 +536,12 @@ def test_sigint_while_loading_is_one_line_and_exit_130(served, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "moelora", "serve", str(served.root / "model"),
                              "--port", str(sf.free_port())], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    time.sleep(1.5)  # inside the imports / the load
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        time.sleep(1.5)  # inside the imports / the load
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:  # a server that ignored the signal is not left running
+        proc.kill()
     assert proc.returncode in (130, 0) and "Traceback" not in out, (proc.returncode, out)
 
 
