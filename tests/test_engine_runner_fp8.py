@@ -109,24 +109,20 @@ def test_quantized_attention_projections_are_refused_by_name(fp8_model):
 
 def _quantize_attention(model, block) -> None:
     """q / k / v / o of every layer replaced by transformers' FP8Linear holding the weight
-    quantized per block (each block's amax to 448), in place."""
+    quantized per square block (benchmarks/fp8_checkpoint.quantize_block: each block's amax
+    to 448), in place."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from benchmarks.fp8_checkpoint import quantize_block
 
     for layer in model.model.layers:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             old = getattr(attn, name)
             module = FP8Linear(old.in_features, old.out_features, block_size=block)
-            w = old.weight.detach().float()
-            bn, bk = block
-            n, k = w.shape
-            padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
-            padded[:n, :k] = w
-            scale = padded.reshape(-1, bn, padded.shape[1] // bk, bk).abs().amax(dim=(1, 3))
-            scale = scale.clamp(min=1e-12) / 448.0
-            full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
-            module.weight.data = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-            module.weight_scale_inv.data = scale
+            with torch.no_grad():
+                w, scale = quantize_block(old.weight.detach().float(), block[0])
+            module.weight.data, module.weight_scale_inv.data = w, scale
             setattr(attn, name, module)
 
 

@@ -144,6 +144,8 @@ class DecodeRunner:
         self.layers = [self._layer(i, layer, experts[i])
                        for i, layer in enumerate(model.model.layers)]  # fmt: skip
         self.first_moe = min(experts)
+        # the block-scaled FP8 Linears' scale blocks, read once (not per forward)
+        self.fp8 = {m: b for m in model.modules() if (b := fp8_block(m)) is not None}
 
     def _layer(self, index: int, layer: nn.Module, experts: nn.Module) -> _Layer:
         family, attn = self.family, layer.self_attn
@@ -236,7 +238,7 @@ class DecodeRunner:
         return self._linear(model.lm_head, "lm_head", x, slots, rows)
 
     def _linear(self, module: nn.Linear, path: str, x: Tensor, slots, rows) -> Tensor:
-        if fp8_block(module) is not None:
+        if module in self.fp8:
             return self._fp8_projections([module], [path], x, slots, rows)[0]
         out = F.linear(x, module.weight, module.bias)
         if path in rows.lora_modules:
@@ -248,7 +250,7 @@ class DecodeRunner:
         quantized once per scale block), each with its LoRA on the unquantized x."""
         quantized, outs = {}, []
         for module, path in zip(modules, paths):
-            block = fp8_block(module)
+            block = self.fp8.get(module)
             if block is None:  # a plain Linear beside them
                 out = F.linear(x, module.weight, module.bias)
             else:
@@ -267,7 +269,7 @@ class DecodeRunner:
         LoRA of those in rows.lora_modules (their shrink one launch before); one Linear
         without LoRA on cuBLAS (faster there for o_proj's shape on the H200: BENCHMARKS.md,
         "Decode step")."""
-        if any(fp8_block(m) is not None for m in modules):
+        if any(m in self.fp8 for m in modules):
             return self._fp8_projections(modules, paths, x, slots, rows)
         on = [p in rows.lora_modules for p in paths]
         if len(modules) == 1 and not on[0]:

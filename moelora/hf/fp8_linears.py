@@ -18,9 +18,10 @@ class FP8Linears:
     """The model's block-scaled FP8 Linears served by moelora's kernel (none: a no-op)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.modules = [m for m in model.modules() if fp8_block(m) is not None]
-        for module in self.modules:
-            module.forward = _Forward(module)
+        blocks = {m: b for m in model.modules() if (b := fp8_block(m)) is not None}
+        self.modules = list(blocks)
+        for module, block in blocks.items():
+            module.forward = _Forward(module, block)
 
     def remove(self) -> None:
         for module in self.modules:
@@ -32,12 +33,11 @@ class FP8Linears:
 class _Forward:
     """x [..., K] -> [..., N] in x's dtype through one FP8 Linear, W8A8."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, block: tuple[int, int]) -> None:
+        self.module, self.block = module, block
 
     def __call__(self, x: Tensor) -> Tensor:
-        m = self.module
-        block = fp8_block(m)
+        m, block = self.module, self.block
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()

@@ -191,8 +191,9 @@ def splits_for(rows: int, kv_heads: int, max_len: int) -> int:
 def check_sinks(caller: str, sinks: Tensor | None, heads: int) -> None:
     """Raises ValueError unless sinks is None or one contiguous logit per query head."""
     if sinks is not None and (sinks.shape != (heads,) or not sinks.is_contiguous()):
-        raise ValueError(f"{caller}: sinks {tuple(sinks.shape)}; expected [{heads}] (one "
-                         "logit per query head), contiguous")  # fmt: skip
+        raise ValueError(f"{caller}: sinks {tuple(sinks.shape)} (contiguous: "
+                         f"{sinks.is_contiguous()}); expected [{heads}], one logit per query "
+                         "head: pass the attention's sinks (attn.sinks), contiguous")  # fmt: skip
 
 
 def paged_block_size(caller: str, k_cache: Tensor, v_cache: Tensor, block_table: Tensor) -> int:
