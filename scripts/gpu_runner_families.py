@@ -22,13 +22,17 @@ import copy
 import json
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
 
 NEW = 6
+# the experts' widths at 64: transformers' grouped_mm experts (the bf16 truth) need rows of a
+# multiple of 16 bytes ("strides should be multiple of 16 bytes" at the toy's 12)
 SIZES = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=512, max_position_embeddings=256)  # fmt: skip
+             vocab_size=512, max_position_embeddings=256, moe_intermediate_size=64,
+             intermediate_size=64)  # fmt: skip
 OVERRIDES = {
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
 }
@@ -175,7 +179,9 @@ def main(argv=None) -> int:
         try:
             family_check(family, args.device, check, args.tiny)
         except Exception as err:  # one family's failure is reported, the others still run
-            check(f"{family} ran", False, {"error": f"{type(err).__name__}: {err}"[:400]})
+            where = traceback.extract_tb(err.__traceback__)[-3:]  # where it broke
+            check(f"{family} ran", False, {"error": f"{type(err).__name__}: {err}"[:400],
+                                           "at": [f"{f.filename}:{f.lineno} {f.name}" for f in where]})  # fmt: skip
     result["ok"] = ok
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
