@@ -158,7 +158,9 @@ def free_port() -> int:
 
 def start_server(argv: list[str], log: Path) -> subprocess.Popen:
     """`moelora serve ...argv`, its output in `log`."""
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    root = str(Path(__file__).resolve().parent.parent)  # this tree first, then the caller's
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = os.environ | {"PYTHONPATH": path}
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "moelora", "serve", *argv],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
