@@ -102,6 +102,36 @@ def test_registered_names_load_on_demand_from_disk_then_host(dirs, load_lines) -
     assert s.registered == 4 and s.explicit_loads == 0 and s.refused == 0
 
 
+def test_an_adapter_registered_in_memory_is_held_once_in_the_bank_dtype(dirs) -> None:
+    """A parsed adapter (fp32 factors) registered or loaded by object is kept in the bank
+    dtype, and its host-cache copy is that same memory: a 48-layer server kept the fp32
+    parse beside the host copy (about three times the bank bytes per name) and ran out of
+    host memory at 20 of 32 names. The slot written from it equals the adapter in bf16."""
+    m = SlotManager(MC, num_slots=1, max_rank=R, dtype=torch.bfloat16, max_cpu_loras=4)
+    parsed = {k: load_adapter(path, MC, R) for k, path in enumerate(dirs[:3])}
+    assert all(getattr(lo, f).dtype == torch.float32
+               for a in parsed.values() for lo in a.layers.values() for f in FIELDS)  # fmt: skip
+    held = m.register("n0", parsed[0])
+    m.register("n1", parsed[1])
+    m.register("n2", parsed[2])
+    m.load(parsed[2], name="n2")  # loaded by object: the same form, n2 in the one slot
+    for name, k in (("n0", 0), ("n2", 2)):
+        with m.reading([name]):  # n0 from memory into the slot (n2 evicted), then n2 back
+            pass
+        fetched = m._catalog.fetch(name).adapter
+        for layer, lo in parsed[k].layers.items():
+            for f in FIELDS:
+                got = getattr(fetched.layers[layer], f)
+                assert got.dtype == torch.bfloat16
+                torch.testing.assert_close(got, getattr(lo, f).to(torch.bfloat16), rtol=0, atol=0)
+        assert _holds(m, name, fetched)
+    kept = held.layers[next(iter(held.layers))].w13_a
+    assert kept.dtype == torch.bfloat16
+    assert m._catalog.fetch("n0").adapter.layers[next(iter(held.layers))].w13_a.data_ptr() == (
+        kept.data_ptr()
+    )  # the host cache's entry is the registered copy, not a second one
+
+
 # (id, names of the batch, error type, regex) -- each refused, changing nothing
 REFUSED = [
     ("unknown-name", ["n0", "ghost", None], InputError, "'ghost'.*register"),

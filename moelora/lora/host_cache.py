@@ -35,9 +35,12 @@ class HostCache:
 
     def convert(self, adapter: Adapter) -> Adapter:
         """The adapter in the bank dtype, pinned when `pin` (one copy, straight into the
-        pinned buffer); the adapter itself when nothing needs to change."""
+        pinned buffer); the adapter itself when it is in that form already (a registered
+        adapter held in memory is kept in it: its host copy is then that same memory)."""
 
         def host(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype == self.dtype and (not self.pin or t.is_pinned()):
+                return t
             if not self.pin:
                 return t.to(self.dtype)
             return torch.empty(t.shape, dtype=self.dtype, pin_memory=True).copy_(t)

@@ -177,9 +177,9 @@ class AdapterRegistry:
         and load it now when a slot is free or it is pinned. On failure it is unregistered."""
         manager = self.manager
         try:
-            manager.register(version.key, adapter)
+            held = manager.register(version.key, adapter)  # its host form: loaded from it
             if version.pinned or len(manager.loaded) < manager.num_slots:
-                manager.load(adapter, name=version.key, pin=version.pinned)
+                manager.load(held, name=version.key, pin=version.pinned)
         except BaseException:
             if version.key in manager.registered:
                 manager.unregister(version.key)

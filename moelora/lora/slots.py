@@ -189,15 +189,20 @@ class SlotManager:
         *,
         fused_orientation: str | None = None,
         serves_non_expert: bool = False,
-    ) -> None:
+    ) -> Adapter | None:
         """Know `name` without loading it: reading() loads it when a batch names it. A
-        directory is read and validated at its first use (load_adapter's options apply)."""
+        directory is read and validated at its first use (load_adapter's options apply).
+        Returns the Adapter kept for an Adapter source (its host form), None for a path."""
         if isinstance(source, Adapter):
             self._check_fits(source)
-            entry = Source(adapter=source)
+            # held in its host form (bank dtype, pinned on CUDA), which the host cache then
+            # reuses: a parsed adapter in fp32 beside a pinned copy was three times the bank
+            # bytes per registered name (a 48-layer server of 32 names ran out of host memory)
+            entry = Source(adapter=self._catalog.cache.convert(source))
         else:
             entry = Source(Path(source), None, fused_orientation, serves_non_expert)
         self._catalog.register(name, entry)
+        return entry.adapter
 
     def unregister(self, name: str) -> None:
         """Forget a registered name and its host copy; unload it if it is in a slot."""
@@ -227,9 +232,8 @@ class SlotManager:
         """
         started = time.perf_counter()
         origin = LoadOrigin.MEMORY if isinstance(adapter, Adapter) else LoadOrigin.DISK
-        if isinstance(adapter, Adapter):
-            source = Source(adapter=adapter)
-        else:
+        source = None
+        if not isinstance(adapter, Adapter):
             source = Source(Path(adapter), None, fused_orientation, serves_non_expert)
             adapter = load_adapter(
                 adapter,
@@ -241,6 +245,9 @@ class SlotManager:
             )
         name = name or adapter.name
         self._check_fits(adapter)
+        if source is None:  # held in the form register() keeps (checked first: as given)
+            adapter = self._catalog.cache.convert(adapter)
+            source = Source(adapter=adapter)
         with self._write_lock:
             loaded = name in self._snapshot.slot_of  # only writers change it, and we are one
             if must_exist and not loaded and name not in self._catalog:
