@@ -8,6 +8,7 @@ cancellations on a pool too small for them all end with every block returned."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from engine_helpers import greedy_alone, run_all, run_paged
 
 from moelora.engine import Engine, Request, Sampling
-from moelora.errors import ConfigError
+from moelora.errors import ConfigError, InputError
 from moelora.hf import attach, toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -163,3 +164,32 @@ def test_too_few_blocks_for_one_request_is_refused_at_startup(made):
     with pytest.raises(ConfigError, match="num_blocks") as err:
         _engine(made, max_rows=2, max_len=40, block_size=4, num_blocks=10)
     assert "11" in str(err.value) and "max_len" in str(err.value)
+
+
+def test_warm_prompts_leaves_the_engine_as_it_was_and_rows_exact(made, seed, monkeypatch):
+    """warm_prompts (a server's start on a GPU: every prompt step's kernels compiled before
+    the first request) runs its prompts through real prompt steps, chunked past the step
+    budget and beside a decoding row, for the base model and an adapter; afterwards nothing
+    runs, every block is free or cached, the counters a server exports are as before, and a
+    request's tokens equal HF + PEFT alone."""
+    engine = _engine(made, max_rows=4, max_len=48, block_size=4, max_num_batched_tokens=12)
+    sizes = _prefilled(engine, monkeypatch)
+    stats = dataclasses.replace(engine.pool.stats)
+    warmed = engine.warm_prompts([None, "every"])
+    # lengths capped by the step budget (12): 1, 5, 12; each once per adapter
+    assert warmed.lengths == (1, 5, 12) and warmed.prompts == 6
+    assert 12 in sizes and max(sizes) == 12  # the budget holds
+    assert any(n not in (1, 5, 12) for n in sizes)  # a step with a decoding row beside a prompt
+    assert not engine.has_work and engine.pool.used == 0
+    engine.pool.check()
+    assert engine.pool.stats == stats and engine.preemptions == 0 and engine.step_tokens == 0
+    request = Request("after", _prompts(seed, (9,))[0], "every", Sampling(max_new_tokens=6))
+    got = run_all(engine, {0: [request]})
+    assert got["after"] == (_alone(made, request, 6), "length")
+
+
+def test_warm_prompts_refuses_while_requests_run(made, seed):
+    engine = _engine(made, max_rows=2, max_len=32, block_size=4)
+    engine.add(Request("r", _prompts(seed, (5,))[0], None, Sampling(max_new_tokens=4)))
+    with pytest.raises(InputError, match="no request running"):
+        engine.warm_prompts()

@@ -18,8 +18,11 @@ Legend: N max_rows, M max_len, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -392,6 +395,42 @@ class Engine:
                 "warmup()", f"{len(self._rows)} requests running", "no request running"
             )
         return self.graphs.capture_all(self._pad_only, self.handle.lora_modules)
+
+    def warm_prompts(self, adapters: Sequence[str | None] = (None,)) -> PromptWarmup | None:
+        """Run synthetic prompts through the runner's steps before any request, so that the
+        kernels of prompt steps are compiled (Triton compiles a variant at its first launch:
+        a tile per token-count bucket, an integer's divisibility by 16) and a first
+        request of a new length does not stall every running row for the compile. Prompts
+        of WARM_LENGTHS tokens (capped by max_num_batched_tokens, max_len and the cache),
+        each joining while the one before decodes (mixed steps), 2 tokens each, for each of
+        `adapters`; then the prefix cache's counters, the step's token count and the
+        preemptions are set back (their blocks stay as cached blocks, evictable). None off
+        the runner. Only while nothing runs."""
+        if self.runner is None:
+            return None
+        if self._rows:
+            raise InputError(
+                "warm_prompts()", f"{len(self._rows)} requests running", "no request running"
+            )
+        start = time.perf_counter()
+        limit = min(self.max_num_batched_tokens, self.max_len - 3,
+                    (self.pool.capacity // 2) * self.pool.block_size - 3)  # fmt: skip
+        lengths = sorted({min(n, limit) for n in WARM_LENGTHS if limit >= 1})
+        stats, preemptions = dataclasses.replace(self.pool.stats), self.preemptions
+        gen = torch.Generator().manual_seed(0)
+        sampling = Sampling(max_new_tokens=2, ignore_eos=True)
+        count = 0
+        for adapter in adapters:
+            for n in lengths:
+                ids = torch.randint(1, self._vocab, (n,), generator=gen).tolist()
+                self.add(Request(f"moelora-warmup-{count}", tuple(ids), adapter, sampling))
+                count += 1
+                while self._prefilling or self._waiting:  # its prompt in, the last one ending
+                    self.step()
+            while self.has_work:
+                self.step()
+        self.pool.stats, self.preemptions, self.step_tokens = stats, preemptions, 0
+        return PromptWarmup(count, tuple(lengths), time.perf_counter() - start)
 
     def clear(self) -> None:
         """End every request now, without events, releasing their adapters."""
@@ -775,6 +814,22 @@ class Engine:
 # Tokens of one prefill forward at most: the MoE layers' largest tuned T (and the activation
 # memory of a 16k-token forward stays a few hundred MB at Qwen3-30B-A3B's width).
 PREFILL_TOKENS = 16384
+# Engine.warm_prompts' prompt lengths: both sides of each power of two's tile bucket and of
+# Triton's divisible-by-16 specialization, up to the default step budget
+WARM_LENGTHS = (1, 5, 16, 33, 64, 127, 256, 513, 1024, 2047, 4096, 8191, PREFILL_TOKENS)
+
+
+@dataclass(frozen=True)
+class PromptWarmup:
+    """What Engine.warm_prompts ran: prompts, their lengths (per adapter) and wall seconds."""
+
+    prompts: int
+    lengths: tuple[int, ...]
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"prompt steps warmed: {self.prompts} prompts of {self.lengths[0]} to "
+                f"{self.lengths[-1]} tokens in {self.seconds:.1f} s")  # fmt: skip
 
 
 def _prefill_groups(rows: list[_Row], budget: int, varlen: bool) -> list[list[_Row]]:

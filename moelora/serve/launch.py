@@ -69,6 +69,10 @@ def start(args: argparse.Namespace, model=None):
     report = engine.warmup()  # every decode graph captured before the first request (GPU)
     if report is not None:
         print(f"moelora {args.command}: {report}", flush=True)
+    if engine.device.type == "cuda":  # prompt steps' kernels compiled before the first request
+        warmed = engine.warm_prompts([None, *handle.registry.names[:1]])
+        if warmed is not None:
+            print(f"moelora {args.command}: {warmed}", flush=True)
     name = getattr(args, "served_model_name", None) or args.model
     metrics = Metrics(Setting(name, settings.max_loras, engine.max_rows,
                               is_loaded=lambda adapter: handle.version(adapter) is not None,
