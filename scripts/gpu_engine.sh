@@ -15,6 +15,6 @@ timeout "$(budget ${GEN_S:-100} 300)" $PY -m moelora generate 2>&1 | grep -v War
 timeout "$(budget ${GEN_S:-100} 280)" $PY -m moelora generate --dtype bf16 2>&1 | grep -v Warning | tee "$OUT/generate_bf16.log"; echo "generate bf16 exit: ${PIPESTATUS[0]}"
 timeout "$(budget ${CHECK_S:-150} 240)" $PY scripts/gpu_engine_check.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/engine_check.log"; echo "engine check exit: ${PIPESTATUS[0]}"
 timeout "$(budget ${FAMILIES_S:-150} 200)" $PY scripts/gpu_runner_families.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/runner_families.log"; echo "runner families exit: ${PIPESTATUS[0]}"
-timeout "$(budget ${FP8_S:-150} 120)" $PY -m benchmarks.fp8_generate --layers ${LAYERS:-4} --fp8-attention --json "$OUT/fp8_attention.json" 2>&1 | grep -v Warning | tee "$OUT/fp8_attention.log"; echo "fp8 attention exit: ${PIPESTATUS[0]}"
+timeout "$(budget ${FP8_S:-150} 120)" $PY -m benchmarks.fp8_generate --layers ${LAYERS:-4} --fp8-attention --lora-std 0.05 --json "$OUT/fp8_attention.json" 2>&1 | grep -v Warning | tee "$OUT/fp8_attention.log"; echo "fp8 attention exit: ${PIPESTATUS[0]}"
 timeout "$(budget ${PROFILE_S:-200} 60)" $PY -m benchmarks.decode_profile --layers ${LAYERS:-4} --json "$OUT/decode_profile.json" 2>&1 | grep -v "Warning\|USDT" | tee "$OUT/decode_profile.log"; echo "profile exit: ${PIPESTATUS[0]}"
 timeout "$(budget ${SUITES_S:-200})" $PY -m moelora validate --suite slots --suite hf --suite serving 2>&1 | grep -v Warning | tee "$OUT/suites.log"; echo "suites exit: ${PIPESTATUS[0]}"
