@@ -24,8 +24,9 @@ first token. Adapter copies into slots are read from the server's /metrics
 prefix-cache hit rate (vLLM's vllm:num_preemptions_total, vllm:prefix_cache_hits_total /
 vllm:prefix_cache_queries_total), each with the reason when it is 0 by construction or not
 applicable (the server's KV cache, as its startup line says, is in the JSON). --decode-runner,
---block-size, --num-gpu-blocks-override and --[no-]enable-prefix-caching are passed to the
-server when given. Output: a table on stdout (rows as BENCHMARKS.md cites them) and --json.
+--long-prefill-token-threshold, --block-size, --num-gpu-blocks-override and
+--[no-]enable-prefix-caching are passed to the server when given. Output: a table on stdout
+(rows as BENCHMARKS.md cites them) and --json.
 
     python -m benchmarks.serve_load --json $OUT/serve_load.json
 """
@@ -73,6 +74,7 @@ def parse(argv=None) -> argparse.Namespace:
     add("--max-loras", type=int, default=8, help="the server's adapter slots")
     add("--max-num-seqs", type=int, default=64)
     add("--max-num-batched-tokens", type=int, default=None, help="passed to the server")
+    add("--long-prefill-token-threshold", type=int, default=None, help="passed to the server")
     add("--gpu-memory-utilization", type=float, default=None, help="passed to the server")
     add("--decode-runner", choices=("auto", "on", "off"), default=None,
         help="passed to the server (its default: auto)")  # fmt: skip
@@ -132,8 +134,9 @@ def server_argv(args, work: Path, names: list[str]) -> list[str]:
         # rows x --max-model-len of static KV slabs (16k for the long prompt) would not fit
         # beside 48 layers' weights at --max-num-seqs 64: the server sizes them to 0.9
         args.gpu_memory_utilization = 0.9
-    for flag in ("max_num_batched_tokens", "gpu_memory_utilization", "decode_runner",
-                 "block_size", "num_gpu_blocks_override"):  # fmt: skip
+    for flag in ("max_num_batched_tokens", "long_prefill_token_threshold",
+                 "gpu_memory_utilization", "decode_runner", "block_size",
+                 "num_gpu_blocks_override"):  # fmt: skip
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.enable_prefix_caching is not None:

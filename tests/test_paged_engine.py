@@ -193,3 +193,28 @@ def test_warm_prompts_refuses_while_requests_run(made, seed):
     engine.add(Request("r", _prompts(seed, (5,))[0], None, Sampling(max_new_tokens=4)))
     with pytest.raises(InputError, match="no request running"):
         engine.warm_prompts()
+
+
+def test_long_prefill_token_threshold_caps_each_prompts_chunk(made, seed, monkeypatch):
+    """long_prefill_token_threshold 8 (vLLM's): a 30-token prompt arriving beside a decoding
+    row is prefilled 8 tokens a step (each step 1 decode + 8, then 1 + 6), two 20-token
+    prompts arriving together beside two decoding rows take 8 each in the same step (2 + 16,
+    twice, then 2 + 4 + 4); every row equals HF + PEFT alone. Without it each prompt goes in
+    whole (1 + 30, then 1 + 20 + 20): the tokens of each step that carries a prompt."""
+    p = _prompts(seed, (5, 30, 20, 20))
+    names = [None, "every", "attn", None]
+    for threshold, want in ((8, [5, 9, 9, 9, 7, 18, 18, 10]), (0, [5, 31, 41])):
+        engine = _engine(made, max_rows=4, max_len=48, block_size=4,
+                         long_prefill_token_threshold=threshold)  # fmt: skip
+        sizes = _prefilled(engine, monkeypatch)
+        requests = [Request(f"r{i}", q, n, Sampling(max_new_tokens=n_new))
+                    for i, (q, n, n_new) in enumerate(zip(p, names, (12, 4, 4, 4)))]  # fmt: skip
+        got = run_all(engine, {0: requests[:1], 2: requests[1:2], 6: requests[2:]})
+        assert sizes == want, threshold
+        for r, n_new in zip(requests, (12, 4, 4, 4)):
+            assert got[r.request_id] == (_alone(made, r, n_new), "length"), (threshold, r)
+
+
+def test_a_negative_long_prefill_token_threshold_is_refused(made):
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        _engine(made, max_rows=2, max_len=32, long_prefill_token_threshold=-1)

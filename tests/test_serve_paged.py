@@ -197,6 +197,8 @@ REFUSALS = [
     ("runner-not-a-choice", "served", ["--decode-runner", "yes"],
      ["--decode-runner", "'yes'", "auto", "off"]),
     ("block-size-zero", "served", ["--block-size", "0"], ["--block-size", ">= 1"]),
+    ("long-prefill-threshold-negative", "served", ["--long-prefill-token-threshold", "-1"],
+     ["--long-prefill-token-threshold", "'-1'", ">= 0"]),
 ]  # fmt: skip
 
 
@@ -227,3 +229,38 @@ def test_with_the_runner_off_the_paged_flags_are_said_not_to_apply(served, tmp_p
     (line,) = [x for x in printed.splitlines() if "KV cache" in x]
     assert "rows x 64 positions" in line and "transformers' forward (--decode-runner off)" in line
     assert "--block-size and --enable-prefix-caching apply to the decode runner's" in line
+
+
+def test_long_prefill_token_threshold_reaches_the_engine_and_rows_stay_exact(
+    served, tmp_path, monkeypatch, capsys
+):
+    """run-batch on the runner with --long-prefill-token-threshold 3: the engine gets it
+    (test_paged_engine checks what it does to the steps), and the completion of a 12-word
+    prompt equals the one without the flag."""
+    from moelora.engine import engine as engine_module
+
+    seen, real = [], engine_module.Engine.__init__
+
+    def record(self, *a, **kw):
+        seen.append(kw.get("long_prefill_token_threshold"))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", record)
+    body = {"model": ADAPTER, "prompt": " ".join(f"w{i}" for i in range(1, 13)),
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+    texts = []
+    for flags in ([], ["--long-prefill-token-threshold", "3"]):
+        source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        source.write_text(json.dumps({"custom_id": "a", "method": "POST",
+                                      "url": "/v1/completions", "body": body}) + "\n")  # fmt: skip
+        code = main(["run-batch", str(served.root / "model"), "-i", str(source), "-o", str(out),
+                     "--served-model-name", BASE, "--moe-backend", "reference",
+                     "--decode-runner", "on", "--block-size", str(BLOCK), "--max-model-len",
+                     "32", "--lora-modules", f"{ADAPTER}={served.dirs[ADAPTER]}",
+                     *flags])  # fmt: skip
+        line = json.loads(out.read_text())
+        assert code == 0 and line["error"] is None, line
+        texts.append(line["response"]["body"]["choices"][0]["text"])
+    capsys.readouterr()
+    assert seen[-2:] == [0, 3]
+    assert texts[0] == texts[1] and texts[0]

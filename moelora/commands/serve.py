@@ -112,6 +112,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens one engine step prefills at most (default 16384); on the "
                    "decode runner a longer prompt is prefilled in chunks over several steps, "
                    "beside the running rows' decodes")  # fmt: skip
+    p.add_argument("--long-prefill-token-threshold", type=int_at_least(0), default=0,
+                   help="on the decode runner, the most tokens of one prompt a step prefills "
+                   "(0, the default: what --max-num-batched-tokens leaves), so a long prompt "
+                   "lengthens the running rows' steps by at most that many tokens' work")  # fmt: skip
     p.add_argument("--enable-chunked-prefill", action="store_true",
                    help="accepted for vLLM's command lines: chunked prefill is always on where "
                    "the decode runner runs (--max-num-batched-tokens sizes the chunks)")  # fmt: skip

@@ -124,6 +124,7 @@ class Engine:
         block_size: int = 16,
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         """runner: decode steps and prefills on moelora's runner (runner.py) rather than the
         model's own forward; None: on a GPU where the runner knows the model (True refuses
@@ -132,6 +133,10 @@ class Engine:
         than what is left of it are prefilled in chunks over several steps beside the
         running rows' decodes (each chunk reads the ones before it from the cache), so a
         long prompt delays the running rows by one chunk a step.
+        long_prefill_token_threshold (vLLM's name; 0: off): on the runner, one prompt's chunk
+        is at most this many tokens a step, whatever the budget leaves, so a long prompt
+        arriving under load lengthens the running rows' steps by at most that many tokens'
+        work (other prompts may fill the rest of the budget in the same step).
 
         On the runner the KV cache is paged (vLLM's): num_blocks blocks of block_size
         positions (default: max_rows rows of max_len, and the null block), a request holds
@@ -182,6 +187,11 @@ class Engine:
             raise ConfigError("max_num_batched_tokens", max_num_batched_tokens, ">= 1",
                               "pass None (16384) or a positive number of prompt tokens")  # fmt: skip
         self.max_num_batched_tokens = int(budget)
+        if int(long_prefill_token_threshold) < 0:
+            raise ConfigError("long_prefill_token_threshold", long_prefill_token_threshold,
+                              ">= 0 (0: off)", "pass 0, or the most tokens of one prompt a "
+                              "step prefills")  # fmt: skip
+        self.long_prefill_token_threshold = int(long_prefill_token_threshold)
         self._arrivals = 0
         use_graphs = self.device.type == "cuda" if enforce_eager is None else not enforce_eager
         self.graphs = (
@@ -526,8 +536,10 @@ class Engine:
 
     def _chunks(self, budget: int) -> list[tuple[_Row, int, int]]:
         """The prefilling rows' next chunks (row, first, end) in `fill`, oldest row first, up
-        to `budget` tokens, each one's blocks taken (preempting rows newer than it); a row
-        whose blocks the rows before it hold waits, and the rows after it too."""
+        to `budget` tokens (and each at most long_prefill_token_threshold when set), each
+        one's blocks taken (preempting rows newer than it); a row whose blocks the rows
+        before it hold waits, and the rows after it too."""
+        cap = self.long_prefill_token_threshold or budget
         self._prefilling.sort(key=lambda r: r.seq)
         left, chunks = budget, []
         for r in list(self._prefilling):
@@ -538,7 +550,7 @@ class Engine:
             tokens = r.fill
             if not r.matched:
                 self._match(r, tokens)
-            end = min(len(tokens), r.prefilled + left)
+            end = min(len(tokens), r.prefilled + min(left, cap))
             if not self._give(r, self.pool.blocks_for(end) - len(r.blocks)):
                 break
             chunks.append((r, r.prefilled, end))

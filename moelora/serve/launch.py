@@ -173,7 +173,9 @@ def _engine(args, settings, handle):
                     enforce_eager=settings.enforce_eager or None,
                     runner=settings.decode_runner.engine_value, max_num_batched_tokens=batched,
                     block_size=settings.block_size, num_blocks=size.num_blocks,
-                    enable_prefix_caching=settings.enable_prefix_caching)  # fmt: skip
+                    enable_prefix_caching=settings.enable_prefix_caching,
+                    long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold",
+                                                         0))  # fmt: skip
     if engine.pool is None:
         why = _unpaged_why(settings, reasons)
         if settings.num_gpu_blocks_override is not None:
