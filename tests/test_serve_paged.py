@@ -264,3 +264,34 @@ def test_long_prefill_token_threshold_reaches_the_engine_and_rows_stay_exact(
     capsys.readouterr()
     assert seen[-2:] == [0, 3]
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_serve_takes_vllm_serves_step_budget_and_run_batch_the_engines(
+    served, tmp_path, monkeypatch, capsys
+):
+    """--max-num-batched-tokens not given: `moelora serve` gives its engine 8192 (`vllm
+    serve`'s default on a large GPU), run-batch leaves the engine's 16384; given, it is used.
+    (The engine is stopped at its construction: what it was given is the question.)"""
+    from moelora.engine import engine as engine_module
+    from moelora.errors import ConfigError
+
+    seen = []
+
+    def record(self, *a, **kw):
+        seen.append(kw.get("max_num_batched_tokens"))
+        raise ConfigError("engine", "stopped", "a test that only reads the engine's arguments")
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", record)
+    model = str(served.root / "model")
+    common = ["--moe-backend", "reference", "--decode-runner", "on", "--max-model-len", "32"]
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": model, "prompt": "w1"}}) + "\n")  # fmt: skip
+    runs = [["serve", model, "--port", str(sf.free_port()), *common],
+            ["run-batch", model, "-i", str(source), "-o", str(tmp_path / "out.jsonl"), *common],
+            ["serve", model, "--port", str(sf.free_port()), *common,
+             "--max-num-batched-tokens", "100"]]  # fmt: skip
+    codes = [main(argv) for argv in runs]
+    err = capsys.readouterr().err
+    assert codes == [2, 2, 2] and err.count("a test that only reads") == 3, err
+    assert seen == [8192, None, 100]

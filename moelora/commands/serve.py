@@ -109,9 +109,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--max-num-seqs", type=positive_int, default=64, help="rows decoding at once (default 64)"
     )
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="prompt tokens one engine step prefills at most (default 16384); on the "
-                   "decode runner a longer prompt is prefilled in chunks over several steps, "
-                   "beside the running rows' decodes")  # fmt: skip
+                   help="prompt tokens one engine step prefills at most (default: 8192 for "
+                   "serve, `vllm serve`'s on a GPU of 70 GiB or more; 16384 for run-batch); on "
+                   "the decode runner a longer prompt is prefilled in chunks over several "
+                   "steps, beside the running rows' decodes")  # fmt: skip
     p.add_argument("--long-prefill-token-threshold", type=int_at_least(0), default=0,
                    help="on the decode runner, the most tokens of one prompt a step prefills "
                    "(0, the default: what --max-num-batched-tokens leaves), so a long prompt "

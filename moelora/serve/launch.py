@@ -152,6 +152,12 @@ def _allowed_root(value: str | None) -> Path | None:
     return root
 
 
+# --max-num-batched-tokens of `moelora serve` when not given: `vllm serve`'s default on a GPU
+# of 70 GiB or more (its LLM class, like run-batch and the Engine, takes 16384): a step that
+# carries prompt chunks stays about half as long for the rows decoding beside them
+SERVE_BATCHED_TOKENS = 8192
+
+
 def _engine(args, settings, handle):
     """The decode engine of the flags, its KV cache sized and described in one printed line.
     Refused: --decode-runner on for a model the runner does not know (why), and
@@ -168,6 +174,8 @@ def _engine(args, settings, handle):
                           "transformers' forward decodes this model")  # fmt: skip
     max_len = settings.max_model_len or handle.model.config.max_position_embeddings
     batched = getattr(args, "max_num_batched_tokens", None)
+    if batched is None and args.command == "serve":  # run-batch keeps the engine's 16384
+        batched = SERVE_BATCHED_TOKENS
     size, source = _kv_size(settings, handle, max_len, batched)
     engine = Engine(handle, max_rows=size.rows, max_len=settings.max_model_len,
                     enforce_eager=settings.enforce_eager or None,
