@@ -188,6 +188,34 @@ def test_warm_prompts_leaves_the_engine_as_it_was_and_rows_exact(made, seed, mon
     assert got["after"] == (_alone(made, request, 6), "length")
 
 
+@pytest.mark.parametrize("fail", ["a step raises", "an adapter not loaded"])
+def test_a_warm_up_that_fails_leaves_the_engine_as_it_was(made, seed, monkeypatch, fail):
+    """A warm-up that fails (a step raising with warm-up rows prefilling and decoding, or an
+    adapter name that is not loaded, after the base model's prompts ran) raises, and leaves
+    no warm-up row, block or count behind."""
+    engine = _engine(made, max_rows=4, max_len=48, block_size=4, max_num_batched_tokens=12)
+    stats = dataclasses.replace(engine.pool.stats)
+    if fail == "a step raises":
+        calls, real = [0], engine.step
+
+        def step():
+            calls[0] += 1
+            if calls[0] == 3:  # the 5-token prompt prefilling beside the 1-token one decoding
+                assert engine.pool.used > 0 and len(engine._rows) == 2
+                raise RuntimeError("a failing step")
+            return real()
+
+        monkeypatch.setattr(engine, "step", step)
+    with pytest.raises((RuntimeError, InputError), match=r"failing step|nope"):
+        engine.warm_prompts([None, "nope"])
+    monkeypatch.undo()
+    assert not engine.has_work and engine.pool.used == 0 and not engine._prefilling
+    engine.pool.check()
+    assert engine.pool.stats == stats and engine.step_tokens == 0
+    request = Request("after", _prompts(seed, (7,))[0], None, Sampling(max_new_tokens=4))
+    assert run_all(engine, {0: [request]})["after"] == (_alone(made, request, 4), "length")
+
+
 def test_warm_prompts_refuses_while_requests_run(made, seed):
     engine = _engine(made, max_rows=2, max_len=32, block_size=4)
     engine.add(Request("r", _prompts(seed, (5,))[0], None, Sampling(max_new_tokens=4)))

@@ -414,8 +414,8 @@ class Engine:
         of WARM_LENGTHS tokens (capped by max_num_batched_tokens, max_len and the cache),
         each joining while the one before decodes (mixed steps), 2 tokens each, for each of
         `adapters`; then the prefix cache's counters, the step's token count and the
-        preemptions are set back (their blocks stay as cached blocks, evictable). None off
-        the runner. Only while nothing runs."""
+        preemptions are set back (their blocks stay as cached blocks, evictable), also when
+        it raises (its rows ended first). None off the runner. Only while nothing runs."""
         if self.runner is None:
             return None
         if self._rows:
@@ -430,16 +430,19 @@ class Engine:
         gen = torch.Generator().manual_seed(0)
         sampling = Sampling(max_new_tokens=2, ignore_eos=True)
         count = 0
-        for adapter in adapters:
-            for n in lengths:
-                ids = torch.randint(1, self._vocab, (n,), generator=gen).tolist()
-                self.add(Request(f"moelora-warmup-{count}", tuple(ids), adapter, sampling))
-                count += 1
-                while self._prefilling or self._waiting:  # its prompt in, the last one ending
+        try:
+            for adapter in adapters:
+                for n in lengths:
+                    ids = torch.randint(1, self._vocab, (n,), generator=gen).tolist()
+                    self.add(Request(f"moelora-warmup-{count}", tuple(ids), adapter, sampling))
+                    count += 1
+                    while self._prefilling or self._waiting:  # its prompt in, the last ending
+                        self.step()
+                while self.has_work:
                     self.step()
-            while self.has_work:
-                self.step()
-        self.pool.stats, self.preemptions, self.step_tokens = stats, preemptions, 0
+        finally:  # also when a step or add() raised: no warm-up row outlives it
+            self.clear()
+            self.pool.stats, self.preemptions, self.step_tokens = stats, preemptions, 0
         return PromptWarmup(count, tuple(lengths), time.perf_counter() - start)
 
     def clear(self) -> None:

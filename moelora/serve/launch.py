@@ -70,9 +70,7 @@ def start(args: argparse.Namespace, model=None):
     if report is not None:
         print(f"moelora {args.command}: {report}", flush=True)
     if engine.device.type == "cuda":  # prompt steps' kernels compiled before the first request
-        warmed = engine.warm_prompts([None, *handle.registry.names[:1]])
-        if warmed is not None:
-            print(f"moelora {args.command}: {warmed}", flush=True)
+        _warm_prompts(args, engine, handle)
     name = getattr(args, "served_model_name", None) or args.model
     metrics = Metrics(Setting(name, settings.max_loras, engine.max_rows,
                               is_loaded=lambda adapter: handle.version(adapter) is not None,
@@ -150,6 +148,20 @@ def _allowed_root(value: str | None) -> Path | None:
         raise ConfigError("--allowed-local-lora-path", value, "an existing directory",
                           "create it, or pass the directory runtime loads may read")  # fmt: skip
     return root
+
+
+def _warm_prompts(args, engine, handle) -> None:
+    """engine.warm_prompts for the base model and the first loaded adapter, its line
+    printed; a failure is printed and the server starts without it (the engine is left as
+    it was: a first request of a new length then compiles its kernels as it runs)."""
+    try:
+        warmed = engine.warm_prompts([None, *handle.registry.names[:1]])
+    except Exception as err:  # a warm-up must not stop the server
+        print(f"moelora {args.command}: prompt warm-up failed ({type(err).__name__}: {err}); "
+              "serving without it", flush=True)  # fmt: skip
+        return
+    if warmed is not None:
+        print(f"moelora {args.command}: {warmed}", flush=True)
 
 
 # --max-num-batched-tokens of `moelora serve` when not given: `vllm serve`'s default on a GPU
