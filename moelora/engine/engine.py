@@ -415,7 +415,8 @@ class Engine:
         each joining while the one before decodes (mixed steps), 2 tokens each, for each of
         `adapters`; then the prefix cache's counters, the step's token count and the
         preemptions are set back (their blocks stay as cached blocks, evictable), also when
-        it raises (its rows ended first). None off the runner. Only while nothing runs."""
+        it raises (its rows ended first). None off the runner, or where the cache has no
+        room for one. Only while nothing runs."""
         if self.runner is None:
             return None
         if self._rows:
@@ -426,6 +427,8 @@ class Engine:
         limit = min(self.max_num_batched_tokens, self.max_len - 3,
                     (self.pool.capacity // 2) * self.pool.block_size - 3)  # fmt: skip
         lengths = sorted({min(n, limit) for n in WARM_LENGTHS if limit >= 1})
+        if not lengths:  # a cache too small to hold any warm-up prompt beside another
+            return None
         stats, preemptions = dataclasses.replace(self.pool.stats), self.preemptions
         gen = torch.Generator().manual_seed(0)
         sampling = Sampling(max_new_tokens=2, ignore_eos=True)
