@@ -246,3 +246,15 @@ def test_long_prefill_token_threshold_caps_each_prompts_chunk(made, seed, monkey
 def test_a_negative_long_prefill_token_threshold_is_refused(made):
     with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
         _engine(made, max_rows=2, max_len=32, long_prefill_token_threshold=-1)
+
+
+def test_the_server_warms_the_base_model_and_one_adapter_of_each_kind(made):
+    """moelora serve's warm-up list: the base model, then the first loaded adapter of each
+    kind (expert LoRA or not, the modules with LoRA), at most three: a second adapter of the
+    same kind adds nothing."""
+    from moelora.serve.launch import warm_adapters
+
+    engine = _engine(made, max_rows=2, max_len=32, block_size=4)
+    engine.handle.load_adapter(made[2]["every"], name="every2")  # the kind of "every"
+    assert warm_adapters(engine.handle) == [None, "attn", "every"]
+    assert warm_adapters(engine.handle, most=1) == [None, "attn"]

@@ -150,12 +150,26 @@ def _allowed_root(value: str | None) -> Path | None:
     return root
 
 
+def warm_adapters(handle, most: int = 3) -> list[str | None]:
+    """What the prompt warm-up runs: the base model, then the first loaded adapter of each
+    kind (expert LoRA or not, the set of other modules with LoRA: each kind launches other
+    kernel variants), at most `most` adapters."""
+    chosen, kinds = [None], set()
+    for name in handle.registry.names:
+        version = handle.registry.version(name)
+        kind = (version.experts, version.modules)
+        if kind not in kinds and len(kinds) < most:
+            kinds.add(kind)
+            chosen.append(name)
+    return chosen
+
+
 def _warm_prompts(args, engine, handle) -> None:
-    """engine.warm_prompts for the base model and the first loaded adapter, its line
-    printed; a failure is printed and the server starts without it (the engine is left as
-    it was: a first request of a new length then compiles its kernels as it runs)."""
+    """engine.warm_prompts for warm_adapters(handle), its line printed; a failure is printed
+    and the server starts without it (the engine is left as it was: a first request of a
+    new length then compiles its kernels as it runs)."""
     try:
-        warmed = engine.warm_prompts([None, *handle.registry.names[:1]])
+        warmed = engine.warm_prompts(warm_adapters(handle))
     except Exception as err:  # a warm-up must not stop the server
         print(f"moelora {args.command}: prompt warm-up failed ({type(err).__name__}: {err}); "
               "serving without it", flush=True)  # fmt: skip
