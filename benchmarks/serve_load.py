@@ -203,6 +203,12 @@ def kv_cache_of(log: Path, args) -> dict:
     return {"paged": False, "rows": rows, "positions": positions}
 
 
+def startup_lines(log: Path) -> list[str]:
+    """The server's own lines up to ready (`moelora serve: ...`: the cache it chose, decode
+    graphs and prompt warm-up with their seconds), in order."""
+    return [line for line in log.read_text().splitlines() if line.startswith("moelora serve: ")]
+
+
 async def one(client, model: str, prompt, max_tokens: int, timeout: float, times=None) -> dict:
     """One streamed completion; `times` gets each token's arrival (perf_counter) as it comes.
     Any exception, the timeout, or fewer tokens than asked: a failure with its reason."""
@@ -362,6 +368,8 @@ def main() -> None:
     try:
         wait_ready(url, proc, log)
         doc["server"]["kv_cache"] = args.kv_cache = kv_cache_of(log, args)
+        doc["server"]["startup"] = startup_lines(log)  # graphs, prompt warm-up, KV cache
+        doc["server"]["ready_s"] = round(time.perf_counter() - start, 1)
         print(f"serve_load: server ready after {time.perf_counter() - start:.0f} s", flush=True)
         asyncio.run(measure(args, url, names, doc))
         doc["complete"] = True

@@ -180,6 +180,10 @@ def test_the_benchmark_runs_end_to_end_on_the_tiny_model(tmp_path):
     # a CPU: transformers' forward (not paged), --max-num-seqs rows of the long prompt's
     # 160 tokens, its 4 outputs and 8 spare positions
     assert doc["server"]["kv_cache"] == {"paged": False, "rows": 64, "positions": 172}
+    startup = doc["server"]["startup"]  # the server's own lines, the KV cache's among them
+    assert any("KV cache of 64 rows x 172 positions" in line for line in startup), startup
+    assert all(line.startswith("moelora serve: ") for line in startup)
+    assert 0 < doc["server"]["ready_s"] < 240
     assert doc["warmup"]["requests"] == 7 and doc["warmup"]["failed"] == 0  # base + 6 names
     assert {"device", "commit", "torch"} <= set(doc["stamp"])
     runs = {r["run"]: r for r in doc["levels"]}
