@@ -107,6 +107,31 @@ def test_every_linear_module_equals_peft_row_by_row(family, seed):
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def test_a_load_reads_the_weights_file_once(family, monkeypatch):
+    """load_adapter parses the experts' and the modules' factors from one read of the file
+    (a 48-layer adapter is 1.25 GB: reading it twice doubled the load's reads and its
+    transient memory); a file that cannot be read is still refused, naming it."""
+    from moelora.hf import handle as handle_module
+    from moelora.lora import adapter as adapter_module
+    from moelora.lora import safe_io
+
+    model_type, base, _, dirs = family
+    orientation = {"fused_orientation": "natural"} if model_type == "nemotron_h" else {}
+    reads, real = [], safe_io.read_tensors
+    for module in (handle_module, adapter_module):  # every caller of it, by its own name
+        monkeypatch.setattr(module, "read_tensors", lambda root: reads.append(root) or real(root))
+    handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
+    handle.load_adapter(dirs["all"], name="all", **orientation)
+    assert reads == [dirs["all"]] and set(handle.describe("all")["modules"])
+    broken = dirs["all"].parent / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "adapter_config.json").write_text((dirs["all"] / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match=r"adapter_model\.safetensors"):
+        handle.load_adapter(broken, name="broken", **orientation)
+    assert handle.adapters == ["all"]
+
+
 def test_target_modules_narrow_the_banks_and_refuse_the_rest(family):
     """lora_target_modules=["q_proj"]: only q_proj gets a bank; an adapter on more modules is
     refused naming one and the fix; a name matching no Linear is refused at attach."""

@@ -8,7 +8,7 @@ alpha_pattern) is folded into the B factors here, once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,7 @@ def load_adapter(
     name: str | None = None,
     fused_orientation: str | None = None,
     serves_non_expert: bool = False,
+    reader: Callable[[], tuple[Path, dict[str, torch.Tensor]]] | None = None,
 ) -> Adapter:
     """Read and validate a PEFT adapter directory; raise AdapterError on any defect.
 
@@ -101,11 +102,13 @@ def load_adapter(
     (it loads with no layers). False (moelora's MoE layers alone): such an adapter would
     change nothing and is refused. Either way an adapter whose config targets the experts
     but whose file holds no expert tensors is refused (targets.py).
+    reader: returns (file, tensors) of the directory, for a caller that reads the file once
+    for other uses too (default: read_tensors(path)).
     """
     root = Path(path)
     config = read_config(root)
     check_lora_config(str(root / CONFIG_NAME), config)
-    file, tensors = read_tensors(root)
+    file, tensors = reader() if reader is not None else read_tensors(root)
     ctx = Context(str(file), config, model_config, fused_orientation)
     kinds = _classify(ctx, tensors)
     others = tuple(sorted({k.split(".lora_")[0] for k in kinds["other"]}))

@@ -155,8 +155,8 @@ def warm_adapters(handle, most: int = 3) -> list[str | None]:
     kind (expert LoRA or not, the set of other modules with LoRA: each kind launches other
     kernel variants), at most `most` adapters."""
     chosen, kinds = [None], set()
-    for name in handle.registry.names:
-        version = handle.registry.version(name)
+    for name in handle.adapters:
+        version = handle.version(name)
         kind = (version.experts, version.modules)
         if kind not in kinds and len(kinds) < most:
             kinds.add(kind)
