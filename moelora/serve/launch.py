@@ -168,8 +168,12 @@ def _warm_prompts(args, engine, handle) -> None:
     """engine.warm_prompts for warm_adapters(handle), its line printed; a failure is printed
     and the server starts without it (the engine is left as it was: a first request of a
     new length then compiles its kernels as it runs)."""
+    adapters = warm_adapters(handle)
+    print(f"moelora {args.command}: compiling prompt steps (synthetic prompts up to "
+          f"{engine.max_num_batched_tokens} tokens for the base model and "
+          f"{len(adapters) - 1} adapter(s))...", flush=True)  # fmt: skip
     try:
-        warmed = engine.warm_prompts(warm_adapters(handle))
+        warmed = engine.warm_prompts(adapters)
     except Exception as err:  # a warm-up must not stop the server
         print(f"moelora {args.command}: prompt warm-up failed ({type(err).__name__}: {err}); "
               "serving without it", flush=True)  # fmt: skip
