@@ -258,3 +258,30 @@ def test_the_server_warms_the_base_model_and_one_adapter_of_each_kind(made):
     engine.handle.load_adapter(made[2]["every"], name="every2")  # the kind of "every"
     assert warm_adapters(engine.handle) == [None, "attn", "every"]
     assert warm_adapters(engine.handle, most=1) == [None, "attn"]
+
+
+def test_the_servers_warm_up_prints_what_it_ran_and_survives_a_failure(made, capsys,
+                                                                         monkeypatch):  # fmt: skip
+    """moelora serve's warm-up step (on a GPU; run here on the CPU runner): a line before,
+    the warm-up's line after; a warm-up that raises is printed and the engine serves on."""
+    import argparse
+
+    from moelora.serve.launch import _warm_prompts
+
+    engine = _engine(made, max_rows=2, max_len=32, block_size=4, max_num_batched_tokens=8)
+    args = argparse.Namespace(command="serve")
+    _warm_prompts(args, engine, engine.handle)
+    out = capsys.readouterr().out
+    assert (
+        "compiling prompt steps (synthetic prompts up to 8 tokens for the base model and 2" in out
+        and "prompt steps warmed: 9 prompts of 1 to 8 tokens" in out
+    ), out
+    def failing_step():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    _warm_prompts(args, engine, engine.handle)
+    assert "prompt warm-up failed (RuntimeError: boom); serving without it" in (
+        capsys.readouterr().out
+    )
+    assert not engine.has_work and engine.pool.used == 0
