@@ -276,6 +276,7 @@ def test_the_servers_warm_up_prints_what_it_ran_and_survives_a_failure(made, cap
         "compiling prompt steps (synthetic prompts up to 8 tokens for the base model and 2" in out
         and "prompt steps warmed: 9 prompts of 1 to 8 tokens" in out
     ), out
+
     def failing_step():
         raise RuntimeError("boom")
 
