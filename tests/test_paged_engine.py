@@ -216,6 +216,13 @@ def test_a_warm_up_that_fails_leaves_the_engine_as_it_was(made, seed, monkeypatc
     assert run_all(engine, {0: [request]})["after"] == (_alone(made, request, 4), "length")
 
 
+def test_warm_prompts_on_an_engine_of_one_row(made):
+    """max_rows 1 (--max-num-seqs 1): each warm-up prompt waits for the one before to end."""
+    engine = _engine(made, max_rows=1, max_len=32, block_size=4, max_num_batched_tokens=8)
+    warmed = engine.warm_prompts([None, "every"])
+    assert warmed.prompts == 6 and not engine.has_work and engine.pool.used == 0
+
+
 def test_warm_prompts_refuses_while_requests_run(made, seed):
     engine = _engine(made, max_rows=2, max_len=32, block_size=4)
     engine.add(Request("r", _prompts(seed, (5,))[0], None, Sampling(max_new_tokens=4)))

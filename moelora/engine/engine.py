@@ -437,6 +437,8 @@ class Engine:
             for adapter in adapters:
                 for n in lengths:
                     ids = torch.randint(1, self._vocab, (n,), generator=gen).tolist()
+                    while self._row_free() is not None:  # max_rows 1: the last one ends first
+                        self.step()
                     self.add(Request(f"moelora-warmup-{count}", tuple(ids), adapter, sampling))
                     count += 1
                     while self._prefilling or self._waiting:  # its prompt in, the last ending
