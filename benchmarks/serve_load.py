@@ -369,8 +369,8 @@ def main() -> None:
         wait_ready(url, proc, log)
         doc["server"]["kv_cache"] = args.kv_cache = kv_cache_of(log, args)
         doc["server"]["startup"] = startup_lines(log)  # graphs, prompt warm-up, KV cache
-        doc["server"]["ready_s"] = round(time.perf_counter() - start, 1)
-        print(f"serve_load: server ready after {time.perf_counter() - start:.0f} s", flush=True)
+        doc["server"]["ready_s"] = ready = round(time.perf_counter() - start, 1)
+        print(f"serve_load: server ready after {ready:.0f} s", flush=True)
         asyncio.run(measure(args, url, names, doc))
         doc["complete"] = True
     finally:

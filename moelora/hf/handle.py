@@ -11,6 +11,7 @@ for the models and settings it supports. Legend: B rows, L slots, R max rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -140,13 +141,8 @@ class MoELoRAModel:
         if not isinstance(name, str) or not name or name == BASE:
             raise InputError("name", repr(name), f"a non-empty adapter name other than {BASE!r}")
         refusals = Refusals()  # the experts' and the modules' refusals named together
-        read: list = []  # the weights file read once for both (again only if it failed)
-
-        def reader():
-            if not read:
-                read.append(read_tensors(root))
-            return read[0]
-
+        # the weights file read once for both (a failed read is not kept: tried again)
+        reader = functools.cache(lambda: read_tensors(root))
         with refusals.check():
             adapter = load_adapter(root, self.model_config, self.max_rank, name=name,
                                    fused_orientation=fused_orientation, serves_non_expert=True,
@@ -154,7 +150,7 @@ class MoELoRAModel:
         with refusals.check():
             file, tensors = reader()
             factors = read_module_factors(str(file), read_config(root), tensors, self._served)
-        read.clear()  # the file's tensors: parsed into adapter and factors, no longer needed
+        reader.cache_clear()  # the file's tensors: parsed into adapter and factors
         refusals.raise_any()
         if not adapter.layers and not factors:
             raise AdapterError(str(file), "<modules>", "no LoRA factor on a module this model runs",
