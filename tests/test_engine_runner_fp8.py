@@ -2,7 +2,8 @@
 kept, as on a GPU >= sm89), attention, router and LM head in the serving dtype. The experts
 run on moelora's W8A8 layer on both of the engine's paths, so the runner's rows equal the
 rows of transformers' forward on the same engine, every step (fp32: tokens equal, logits
-within fp32's tolerance), with experts-only adapters and without; a checkpoint whose
+within the e4m3 row of the tolerance table, _both_paths says why), with experts-only
+adapters and without; a checkpoint whose
 attention projections are quantized modules is refused by name."""
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ NEW = 4
 
 def _both_paths(handle, names, prompts, joined: int):
     """The same requests (names[i] on prompts[i], the first `joined` at step 0, the rest
-    at step 1) through the runner and through transformers' forward on `handle`: tokens and
-    every step's logits equal (fp32); (tokens, logits) by path (True: the runner)."""
+    at step 1) through the runner and through transformers' forward on `handle`: tokens
+    equal, every step's logits within the e4m3 row of the tolerance table; (tokens, logits)
+    by path (True: the runner). Not fp32's row: both paths quantize the W8A8 layers' inputs
+    to e4m3, and the ~1e-7 by which the paths' fp32 attention differs moves an input across
+    a rounding boundary now and then (seed 1260842922 / model seed 571: one step of one row
+    at 6.1e-5, every other step at most 7.7e-7)."""
     logs, tokens = {}, {}
     for runner in (True, False):
         with pytest.MonkeyPatch.context() as logged:
@@ -43,7 +48,7 @@ def _both_paths(handle, names, prompts, joined: int):
     assert tokens[True] == tokens[False]
     for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
         assert torch.isfinite(out).all()
-        assert_close(out, ref, torch.float32, what=f"row {i} ({names[i]})")
+        assert_close(out, ref, torch.float8_e4m3fn, what=f"row {i} ({names[i]})")
     return tokens, logs
 
 
