@@ -153,10 +153,15 @@ def replay_timeline(engine) -> dict[str, float]:
     kernels, their busy GPU time, the span from the first kernel's start to the last one's
     end, so span - busy is the gaps between kernels in the graph and the step's wall time
     less the span the host's share (building inputs, launching, sampling, copying back)."""
+    return timeline(engine.step)
+
+
+def timeline(step) -> dict[str, float]:
+    """replay_timeline's figures of one call of `step` (any step, graphed or eager)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.step()
+        step()
         torch.cuda.synchronize()
     spans = sorted(
         (e.time_range.start, e.time_range.end)
