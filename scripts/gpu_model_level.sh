@@ -4,8 +4,8 @@
 # transformers eager and, with HF_STATIC=1, its static-cache compiled generate (LoRA-free; it
 # compiles for 1-2 minutes a shape), moelora LoRA-free and with adapters, batch 1 / 16 / 64,
 # prompt 256, 64 new tokens, the floor measured in the same run; then where a decode step's
-# time goes at 4 layers (`benchmarks/decode_profile.py`) and what a prompt chunk beside 64
-# decoding rows costs at 16 layers (`benchmarks/mixed_step.py`). Usage (device tool):
+# time goes at 4 layers (`benchmarks/decode_profile.py`); first, what a prompt chunk beside
+# 64 decoding rows costs at 16 layers (`benchmarks/mixed_step.py`). Usage (device tool):
 # bash scripts/gpu_model_level.sh   Knobs: LAYERS, BATCHES, HF_STATIC, BENCH_S, PROFILE_S,
 # MIXED_S.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
@@ -13,14 +13,14 @@ export HF_HUB_OFFLINE=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
+timeout "$(budget ${MIXED_S:-100})" $PY -m benchmarks.mixed_step --layers 16 \
+    --json "$OUT/mixed_step.json" 2>&1 | grep -v "Warning\|USDT" | tee "$OUT/mixed_step.log"
+echo "mixed_step exit: ${PIPESTATUS[0]}"
 static=(); [ "${HF_STATIC:-0}" = 1 ] && static=(--hf-static)
-timeout "$(budget ${BENCH_S:-360} $((${PROFILE_S:-90} + ${MIXED_S:-100})))" $PY -m benchmarks.model_level \
+timeout "$(budget ${BENCH_S:-360} ${PROFILE_S:-90})" $PY -m benchmarks.model_level \
     --layers "${LAYERS:-48}" --batches "${BATCHES:-1,16,64}" --prompt 256 --new 64 --repeats 2 \
     "${static[@]}" --json "$OUT/model_level.json" 2>&1 | grep -v Warning | tee "$OUT/model_level.log"
 echo "model_level exit: ${PIPESTATUS[0]}"
-timeout "$(budget ${MIXED_S:-100} ${PROFILE_S:-90})" $PY -m benchmarks.mixed_step --layers 16 \
-    --json "$OUT/mixed_step.json" 2>&1 | grep -v "Warning\|USDT" | tee "$OUT/mixed_step.log"
-echo "mixed_step exit: ${PIPESTATUS[0]}"
 timeout "$(budget ${PROFILE_S:-90})" $PY -m benchmarks.decode_profile --layers 4 \
     --json "$OUT/decode_profile.json" 2>&1 | grep -v "Warning\|USDT" | tee "$OUT/decode_profile.log"
 echo "profile exit: ${PIPESTATUS[0]}"
