@@ -37,6 +37,13 @@ def parse(argv=None):
     p.add_argument("--adapters", type=int, default=8, help="0: LoRA-free rows")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=6, help="timed mixed steps per N")
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also cProfile one step with an N-token chunk (the host's share)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cpu: tiny shapes, eager, a dry run")
     args = p.parse_args(argv)
@@ -136,12 +143,32 @@ def main(argv=None) -> None:
         ms = timed(step, args.steps)
         rows_out.append(dict(chunk=n, step_ms=ms, **(timeline(step) if cuda else {})))
         _print(rows_out[-1], args)
+    if args.host_profile:
+        _host_profile(mixed(args.host_profile))
     engine.close()
     about = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                  layers=args.layers, rows=args.rows, prompt=args.prompt,
                  adapters=args.adapters)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(dict(about=about, rows=rows_out), indent=2))
+
+
+def _host_profile(step) -> None:
+    """Where one step's host time goes: cProfile's functions by own time and by total."""
+    import cProfile
+    import io
+    import pstats
+
+    step()  # warm at this shape
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    sync()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(30)
+        print(out.getvalue(), flush=True)
 
 
 def _print(row: dict, args) -> None:
