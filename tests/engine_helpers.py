@@ -100,3 +100,23 @@ def run_paged(engine: Engine, arrivals, cancels: dict[str, int], limit: int = 40
             break
     assert len(reasons) == len(arrivals), (reasons, queue)
     return tokens, reasons
+
+
+def tiny_qwen_with_adapters(root, model_seed: int, adapter_seed: int):
+    """A tiny Qwen3-MoE model and two PEFT adapters written under root: "every" (every
+    Linear, the LM head and the experts) and "attn" (q / v only). (base, truths by adapter
+    name with None the base, directories by name)."""
+    from moelora.hf import toy
+
+    base = toy.build_model("qwen3_moe", seed=model_seed)
+    linears = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+    kinds = {
+        "every": dict(r=4, lora_alpha=8, target_modules=linears,
+                      target_parameters=toy.expert_parameters(base)),
+        "attn": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+    }  # fmt: skip
+    truths, dirs = {None: base}, {}
+    for i, (name, kw) in enumerate(kinds.items()):
+        dirs[name] = root / name
+        truths[name] = toy.write_peft_adapter(base, dirs[name], seed=adapter_seed + i, **kw)
+    return base, truths, dirs

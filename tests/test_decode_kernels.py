@@ -18,7 +18,7 @@ from moelora.compare import assert_close
 from moelora.kernels.decode_attention import decode_attention, splits_for
 from moelora.kernels.dense_linear import dense_linear, lora_shrink
 from moelora.kernels.dense_lora import add_dense_lora
-from moelora.kernels.prefill_attention import prefill_attention, varlen_table
+from moelora.kernels.prefill_attention import prefill_attention, programs_for, varlen_table
 from moelora.kernels.rms_norm import add_rms_norm
 from moelora.kernels.rope_cache import rope_and_cache
 from moelora.kernels.router_topk import router_topk
@@ -245,6 +245,35 @@ def test_prefill_attention_equals_causal_softmax_attention(case, dtype, seed):
             t += 1
     assert not out.isnan().any()
     assert_close(out, ref, dtype, what="prefill attention")
+
+
+@pytest.mark.parametrize("case", PREFILLS[:2], ids=[c[0] for c in PREFILLS[:2]])
+def test_a_padded_varlen_table_gives_the_same_attention(case, seed):
+    """A table padded to a fixed grid (a CUDA graph's: programs_for's programs, spare
+    sequences) gives every token the attention the exact table gives, bit for bit: the
+    padding programs take the empty sequence and write nothing; a grid too small is
+    refused."""
+    _, hq, hk, d, bs, seqs, share = case
+    g = _gen(seed)
+    lengths, rows, pos0 = ([s[i] for s in seqs] for i in range(3))
+    held = [0] * 4
+    for n, r, p in seqs:
+        held[r] = p + n
+    k_cache, v_cache, block_table = _paged_cache(held, hk, d, bs, share, torch.float32, g)
+    q = torch.randn(sum(lengths), hq, d, generator=g)
+    exact = prefill_attention(q, k_cache, v_cache, varlen_table(lengths, rows, pos0, hq // hk,
+                              q.device), block_table, d**-0.5)  # fmt: skip
+    spare = len(seqs) + 3
+    programs = programs_for(sum(lengths), spare, hq // hk)
+    padded = varlen_table(lengths, rows, pos0, hq // hk, q.device, programs=programs,
+                          sequences=spare)  # fmt: skip
+    assert padded.blocks.shape == (2, programs) and padded.sequences.shape == (4, spare)
+    out = prefill_attention(q, k_cache, v_cache, padded, block_table, d**-0.5)
+    assert torch.equal(out, exact)
+    with pytest.raises(ValueError, match="do not fit"):
+        varlen_table(lengths, rows, pos0, hq // hk, q.device, programs=1, sequences=spare)
+    with pytest.raises(ValueError, match="do not fit"):
+        varlen_table(lengths, rows, pos0, hq // hk, q.device, sequences=len(seqs))
 
 
 WINDOWS = [

@@ -127,9 +127,10 @@ def test_prompts_of_any_lengths_prefill_in_one_varlen_runner_forward(qwen, seed,
     calls = []
     prefill = engine.runner.prefill
 
-    def spy(*args):  # (ids, positions, write_rows, lengths, cache_rows, rows, cache, table, every)
+    def spy(*args, **kw):  # (ids, positions, write_rows, lengths, cache_rows, rows, cache,
+        # table, every), pos0=
         calls.append((list(args[3]), args[8]))
-        return prefill(*args)
+        return prefill(*args, **kw)
 
     monkeypatch.setattr(engine.runner, "prefill", spy)
     g = torch.Generator().manual_seed(seed)
@@ -179,9 +180,9 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_decodes(qwen, seed, mon
     forwards = []  # each runner forward's sequence lengths, by step
     prefill = engine.runner.prefill
 
-    def spy(*args):  # (ids, positions, write_rows, lengths, ...)
+    def spy(*args, **kw):  # (ids, positions, write_rows, lengths, ...)
         forwards.append((len(per_step), list(args[3])))
-        return prefill(*args)
+        return prefill(*args, **kw)
 
     monkeypatch.setattr(engine.runner, "prefill", spy)
     g = torch.Generator().manual_seed(seed)

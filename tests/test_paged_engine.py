@@ -13,11 +13,11 @@ import random
 
 import pytest
 import torch
-from engine_helpers import greedy_alone, run_all, run_paged
+from engine_helpers import greedy_alone, run_all, run_paged, tiny_qwen_with_adapters
 
 from moelora.engine import Engine, Request, Sampling
 from moelora.errors import ConfigError, InputError
-from moelora.hf import attach, toy
+from moelora.hf import attach
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -25,19 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """A tiny Qwen3-MoE model and two PEFT adapters (one on every module, one on attention)."""
-    root = tmp_path_factory.mktemp("paged")
-    base = toy.build_model("qwen3_moe", seed=33)
-    linears = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
-    kinds = {
-        "every": dict(r=4, lora_alpha=8, target_modules=linears,
-                      target_parameters=toy.expert_parameters(base)),
-        "attn": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
-    }  # fmt: skip
-    truths, dirs = {None: base}, {}
-    for i, (name, kw) in enumerate(kinds.items()):
-        dirs[name] = root / name
-        truths[name] = toy.write_peft_adapter(base, dirs[name], seed=50 + i, **kw)
-    return base, truths, dirs
+    return tiny_qwen_with_adapters(tmp_path_factory.mktemp("paged"), 33, 50)
 
 
 def _engine(made, **kw) -> Engine:

@@ -42,9 +42,20 @@ CASES = [
     ("aged-loading-adapter-joins", [w("1", "c")],
      Slots(2, frozenset({"a"}), {"a": 1}, loading=frozenset({"c"})), 4, 3, AHEAD,
      Plan(("1",))),  # its wait is bounded: add() waits for the copy
-    ("aged-blocked-holds-everyone", [w("1", "c"), w("2", "a", 2.5), w("3", None, 2.5)],
+    ("aged-blocked-drains-a-slot", [w("1", "c"), w("2", "a", 2.5), w("3", None, 2.5)],
      Slots(1, frozenset({"a"}), {"a": 1}), 4, 3, AHEAD,
-     Plan()),  # "1" waited 3: nothing joins until "a"'s rows end and its slot frees
+     Plan(("3",), (), frozenset({"a"}))),  # "1" waited 3: "a" drains for it, the base joins
+    ("aged-blocked-for-a-row-holds-everyone", [w("1", "c"), w("2", None, 2.5)],
+     Slots(2, frozenset({"a"}), {"a": 1}), 0, 3, AHEAD,
+     Plan()),
+    ("aged-blocked-drains-the-least-wanted", [w("1", "c"), w("2", "d", 1), w("3", "a", 2.5),
+                                               w("4", "b", 2.6), w("5", "a", 2.7)],
+     Slots(2, frozenset({"a", "b"}), {"a": 1, "b": 1}), 4, 4, AHEAD,
+     Plan(("3", "5"), (), frozenset({"b"}))),  # two cold aged adapters, at most 1 drain of
+    # 2 slots: "b" (1 waiting) before "a" (2); "a"'s requests join, "b"'s wait
+    ("aged-blocked-behind-pinned", [w("1", "c"), w("2", "p", 2.5)],
+     Slots(1, frozenset({"p"}), {"p": 1}, pinned=frozenset({"p"})), 4, 3, AHEAD,
+     Plan(("2",))),  # nothing to drain: "p"'s rows join (the slot never frees for "c")
     ("aged-first-then-others", [w("1", "b"), w("2", "a", 2.5), w("3", "a", 2.9)],
      Slots(2, frozenset({"a"}), {"a": 1}), 2, 3, AHEAD,
      Plan(("1", "2"))),  # the aged "b" takes the free slot and a row, then "a" the other
@@ -205,9 +216,13 @@ def check_plan(plan: Plan, queue, slots: Slots, free_rows: int, now, policy) -> 
             len(held | set(slots.loading)) < slots.num_slots)  # fmt: skip
         if free_rows > 0 and fits:
             assert plan.admit[:1] == (head.request_id,)
-        elif not plan.admit or plan.admit[0] != head.request_id:
-            assert plan == Plan(plan.admit, (), frozenset())
-            assert all(now - by_id[r].arrived >= policy.max_wait for r in plan.admit)
+        else:  # it waits: nothing copied ahead, nothing joins that takes a new slot
+            assert head.request_id not in plan.admit and not plan.prefetch
+            keep = (held | set(slots.pinned)) - plan.draining
+            assert all(by_id[r].adapter in keep | {None} for r in plan.admit), plan
+            drainable = held - set(slots.pinned)
+            if free_rows > 0:  # waiting for a slot: one is drained where one can be
+                assert plan.draining <= drainable and bool(plan.draining) == bool(drainable)
     # rows go to requests that need no slot before any slot is taken for others
     young = [x for x in queue if now - x.arrived < policy.max_wait]
     free = [x for x in young if x.adapter is None or (x.adapter in held and

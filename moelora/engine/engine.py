@@ -37,6 +37,7 @@ from .blocks import BlockPool, digest, seed
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
 from .logprobs import TokenLogprobs, prompt_logprobs, raw_logprobs, token_logprobs
+from .mixed_graphs import MixedGraphs
 from .paged_cache import PagedCache
 from .runner import DecodeRunner, runner_support
 from .sampling import (
@@ -196,6 +197,12 @@ class Engine:
         use_graphs = self.device.type == "cuda" if enforce_eager is None else not enforce_eager
         self.graphs = (
             step_graphs.StepGraphs(self.max_rows, self._graph_step) if use_graphs else None
+        )
+        # the steps with prompt chunks, graphed per bucket of tokens (mixed_graphs.py)
+        self.mixed = (
+            MixedGraphs(self, self.max_num_batched_tokens)
+            if use_graphs and self.runner is not None
+            else None
         )
         self._allocate()
 
@@ -396,15 +403,21 @@ class Engine:
         return events
 
     def warmup(self) -> step_graphs.CaptureReport | None:
-        """Capture every decode bucket now (None without graphs). Only while nothing runs:
-        the captures write padding into cache rows."""
+        """Capture every decode bucket now, and on the runner every token bucket of the
+        steps with prompt chunks (None without graphs). Only while nothing runs: the
+        captures write padding into cache rows."""
         if self.graphs is None:
             return None
         if self._rows:
             raise InputError(
                 "warmup()", f"{len(self._rows)} requests running", "no request running"
             )
-        return self.graphs.capture_all(self._pad_only, self.handle.lora_modules)
+        report = self.graphs.capture_all(self._pad_only, self.handle.lora_modules)
+        if self.mixed is None:
+            return report
+        prompts = self.mixed.capture_all(self.handle.lora_modules)
+        return step_graphs.CaptureReport(report.buckets, report.seconds + prompts.seconds,
+                                         prompts.buckets)  # fmt: skip
 
     def warm_prompts(self, adapters: Sequence[str | None] = (None,)) -> PromptWarmup | None:
         """Run synthetic prompts through the runner's steps before any request, so that the
@@ -505,7 +518,8 @@ class Engine:
             mine = [c for c in chunks if c[0] in rows]  # in the order of `rows`
             return self._prefill_rows([tokens(*c) for c in mine], [r.row for r, _, _ in mine],
                                       [r.hold for r, _, _ in mine],
-                                      starts=[a for _, a, _ in mine])  # fmt: skip
+                                      starts=[a for _, a, _ in mine],
+                                      graphed=len(mine) == len(chunks))  # fmt: skip
 
         done = [r for r, _, end in chunks if r not in decode and end == len(r.fill)]
         for r, _, end in chunks:
@@ -671,14 +685,20 @@ class Engine:
         return self._prefill_rows([prompt], [row], [hold])
 
     def _prefill_rows(
-        self, prompts: list[list[int]], rows: list[int], holds, every: bool = False, starts=None
+        self,
+        prompts: list[list[int]],
+        rows: list[int],
+        holds,
+        every: bool = False,
+        starts=None,
+        graphed: bool = False,
     ):
         """Logits [n, V] of each prompt's last token; with `every`, a list of each prompt's
-        [S_i, V]; starts: each prompt's first position (a chunk; the runner only). On the runner once the cache is allocated (its first prefill, which
-        allocates it, runs transformers' forward)."""
+        [S_i, V]; starts: each prompt's first position (a chunk; the runner only); graphed:
+        replayed from a graph of its bucket of tokens where one holds it (the runner only)."""
         self.step_tokens += sum(len(p) for p in prompts)
         if self.runner is not None:
-            return self._prefill_runner(prompts, rows, holds, every, starts)
+            return self._prefill_runner(prompts, rows, holds, every, starts, graphed)
         plan = plan_prefill(rows, len(prompts[0]), self.device)
         self.cache.plan = plan
         slots = torch.tensor([h.slot for h in holds], dtype=torch.int32, device=self.device)
@@ -693,11 +713,18 @@ class Engine:
             return list(self._forward(ids, plan.positions, masks, adapters, every=True))
         return self._forward(ids, plan.positions, masks, adapters)
 
-    def _prefill_runner(self, prompts, rows: list[int], holds, every: bool, starts=None):
+    def _prefill_runner(self, prompts, rows: list[int], holds, every: bool, starts=None,
+                        graphed: bool = False):  # fmt: skip
         """The prompts packed into one varlen forward of the runner (no padding, no mask);
-        starts: each one's first position (chunks after the ones in the cache; default 0)."""
+        starts: each one's first position (chunks after the ones in the cache; default 0);
+        graphed: a graph replay (mixed_graphs.py) when one holds the step's tokens."""
         lengths = [len(p) for p in prompts]
         starts = starts or [0] * len(prompts)
+        if graphed and not every and self.mixed is not None and self.mixed.fits(sum(lengths)):
+            modules = self.handle.lora_modules.union(*(h.modules for h in holds))
+            logits = self.mixed.run(prompts, starts, rows, [h.slot for h in holds], modules)
+            if logits is not None:
+                return logits
         host = torch.tensor(
             [[t for p in prompts for t in p],
              [a + i for a, n in zip(starts, lengths) for i in range(n)],
@@ -713,7 +740,7 @@ class Engine:
         )  # fmt: skip
         with torch.no_grad():
             logits = self.runner.prefill(host[0], host[1], host[2], lengths, rows, adapters,
-                                         self.cache, self._table, every)  # fmt: skip
+                                         self.cache, self._table, every, pos0=starts)  # fmt: skip
         return list(logits.split(lengths)) if every else logits
 
     def _decode(self, running: list[_Row], eager: bool = False) -> Tensor:

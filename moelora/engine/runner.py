@@ -36,7 +36,7 @@ from ..kernels.decode_attention import decode_attention
 from ..kernels.dense_linear import dense_linear, lora_shrink
 from ..kernels.dense_lora import add_dense_lora
 from ..kernels.fp8_linear import fp8_linear, quantize_input
-from ..kernels.prefill_attention import prefill_attention, varlen_table
+from ..kernels.prefill_attention import VarlenTable, prefill_attention, varlen_table
 from ..kernels.rms_norm import add_rms_norm
 from ..kernels.rope_cache import rope_and_cache
 from ..kernels.router_topk import router_topk
@@ -144,6 +144,7 @@ class DecodeRunner:
         self.layers = [self._layer(i, layer, experts[i])
                        for i, layer in enumerate(model.model.layers)]  # fmt: skip
         self.first_moe = min(experts)
+        self.group = config.num_attention_heads // config.num_key_value_heads
         # the block-scaled FP8 Linears' scale blocks, read once (not per forward)
         self.fp8 = {m: b for m in model.modules() if (b := fp8_block(m)) is not None}
 
@@ -192,26 +193,45 @@ class DecodeRunner:
         cache,
         table: Tensor,
         every: bool = False,
+        pos0: list[int] | None = None,
     ) -> Tensor:
         """Prompts of any lengths packed one after another (varlen, no padding): ids /
         positions / write_rows [T] (each token, its position, its block-table row), lengths
         and cache_rows (block-table rows) per prompt, rows: the call context with one slot
         per token (row_slots [T]), table [R, MB] int32 (every block written or read
-        allocated). Logits [len(lengths), V] of each prompt's last token, or [T, V] of every
-        token with `every`."""
+        allocated), pos0: each prompt's first position (read from `positions` when None).
+        Logits [len(lengths), V] of each prompt's last token, or [T, V] of every token with
+        `every`."""
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
-        pos0 = [int(p) for p in positions[starts].tolist()] if lengths else []
-        group = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
-        spans = varlen_table(lengths, cache_rows, pos0, group, ids.device)  # once, every layer
+        if pos0 is None:
+            pos0 = [int(p) for p in positions[starts].tolist()] if lengths else []
+        spans = varlen_table(lengths, cache_rows, pos0, self.group, ids.device)  # every layer's
+        last = None if every else torch.tensor([a + n - 1 for a, n in zip(starts, lengths)],
+                                               device=ids.device)  # fmt: skip
+        return self.packed(ids, positions, write_rows, spans, last, rows, cache, table)
+
+    def packed(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        write_rows: Tensor,
+        spans: VarlenTable,
+        last: Tensor | None,
+        rows: RowAdapters,
+        cache,
+        table: Tensor,
+    ) -> Tensor:
+        """prefill's forward from tensors already on the device, nothing read back (what a
+        CUDA graph of a step captures): spans, the packed prompts' table (varlen_table, built
+        for this runner's group of query heads); last [S]: the tokens whose logits are
+        returned ([S, V]; every token's when None)."""
 
         def attend(q, cache_layer, scaling, window, sinks):
             return prefill_attention(q, cache_layer.keys, cache_layer.values, spans, table,
                                      scaling, window, sinks)  # fmt: skip
 
-        last = None if every else torch.tensor([a + n - 1 for a, n in zip(starts, lengths)],
-                                               device=ids.device)  # fmt: skip
         write = _slots(table, write_rows, positions, cache.block_size)
         return self._forward(ids, positions, write, rows, cache, attend, last)
 

@@ -35,13 +35,23 @@ def buckets_for(max_rows: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class CaptureReport:
-    """What a capture_all took: buckets captured and wall seconds."""
+    """What a capture_all took: buckets captured and wall seconds; prompt_buckets: the
+    token buckets of the unified steps with prompt chunks (mixed_graphs.py), when captured
+    in the same warm-up."""
 
     buckets: tuple[int, ...]
     seconds: float
+    prompt_buckets: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        return f"decode graphs: buckets {list(self.buckets)} captured in {self.seconds:.1f} s"
+        prompts = (f"; prompt steps: {list(self.prompt_buckets)} tokens"
+                   if self.prompt_buckets else "")  # fmt: skip
+        return (f"decode graphs: buckets {list(self.buckets)}{prompts} captured in "
+                f"{self.seconds:.1f} s")  # fmt: skip
+
+
+class CaptureFailed(RuntimeError):
+    """A step could not be captured (its warm-up run or the capture raised)."""
 
 
 @dataclass
@@ -68,10 +78,19 @@ capture = capture_cuda  # swapped for a stand-in by CPU tests
 
 class StepGraphs:
     """The graphs of one engine. step(b) runs the decode step of bucket b from the static
-    buffers the engine has filled; prepare(b) fills them with padding rows only."""
+    buffers the engine has filled; prepare(b) fills them with padding rows only. buckets:
+    other sizes than buckets_for(max_rows) (mixed_graphs.py's token buckets); unit: what
+    a bucket counts, for the log."""
 
-    def __init__(self, max_rows: int, step: Callable[[int, frozenset[str]], Tensor]) -> None:
-        self.buckets = buckets_for(max_rows)
+    def __init__(
+        self,
+        max_rows: int,
+        step: Callable[[int, frozenset[str]], Tensor],
+        buckets: tuple[int, ...] | None = None,
+        unit: str = "decode graph of %d rows",
+    ) -> None:
+        self.buckets = buckets_for(max_rows) if buckets is None else tuple(buckets)
+        self.unit = unit
         self._step = step
         self._graphs: dict[tuple[int, frozenset[str]], Graph] = {}
         self._pool = None
@@ -93,9 +112,7 @@ class StepGraphs:
         if graph is None:
             start = time.perf_counter()
             graph = self._capture(bucket, modules)
-            log.info(
-                "decode graph of %d rows captured in %.2f s", bucket, time.perf_counter() - start
-            )
+            log.info(self.unit + " captured in %.2f s", bucket, time.perf_counter() - start)
         graph.replay()
         return graph.out
 
@@ -116,6 +133,9 @@ class StepGraphs:
     def _capture(self, bucket: int, modules: frozenset[str]) -> Graph:
         if self._pool is None:
             self._pool = cuda_graphs.new_pool()
-        graph = capture(lambda: self._step(bucket, modules), self._pool)
+        try:
+            graph = capture(lambda: self._step(bucket, modules), self._pool)
+        except Exception as err:
+            raise CaptureFailed(f"{self.unit % bucket}: {err!r}") from err
         self._graphs[bucket, modules] = graph
         return graph

@@ -135,7 +135,8 @@ def _prefill_attention_kernel(
         m_all = tl.maximum(m, sink)
         total = total * tl.exp(m - m_all) + tl.exp(sink - m_all)
         acc = acc * tl.exp(m - m_all)[:, None]
-    out = acc / total[:, None]
+    # a padding program's empty sequence sums nothing (total 0): divided by 1, stored nowhere
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
     dst = out_ptr + tok[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
     tl.store(dst + offs_d[None, :], as_stored(out, out_ptr.dtype.element_ty),
              mask=r_ok[:, None] & d_ok[None, :])  # fmt: skip
@@ -158,11 +159,21 @@ class VarlenTable:
 
 
 def varlen_table(
-    lengths: list[int], rows: list[int], pos0: list[int] | None, group: int, device
+    lengths: list[int],
+    rows: list[int],
+    pos0: list[int] | None,
+    group: int,
+    device,
+    *,
+    programs: int | None = None,
+    sequences: int | None = None,
 ) -> VarlenTable:
     """The table of len(lengths) sequences of lengths[s] tokens packed one after another,
     sequence s at positions pos0[s] .. (default 0) of block-table row rows[s], for programs
-    of block_size(group) tokens."""
+    of block_size(group) tokens. programs / sequences: pad the table to that many programs
+    and sequences (a CUDA graph's fixed grid: programs_for(tokens, sequences) holds any
+    table of those), the padding programs taking an empty sequence, which reads and writes
+    nothing."""
     pos0 = [0] * len(lengths) if pos0 is None else pos0
     if len(rows) != len(lengths) or len(pos0) != len(lengths):
         raise ValueError(f"varlen_table: lengths {lengths}, rows {rows}, pos0 {pos0}")
@@ -175,9 +186,27 @@ def varlen_table(
             block_tok.append(t)
         at += n
     ends = [a + n for a, n in zip(starts, lengths)]
-    sequences = torch.tensor([starts, ends, rows, pos0], dtype=torch.int32).to(device)
+    padded = [starts, ends, rows, pos0]
+    if sequences is not None or programs is not None:
+        sequences = len(lengths) + 1 if sequences is None else sequences
+        programs = len(block_seq) if programs is None else programs
+        if sequences <= len(lengths) or programs < len(block_seq):
+            raise ValueError(f"varlen_table: {len(lengths)} sequences in {len(block_seq)} "
+                             f"programs do not fit a table of {sequences} sequences (one "
+                             f"empty) and {programs} programs")  # fmt: skip
+        empty = len(lengths)  # start = end = 0: no token
+        padded = [column + [0] * (sequences - len(lengths)) for column in padded]
+        block_seq += [empty] * (programs - len(block_seq))
+        block_tok += [0] * (programs - len(block_tok))
+    sequences_t = torch.tensor(padded, dtype=torch.int32).to(device)
     blocks = torch.tensor([block_seq, block_tok], dtype=torch.int32).to(device)
-    return VarlenTable(at, sequences, blocks, bq)
+    return VarlenTable(at, sequences_t, blocks, bq)
+
+
+def programs_for(tokens: int, sequences: int, group: int) -> int:
+    """The most programs a table of `tokens` tokens in at most `sequences` sequences needs
+    (each sequence's last block may be partial)."""
+    return -(-tokens // block_size(group)) + sequences
 
 
 def prefill_attention(

@@ -10,9 +10,13 @@ than L adapters are held ("taken": held by running rows, pinned, being copied, o
 in this plan). The rule, in order:
 
 1. Aged first. A request that has waited `max_wait` or longer goes before every other,
-   oldest first. When the oldest of them cannot run now (no free row, or every slot taken)
-   nothing else is admitted until it can: rows only end, so it runs once the rows holding
-   what it needs have ended. Where every request ages this is the FIFO scheduler.
+   oldest first. When the oldest of them waits for a row, nothing else is admitted until
+   it has one. When it waits for a slot (every slot taken), held adapters are drained for
+   it and for the aged requests behind it that need a slot too (one each, the least
+   wanted first, at most half the slots): their new requests do not join, so their slots
+   free once their rows end, and each freed slot goes to the oldest aged request; the
+   requests that take no new slot (the base model, a held adapter not drained) keep
+   joining meanwhile, so the rows stay busy while the slots turn over.
 2. Free next, in arrival order: requests that take no slot (the base model, an adapter
    running rows hold), so a group joins the rows of its adapter.
 3. Slots last: the adapters that need one, each group scored by its queue length, an
@@ -102,9 +106,11 @@ def admit(
     taken = held | set(slots.pinned) | set(slots.loading)
     admitted: list[str] = []
     aged = [w for w in queue if now - w.arrived >= policy.max_wait]
-    for w in aged:
-        if free_rows == 0 or not _fits(w.adapter, taken, slots.num_slots):
-            return Plan(tuple(admitted), (), frozenset())  # the oldest waits: nothing else
+    for i, w in enumerate(aged):
+        if free_rows == 0:
+            return Plan(tuple(admitted), (), frozenset())  # the oldest waits for a row
+        if not _fits(w.adapter, taken, slots.num_slots):
+            return _blocked(queue, aged[i:], slots, held, taken, free_rows, admitted)
         admitted.append(w.request_id)
         taken.add(w.adapter)
         free_rows -= 1
@@ -120,6 +126,33 @@ def admit(
     left = [w for w in rest if w.request_id not in joined and w.adapter not in draining]
     prefetch = _slots_for_groups(left, slots, taken, free_rows, policy, admitted)
     return Plan(tuple(admitted), tuple(prefetch), frozenset(draining))
+
+
+def _blocked(queue: Sequence[Waiting], blocked: list[Waiting], slots: Slots, held: set,
+             taken: set, free_rows: int, admitted: list[str]) -> Plan:  # fmt: skip
+    """Rule 1 when the oldest aged request waits for a slot: the held adapters to drain for
+    it and the aged requests behind it that need a slot too (one each, oldest first, at
+    most DRAINS_PER_SLOTS of the slots), and the requests that take no new slot (the base
+    model, a held adapter not drained) joining meanwhile, oldest first. Nothing is copied
+    ahead and no other slot is taken: each freed slot goes to the oldest aged request."""
+    cold = list(dict.fromkeys(w.adapter for w in blocked if w.adapter not in taken))
+    waiting = Counter(w.adapter for w in queue)
+    drainable = sorted((a for a in held if a not in slots.pinned),
+                       key=lambda a: (waiting[a], slots.running.get(a, 0), str(a)))  # fmt: skip
+    draining = frozenset(drainable[: min(len(cold), max(1, slots.num_slots // DRAINS_PER_SLOTS))])
+    joined = set(admitted)
+    for w in queue:
+        if free_rows == 0:
+            break
+        if w.request_id in joined:
+            continue
+        if w.adapter is None or (w.adapter in taken and w.adapter not in draining | slots.loading):
+            admitted.append(w.request_id)
+            free_rows -= 1
+    return Plan(tuple(admitted), (), draining)
+
+
+DRAINS_PER_SLOTS = 2  # at most half the slots drained at once for aged requests: chosen
 
 
 def _fits(adapter: Adapter | None, taken: set, num_slots: int) -> bool:

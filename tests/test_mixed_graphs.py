@@ -1,0 +1,126 @@
+"""Steps with prompt chunks replayed from CUDA graphs of their bucket of tokens
+(moelora/engine/mixed_graphs.py), on the CPU with a stand-in for the capture (kernels through
+Triton's interpreter): prompts arriving while rows decode, each step's tokens padded up to
+its bucket (padding: token 0, slot -1, the spare block-table row, positions inside max_len),
+and every row still equal to HF + PEFT generating it alone; a bucket whose capture fails
+runs eagerly from then on, rows still exact; warmup() captures the token buckets. The real
+capture runs on the GPU (scripts/gpu_engine_check.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from engine_helpers import greedy_alone, run_all, tiny_qwen_with_adapters
+
+from moelora.engine import Engine, Request, Sampling, mixed_graphs, step_graphs
+from moelora.hf import attach
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.mark.parametrize(
+    ("budget", "want"),
+    [(32, (32,)), (128, (128,)), (300, (128, 256, 300)), (8192, mixed_graphs.BUCKETS)],
+)
+def test_token_buckets(budget, want):
+    assert mixed_graphs.buckets_for(budget) == want
+
+
+class StandIn:
+    """Captures by running the step twice (warm-up, capture); a replay checks the padding in
+    the prompt-step buffers and runs the step again into the captured output."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.engine: Engine | None = None
+        self.prompt_replays = 0
+        self.fail_next = False
+        monkeypatch.setattr(step_graphs, "capture", self.capture)
+
+    def capture(self, step, pool):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("operation not permitted when stream is capturing")
+        step()
+        out = step()
+        mixed = self.engine.mixed
+        prompt_step = out.shape[0] == mixed.sequences
+
+        def replay():
+            if prompt_step:
+                self._check_padding(mixed)
+                self.prompt_replays += 1
+            out.copy_(step())
+
+        return step_graphs.Graph(replay, out)
+
+    def _check_padding(self, mixed) -> None:
+        pad = mixed.write_rows == mixed.spare
+        assert (mixed.ids[pad] == 0).all() and (mixed.slots[pad] == -1).all()
+        assert (mixed.positions[pad] < mixed.max_len).all()
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    return tiny_qwen_with_adapters(tmp_path_factory.mktemp("mixed"), 41, 60)
+
+
+def _engine(made, stand_in, **kw) -> Engine:
+    base, _, dirs = made
+    handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
+    for name, path in dirs.items():
+        handle.load_adapter(path, name=name)
+    engine = Engine(handle, enforce_eager=False, runner=True, max_rows=5, max_len=24,
+                    block_size=4, max_num_batched_tokens=20, **kw)  # fmt: skip
+    stand_in.engine = engine
+    return engine
+
+
+def _requests(seed: int) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    names = ["every", None, "attn", "every", None]
+    lengths = [6, 9, 5, 13, 3]
+    return [Request(f"r{i}", tuple(torch.randint(1, 96, (n,), generator=g).tolist()), name,
+                    Sampling(max_new_tokens=5)) for i, (n, name) in enumerate(zip(lengths, names))]  # fmt: skip
+
+
+def _check_rows(made, requests, got) -> None:
+    for r in requests:
+        want = greedy_alone(made[1][r.adapter], torch.tensor(r.prompt_ids), 5)
+        assert got[r.request_id] == (want, "length"), r.request_id
+
+
+def test_prompt_steps_replay_their_bucket_and_rows_stay_exact(made, seed, monkeypatch):
+    """Prompts join while rows decode (a 13-token one chunked past the 20-token budget):
+    every step with a chunk replays the prompt-step graph, and every row equals HF + PEFT
+    alone."""
+    stand_in = StandIn(monkeypatch)
+    engine = _engine(made, stand_in)
+    requests = _requests(seed)
+    got = run_all(engine, {0: requests[:2], 2: requests[2:4], 4: requests[4:]})
+    assert stand_in.prompt_replays >= 3
+    _check_rows(made, requests, got)
+    engine.pool.check()
+    engine.close()
+
+
+def test_a_bucket_whose_capture_fails_runs_eagerly_and_rows_stay_exact(made, seed, monkeypatch):
+    stand_in = StandIn(monkeypatch)
+    engine = _engine(made, stand_in)
+    stand_in.fail_next = True  # the first capture: the first prompt step's
+    requests = _requests(seed + 1)
+    got = run_all(engine, {0: requests[:2], 2: requests[2:4], 4: requests[4:]})
+    assert stand_in.prompt_replays == 0, "the failed bucket must not be captured again"
+    assert engine.mixed._eager
+    _check_rows(made, requests, got)
+    engine.close()
+
+
+def test_warmup_captures_the_token_buckets(made, monkeypatch):
+    stand_in = StandIn(monkeypatch)
+    engine = _engine(made, stand_in)
+    report = engine.warmup()
+    assert report.prompt_buckets == (20,) and "prompt steps: [20] tokens" in str(report)
+    assert engine.mixed.graphs.captured == (20,)
+    engine.close()
