@@ -61,6 +61,7 @@ TOOLS: dict[str, Tool] = {
         Tool("model_level", Kind.TIMING, Needs.GPU),
         Tool("fp8_generate", Kind.TIMING, Needs.GPU),
         Tool("decode_profile", Kind.TIMING, Needs.GPU),
+        Tool("mixed_step", Kind.TIMING, Needs.GPU),
         Tool("ab_dense_linear", Kind.AB, Needs.GPU),
         Tool("serve_load", Kind.TIMING, Needs.GPU),
         Tool("class_neighbours", Kind.CHECK, Needs.GPU),

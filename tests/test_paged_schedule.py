@@ -59,7 +59,7 @@ class TokenRunner:
         return logits
 
     def prefill(self, ids, positions, write_rows, lengths, cache_rows, rows, cache, table,
-                every=False):  # fmt: skip
+                every=False, pos0=None):  # fmt: skip
         self._write(cache, table, write_rows, positions, ids, rows.row_slots[: ids.shape[0]])
         slots = rows.row_slots.tolist()
         out, at = [], 0
