@@ -1,7 +1,8 @@
 """GPU check of the decode runner for every family it knows (moelora/engine/runner.py:
 FAMILIES), PASS / FAIL lines and a JSON record. Per family, a small random model (gpt-oss
-with a sliding-window layer and attention sinks) with two PEFT adapters (q / k / v / o +
-expert LoRA, expert-only), rows joining at two steps:
+with a sliding-window layer and attention sinks; DeepSeek-V3 with latent attention, a dense
+layer and shared experts) with two PEFT adapters (the attention projections + expert LoRA,
+expert-only), rows joining at two steps:
 
 1. fp32: the runner's rows equal HF + PEFT generating each row alone (tokens equal, every
    step's logits within fp32's tolerance);
@@ -35,7 +36,21 @@ SIZES = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_
              intermediate_size=64)  # fmt: skip
 OVERRIDES = {
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+    # DeepSeek-V3's latent attention at widths cuBLAS and grouped_mm take in bf16; q through
+    # q_a / q_b, interleaved rotary pairs (the published configuration); its config.head_dim is
+    # the rotary width
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        head_dim=16,
+    ),
 }
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+             "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
 
 
 def parse(argv):
@@ -53,9 +68,10 @@ def _adapters(model) -> dict[str, dict]:
     from moelora.hf import toy
 
     experts = toy.expert_parameters(model)
+    names = {n.split(".")[-1] for n, _ in model.named_modules()}
     return {
         "attention+experts": dict(r=4, lora_alpha=8, target_parameters=experts,
-                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+                                  target_modules=[n for n in ATTENTION if n in names]),
         "experts": dict(r=8, lora_alpha=16, target_parameters=experts),
     }  # fmt: skip
 

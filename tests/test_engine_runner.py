@@ -3,7 +3,8 @@ interpreter: rows of a continuously batched run decoded by the runner equal HF +
 generating each row alone (tokens equal; the logits each token was picked from within the
 fp32 tolerance of HF's), with adapters on every LoRA module the runner serves (q / k / v / o,
 the router where PEFT can target it (not gpt-oss's), the LM head, the experts) and rows without, for each family it knows (Qwen3-MoE,
-OLMoE, Mixtral, gpt-oss with a sliding-window layer and attention sinks); configurations and families it does not know are refused when asked for
+OLMoE, Mixtral, gpt-oss with a sliding-window layer and attention sinks, DeepSeek-V3 with
+latent attention, a dense layer, shared experts and grouped routing); configurations and families it does not know are refused when asked for
 and left to transformers' forward otherwise."""
 
 from __future__ import annotations
@@ -22,24 +23,30 @@ NEW = 5
 
 
 def _adapters(model) -> dict[str, dict]:
-    linears = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+    # every Linear the family has (DeepSeek: MLA's projections, the shared experts' and the
+    # dense layers' MLPs)
+    linears = sorted({n.split(".")[-1] for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear)})  # fmt: skip
     # gpt-oss's router is not a Linear: PEFT cannot target it (no router LoRA there)
     routers = [n for n, _ in model.named_modules() if n.endswith(".mlp.gate")]
     experts = toy.expert_parameters(model)
     return {
         "every-module": dict(r=4, lora_alpha=8, target_modules=linears + routers,
                              target_parameters=experts, rank_pattern={"o_proj": 2}),
-        "attention-only": dict(r=3, lora_alpha=6, use_rslora=True,
-                               target_modules=["q_proj", "v_proj"]),
+        "attention-only": dict(r=3, lora_alpha=6, use_rslora=True, target_modules=[
+            n for n in ("q_proj", "v_proj", "q_b_proj", "kv_b_proj") if n in linears]),
         "experts-only": dict(r=2, lora_alpha=4, target_parameters=experts),
     }  # fmt: skip
 
 
-FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss"]
+FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3"]
 # gpt-oss as published: sliding-window layers between full ones; a window of 4 positions
-# is shorter than every prompt here, so prefill and decode both cut it
+# is shorter than every prompt here, so prefill and decode both cut it. DeepSeek-V3 as
+# published: q through q_a / q_b, interleaved rotary pairs, a dense first layer, shared
+# experts, grouped routing (test_deepseek_without_q_lora... covers q_proj and rotate_half)
 OVERRIDES = {"gpt_oss": dict(layer_types=["sliding_attention", "full_attention"],
-                             sliding_window=4)}  # fmt: skip
+                             sliding_window=4),
+             "deepseek_v3": dict(q_lora_rank=6, rope_interleave=True)}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -108,10 +115,39 @@ def test_runner_equals_the_models_own_forward(qwen, seed, monkeypatch):
         assert_close(out, ref, torch.float32, what=f"row {i}")
 
 
+def test_deepseek_without_q_lora_and_with_rotate_half_equals_the_models_own_forward(
+    tmp_path, seed, monkeypatch
+):
+    """DeepSeek-V3's other layout (q_proj, no q_a / q_b; rotary over halves, not pairs):
+    the runner's rows equal transformers' forward's, with LoRA on MLA's projections."""
+    base = toy.build_model("deepseek_v3", seed=5, q_lora_rank=None, rope_interleave=False)
+    kw = dict(r=4, lora_alpha=8, target_modules=["q_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+              "o_proj", "gate_proj", "up_proj", "down_proj"],
+              target_parameters=toy.expert_parameters(base))  # fmt: skip
+    toy.write_peft_adapter(base, tmp_path / "mla", seed=9, **kw)
+    handle = attach(base, num_slots=2, max_rank=8, moe_backend="reference")
+    handle.load_adapter(tmp_path / "mla", name="mla")
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (6, 3)]
+    logs = {}
+    for runner in (True, False):
+        log = LogitsLog(monkeypatch)
+        engine = Engine(handle, max_rows=3, max_len=24, enforce_eager=True, runner=runner)
+        assert (engine.runner is not None) == runner
+        reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
+                for i, (n, p) in enumerate(zip(["mla", None], prompts))]  # fmt: skip
+        run_all(engine, {0: reqs})
+        logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
+        engine.close()
+        monkeypatch.undo()
+    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
+        assert_close(out, ref, torch.float32, what=f"row {i}")
+
+
 def test_a_family_the_runner_does_not_know_is_refused_or_left_to_transformers(tmp_path):
-    model = toy.build_model("deepseek_v3", seed=3)
+    model = toy.build_model("qwen3_5_moe_text", seed=3)
     handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
-    with pytest.raises(ConfigError, match="deepseek_v3"):
+    with pytest.raises(ConfigError, match="qwen3_5_moe"):
         Engine(handle, max_rows=2, max_len=16, enforce_eager=True, runner=True)
     engine = Engine(handle, max_rows=2, max_len=16, enforce_eager=True)  # default: not asked
     assert engine.runner is None
@@ -209,3 +245,15 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_decodes(qwen, seed, mon
         want = greedy_alone(truths[name], torch.tensor(request.prompt_ids), len(got))
         assert got == want and len(got) == request.sampling.max_new_tokens, request.request_id
     engine.close()
+
+
+def test_a_served_module_the_runner_would_not_apply_refuses_the_runner(qwen, monkeypatch):
+    """Every module attach() serves LoRA on must be one the runner applies, else the rows
+    would lose that LoRA: asked for, the runner is refused naming the module."""
+    from moelora.engine import runner as runner_module
+
+    real = runner_module.DecodeRunner._paths
+    monkeypatch.setattr(runner_module.DecodeRunner, "_paths",
+                        lambda self: real(self) - {"lm_head"})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"LoRA served on \['lm_head'\]"):
+        Engine(_handle(qwen), max_rows=2, max_len=16, enforce_eager=True, runner=True)

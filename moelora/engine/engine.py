@@ -208,13 +208,21 @@ class Engine:
 
     def _runner(self, wanted: bool | None) -> DecodeRunner | None:
         reasons = runner_support(self.model)
+        use = self.device.type == "cuda" if wanted is None else wanted
+        runner = None
+        if use and not reasons:
+            runner = DecodeRunner(self.model, self.handle.layers, self.handle.module_banks)
+            # a served module whose LoRA the runner would not apply: its rows would lose it
+            missing = sorted(set(self.handle.module_banks.shapes) - runner.paths)
+            if missing:
+                more = "..." if len(missing) > 3 else ""
+                reasons.append(f"LoRA served on {missing[:3]}{more}, which the runner does "
+                               "not apply")  # fmt: skip
+                runner = None
         if wanted and reasons:
             raise ConfigError("runner", True, "a model the decode runner knows: " + "; ".join(
                 reasons), "pass runner=None (or False): transformers' forward decodes it")  # fmt: skip
-        use = self.device.type == "cuda" if wanted is None else wanted
-        if not use or reasons:
-            return None
-        return DecodeRunner(self.model, self.handle.layers, self.handle.module_banks)
+        return runner
 
     def _paged(self, block_size: int, num_blocks: int | None, prefix_caching: bool) -> None:
         """The runner's paged cache, its block pool and the block table [max_rows + 1, MB]

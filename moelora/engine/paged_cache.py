@@ -20,10 +20,16 @@ class PagedLayer:
 
 
 def layer_shapes(model: nn.Module) -> list[tuple[int, int, int]]:
-    """(Hk, Dk, Dv) of each decoder layer's attention, from its k / v projections."""
+    """(Hk, Dk, Dv) of each decoder layer's attention, from its k / v projections; DeepSeek's
+    latent attention (MLA): its keys and values expanded per query head, the values as wide
+    as the keys (the runner pads them: its attention kernels take one width)."""
     shapes = []
     for layer in model.model.layers:
         attn = layer.self_attn
+        if hasattr(attn, "kv_b_proj"):  # MLA
+            width = attn.qk_nope_head_dim + attn.qk_rope_head_dim
+            shapes.append((attn.num_heads, width, width))
+            continue
         heads = model.config.num_key_value_heads
         shapes.append((heads, attn.k_proj.out_features // heads, attn.v_proj.out_features // heads))
     return shapes

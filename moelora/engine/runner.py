@@ -1,5 +1,5 @@
 """The decode step and the prefill as moelora runs them, for the families it knows
-(Qwen3-MoE, OLMoE, Mixtral, gpt-oss: FAMILIES, what differs between them as data): the model's own
+(Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3: FAMILIES, what differs between them as data): the model's own
 weights read in place, few kernels per layer, every LoRA module per token in moelora's
 kernels; the engine replays a decode step as one CUDA graph per bucket of rows and runs a
 prefill eagerly, the waiting prompts of any lengths packed into one forward (varlen: no
@@ -14,7 +14,12 @@ over each row's blocks up to its own length (kernels/decode_attention.py at deco
 kernels/prefill_attention.py causal over each packed prompt at prefill; a sliding-window
 layer reads its window, gpt-oss's sinks join each softmax); o_proj and its LoRA alike; the router (its
 logits on cuBLAS, their LoRA, softmax / top-k / renormalization in one kernel,
-kernels/router_topk.py); the experts on moelora's layer. Then the final norm and the LM head
+kernels/router_topk.py; DeepSeek's sigmoid and grouped top-k in fp32, moelora/routing.py); the
+experts on moelora's layer, and a shared-experts MLP where the family has one; a dense layer
+(DeepSeek's first ones) runs its gated MLP, gate and up in one GEMM. DeepSeek's multi-head
+latent attention (_mla) runs its projections the same way and caches keys and values
+expanded per head (not the latent: more cache per token than FlashMLA-style engines hold;
+the values zero-padded to the key width). Then the final norm and the LM head
 (cuBLAS; at prefill over each prompt's last token only, or every token when prompt
 logprobs are asked) with its LoRA (kernels/dense_lora.py). Each step keeps transformers'
 roundings (the kernels' docstrings say how), so a row equals the model's eager forward
@@ -43,6 +48,7 @@ from ..kernels.router_topk import router_topk
 from ..lora.module_banks import ModuleBanks
 from ..lora.rows import RowAdapters
 from ..quant.module_fp8 import fp8_block
+from ..routing import RoutingConfig, RoutingMethod, route
 
 
 @dataclass(frozen=True)
@@ -60,12 +66,24 @@ class Family:
     windows: bool = False  # sliding-window layers (attn.sliding_window) are run as such
     round_normed: bool = True  # RMSNorm rounds the normalized row before its weight (not
     # gpt-oss's: weight x the fp32 row, one rounding)
+    mla: bool = False  # DeepSeek's multi-head latent attention (q_a / q_b or q, kv_a, kv_b)
+    routing: str = "softmax"  # "softmax": router_topk's kernel; "deepseek_v3": sigmoid,
+    # correction bias, grouped top-k, routed_scaling_factor (moelora.routing), in fp32
+    shared: str | None = None  # the MoE block's shared-experts MLP, added to the experts'
 
 
 FAMILIES = {
     "qwen3_moe": Family(qk_norm="head", round_router=True, renorm=None),
     "olmoe": Family(qk_norm="full", round_router=True, renorm=None),
     "mixtral": Family(qk_norm="none", round_router=False, renorm=True),
+    "deepseek_v3": Family(
+        qk_norm="none",
+        round_router=False,
+        renorm=None,
+        mla=True,
+        routing="deepseek_v3",
+        shared="shared_experts",
+    ),
     "gpt_oss": Family(
         qk_norm="none",
         round_router=True,
@@ -85,9 +103,13 @@ def runner_support(model: nn.Module) -> list[str]:
     if config.model_type not in FAMILIES:
         return [f"model_type {config.model_type!r}: the runner knows {list(FAMILIES)}"]
     reasons = []
-    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-        reasons.append("dense MLP layers between the MoE layers")
     family = FAMILIES[config.model_type]
+    for i, layer in enumerate(model.model.layers):  # a dense layer: a gated MLP
+        mlp = layer.mlp
+        if not _is_moe(mlp, family) and not all(hasattr(mlp, n) for n in _MLP):
+            reasons.append(f"layer {i}'s MLP {type(mlp).__name__} (neither the family's MoE "
+                           "block nor a gate / up / down MLP)")  # fmt: skip
+            break
     if not family.windows and (getattr(config, "use_sliding_window", False) or (
         config.model_type == "mixtral" and getattr(config, "sliding_window", None) is not None
     )):  # fmt: skip
@@ -110,7 +132,13 @@ def runner_support(model: nn.Module) -> list[str]:
     return reasons
 
 
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head", *_MLP, *_MLA)
+
+
+def _is_moe(mlp: nn.Module, family: Family) -> bool:
+    return hasattr(mlp, "experts") and hasattr(mlp, family.router)
 
 
 @dataclass(frozen=True)
@@ -118,15 +146,17 @@ class _Layer:
     """One decoder layer's pieces, the model's own modules and weights."""
 
     index: int
-    attn: nn.Module  # q_proj, k_proj, v_proj, o_proj, q_norm, k_norm
+    attn: nn.Module  # q_proj, k_proj, v_proj, o_proj, q_norm, k_norm (or MLA's)
     norm_in: Tensor
     norm_post: Tensor
-    gate: Tensor  # the router's weight [E, H]
-    experts: nn.Module  # the MoELoRALayer serving this layer's experts
+    gate: Tensor | None  # the router's weight [E, H] (None: a dense layer)
+    experts: nn.Module | None  # the MoELoRALayer serving this layer's experts
     path: str  # "model.layers.<i>"
+    mlp: nn.Module  # the layer's MLP: the MoE block, or a dense gate / up / down MLP
     gate_bias: Tensor | None = None  # the router's bias [E] (gpt-oss)
     window: int = 0  # a sliding window's positions (0: full attention)
     sinks: Tensor | None = None  # a sink logit per query head [Hq] (gpt-oss)
+    correction_bias: Tensor | None = None  # DeepSeek's e_score_correction_bias [E]
 
 
 class DecodeRunner:
@@ -141,23 +171,46 @@ class DecodeRunner:
         self.top_k = config.num_experts_per_tok
         renorm = self.family.renorm
         self.renorm = config.norm_topk_prob if renorm is None else renorm
-        self.layers = [self._layer(i, layer, experts[i])
+        self.layers = [self._layer(i, layer, experts.get(i))
                        for i, layer in enumerate(model.model.layers)]  # fmt: skip
         self.first_moe = min(experts)
-        self.group = config.num_attention_heads // config.num_key_value_heads
+        # MLA's keys and values are expanded per query head in the cache (paged_cache.py)
+        self.group = (
+            1 if self.family.mla else config.num_attention_heads // config.num_key_value_heads
+        )
+        self.routing = _routing_config(config) if self.family.routing == "deepseek_v3" else None
+        self.paths = self._paths()
         # the block-scaled FP8 Linears' scale blocks, read once (not per forward)
         self.fp8 = {m: b for m in model.modules() if (b := fp8_block(m)) is not None}
 
-    def _layer(self, index: int, layer: nn.Module, experts: nn.Module) -> _Layer:
+    def _layer(self, index: int, layer: nn.Module, experts: nn.Module | None) -> _Layer:
         family, attn = self.family, layer.self_attn
-        router = getattr(layer.mlp, family.router)
+        router = getattr(layer.mlp, family.router) if experts is not None else None
         window = (getattr(attn, "sliding_window", None) or 0) if family.windows else 0
         return _Layer(
             index, attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            router.weight, experts, f"model.layers.{index}",
-            gate_bias=getattr(router, "bias", None), window=int(window),
+            None if router is None else router.weight, experts, f"model.layers.{index}",
+            layer.mlp, gate_bias=getattr(router, "bias", None), window=int(window),
             sinks=attn.sinks if family.sinks else None,
+            correction_bias=getattr(router, "e_score_correction_bias", None),
         )  # fmt: skip
+
+    def _paths(self) -> frozenset[str]:
+        """Every module path whose LoRA the runner applies (the engine refuses the runner
+        for a served module outside them: its LoRA would be dropped)."""
+        paths = {"lm_head"}
+        for layer in self.layers:
+            attn = f"{layer.path}.self_attn"
+            names = (*_MLA, "q_proj", "o_proj") if self.family.mla else (
+                "q_proj", "k_proj", "v_proj", "o_proj")  # fmt: skip
+            paths |= {f"{attn}.{n}" for n in names}
+            if layer.experts is None:
+                paths |= {f"{layer.path}.mlp.{n}" for n in _MLP}
+                continue
+            paths.add(f"{layer.path}.mlp.{self.family.router}")
+            if self.family.shared:
+                paths |= {f"{layer.path}.mlp.{self.family.shared}.{n}" for n in _MLP}
+        return frozenset(paths)
 
     def decode(
         self,
@@ -248,8 +301,9 @@ class DecodeRunner:
         residual = None
         for layer in self.layers:
             x, residual = add_rms_norm(h, residual, layer.norm_in, self.eps, self.round_normed)
-            att = self._attention(layer, x, cos, sin, cache.layers[layer.index], write, slots,
-                                  rows, attend)  # fmt: skip
+            attention = self._mla if self.family.mla else self._attention
+            att = attention(layer, x, cos, sin, cache.layers[layer.index], write, slots, rows,
+                            attend)  # fmt: skip
             x, residual = add_rms_norm(att, residual, layer.norm_post, self.eps, self.round_normed)
             h = self._moe(layer, x, slots, rows)
         x, _ = add_rms_norm(h, residual, model.model.norm.weight, self.eps, self.round_normed)
@@ -321,17 +375,108 @@ class DecodeRunner:
 
     def _moe(self, layer: _Layer, x: Tensor, slots: Tensor, rows: RowAdapters) -> Tensor:
         """The router as transformers' (its logits and their LoRA; softmax in fp32, top-k,
-        renormalized, rounded to the logits' dtype, in one kernel), then the experts on
-        moelora's layer."""
-        logits = F.linear(x, layer.gate, layer.gate_bias)
+        renormalized, rounded to the logits' dtype, in one kernel; DeepSeek's in fp32 through
+        moelora.routing), then the experts on moelora's layer, and the shared experts' MLP
+        where the family has one. A dense layer: its MLP."""
+        if layer.experts is None:
+            return self._mlp(layer.mlp, f"{layer.path}.mlp", x, slots, rows)
         path = f"{layer.path}.mlp.{self.family.router}"
+        if self.routing is not None:  # DeepSeek: logits in fp32 from the fp32 row
+            logits = F.linear(x.float(), layer.gate.float())
+        else:
+            logits = F.linear(x, layer.gate, layer.gate_bias)
         if path in rows.lora_modules:
             add_dense_lora(logits, x, slots, self.banks.a[path], self.banks.bt[path])
-        weights, ids = router_topk(logits, self.top_k, self.renorm, self.family.round_router)
+        if self.routing is not None:
+            ids, weights = route(logits, self.routing, self.top_k, layer.correction_bias)
+        else:
+            weights, ids = router_topk(logits, self.top_k, self.renorm, self.family.round_router)
         if not rows.expert_lora:
-            return layer.experts(x, ids, weights)
-        token_slots = rows.token_slots(x.shape[0], refresh=layer.index == self.first_moe)
-        return layer.experts(x, ids, weights, token_slots, rows.snapshot.banks[layer.index])
+            out = layer.experts(x, ids, weights)
+        else:
+            token_slots = rows.token_slots(x.shape[0], refresh=layer.index == self.first_moe)
+            out = layer.experts(x, ids, weights, token_slots, rows.snapshot.banks[layer.index])
+        if self.family.shared:
+            name = self.family.shared
+            out = out + self._mlp(getattr(layer.mlp, name), f"{layer.path}.mlp.{name}", x,
+                                  slots, rows)  # fmt: skip
+        return out
+
+    def _mlp(self, mlp: nn.Module, path: str, x: Tensor, slots, rows) -> Tensor:
+        """A gated MLP as transformers' (down(act(gate(x)) * up(x))), gate and up in one
+        GEMM, each with its LoRA."""
+        gate, up = self._projections([mlp.gate_proj, mlp.up_proj],
+                                     [f"{path}.gate_proj", f"{path}.up_proj"], x, slots, rows)  # fmt: skip
+        (out,) = self._projections([mlp.down_proj], [f"{path}.down_proj"],
+                                   mlp.act_fn(gate) * up, slots, rows)  # fmt: skip
+        return out
+
+    def _mla(self, layer, x, cos, sin, cache_layer, write, slots, rows, attend) -> Tensor:
+        """DeepSeek's multi-head latent attention as transformers' DeepseekV3Attention: q
+        through q_a / its norm / q_b (or q_proj), the latent and the shared rotary key from
+        kv_a, the latent's norm, per-head keys and values from kv_b; rotary on the last
+        qk_rope_head_dim of q and k (interleaved pairs when config.rope_interleave). Keys
+        [nope, rope] and values (zero-padded to the key width, so the attention kernels take
+        one width; the padding adds exact zeros) go to the cache expanded per head."""
+        attn, path = layer.attn, f"{layer.path}.self_attn"
+        tokens, heads = x.shape[0], attn.num_heads
+        nope, rope, v_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+        if attn.q_lora_rank is None:
+            q, ckv = self._projections([attn.q_proj, attn.kv_a_proj_with_mqa],
+                                       [f"{path}.q_proj", f"{path}.kv_a_proj_with_mqa"], x,
+                                       slots, rows)  # fmt: skip
+        else:
+            q_a, ckv = self._projections([attn.q_a_proj, attn.kv_a_proj_with_mqa],
+                                         [f"{path}.q_a_proj", f"{path}.kv_a_proj_with_mqa"], x,
+                                         slots, rows)  # fmt: skip
+            norm = attn.q_a_layernorm
+            q_a, _ = add_rms_norm(q_a, None, norm.weight, norm.variance_epsilon)
+            (q,) = self._projections([attn.q_b_proj], [f"{path}.q_b_proj"], q_a, slots, rows)
+        latent, k_rot = ckv.split([attn.kv_lora_rank, rope], dim=-1)
+        norm = attn.kv_a_layernorm
+        latent, _ = add_rms_norm(latent.contiguous(), None, norm.weight, norm.variance_epsilon)
+        (kv,) = self._projections([attn.kv_b_proj], [f"{path}.kv_b_proj"], latent, slots, rows)
+        k_nope, v = kv.view(tokens, heads, nope + v_dim).split([nope, v_dim], dim=-1)
+        q_pass, q_rot = q.view(tokens, heads, nope + rope).split([nope, rope], dim=-1)
+        q_rot, k_rot = _mla_rope(q_rot, k_rot[:, None], cos, sin,
+                                 bool(getattr(self.model.config, "rope_interleave", False)))  # fmt: skip
+        q = torch.cat([q_pass, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(tokens, heads, rope)], dim=-1)
+        blocks, offsets = write
+        cache_layer.keys[blocks, :, offsets] = k
+        cache_layer.values[blocks, :, offsets] = F.pad(v, (0, nope + rope - v_dim))
+        out = attend(q, cache_layer, attn.scaling, layer.window, layer.sinks)[..., :v_dim]
+        (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"],
+                                 out.reshape(tokens, heads * v_dim), slots, rows)  # fmt: skip
+        return o
+
+
+def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleave: bool):
+    """q [T, H, r], k [T, 1, r] rotated as transformers' apply_rotary_pos_emb(_interleave)
+    (cos / sin [T, r], each half the same angles)."""
+    cos, sin = cos[:, None], sin[:, None]
+    if interleave:  # pairs (x0, x1), (x2, x3), ...: out [rotated evens, rotated odds]
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half], sin[..., :half]
+
+        def turn(t):
+            t1, t2 = t[..., 0::2], t[..., 1::2]
+            return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1)
+    else:
+
+        def turn(t):
+            t1, t2 = t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2 :]
+            return t * cos + torch.cat([-t2, t1], dim=-1) * sin
+
+    return turn(q), turn(k)
+
+
+def _routing_config(config) -> RoutingConfig:
+    return RoutingConfig(
+        RoutingMethod.DEEPSEEK_V3, renormalize=bool(config.norm_topk_prob),
+        n_group=int(config.n_group or 1), topk_group=int(config.topk_group or 1),
+        routed_scaling_factor=float(config.routed_scaling_factor),
+    )  # fmt: skip
 
 
 def _slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int):
