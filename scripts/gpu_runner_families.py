@@ -39,6 +39,16 @@ OVERRIDES = {
     # DeepSeek-V3's latent attention at widths cuBLAS and grouped_mm take in bf16; q through
     # q_a / q_b, interleaved rotary pairs (the published configuration); its config.head_dim is
     # the rotary width
+    # DeepSeek-V2-Lite's layout: q_proj (no q_a / q_b), complex rotary pairs
+    "deepseek_v2": dict(
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        head_dim=16,
+    ),
     "deepseek_v3": dict(
         num_key_value_heads=4,
         q_lora_rank=48,

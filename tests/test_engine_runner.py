@@ -3,8 +3,8 @@ interpreter: rows of a continuously batched run decoded by the runner equal HF +
 generating each row alone (tokens equal; the logits each token was picked from within the
 fp32 tolerance of HF's), with adapters on every LoRA module the runner serves (q / k / v / o,
 the router where PEFT can target it (not gpt-oss's), the LM head, the experts) and rows without, for each family it knows (Qwen3-MoE,
-OLMoE, Mixtral, gpt-oss with a sliding-window layer and attention sinks, DeepSeek-V3 with
-latent attention, a dense layer, shared experts and grouped routing); configurations and families it does not know are refused when asked for
+OLMoE, Mixtral, gpt-oss with a sliding-window layer and attention sinks, DeepSeek-V2 and V3
+with latent attention, a dense layer, shared experts and grouped routing); configurations and families it does not know are refused when asked for
 and left to transformers' forward otherwise."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _adapters(model) -> dict[str, dict]:
     }  # fmt: skip
 
 
-FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 # gpt-oss as published: sliding-window layers between full ones; a window of 4 positions
 # is shorter than every prompt here, so prefill and decode both cut it. DeepSeek-V3 as
 # published: q through q_a / q_b, interleaved rotary pairs, a dense first layer, shared

@@ -1,5 +1,5 @@
 """The decode step and the prefill as moelora runs them, for the families it knows
-(Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3: FAMILIES, what differs between them as data): the model's own
+(Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V2 / V3: FAMILIES, what differs between them as data): the model's own
 weights read in place, few kernels per layer, every LoRA module per token in moelora's
 kernels; the engine replays a decode step as one CUDA graph per bucket of rows and runs a
 prefill eagerly, the waiting prompts of any lengths packed into one forward (varlen: no
@@ -68,14 +68,25 @@ class Family:
     # gpt-oss's: weight x the fp32 row, one rounding)
     mla: bool = False  # DeepSeek's multi-head latent attention (q_a / q_b or q, kv_a, kv_b)
     routing: str = "softmax"  # "softmax": router_topk's kernel; "deepseek_v3": sigmoid,
-    # correction bias, grouped top-k, routed_scaling_factor (moelora.routing), in fp32
+    # correction bias, grouped top-k, routed_scaling_factor; "deepseek_v2": softmax, greedy
+    # or group-limited greedy top-k, routed_scaling_factor (moelora.routing, in fp32)
     shared: str | None = None  # the MoE block's shared-experts MLP, added to the experts'
+    complex_rope: bool = False  # rotary_emb gives complex frequencies (DeepSeek-V2), not cos / sin
 
 
 FAMILIES = {
     "qwen3_moe": Family(qk_norm="head", round_router=True, renorm=None),
     "olmoe": Family(qk_norm="full", round_router=True, renorm=None),
     "mixtral": Family(qk_norm="none", round_router=False, renorm=True),
+    "deepseek_v2": Family(
+        qk_norm="none",
+        round_router=False,
+        renorm=None,
+        mla=True,
+        routing="deepseek_v2",
+        shared="shared_experts",
+        complex_rope=True,
+    ),
     "deepseek_v3": Family(
         qk_norm="none",
         round_router=False,
@@ -178,7 +189,8 @@ class DecodeRunner:
         self.group = (
             1 if self.family.mla else config.num_attention_heads // config.num_key_value_heads
         )
-        self.routing = _routing_config(config) if self.family.routing == "deepseek_v3" else None
+        self.routing = None if self.family.routing == "softmax" else _routing_config(
+            config, self.family.routing)  # fmt: skip
         self.paths = self._paths()
         # the block-scaled FP8 Linears' scale blocks, read once (not per forward)
         self.fp8 = {m: b for m in model.modules() if (b := fp8_block(m)) is not None}
@@ -293,8 +305,12 @@ class DecodeRunner:
         (blocks [T], offsets [T]); logits of the tokens `last` selects (all when None)."""
         model = self.model
         h = model.model.embed_tokens(ids)
-        cos, sin = model.model.rotary_emb(h[None], positions[None])
-        cos, sin = cos[0], sin[0]
+        if self.family.complex_rope:  # DeepSeek-V2: e^(i angle) per pair, [T, r / 2]
+            freqs = model.model.rotary_emb(h[None], positions[None])[0]
+            cos, sin = freqs.real, freqs.imag
+        else:
+            cos, sin = model.model.rotary_emb(h[None], positions[None])
+            cos, sin = cos[0], sin[0]
         if self.family.half_rope:  # each half rotated by the same angles: rotate_half's form
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         slots = rows.row_slots[: ids.shape[0]]
@@ -438,8 +454,9 @@ class DecodeRunner:
         (kv,) = self._projections([attn.kv_b_proj], [f"{path}.kv_b_proj"], latent, slots, rows)
         k_nope, v = kv.view(tokens, heads, nope + v_dim).split([nope, v_dim], dim=-1)
         q_pass, q_rot = q.view(tokens, heads, nope + rope).split([nope, rope], dim=-1)
-        q_rot, k_rot = _mla_rope(q_rot, k_rot[:, None], cos, sin,
-                                 bool(getattr(self.model.config, "rope_interleave", False)))  # fmt: skip
+        layout = "complex" if self.family.complex_rope else (
+            "pairs" if getattr(self.model.config, "rope_interleave", False) else "halves")  # fmt: skip
+        q_rot, k_rot = _mla_rope(q_rot, k_rot[:, None], cos, sin, layout)
         q = torch.cat([q_pass, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(tokens, heads, rope)], dim=-1)
         blocks, offsets = write
@@ -451,11 +468,20 @@ class DecodeRunner:
         return o
 
 
-def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleave: bool):
-    """q [T, H, r], k [T, 1, r] rotated as transformers' apply_rotary_pos_emb(_interleave)
-    (cos / sin [T, r], each half the same angles)."""
+def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str):
+    """q [T, H, r], k [T, 1, r] rotated as transformers does it: "halves" (apply_rotary_pos_emb:
+    cos / sin [T, r], each half the same angles), "pairs" (DeepSeek-V3's
+    apply_rotary_pos_emb_interleave: pairs (x0, x1), (x2, x3), ... out as [rotated evens,
+    rotated odds]), "complex" (DeepSeek-V2's apply_rotary_emb: pairs as complex numbers in
+    fp32 times cos / sin [T, r / 2], out interleaved)."""
     cos, sin = cos[:, None], sin[:, None]
-    if interleave:  # pairs (x0, x1), (x2, x3), ...: out [rotated evens, rotated odds]
+    if layout == "complex":
+
+        def turn(t):
+            t1, t2 = t.float()[..., 0::2], t.float()[..., 1::2]
+            out = torch.stack([t1 * cos - t2 * sin, t1 * sin + t2 * cos], dim=-1)
+            return out.flatten(-2).to(t.dtype)
+    elif layout == "pairs":
         half = cos.shape[-1] // 2
         cos, sin = cos[..., :half], sin[..., :half]
 
@@ -471,7 +497,15 @@ def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleave: bool):
     return turn(q), turn(k)
 
 
-def _routing_config(config) -> RoutingConfig:
+def _routing_config(config, routing: str) -> RoutingConfig:
+    if routing == "deepseek_v2":  # no renormalization; greedy: one group
+        grouped = getattr(config, "topk_method", "greedy") == "group_limited_greedy"
+        return RoutingConfig(
+            RoutingMethod.DEEPSEEK_V2, renormalize=False,
+            n_group=int(config.n_group or 1) if grouped else 1,
+            topk_group=int(config.topk_group or 1) if grouped else 1,
+            routed_scaling_factor=float(config.routed_scaling_factor),
+        )  # fmt: skip
     return RoutingConfig(
         RoutingMethod.DEEPSEEK_V3, renormalize=bool(config.norm_topk_prob),
         n_group=int(config.n_group or 1), topk_group=int(config.topk_group or 1),

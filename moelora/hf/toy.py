@@ -55,6 +55,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
         n_shared_experts=1, first_k_dense_replace=1, intermediate_size=40, head_dim=4, num_key_value_heads=4, **MLA,
     ),
+    "deepseek_v2": dict(
+        num_hidden_layers=3, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=2.5,
+        n_shared_experts=1, first_k_dense_replace=1, intermediate_size=40, num_key_value_heads=4,
+        **MLA,
+    ),
     "gpt_oss": dict(
         num_hidden_layers=2, intermediate_size=12, num_local_experts=6, num_experts_per_tok=2,
         layer_types=["full_attention"] * 2,
