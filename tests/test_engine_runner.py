@@ -101,10 +101,17 @@ def test_runner_equals_the_models_own_forward(qwen, seed, monkeypatch):
     g = torch.Generator().manual_seed(seed)
     prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (3, 8, 6)]
     names = ["every-module", "experts-only", None]
+    _runner_against_forward(handle, prompts, names, monkeypatch)
+
+
+def _runner_against_forward(handle, prompts, names, monkeypatch) -> None:
+    """The same requests through the runner and through transformers' forward: logits
+    within the fp32 tolerance, every step of every row."""
     logs = {}
     for runner in (True, False):
         log = LogitsLog(monkeypatch)
         engine = Engine(handle, max_rows=4, max_len=32, enforce_eager=True, runner=runner)
+        assert (engine.runner is not None) == runner
         reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
                 for i, (n, p) in enumerate(zip(names, prompts))]  # fmt: skip
         run_all(engine, {0: reqs})
@@ -129,19 +136,7 @@ def test_deepseek_without_q_lora_and_with_rotate_half_equals_the_models_own_forw
     handle.load_adapter(tmp_path / "mla", name="mla")
     g = torch.Generator().manual_seed(seed)
     prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (6, 3)]
-    logs = {}
-    for runner in (True, False):
-        log = LogitsLog(monkeypatch)
-        engine = Engine(handle, max_rows=3, max_len=24, enforce_eager=True, runner=runner)
-        assert (engine.runner is not None) == runner
-        reqs = [Request(f"{runner}{i}", p, n, Sampling(max_new_tokens=NEW))
-                for i, (n, p) in enumerate(zip(["mla", None], prompts))]  # fmt: skip
-        run_all(engine, {0: reqs})
-        logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
-        engine.close()
-        monkeypatch.undo()
-    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
-        assert_close(out, ref, torch.float32, what=f"row {i}")
+    _runner_against_forward(handle, prompts, ["mla", None], monkeypatch)
 
 
 def test_a_family_the_runner_does_not_know_is_refused_or_left_to_transformers(tmp_path):

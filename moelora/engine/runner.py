@@ -31,6 +31,7 @@ says why). Legend: B rows, H hidden, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,27 +75,16 @@ class Family:
     complex_rope: bool = False  # rotary_emb gives complex frequencies (DeepSeek-V2), not cos / sin
 
 
+_DEEPSEEK = Family(
+    qk_norm="none", round_router=False, renorm=None, mla=True, routing="deepseek_v3",
+    shared="shared_experts",
+)  # fmt: skip
 FAMILIES = {
     "qwen3_moe": Family(qk_norm="head", round_router=True, renorm=None),
     "olmoe": Family(qk_norm="full", round_router=True, renorm=None),
     "mixtral": Family(qk_norm="none", round_router=False, renorm=True),
-    "deepseek_v2": Family(
-        qk_norm="none",
-        round_router=False,
-        renorm=None,
-        mla=True,
-        routing="deepseek_v2",
-        shared="shared_experts",
-        complex_rope=True,
-    ),
-    "deepseek_v3": Family(
-        qk_norm="none",
-        round_router=False,
-        renorm=None,
-        mla=True,
-        routing="deepseek_v3",
-        shared="shared_experts",
-    ),
+    "deepseek_v2": dataclasses.replace(_DEEPSEEK, routing="deepseek_v2", complex_rope=True),
+    "deepseek_v3": _DEEPSEEK,
     "gpt_oss": Family(
         qk_norm="none",
         round_router=True,
