@@ -181,7 +181,8 @@ def test_per_request_histograms_count_each_row_and_prompt(served, server, client
         ("vllm:request_max_num_generation_tokens", 2, 2 * m),
     ):
         assert (grew(family, "count"), grew(family, "sum")) == (count, total), family
-    assert grew("vllm:iteration_tokens_total", "sum") == sum(n + m - 1 for n, m in rows)
+    # vLLM's count: each sampled token, and each prompt once, at its first token's step
+    assert grew("vllm:iteration_tokens_total", "sum") == sum(n + m for n, m in rows)
     assert grew("vllm:iteration_tokens_total", "count") >= m  # at least one step per token
     times = {f: grew(f"vllm:request_{f}_time_seconds", "sum")
              for f in ("prefill", "decode", "inference")}  # fmt: skip

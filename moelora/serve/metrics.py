@@ -265,11 +265,11 @@ class Metrics:
                 self.request_max_tokens.observe(row.max_tokens)
 
     def stepped(self, tokens: int) -> None:
-        """An engine step forwarded `tokens` tokens (prompt chunks and decodes); a step
-        that forwarded none (only cancellations) is not one."""
-        if tokens:
-            with self._lock:
-                self.iteration_tokens.observe(tokens)
+        """An engine step (one that forwarded tokens) counted `tokens` as vLLM's
+        iteration_tokens_total does: the tokens it sampled, and the prompts of the requests
+        whose first token it sampled (the scheduler counts them)."""
+        with self._lock:
+            self.iteration_tokens.observe(tokens)
 
     def _adapter(self, name: str) -> Counter[str]:
         """Under the lock: the tally a count of `name` goes to (OTHER once it is unloaded)."""

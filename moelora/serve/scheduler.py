@@ -341,7 +341,8 @@ class Scheduler:
             self._report_load()
             return
         now = time.perf_counter()
-        self.metrics.stepped(self.engine.step_tokens)
+        if self.engine.step_tokens:
+            self.metrics.stepped(self._iteration_tokens(events))
         for event in events:
             ticket = self._running.get(event.request_id)
             if ticket is None:  # cancelled at shutdown (its reader was told) or unknown
@@ -357,6 +358,18 @@ class Scheduler:
                 self._ended(ticket, now)
             _send(ticket, event)
         self._report_load()
+
+    def _iteration_tokens(self, events) -> int:
+        """A step's tokens as vLLM's iteration_tokens_total counts them: the tokens it
+        sampled, and the whole prompt of each request whose first token it sampled (a
+        chunk that does not end its prompt counts nothing; a resumed row's prompt is not
+        counted again)."""
+        total = 0
+        for event in events:
+            ticket = self._running.get(event.request_id)
+            if ticket is not None and event.token_id >= 0:
+                total += 1 + (len(ticket.request.prompt_ids) if ticket.tokens == 0 else 0)
+        return total
 
     def _report_load(self) -> None:
         waiting = [t.request.adapter for t in [*self._waiting, *self._inbox]]
