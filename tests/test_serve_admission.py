@@ -47,6 +47,12 @@ CASES = [
      Plan(("3",), (), frozenset({"a"}))),  # "1" waited 3: "a" drains for it, the base joins
     ("aged-blocked-for-a-row-holds-everyone", [w("1", "c"), w("2", None, 2.5)],
      Slots(2, frozenset({"a"}), {"a": 1}), 0, 3, AHEAD,
+     Plan((), ("c",))),  # nothing joins; "c" is copied into the free slot meanwhile
+    ("aged-blocked-for-a-row-no-copy-at-admission", [w("1", "c")],
+     Slots(2, frozenset({"a"}), {"a": 1}), 0, 3, AT_ADD,
+     Plan()),
+    ("aged-blocked-for-a-row-no-slot-to-copy-into", [w("1", "c")],
+     Slots(1, frozenset({"a"}), {"a": 1}), 0, 3, AHEAD,
      Plan()),
     ("aged-blocked-drains-the-least-wanted", [w("1", "c"), w("2", "d", 1), w("3", "a", 2.5),
                                                w("4", "b", 2.6), w("5", "a", 2.7)],
@@ -185,9 +191,10 @@ def test_policy_under_random_load(arrivals, num_slots, rows, copy_steps, max_wai
             sim.running[rid] = (a, step + n)
             started[rid] = step
         left = Counter(x.adapter for x in queue if x.request_id not in plan.admit)
+        oldest = next((x.adapter for x in queue if step - x.arrived >= max_wait), None)
         for a in plan.prefetch:
-            evicted = sim.claim(a, waiting)  # only for a queue worth the swap
-            assert evicted is None or left[a] > policy.swap_ratio * left[evicted], evicted
+            evicted = sim.claim(a, waiting)  # for a queue worth the swap, or the oldest
+            assert evicted is None or a == oldest or left[a] > policy.swap_ratio * left[evicted]
             sim.loading[a] = step + copy_steps
         queue = [x for x in queue if x.request_id not in plan.admit]
         sim.running = {r: v for r, v in sim.running.items() if v[1] > step + 1}
@@ -216,8 +223,9 @@ def check_plan(plan: Plan, queue, slots: Slots, free_rows: int, now, policy) -> 
             len(held | set(slots.loading)) < slots.num_slots)  # fmt: skip
         if free_rows > 0 and fits:
             assert plan.admit[:1] == (head.request_id,)
-        else:  # it waits: nothing copied ahead, nothing joins that takes a new slot
-            assert head.request_id not in plan.admit and not plan.prefetch
+        else:  # it waits: nothing joins that takes a new slot; only its adapter is copied
+            assert head.request_id not in plan.admit
+            assert set(plan.prefetch) <= {head.adapter} and not (plan.prefetch and free_rows)
             keep = (held | set(slots.pinned)) - plan.draining
             assert all(by_id[r].adapter in keep | {None} for r in plan.admit), plan
             drainable = held - set(slots.pinned)

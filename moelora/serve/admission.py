@@ -11,7 +11,8 @@ in this plan). The rule, in order:
 
 1. Aged first. A request that has waited `max_wait` or longer goes before every other,
    oldest first. When the oldest of them waits for a row, nothing else is admitted until
-   it has one. When it waits for a slot (every slot taken), held adapters are drained for
+   it has one (its adapter, in no slot, is copied ahead meanwhile where a slot can be
+   taken). When it waits for a slot (every slot taken), held adapters are drained for
    it and for the aged requests behind it that need a slot too (one each, the least
    wanted first, at most half the slots): their new requests do not join, so their slots
    free once their rows end, and each freed slot goes to the oldest aged request; the
@@ -107,8 +108,9 @@ def admit(
     admitted: list[str] = []
     aged = [w for w in queue if now - w.arrived >= policy.max_wait]
     for i, w in enumerate(aged):
-        if free_rows == 0:
-            return Plan(tuple(admitted), (), frozenset())  # the oldest waits for a row
+        if free_rows == 0:  # the oldest waits for a row: its adapter is copied meanwhile
+            ahead = _copy_for_the_oldest(w.adapter, slots, taken, policy)
+            return Plan(tuple(admitted), ahead, frozenset())
         if not _fits(w.adapter, taken, slots.num_slots):
             return _blocked(queue, aged[i:], slots, held, taken, free_rows, admitted)
         admitted.append(w.request_id)
@@ -150,6 +152,17 @@ def _blocked(queue: Sequence[Waiting], blocked: list[Waiting], slots: Slots, hel
             admitted.append(w.request_id)
             free_rows -= 1
     return Plan(tuple(admitted), (), draining)
+
+
+def _copy_for_the_oldest(adapter, slots: Slots, taken: set, policy: AdmissionPolicy) -> tuple:
+    """The oldest aged request's adapter to copy ahead while it waits for a row: one in no
+    slot, copyable, with a slot to take now (the least recently used idle adapter makes
+    room, whatever waits for it: the oldest request goes first)."""
+    if (policy.copy is not Copy.AHEAD or adapter is None or adapter in taken
+            or adapter in slots.resident or adapter in slots.uncopyable
+            or len(taken) >= slots.num_slots):  # fmt: skip
+        return ()
+    return (adapter,)
 
 
 DRAINS_PER_SLOTS = 2  # at most half the slots drained at once for aged requests: chosen
