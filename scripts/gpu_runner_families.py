@@ -34,30 +34,16 @@ NEW = 6
 SIZES = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, max_position_embeddings=256, moe_intermediate_size=64,
              intermediate_size=64)  # fmt: skip
+# latent attention at widths cuBLAS and grouped_mm take in bf16; config.head_dim is DeepSeek's
+# rotary width
+MLA_SIZES = dict(num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
+                 qk_rope_head_dim=16, v_head_dim=32, head_dim=16)  # fmt: skip
 OVERRIDES = {
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
-    # DeepSeek-V3's latent attention at widths cuBLAS and grouped_mm take in bf16; q through
-    # q_a / q_b, interleaved rotary pairs (the published configuration); its config.head_dim is
-    # the rotary width
     # DeepSeek-V2-Lite's layout: q_proj (no q_a / q_b), complex rotary pairs
-    "deepseek_v2": dict(
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        head_dim=16,
-    ),
-    "deepseek_v3": dict(
-        num_key_value_heads=4,
-        q_lora_rank=48,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        head_dim=16,
-    ),
+    "deepseek_v2": {**MLA_SIZES, "q_lora_rank": None},
+    # DeepSeek-V3's published layout: q through q_a / q_b, interleaved rotary pairs
+    "deepseek_v3": {**MLA_SIZES, "q_lora_rank": 48},
 }
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
              "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip

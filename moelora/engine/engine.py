@@ -729,7 +729,7 @@ class Engine:
         lengths = [len(p) for p in prompts]
         starts = starts or [0] * len(prompts)
         if graphed and not every and self.mixed is not None and self.mixed.fits(sum(lengths)):
-            modules = self.handle.lora_modules.union(*(h.modules for h in holds))
+            modules = self._graph_modules(holds)
             logits = self.mixed.run(prompts, starts, rows, [h.slot for h in holds], modules)
             if logits is not None:
                 return logits
@@ -756,10 +756,7 @@ class Engine:
         eager: no graph replay (a retry of one row after a step failed)."""
         self.step_tokens += len(running)
         width = max(r.row for r in running) + 1
-        # the served modules with LoRA: a Python branch in each module's hook, fixed in a
-        # graph, so one set for every step while the loaded adapters' set stays (rows without
-        # factors on a module add exactly 0); rows of a retired version add theirs
-        modules = self.handle.lora_modules.union(*(r.hold.modules for r in running))
+        modules = self._graph_modules([r.hold for r in running])
         graphed = self.graphs is not None and not eager
         width = self.graphs.bucket(width) if graphed else width
         self._fill(running, width)
@@ -769,6 +766,13 @@ class Engine:
             kv_len = max(r.position for r in running) + 1
             logits = self._decode_step(width, kv_len, modules)
         return logits[[r.row for r in running]]
+
+    def _graph_modules(self, holds) -> frozenset[str]:
+        """The served modules with LoRA a graphed step runs: a Python branch in each module's
+        hook, fixed in a graph, so one set for every step while the loaded adapters' set
+        stays (rows without factors on a module add exactly 0); rows of a retired version
+        add theirs."""
+        return self.handle.lora_modules.union(*(h.modules for h in holds))
 
     def _decode_alone(self, row: _Row) -> Tensor:
         return self._decode([row], eager=True)

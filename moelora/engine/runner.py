@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config import from_hf
 from ..kernels.decode_attention import decode_attention
 from ..kernels.dense_linear import dense_linear, lora_shrink
 from ..kernels.dense_lora import add_dense_lora
@@ -49,7 +50,7 @@ from ..kernels.router_topk import router_topk
 from ..lora.module_banks import ModuleBanks
 from ..lora.rows import RowAdapters
 from ..quant.module_fp8 import fp8_block
-from ..routing import RoutingConfig, RoutingMethod, route
+from ..routing import route
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,8 @@ class Family:
     round_normed: bool = True  # RMSNorm rounds the normalized row before its weight (not
     # gpt-oss's: weight x the fp32 row, one rounding)
     mla: bool = False  # DeepSeek's multi-head latent attention (q_a / q_b or q, kv_a, kv_b)
-    routing: str = "softmax"  # "softmax": router_topk's kernel; "deepseek_v3": sigmoid,
-    # correction bias, grouped top-k, routed_scaling_factor; "deepseek_v2": softmax, greedy
-    # or group-limited greedy top-k, routed_scaling_factor (moelora.routing, in fp32)
+    routing: str = "softmax"  # "softmax": router_topk's kernel; "deepseek_v3" / "deepseek_v2":
+    # the config's DeepSeek routing (moelora.routing, in fp32)
     shared: str | None = None  # the MoE block's shared-experts MLP, added to the experts'
     complex_rope: bool = False  # rotary_emb gives complex frequencies (DeepSeek-V2), not cos / sin
 
@@ -179,8 +179,10 @@ class DecodeRunner:
         self.group = (
             1 if self.family.mla else config.num_attention_heads // config.num_key_value_heads
         )
-        self.routing = None if self.family.routing == "softmax" else _routing_config(
-            config, self.family.routing)  # fmt: skip
+        # DeepSeek's routing as moelora reads it from the config (hf_keys: groups, scaling,
+        # renormalization per family)
+        self.routing = None if self.family.routing == "softmax" else from_hf(
+            config.to_dict()).routing  # fmt: skip
         self.paths = self._paths()
         # the block-scaled FP8 Linears' scale blocks, read once (not per forward)
         self.fp8 = {m: b for m in model.modules() if (b := fp8_block(m)) is not None}
@@ -485,22 +487,6 @@ def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str):
             return t * cos + torch.cat([-t2, t1], dim=-1) * sin
 
     return turn(q), turn(k)
-
-
-def _routing_config(config, routing: str) -> RoutingConfig:
-    if routing == "deepseek_v2":  # no renormalization; greedy: one group
-        grouped = getattr(config, "topk_method", "greedy") == "group_limited_greedy"
-        return RoutingConfig(
-            RoutingMethod.DEEPSEEK_V2, renormalize=False,
-            n_group=int(config.n_group or 1) if grouped else 1,
-            topk_group=int(config.topk_group or 1) if grouped else 1,
-            routed_scaling_factor=float(config.routed_scaling_factor),
-        )  # fmt: skip
-    return RoutingConfig(
-        RoutingMethod.DEEPSEEK_V3, renormalize=bool(config.norm_topk_prob),
-        n_group=int(config.n_group or 1), topk_group=int(config.topk_group or 1),
-        routed_scaling_factor=float(config.routed_scaling_factor),
-    )  # fmt: skip
 
 
 def _slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int):
