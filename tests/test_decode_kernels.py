@@ -277,13 +277,17 @@ def test_a_padded_varlen_table_gives_the_same_attention(case, seed):
 
 
 WINDOWS = [
-    # (id, rows, q heads, kv heads, head dim, block size, positions, window, sinks): the
-    # edges each covers (gpt-oss: sliding windows on half its layers, sinks on every one)
-    ("splits-below-the-window", 3, 8, 2, 16, 5, 300, 37, True),  # whole splits skipped
-    ("one-split", 2, 4, 2, 16, 16, 40, 7, True),
-    ("window-past-the-length", 2, 4, 1, 16, 16, 50, 500, True),  # every position
-    ("sinks-alone", 2, 8, 2, 16, 16, 90, 0, True),
-    ("window-alone", 2, 8, 2, 32, 24, 130, 50, False),
+    # (id, rows, q heads, kv heads, head dim, block size, positions, window, sinks, chunk):
+    # the edges each covers (gpt-oss: sliding windows on half its layers, sinks on every one;
+    # Llama 4: chunked attention on its rotary layers)
+    ("splits-below-the-window", 3, 8, 2, 16, 5, 300, 37, True, 0),  # whole splits skipped
+    ("one-split", 2, 4, 2, 16, 16, 40, 7, True, 0),
+    ("window-past-the-length", 2, 4, 1, 16, 16, 50, 500, True, 0),  # every position
+    ("sinks-alone", 2, 8, 2, 16, 16, 90, 0, True, 0),
+    ("window-alone", 2, 8, 2, 32, 24, 130, 50, False, 0),
+    ("splits-below-the-chunk", 4, 8, 2, 16, 5, 300, 0, False, 70),  # chunks not on splits
+    ("chunk-past-the-length", 2, 4, 1, 16, 16, 50, 0, False, 500),
+    ("chunk-of-one-block-and-window", 3, 4, 2, 16, 8, 100, 5, True, 8),  # both limits
 ]
 
 
@@ -292,20 +296,24 @@ WINDOWS = [
 def test_decode_attention_with_a_window_and_sinks(case, dtype, seed):
     """Each row against an fp64 softmax over its last `window` positions (0: all) with a
     sink logit per head, at the lengths the splits cut differently."""
-    _, rows, hq, hk, d, bs, positions, window, has_sinks = case
+    _, rows, hq, hk, d, bs, positions, window, has_sinks, chunk = case
     g = _gen(seed)
     lengths = torch.randint(1, positions + 1, (rows,), generator=g)
     lengths[0] = positions
+    if chunk and rows > 2:  # a row on its chunk's first position, one on its last
+        lengths[1], lengths[2] = chunk * (positions // chunk - 1) + 1, chunk
     k_cache, v_cache, block_table = _paged_cache(lengths.tolist(), hk, d, bs, None, dtype, g)
     q = torch.randn(rows, hq, d, generator=g).to(dtype)
     sinks = torch.randn(hq, generator=g).to(dtype) if has_sinks else None
     scale = d**-0.5
     out = decode_attention(q, k_cache, v_cache, block_table, lengths, scale, positions,
-                           window=window, sinks=sinks)  # fmt: skip
+                           window=window, sinks=sinks, chunk=chunk)  # fmt: skip
     ref = torch.empty(rows, hq, d, dtype=torch.float64)
     for t in range(rows):
         n = int(lengths[t])
         first = max(0, n - window) if window else 0
+        if chunk:
+            first = max(first, (n - 1) // chunk * chunk)
         keys, values = (_gather(c, block_table, t, n)[:, first:] for c in (k_cache, v_cache))
         ref[t] = _attend(q[t], keys, values, scale, sinks)
     assert_close(out, ref, dtype, what="attention")
@@ -315,14 +323,19 @@ def test_decode_attention_with_a_window_and_sinks(case, dtype, seed):
 
 PREFILL_WINDOWS = [
     # (id, q heads, kv heads, head dim, block size, [(length, table row, first position)],
-    #  window, sinks)
-    ("varlen-window-4", 8, 2, 16, 16, [(5, 2, 0), (37, 0, 0), (1, 3, 0)], 4, True),
-    ("chunk-after-prefix-window-13", 4, 4, 32, 5, [(20, 1, 70), (9, 0, 3)], 13, True),
-    ("long-window-70-many-tiles", 4, 1, 16, 128, [(150, 0, 0)], 70, False),  # the first
+    #  window, sinks, chunk)
+    ("varlen-window-4", 8, 2, 16, 16, [(5, 2, 0), (37, 0, 0), (1, 3, 0)], 4, True, 0),
+    ("chunk-after-prefix-window-13", 4, 4, 32, 5, [(20, 1, 70), (9, 0, 3)], 13, True, 0),
+    ("long-window-70-many-tiles", 4, 1, 16, 128, [(150, 0, 0)], 70, False, 0),  # the first
     # key tile of a q block starts mid-tile
-    ("sinks-alone", 8, 2, 16, 16, [(30, 0, 10)], 0, True),
-    ("group-of-one-150-window-4", 2, 2, 16, 16, [(150, 0, 0)], 4, True),  # q blocks of 128
+    ("sinks-alone", 8, 2, 16, 16, [(30, 0, 10)], 0, True, 0),
+    ("group-of-one-150-window-4", 2, 2, 16, 16, [(150, 0, 0)], 4, True, 0),  # q blocks of 128
     # tokens over key tiles of 64: rows past 64 see no key of the block's first tile
+    ("varlen-chunk-8", 8, 2, 16, 16, [(5, 2, 0), (37, 0, 0), (1, 3, 8)], 0, False, 8),
+    ("chunk-after-prefix-not-aligned", 4, 4, 32, 5, [(20, 1, 70), (9, 0, 3)], 0, True, 16),
+    ("group-of-one-150-chunk-100", 2, 2, 16, 16, [(150, 0, 0)], 0, False, 100),  # a q block
+    # across a chunk's end: its rows start at 0 or 100
+    ("chunk-and-window", 4, 2, 16, 16, [(60, 0, 0)], 9, False, 16),
 ]
 
 
@@ -331,7 +344,7 @@ PREFILL_WINDOWS = [
 def test_prefill_attention_with_a_window_and_sinks(case, dtype, seed):
     """Each packed token against an fp64 softmax over the positions of its window up to its
     own, with a sink logit per head."""
-    _, hq, hk, d, bs, seqs, window, has_sinks = case
+    _, hq, hk, d, bs, seqs, window, has_sinks, chunk = case
     g = _gen(seed)
     held = [0] * 4
     for n, r, p in seqs:
@@ -343,13 +356,16 @@ def test_prefill_attention_with_a_window_and_sinks(case, dtype, seed):
     scale = d**-0.5
     table = varlen_table(lengths, [r for _, r, _ in seqs], [p for _, _, p in seqs], hq // hk,
                          q.device)  # fmt: skip
-    out = prefill_attention(q, k_cache, v_cache, table, block_table, scale, window, sinks)
+    out = prefill_attention(q, k_cache, v_cache, table, block_table, scale, window, sinks,
+                            chunk)  # fmt: skip
     ref = torch.empty(q.shape, dtype=torch.float64)
     t = 0
     for n, r, p in seqs:
         keys, values = (_gather(c, block_table, r, p + n) for c in (k_cache, v_cache))
         for i in range(n):
             first = max(0, p + i + 1 - window) if window else 0
+            if chunk:
+                first = max(first, (p + i) // chunk * chunk)
             ref[t] = _attend(q[t], keys[:, first : p + i + 1], values[:, first : p + i + 1],
                              scale, sinks)  # fmt: skip
             t += 1

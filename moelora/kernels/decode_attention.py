@@ -13,7 +13,8 @@ together (grouped-query attention), scores in fp32, an online softmax, and write
 unnormalized output with its max and sum; a second kernel combines the splits. With one
 split the first kernel writes the output itself. fp32 inputs take exact fp32 dots (no
 tf32), as the model's own attention does. A sliding window (a runtime int, 0: none) starts
-each row's positions at its length minus the window; attention sinks (gpt-oss: a logit per
+each row's positions at its length minus the window, chunked attention (Llama 4's; a runtime
+int, 0: none) at its chunk's first position; attention sinks (gpt-oss: a logit per
 head in each softmax's sum, with no value) join where the splits are combined.
 Legend: T rows, Hq / Hk query / KV heads, G = Hq / Hk, D head width, NB cache blocks, BS
 positions per block, R block-table rows, MB blocks per row.
@@ -55,6 +56,7 @@ def _decode_attention_kernel(
     split_len,
     kv_block_size,
     window,
+    chunk,
     stride_bt,
     stride_qt,
     stride_qh,
@@ -86,6 +88,8 @@ def _decode_attention_kernel(
     first = 0
     if window > 0:  # a sliding window: the last `window` positions
         first = tl.maximum(length - window, 0)
+    if chunk > 0:  # chunked attention: the positions of the row's own chunk
+        first = tl.maximum(first, (length - 1) // chunk * chunk)
     start = tl.maximum(split * split_len, first)
     end = tl.minimum(split * split_len + split_len, length)
     offs_g = tl.arange(0, BLOCK_G)
@@ -227,6 +231,7 @@ def decode_attention(
     max_len: int | None = None,
     window: int = 0,
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """out [T, Hq, D] for q [T, Hq, D] (row t's one query per head), paged caches k_cache /
     v_cache [NB, Hk, BS, D], block_table [R >= T, MB] int32 (row t of q reads block-table
@@ -234,7 +239,9 @@ def decode_attention(
     BS, not checked: it stays on the device). max_len: the most any row may read (default
     MB x BS): sizes the splits. window > 0: only the last `window` positions are read (a
     sliding window: position p sees p - window < j <= p). sinks [Hq]: one logit per head
-    that joins each softmax's sum without a value (gpt-oss's attention sinks)."""
+    that joins each softmax's sum without a value (gpt-oss's attention sinks). chunk > 0:
+    chunked attention (Llama 4): position p sees the positions of its own chunk,
+    p // chunk x chunk <= j <= p."""
     check_sinks("decode_attention", sinks, q.shape[1])
     tokens, q_heads, head_dim = q.shape
     kv_block_size = paged_block_size("decode_attention", k_cache, v_cache, block_table)
@@ -259,7 +266,7 @@ def decode_attention(
         _decode_attention_kernel[(tokens, kv_heads, splits)](
             q, k_cache, v_cache, block_table, lengths, out, part, stat,
             out if sinks is None else sinks, scale, group, head_dim, split_len, kv_block_size,
-            window, block_table.stride(0), q.stride(0), q.stride(1),
+            window, chunk, block_table.stride(0), q.stride(0), q.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1), *strides,
             SPLITS=splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=BLOCK_N,
             BLOCK_D=block_d, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,

@@ -14,8 +14,9 @@ query heads with them (BLOCK_Q x G rows of the dots, grouped query attention), s
 fp32, an online softmax over blocks of BLOCK_N keys up to the block's last position; the
 probabilities are rounded to the values' dtype for their dot, as the model's eager
 attention does. fp32 inputs take exact fp32 dots (no tf32). A sliding window (a runtime
-int, 0: none) limits each token to the positions after its own minus the window, and the
-key loop starts at the block's first token's; attention sinks (gpt-oss) join each row's
+int, 0: none) limits each token to the positions after its own minus the window, chunked
+attention (Llama 4's; a runtime int, 0: none) to its own chunk's, and the key loop starts at
+the block's first token's; attention sinks (gpt-oss) join each row's
 softmax sum at the end.
 Legend: T packed tokens, S sequences, Hq / Hk query / KV heads, G = Hq / Hk, D head width,
 NB cache blocks, BS positions per block, R block-table rows, MB blocks per row.
@@ -58,6 +59,7 @@ def _prefill_attention_kernel(
     head_dim,
     kv_block_size,
     window,
+    chunk,
     stride_bt,
     stride_qt,
     stride_qh,
@@ -105,6 +107,8 @@ def _prefill_attention_kernel(
     lowest = 0  # the first position a row of the block sees
     if window > 0:  # a sliding window: position p sees p - window < j <= p
         lowest = tl.maximum(pos0 + t0 - start - window + 1, 0)
+    if chunk > 0:  # chunked attention: position p sees its own chunk, p // chunk x chunk <= j
+        lowest = tl.maximum(lowest, (pos0 + t0 - start) // chunk * chunk)
     for n0 in range(lowest, last + 1, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n <= last
@@ -118,10 +122,12 @@ def _prefill_attention_kernel(
         seen = offs_n[None, :] <= pos[:, None]
         if window > 0:
             seen = seen & (offs_n[None, :] > pos[:, None] - window)
+        if chunk > 0:
+            seen = seen & (offs_n[None, :] >= pos[:, None] // chunk * chunk)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        # a row with no key seen yet (a window starting past this tile: BLOCK_Q may exceed
-        # BLOCK_N) keeps 0: exp(-inf - -inf) would be NaN
+        # a row with no key seen yet (a window or chunk starting past this tile: BLOCK_Q may
+        # exceed BLOCK_N) keeps 0: exp(-inf - -inf) would be NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
@@ -218,13 +224,16 @@ def prefill_attention(
     scale: float = 1.0,
     window: int = 0,
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """out [T, Hq, D] for q [T, Hq, D] packing the sequences `table` describes (built by
     varlen_table for this q's group of heads), paged caches k_cache / v_cache [NB, Hk, BS,
     D] already holding every position read, block_table [R, MB] int32 (sequence s reads
     its row rows[s]; R and MB cover every row and position read, not checked: they stay on
     the device). window > 0: position p sees p - window < j <= p (a sliding window);
-    sinks [Hq]: one logit per head in each softmax's sum, with no value (gpt-oss)."""
+    sinks [Hq]: one logit per head in each softmax's sum, with no value (gpt-oss); chunk >
+    0: position p sees its own chunk's positions, p // chunk x chunk <= j <= p (Llama 4's
+    chunked attention)."""
     check_sinks("prefill_attention", sinks, q.shape[1])
     tokens, q_heads, head_dim = q.shape
     kv_block_size = paged_block_size("prefill_attention", k_cache, v_cache, block_table)
@@ -240,7 +249,7 @@ def prefill_attention(
         _prefill_attention_kernel[(programs, kv_heads)](
             q, k_cache, v_cache, block_table, out, table.blocks[0], table.blocks[1], seq[0],
             seq[1], seq[2], seq[3], out if sinks is None else sinks, scale, group, head_dim,
-            kv_block_size, window, block_table.stride(0), q.stride(0), q.stride(1),
+            kv_block_size, window, chunk, block_table.stride(0), q.stride(0), q.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
             BLOCK_Q=table.block_q, BLOCK_G=next_pow2(group), BLOCK_N=BLOCK_N,
             BLOCK_D=next_pow2(head_dim), IEEE=q.dtype == torch.float32,
