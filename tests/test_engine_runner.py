@@ -4,7 +4,8 @@ generating each row alone (tokens equal; the logits each token was picked from w
 fp32 tolerance of HF's), with adapters on every LoRA module the runner serves (q / k / v / o,
 the router where PEFT can target it (not gpt-oss's), the LM head, the experts) and rows without, for each family it knows (Qwen3-MoE,
 OLMoE, Mixtral, gpt-oss with a sliding-window layer and attention sinks, DeepSeek-V2 and V3
-with latent attention, a dense layer, shared experts and grouped routing); configurations and families it does not know are refused when asked for
+with latent attention, a dense layer, shared experts and grouped routing, Llama 4 with
+chunked attention, a NoPE layer's attention temperature and a dense layer); configurations and families it does not know are refused when asked for
 and left to transformers' forward otherwise."""
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ NEW = 5
 
 def _adapters(model) -> dict[str, dict]:
     # every Linear the family has (DeepSeek: MLA's projections, the shared experts' and the
-    # dense layers' MLPs)
+    # dense layers' MLPs); not Llama 4's router, a Linear subclass returning (scores, logits)
+    # that PEFT's LoRA wrapper cannot run
     linears = sorted({n.split(".")[-1] for n, m in model.named_modules()
-                      if isinstance(m, torch.nn.Linear)})  # fmt: skip
+                      if type(m) is torch.nn.Linear})  # fmt: skip
     # gpt-oss's router is not a Linear: PEFT cannot target it (no router LoRA there)
     routers = [n for n, _ in model.named_modules() if n.endswith(".mlp.gate")]
     experts = toy.expert_parameters(model)
@@ -39,14 +41,20 @@ def _adapters(model) -> dict[str, dict]:
     }  # fmt: skip
 
 
-FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3", "llama4_text"]
 # gpt-oss as published: sliding-window layers between full ones; a window of 4 positions
 # is shorter than every prompt here, so prefill and decode both cut it. DeepSeek-V3 as
 # published: q through q_a / q_b, interleaved rotary pairs, a dense first layer, shared
 # experts, grouped routing (test_deepseek_without_q_lora... covers q_proj and rotate_half)
+# Llama 4 as published, in small: chunked attention on its rotary layers (chunks of 4
+# positions: prompts and decodes cross them), a NoPE layer with attention temperature
+# (floor_scale 2: it changes every other position), a dense layer between MoE ones
 OVERRIDES = {"gpt_oss": dict(layer_types=["sliding_attention", "full_attention"],
                              sliding_window=4),
-             "deepseek_v3": dict(q_lora_rank=6, rope_interleave=True)}  # fmt: skip
+             "deepseek_v3": dict(q_lora_rank=6, rope_interleave=True),
+             "llama4_text": dict(num_hidden_layers=3, moe_layers=[0, 2],
+                                 no_rope_layers=[1, 0, 1], attention_chunk_size=4,
+                                 floor_scale=2)}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -96,8 +104,14 @@ def test_runner_rows_equal_hf_peft_alone(qwen, seed, monkeypatch):
 
 def test_runner_equals_the_models_own_forward(qwen, seed, monkeypatch):
     """The same requests through the runner and through transformers' forward (the engine's
-    other decode path): equal tokens, logits within the fp32 tolerance, every step."""
+    other decode path): equal tokens, logits within the fp32 tolerance, every step. Llama 4's
+    NoPE layers scale q by one length per batch in transformers' forward: the engine refuses
+    that path, naming the runner (test_runner_rows_equal_hf_peft_alone covers its rows)."""
     handle = _handle(qwen)
+    if qwen[0].config.model_type == "llama4_text":
+        with pytest.raises(ConfigError, match="temperature.*runner=True"):
+            Engine(handle, max_rows=4, max_len=32, enforce_eager=True, runner=False)
+        return
     g = torch.Generator().manual_seed(seed)
     prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (3, 8, 6)]
     names = ["every-module", "experts-only", None]

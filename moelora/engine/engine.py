@@ -148,11 +148,20 @@ class Engine:
         whose leading full blocks another request of the same adapter version computed
         reads them instead (blocks.py)."""
         model = handle.model
-        reasons = engine_support(model)
+        self.handle, self.model = handle, model
+        self.device = handle.device
+        self.runner = self._runner(runner)
+        reasons = engine_support(model, runner=self.runner is not None)
         if reasons:
+            fix = "use handle.generate (it falls back to model.generate) for this model"
+            if not runner and not runner_support(model):
+                fix = (
+                    "pass runner=True (`moelora serve --decode-runner on`): moelora's runner "
+                    "decodes it; or " + fix
+                )
             raise ConfigError(
                 "model", type(model).__name__, "a model the engine supports: " + "; ".join(reasons),
-                "use handle.generate (it falls back to model.generate) for this model",
+                fix,
             )  # fmt: skip
         config = model.config
         self.max_len = int(max_len or config.max_position_embeddings)
@@ -161,15 +170,12 @@ class Engine:
             raise ConfigError(
                 "max_rows / max_len", (max_rows, max_len), "max_rows >= 1, max_len >= 2"
             )
-        self.handle, self.model = handle, model
-        self.device = handle.device
         self.dtype = model.get_input_embeddings().weight.dtype
         self._vocab = model.get_input_embeddings().weight.shape[0]
         self._rule = mask_rule(config)
         self._eos = _eos_ids(model)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.runner = self._runner(runner)
         self.pool: BlockPool | None = None
         self.preemptions = 0
         self.step_tokens = 0  # tokens the last step() forwarded (prompt and decode; a retry again)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from .engine import Engine, Request
+from .runner import runner_support
 from .sampling import Sampling
 from .served import ServedModel
 from .step_graphs import buckets_for
@@ -77,7 +78,9 @@ def generate(
 def _fallback_reason(model, input_ids, kwargs) -> str | None:
     if input_ids is None:
         return "inputs_embeds (the engine takes token ids)"
-    reasons = engine_support(model)
+    # the engine decodes on moelora's runner on a GPU where the runner knows the model
+    on_runner = next(model.parameters()).is_cuda and not runner_support(model)
+    reasons = engine_support(model, runner=on_runner)
     if reasons:
         return "; ".join(reasons)
     extra = sorted(set(kwargs) - CALL_KWARGS - ENGINE_FIELDS - _generation_fields())

@@ -1,5 +1,6 @@
 """The decode step and the prefill as moelora runs them, for the families it knows
-(Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V2 / V3: FAMILIES, what differs between them as data): the model's own
+(Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V2 / V3, Llama 4: FAMILIES, what differs
+between them as data): the model's own
 weights read in place, few kernels per layer, every LoRA module per token in moelora's
 kernels; the engine replays a decode step as one CUDA graph per bucket of rows and runs a
 prefill eagerly, the waiting prompts of any lengths packed into one forward (varlen: no
@@ -58,7 +59,8 @@ class Family:
     """What a family's decode layer does differently, as transformers writes it."""
 
     qk_norm: str  # "head": RMSNorm per head (Qwen3); "full": over the whole projection
-    # (OLMoE); "none" (Mixtral, gpt-oss)
+    # (OLMoE); "after_rope": a weightless RMSNorm per head after rotary (Llama 4); "none"
+    # (Mixtral, gpt-oss)
     round_router: bool  # the top-k weights rounded to the logits' dtype (else kept fp32)
     renorm: bool | None  # the top-k weights divided by their sum; None: config.norm_topk_prob
     # (gpt-oss's softmax over the top-k logits is the softmax renormalized over the top k)
@@ -70,9 +72,14 @@ class Family:
     # gpt-oss's: weight x the fp32 row, one rounding)
     mla: bool = False  # DeepSeek's multi-head latent attention (q_a / q_b or q, kv_a, kv_b)
     routing: str = "softmax"  # "softmax": router_topk's kernel; "deepseek_v3" / "deepseek_v2":
-    # the config's DeepSeek routing (moelora.routing, in fp32)
+    # the config's DeepSeek routing (moelora.routing, in fp32); "llama4": the top-k logits'
+    # sigmoid, rounded to their dtype
     shared: str | None = None  # the MoE block's shared-experts MLP, added to the experts'
-    complex_rope: bool = False  # rotary_emb gives complex frequencies (DeepSeek-V2), not cos / sin
+    complex_rope: bool = False  # rotary_emb gives complex frequencies (DeepSeek-V2, Llama 4),
+    # not cos / sin: pairs rotated as complex numbers
+    mlp: str = "mlp"  # the decoder layer's MLP (Llama 4: feed_forward)
+    chunks: bool = False  # chunked-attention layers (layer_types "chunked_attention", Llama 4)
+    # read their own chunk of config.attention_chunk_size positions
 
 
 _DEEPSEEK = Family(
@@ -95,6 +102,22 @@ FAMILIES = {
         windows=True,
         round_normed=False,
     ),
+    # Llama 4: rotary (complex pairs) on all but its NoPE layers, then the weightless L2 norm
+    # of q and k ("after_rope") where attn.qk_norm exists; attention temperature on NoPE
+    # layers; chunked attention on the rotary ones; top-1 sigmoid routing with the weight on
+    # the experts' input (the experts' layer applies it); a shared expert; dense layers
+    # between MoE ones
+    "llama4_text": Family(
+        qk_norm="after_rope",
+        round_router=True,
+        renorm=False,
+        router="router",
+        routing="llama4",
+        shared="shared_expert",
+        complex_rope=True,
+        mlp="feed_forward",
+        chunks=True,
+    ),
 }
 
 
@@ -106,7 +129,7 @@ def runner_support(model: nn.Module) -> list[str]:
     reasons = []
     family = FAMILIES[config.model_type]
     for i, layer in enumerate(model.model.layers):  # a dense layer: a gated MLP
-        mlp = layer.mlp
+        mlp = getattr(layer, family.mlp)
         if not _is_moe(mlp, family) and not all(hasattr(mlp, n) for n in _MLP):
             reasons.append(f"layer {i}'s MLP {type(mlp).__name__} (neither the family's MoE "
                            "block nor a gate / up / down MLP)")  # fmt: skip
@@ -116,9 +139,11 @@ def runner_support(model: nn.Module) -> list[str]:
     )):  # fmt: skip
         reasons.append("sliding-window attention")
     kinds = set(getattr(config, "layer_types", None) or ())
-    if family.windows and not kinds <= {"full_attention", "sliding_attention"}:
-        reasons.append(f"layer types {sorted(kinds)} (the runner knows full_attention and "
-                       "sliding_attention)")  # fmt: skip
+    known = {"full_attention"} | ({"sliding_attention"} if family.windows else set()) | (
+        {"chunked_attention"} if family.chunks else set())  # fmt: skip
+    if (family.windows or family.chunks) and not kinds <= known:
+        reasons.append(f"layer types {sorted(kinds)} (the runner knows {sorted(known)} for "
+                       f"{config.model_type})")  # fmt: skip
     if getattr(config, "clip_qkv", None) is not None:
         reasons.append(f"clip_qkv {config.clip_qkv} (q / k / v clamped)")
     # an FP8 checkpoint's experts run on moelora's layer like any others; the projections
@@ -158,6 +183,10 @@ class _Layer:
     window: int = 0  # a sliding window's positions (0: full attention)
     sinks: Tensor | None = None  # a sink logit per query head [Hq] (gpt-oss)
     correction_bias: Tensor | None = None  # DeepSeek's e_score_correction_bias [E]
+    chunk: int = 0  # chunked attention's positions per chunk (0: none)
+    rope: bool = True  # rotary on q and k (Llama 4's NoPE layers: none)
+    temperature: tuple[float, float] | None = None  # Llama 4's NoPE layers: (floor_scale,
+    # attn_scale) of the attention temperature q is scaled by
 
 
 class DecodeRunner:
@@ -188,15 +217,22 @@ class DecodeRunner:
         self.fp8 = {m: b for m in model.modules() if (b := fp8_block(m)) is not None}
 
     def _layer(self, index: int, layer: nn.Module, experts: nn.Module | None) -> _Layer:
-        family, attn = self.family, layer.self_attn
-        router = getattr(layer.mlp, family.router) if experts is not None else None
+        family, attn, config = self.family, layer.self_attn, self.model.config
+        mlp = getattr(layer, family.mlp)
+        router = getattr(mlp, family.router) if experts is not None else None
         window = (getattr(attn, "sliding_window", None) or 0) if family.windows else 0
+        kind = (getattr(config, "layer_types", None) or ["full_attention"] * (index + 1))[index]
+        chunk = config.attention_chunk_size if kind == "chunked_attention" else 0
+        rope = bool(getattr(attn, "use_rope", True))
+        tuned = not rope and getattr(attn, "attn_temperature_tuning", False)
         return _Layer(
             index, attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             None if router is None else router.weight, experts, f"model.layers.{index}",
-            layer.mlp, gate_bias=getattr(router, "bias", None), window=int(window),
+            mlp, gate_bias=getattr(router, "bias", None), window=int(window),
             sinks=attn.sinks if family.sinks else None,
             correction_bias=getattr(router, "e_score_correction_bias", None),
+            chunk=int(chunk or 0), rope=rope,
+            temperature=(attn.floor_scale, attn.attn_scale) if tuned else None,
         )  # fmt: skip
 
     def _paths(self) -> frozenset[str]:
@@ -208,12 +244,13 @@ class DecodeRunner:
             names = (*_MLA, "q_proj", "o_proj") if self.family.mla else (
                 "q_proj", "k_proj", "v_proj", "o_proj")  # fmt: skip
             paths |= {f"{attn}.{n}" for n in names}
+            mlp = f"{layer.path}.{self.family.mlp}"
             if layer.experts is None:
-                paths |= {f"{layer.path}.mlp.{n}" for n in _MLP}
+                paths |= {f"{mlp}.{n}" for n in _MLP}
                 continue
-            paths.add(f"{layer.path}.mlp.{self.family.router}")
+            paths.add(f"{mlp}.{self.family.router}")
             if self.family.shared:
-                paths |= {f"{layer.path}.mlp.{self.family.shared}.{n}" for n in _MLP}
+                paths |= {f"{mlp}.{self.family.shared}.{n}" for n in _MLP}
         return frozenset(paths)
 
     def decode(
@@ -232,9 +269,9 @@ class DecodeRunner:
         positions any row reads; table [R, MB] int32: each row's blocks."""
         lengths = positions[:, 0] + 1
 
-        def attend(q, cache_layer, scaling, window, sinks):
+        def attend(q, cache_layer, scaling, layer):
             return decode_attention(q, cache_layer.keys, cache_layer.values, table, lengths,
-                                    scaling, kv_len, window, sinks)  # fmt: skip
+                                    scaling, kv_len, layer.window, layer.sinks, layer.chunk)  # fmt: skip
 
         write = _slots(table, write_rows[:, 0], positions[:, 0], cache.block_size)
         return self._forward(ids[:, 0], positions[:, 0], write, rows, cache, attend)
@@ -285,9 +322,9 @@ class DecodeRunner:
         for this runner's group of query heads); last [S]: the tokens whose logits are
         returned ([S, V]; every token's when None)."""
 
-        def attend(q, cache_layer, scaling, window, sinks):
+        def attend(q, cache_layer, scaling, layer):
             return prefill_attention(q, cache_layer.keys, cache_layer.values, spans, table,
-                                     scaling, window, sinks)  # fmt: skip
+                                     scaling, layer.window, layer.sinks, layer.chunk)  # fmt: skip
 
         write = _slots(table, write_rows, positions, cache.block_size)
         return self._forward(ids, positions, write, rows, cache, attend, last)
@@ -311,7 +348,7 @@ class DecodeRunner:
             x, residual = add_rms_norm(h, residual, layer.norm_in, self.eps, self.round_normed)
             attention = self._mla if self.family.mla else self._attention
             att = attention(layer, x, cos, sin, cache.layers[layer.index], write, slots, rows,
-                            attend)  # fmt: skip
+                            attend, positions)  # fmt: skip
             x, residual = add_rms_norm(att, residual, layer.norm_post, self.eps, self.round_normed)
             h = self._moe(layer, x, slots, rows)
         x, _ = add_rms_norm(h, residual, model.model.norm.weight, self.eps, self.round_normed)
@@ -363,11 +400,18 @@ class DecodeRunner:
         weights = [m.weight for m in modules]
         return dense_linear(x, weights, [m.bias for m in modules], slots, z, bt)
 
-    def _attention(self, layer, x, cos, sin, cache_layer, write, slots, rows, attend) -> Tensor:
+    def _attention(self, layer, x, cos, sin, cache_layer, write, slots, rows, attend,
+                   positions) -> Tensor:  # fmt: skip
         attn, path = layer.attn, f"{layer.path}.self_attn"
         names = ("q_proj", "k_proj", "v_proj")
         q, k, v = self._projections([getattr(attn, n) for n in names],
                                     [f"{path}.{n}" for n in names], x, slots, rows)  # fmt: skip
+        if self.family.complex_rope:
+            q = _llama4_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write, positions)
+            out = attend(q, cache_layer, attn.scaling, layer)
+            (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"],
+                                     out.view(x.shape[0], -1), slots, rows)  # fmt: skip
+            return o
         head_norms = (None, None)
         if self.family.qk_norm == "head":
             head_norms = (attn.q_norm.weight, attn.k_norm.weight)
@@ -376,7 +420,7 @@ class DecodeRunner:
             k, _ = add_rms_norm(k, None, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, *write,
                            *head_norms, self.eps)  # fmt: skip
-        out = attend(q, cache_layer, attn.scaling, layer.window, layer.sinks)
+        out = attend(q, cache_layer, attn.scaling, layer)
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out.view(x.shape[0], -1),
                                  slots, rows)  # fmt: skip
         return o
@@ -386,16 +430,21 @@ class DecodeRunner:
         renormalized, rounded to the logits' dtype, in one kernel; DeepSeek's in fp32 through
         moelora.routing), then the experts on moelora's layer, and the shared experts' MLP
         where the family has one. A dense layer: its MLP."""
+        mlp = f"{layer.path}.{self.family.mlp}"
         if layer.experts is None:
-            return self._mlp(layer.mlp, f"{layer.path}.mlp", x, slots, rows)
-        path = f"{layer.path}.mlp.{self.family.router}"
+            return self._mlp(layer.mlp, mlp, x, slots, rows)
+        path = f"{mlp}.{self.family.router}"
         if self.routing is not None:  # DeepSeek: logits in fp32 from the fp32 row
             logits = F.linear(x.float(), layer.gate.float())
         else:
             logits = F.linear(x, layer.gate, layer.gate_bias)
         if path in rows.lora_modules:
             add_dense_lora(logits, x, slots, self.banks.a[path], self.banks.bt[path])
-        if self.routing is not None:
+        if self.family.routing == "llama4":  # Llama4Router: sigmoid of the top-k logits
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.sigmoid(top.float()).to(top.dtype).float()
+            ids = ids.to(torch.int32)
+        elif self.routing is not None:
             ids, weights = route(logits, self.routing, self.top_k, layer.correction_bias)
         else:
             weights, ids = router_topk(logits, self.top_k, self.renorm, self.family.round_router)
@@ -406,8 +455,7 @@ class DecodeRunner:
             out = layer.experts(x, ids, weights, token_slots, rows.snapshot.banks[layer.index])
         if self.family.shared:
             name = self.family.shared
-            out = out + self._mlp(getattr(layer.mlp, name), f"{layer.path}.mlp.{name}", x,
-                                  slots, rows)  # fmt: skip
+            out = out + self._mlp(getattr(layer.mlp, name), f"{mlp}.{name}", x, slots, rows)
         return out
 
     def _mlp(self, mlp: nn.Module, path: str, x: Tensor, slots, rows) -> Tensor:
@@ -415,11 +463,13 @@ class DecodeRunner:
         GEMM, each with its LoRA."""
         gate, up = self._projections([mlp.gate_proj, mlp.up_proj],
                                      [f"{path}.gate_proj", f"{path}.up_proj"], x, slots, rows)  # fmt: skip
-        (out,) = self._projections([mlp.down_proj], [f"{path}.down_proj"],
-                                   mlp.act_fn(gate) * up, slots, rows)  # fmt: skip
+        act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn  # (Llama 4's name)
+        (out,) = self._projections([mlp.down_proj], [f"{path}.down_proj"], act(gate) * up,
+                                   slots, rows)  # fmt: skip
         return out
 
-    def _mla(self, layer, x, cos, sin, cache_layer, write, slots, rows, attend) -> Tensor:
+    def _mla(self, layer, x, cos, sin, cache_layer, write, slots, rows, attend, positions
+             ) -> Tensor:  # fmt: skip
         """DeepSeek's multi-head latent attention as transformers' DeepseekV3Attention: q
         through q_a / its norm / q_b (or q_proj), the latent and the shared rotary key from
         kv_a, the latent's norm, per-head keys and values from kv_b; rotary on the last
@@ -454,7 +504,7 @@ class DecodeRunner:
         blocks, offsets = write
         cache_layer.keys[blocks, :, offsets] = k
         cache_layer.values[blocks, :, offsets] = F.pad(v, (0, nope + rope - v_dim))
-        out = attend(q, cache_layer, attn.scaling, layer.window, layer.sinks)[..., :v_dim]
+        out = attend(q, cache_layer, attn.scaling, layer)[..., :v_dim]
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"],
                                  out.reshape(tokens, heads * v_dim), slots, rows)  # fmt: skip
         return o
@@ -487,6 +537,35 @@ def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str):
             return t * cos + torch.cat([-t2, t1], dim=-1) * sin
 
     return turn(q), turn(k)
+
+
+def _llama4_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write, positions):
+    """q [T, Hq x D] ready for attention, k / v [T, Hk x D] written at `write`, as
+    transformers' Llama4TextAttention: rotary on interleaved pairs as complex numbers in fp32
+    (cos / sin [T, D / 2]: the frequencies' real and imaginary parts) on rotary layers, then
+    the weightless RMSNorm of q and k per head where the module has one; on NoPE layers with
+    attention temperature, q times log1p(floor((p + 1) / floor_scale)) x attn_scale + 1
+    (in fp32, rounded to q's dtype)."""
+    attn, tokens = layer.attn, q.shape[0]
+    q, k, v = (t.view(tokens, -1, attn.head_dim) for t in (q, k, v))
+    if layer.rope:
+        q, k = _mla_rope(q, k, cos, sin, "complex")
+    if hasattr(attn, "qk_norm"):
+        eps = attn.qk_norm.variance_epsilon
+
+        def norm(t):
+            f = t.float()
+            return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
+
+        q, k = norm(q), norm(k)
+    if layer.temperature is not None:
+        floor_scale, attn_scale = layer.temperature
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
+        q = (q * (scales * attn_scale + 1.0)[:, None, None]).to(q.dtype)
+    blocks, offsets = write
+    cache_layer.keys[blocks, :, offsets] = k
+    cache_layer.values[blocks, :, offsets] = v
+    return q
 
 
 def _slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int):

@@ -4,7 +4,8 @@ The engine keeps keys and values per row at each row's own position and builds t
 attention masks itself (kv_cache.py, kv_mask.py). So every layer must be attention whose
 only state is k / v (no Mamba or linear-attention state), attention must take an additive
 4-D mask (sdpa / eager), and nothing may read one sequence length for the whole batch
-(Llama 4's attention temperature on its NoPE layers reads the cache's length).
+(Llama 4's attention temperature on its NoPE layers reads the cache's length in
+transformers' forward; moelora's runner reads each token's position and lifts that).
 A predicate: it never raises.
 """
 
@@ -17,8 +18,9 @@ from .kv_mask import ATTENTION_TYPES, STATELESS_TYPES
 MASKED_ATTENTION = ("sdpa", "eager")
 
 
-def engine_support(model: nn.Module) -> list[str]:
-    """Reasons the engine cannot decode `model` (an AutoModelForCausalLM); [] = supported."""
+def engine_support(model: nn.Module, runner: bool = False) -> list[str]:
+    """Reasons the engine cannot decode `model` (an AutoModelForCausalLM); [] = supported.
+    runner: on moelora's runner (runner.py), which reads each token's own position."""
     config = model.config
     reasons = []
     impl = getattr(config, "_attn_implementation", None)
@@ -32,7 +34,7 @@ def engine_support(model: nn.Module) -> list[str]:
     if other:
         reasons.append(f"layer types {other}: state other than keys and values")
     no_rope = getattr(config, "no_rope_layers", None) or ()
-    if getattr(config, "attn_temperature_tuning", False) and 0 in no_rope:
+    if not runner and getattr(config, "attn_temperature_tuning", False) and 0 in no_rope:
         reasons.append("NoPE layers with attention temperature tuning read one length per batch")
     if getattr(model, "forward", None) is None or not hasattr(model, "get_input_embeddings"):
         reasons.append(f"{type(model).__name__} is not a causal LM")
