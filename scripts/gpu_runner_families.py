@@ -1,8 +1,8 @@
 """GPU check of the decode runner for every family it knows (moelora/engine/runner.py:
 FAMILIES), PASS / FAIL lines and a JSON record. Per family, a small random model (gpt-oss
 with a sliding-window layer and attention sinks; DeepSeek-V3 with latent attention, a dense
-layer and shared experts; Llama 4 with chunked attention and a NoPE layer) with two PEFT
-adapters (the attention projections + expert LoRA,
+layer and shared experts; Llama 4 with chunked attention and a NoPE layer; Qwen3.5-MoE with
+linear-attention layers) with two PEFT adapters (the attention projections + expert LoRA,
 expert-only), rows joining at two steps:
 
 1. fp32: the runner's rows equal HF + PEFT generating each row alone (tokens equal, every
@@ -55,9 +55,22 @@ OVERRIDES = {
         floor_scale=4,
         intermediate_size_mlp=128,
     ),
+    # Qwen3.5-MoE's layout: linear-attention (Gated DeltaNet) layers around a gated
+    # full-attention one, two value heads per key head
+    "qwen3_5_moe_text": dict(
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=64,
+    ),
 }
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
-             "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
+             "kv_a_proj_with_mqa", "kv_b_proj", "in_proj_qkv", "in_proj_z", "in_proj_b",
+             "in_proj_a", "out_proj")  # fmt: skip
 
 
 def parse(argv):

@@ -5,7 +5,8 @@ fp32 tolerance of HF's), with adapters on every LoRA module the runner serves (q
 the router where PEFT can target it (not gpt-oss's), the LM head, the experts) and rows without, for each family it knows (Qwen3-MoE,
 OLMoE, Mixtral, gpt-oss with a sliding-window layer and attention sinks, DeepSeek-V2 and V3
 with latent attention, a dense layer, shared experts and grouped routing, Llama 4 with
-chunked attention, a NoPE layer's attention temperature and a dense layer); configurations and families it does not know are refused when asked for
+chunked attention, a NoPE layer's attention temperature and a dense layer, Qwen3.5-MoE with
+linear-attention layers); configurations and families it does not know are refused when asked for
 and left to transformers' forward otherwise."""
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def _adapters(model) -> dict[str, dict]:
     # that PEFT's LoRA wrapper cannot run
     linears = sorted({n.split(".")[-1] for n, m in model.named_modules()
                       if type(m) is torch.nn.Linear})  # fmt: skip
-    # gpt-oss's router is not a Linear: PEFT cannot target it (no router LoRA there)
-    routers = [n for n, _ in model.named_modules() if n.endswith(".mlp.gate")]
+    # gpt-oss's router is not a Linear, nor a router PEFT knows; nor is Qwen3.5's (PEFT
+    # refuses Qwen3_5MoeTopKRouter as a target): no router LoRA there
+    routers = [n for n, m in model.named_modules()
+               if n.endswith(".mlp.gate") and "Qwen3_5" not in type(m).__name__]  # fmt: skip
     experts = toy.expert_parameters(model)
     return {
         "every-module": dict(r=4, lora_alpha=8, target_modules=linears + routers,
@@ -41,11 +44,19 @@ def _adapters(model) -> dict[str, dict]:
     }  # fmt: skip
 
 
-FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3", "llama4_text"]
+FAMILIES = [
+    "qwen3_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3", "llama4_text",
+    "qwen3_5_moe_text",
+]  # fmt: skip
 # gpt-oss as published: sliding-window layers between full ones; a window of 4 positions
 # is shorter than every prompt here, so prefill and decode both cut it. DeepSeek-V3 as
 # published: q through q_a / q_b, interleaved rotary pairs, a dense first layer, shared
 # experts, grouped routing (test_deepseek_without_q_lora... covers q_proj and rotate_half)
+# Qwen3.5-MoE as published, in small: linear-attention (Gated DeltaNet) layers around a
+# gated full-attention one, grouped value heads (two per key head)
+QWEN35 = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+              "linear_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)  # fmt: skip
 # Llama 4 as published, in small: chunked attention on its rotary layers (chunks of 4
 # positions: prompts and decodes cross them), a NoPE layer with attention temperature
 # (floor_scale 2: it changes every other position), a dense layer between MoE ones
@@ -54,7 +65,8 @@ OVERRIDES = {"gpt_oss": dict(layer_types=["sliding_attention", "full_attention"]
              "deepseek_v3": dict(q_lora_rank=6, rope_interleave=True),
              "llama4_text": dict(num_hidden_layers=3, moe_layers=[0, 2],
                                  no_rope_layers=[1, 0, 1], attention_chunk_size=4,
-                                 floor_scale=2)}  # fmt: skip
+                                 floor_scale=2),
+             "qwen3_5_moe_text": QWEN35}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -104,12 +116,16 @@ def test_runner_rows_equal_hf_peft_alone(qwen, seed, monkeypatch):
 
 def test_runner_equals_the_models_own_forward(qwen, seed, monkeypatch):
     """The same requests through the runner and through transformers' forward (the engine's
-    other decode path): equal tokens, logits within the fp32 tolerance, every step. Llama 4's
-    NoPE layers scale q by one length per batch in transformers' forward: the engine refuses
-    that path, naming the runner (test_runner_rows_equal_hf_peft_alone covers its rows)."""
+    other decode path): equal tokens, logits within the fp32 tolerance, every step. Where
+    transformers' forward cannot batch the family (Llama 4's NoPE layers scale q by one
+    length per batch; Qwen3.5's linear-attention layers keep state the engine's forward
+    path does not), the engine refuses that path naming the runner
+    (test_runner_rows_equal_hf_peft_alone covers the runner's rows)."""
     handle = _handle(qwen)
-    if qwen[0].config.model_type == "llama4_text":
-        with pytest.raises(ConfigError, match="temperature.*runner=True"):
+    refused = {"llama4_text": "temperature", "qwen3_5_moe_text": "linear_attention"}
+    why = refused.get(qwen[0].config.model_type)
+    if why is not None:
+        with pytest.raises(ConfigError, match=f"{why}.*runner=True"):
             Engine(handle, max_rows=4, max_len=32, enforce_eager=True, runner=False)
         return
     g = torch.Generator().manual_seed(seed)
@@ -154,9 +170,13 @@ def test_deepseek_without_q_lora_and_with_rotate_half_equals_the_models_own_forw
 
 
 def test_a_family_the_runner_does_not_know_is_refused_or_left_to_transformers(tmp_path):
-    model = toy.build_model("qwen3_5_moe_text", seed=3)
+    model = toy.build_model("nemotron_h", seed=3)  # Mamba layers: the runner has none
     handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
-    with pytest.raises(ConfigError, match="qwen3_5_moe"):
+    with pytest.raises(ConfigError, match="nemotron_h"):
+        Engine(handle, max_rows=2, max_len=16, enforce_eager=True, runner=True)
+    model = toy.build_model("olmoe", seed=3, clip_qkv=8.0)  # a configuration it does not know
+    handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
+    with pytest.raises(ConfigError, match="clip_qkv"):
         Engine(handle, max_rows=2, max_len=16, enforce_eager=True, runner=True)
     engine = Engine(handle, max_rows=2, max_len=16, enforce_eager=True)  # default: not asked
     assert engine.runner is None

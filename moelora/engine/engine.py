@@ -205,9 +205,9 @@ class Engine:
             step_graphs.StepGraphs(self.max_rows, self._graph_step) if use_graphs else None
         )
         # the steps with prompt chunks, graphed per bucket of tokens (mixed_graphs.py)
-        self.mixed = (
+        self.mixed = (  # (linear attention's prompts need their lengths on the host)
             MixedGraphs(self, self.max_num_batched_tokens)
-            if use_graphs and self.runner is not None
+            if use_graphs and self.runner is not None and not self.runner.linear
             else None
         )
         self._allocate()
@@ -246,9 +246,14 @@ class Engine:
                 f"{per_row} blocks of {size}, and block 0 is the null block",
                 "give the cache more blocks (--gpu-memory-utilization) or lower max_len",
             )  # fmt: skip
+        if prefix_caching and self.runner.linear:
+            log.info("prefix caching is off: the linear-attention layers' state of a prefix "
+                     "is not kept with its blocks")  # fmt: skip
+            prefix_caching = False
         self.pool = BlockPool(count, size, bool(prefix_caching))
-        try:
-            self.cache = PagedCache(self.model, count, size, self.device, self.dtype)
+        try:  # (the linear-attention layers' states: one per block-table row)
+            self.cache = PagedCache(self.model, count, size, self.device, self.dtype,
+                                    rows=self.max_rows + 1)  # fmt: skip
         except torch.OutOfMemoryError:
             raise ConfigError(
                 "num_blocks x block_size", f"{count} x {size}",
@@ -546,7 +551,17 @@ class Engine:
             keep = [i for i, r in enumerate(rows) if r in sampled]
             return self._accept([rows[i] for i in keep], logits[keep])
 
-        events += self._isolated(rows, forward, lambda r: forward([r]), accept)
+        if self.runner.linear:  # a failed step may have advanced the rows' states
+            ends = {r.request.request_id: end for r, _, end in chunks}
+
+            def alone(r: _Row) -> Tensor:
+                return self._recompute(r, ends[r.request.request_id])
+        else:
+
+            def alone(r: _Row) -> Tensor:
+                return forward([r])
+
+        events += self._isolated(rows, forward, alone, accept)
         live = [r for r in rows if r.request.request_id in self._rows]
         self._register([r for r in live if r in decode])
         self._register([r for r in live if r not in decode], filled=True)
@@ -781,7 +796,17 @@ class Engine:
         return self.handle.lora_modules.union(*(h.modules for h in holds))
 
     def _decode_alone(self, row: _Row) -> Tensor:
+        if self.runner is not None and self.runner.linear:
+            return self._recompute(row, row.position + 1)
         return self._decode([row], eager=True)
+
+    def _recompute(self, row: _Row, end: int) -> Tensor:
+        """Logits [1, V] of the token at position end - 1 of `row`, its first `end` tokens
+        (prompt, then generated) prefilled from position 0: a row retried alone after a step
+        that failed, on a model with linear-attention layers, whose states that step may
+        have advanced (its blocks hold every position up to end - 1)."""
+        tokens = (tuple(row.request.prompt_ids) + tuple(row.generated))[:end]
+        return self._prefill_rows([list(tokens)], [row.row], [row.hold], starts=[0])
 
     def _fill(self, running: list[_Row], width: int) -> None:
         """The static buffers for rows 0 .. width-1: padding rows (free rows, and rows

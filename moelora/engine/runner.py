@@ -1,6 +1,6 @@
 """The decode step and the prefill as moelora runs them, for the families it knows
-(Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V2 / V3, Llama 4: FAMILIES, what differs
-between them as data): the model's own
+(Qwen3-MoE, Qwen3.5-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V2 / V3, Llama 4: FAMILIES, what
+differs between them as data): the model's own
 weights read in place, few kernels per layer, every LoRA module per token in moelora's
 kernels; the engine replays a decode step as one CUDA graph per bucket of rows and runs a
 prefill eagerly, the waiting prompts of any lengths packed into one forward (varlen: no
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ..config import from_hf
 from ..kernels.decode_attention import decode_attention
-from ..kernels.dense_linear import dense_linear, lora_shrink
+from ..kernels.dense_linear import MAX_MODULES, dense_linear, lora_shrink
 from ..kernels.dense_lora import add_dense_lora
 from ..kernels.fp8_linear import fp8_linear, quantize_input
 from ..kernels.prefill_attention import VarlenTable, prefill_attention, varlen_table
@@ -52,6 +52,8 @@ from ..lora.module_banks import ModuleBanks
 from ..lora.rows import RowAdapters
 from ..quant.module_fp8 import fp8_block
 from ..routing import route
+from . import linear_attention
+from .linear_attention import is_linear
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,12 @@ class Family:
     mlp: str = "mlp"  # the decoder layer's MLP (Llama 4: feed_forward)
     chunks: bool = False  # chunked-attention layers (layer_types "chunked_attention", Llama 4)
     # read their own chunk of config.attention_chunk_size positions
+    zero_centered: bool = False  # RMSNorms scale by 1 + weight in fp32, one rounding (Qwen3.5)
+    gated_attention: bool = False  # q_proj gives each head's q and an output gate (its
+    # sigmoid scales the attention's output), q / k norms zero-centered, rotary over the
+    # first cos.shape[-1] of each head (Qwen3.5's full-attention layers)
+    linear: bool = False  # linear-attention layers (Gated DeltaNet: linear_attention.py)
+    shared_gate: str | None = None  # a Linear whose sigmoid scales the shared experts' MLP
 
 
 _DEEPSEEK = Family(
@@ -118,6 +126,19 @@ FAMILIES = {
         mlp="feed_forward",
         chunks=True,
     ),
+    # Qwen3.5-MoE: linear-attention (Gated DeltaNet) layers between gated full-attention
+    # ones, zero-centered RMSNorms, a shared expert scaled by its sigmoid gate
+    "qwen3_5_moe_text": Family(
+        qk_norm="none",
+        round_router=True,
+        renorm=True,
+        round_normed=False,
+        shared="shared_expert",
+        zero_centered=True,
+        gated_attention=True,
+        linear=True,
+        shared_gate="shared_expert_gate",
+    ),
 }
 
 
@@ -140,8 +161,9 @@ def runner_support(model: nn.Module) -> list[str]:
         reasons.append("sliding-window attention")
     kinds = set(getattr(config, "layer_types", None) or ())
     known = {"full_attention"} | ({"sliding_attention"} if family.windows else set()) | (
-        {"chunked_attention"} if family.chunks else set())  # fmt: skip
-    if (family.windows or family.chunks) and not kinds <= known:
+        {"chunked_attention"} if family.chunks else set()) | (
+        {"linear_attention"} if family.linear else set())  # fmt: skip
+    if (family.windows or family.chunks or family.linear) and not kinds <= known:
         reasons.append(f"layer types {sorted(kinds)} (the runner knows {sorted(known)} for "
                        f"{config.model_type})")  # fmt: skip
     if getattr(config, "clip_qkv", None) is not None:
@@ -160,7 +182,9 @@ def runner_support(model: nn.Module) -> list[str]:
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head", *_MLP, *_MLA)
+_DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # Gated DeltaNet's inputs
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head", *_MLP, *_MLA, *_DELTA,
+            "out_proj", "shared_expert_gate")  # fmt: skip
 
 
 def _is_moe(mlp: nn.Module, family: Family) -> bool:
@@ -201,8 +225,12 @@ class DecodeRunner:
         self.top_k = config.num_experts_per_tok
         renorm = self.family.renorm
         self.renorm = config.norm_topk_prob if renorm is None else renorm
+        # the linear-attention layers (Qwen3.5's Gated DeltaNet), their states in the cache
+        self.linear = frozenset(i for i, layer in enumerate(model.model.layers)
+                                if is_linear(layer))  # fmt: skip
         self.layers = [self._layer(i, layer, experts.get(i))
                        for i, layer in enumerate(model.model.layers)]  # fmt: skip
+        self.final_norm = self._norm_weight(model.model.norm)
         self.first_moe = min(experts)
         # MLA's keys and values are expanded per query head in the cache (paged_cache.py)
         self.group = (
@@ -217,7 +245,8 @@ class DecodeRunner:
         self.fp8 = {m: b for m in model.modules() if (b := fp8_block(m)) is not None}
 
     def _layer(self, index: int, layer: nn.Module, experts: nn.Module | None) -> _Layer:
-        family, attn, config = self.family, layer.self_attn, self.model.config
+        family, config = self.family, self.model.config
+        attn = layer.linear_attn if is_linear(layer) else layer.self_attn
         mlp = getattr(layer, family.mlp)
         router = getattr(mlp, family.router) if experts is not None else None
         window = (getattr(attn, "sliding_window", None) or 0) if family.windows else 0
@@ -225,8 +254,10 @@ class DecodeRunner:
         chunk = config.attention_chunk_size if kind == "chunked_attention" else 0
         rope = bool(getattr(attn, "use_rope", True))
         tuned = not rope and getattr(attn, "attn_temperature_tuning", False)
+        norm_in, norm_post = (self._norm_weight(n) for n in (layer.input_layernorm,
+                                                             layer.post_attention_layernorm))  # fmt: skip
         return _Layer(
-            index, attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            index, attn, norm_in, norm_post,
             None if router is None else router.weight, experts, f"model.layers.{index}",
             mlp, gate_bias=getattr(router, "bias", None), window=int(window),
             sinks=attn.sinks if family.sinks else None,
@@ -234,6 +265,13 @@ class DecodeRunner:
             chunk=int(chunk or 0), rope=rope,
             temperature=(attn.floor_scale, attn.attn_scale) if tuned else None,
         )  # fmt: skip
+
+    def _norm_weight(self, norm: nn.Module) -> Tensor:
+        """An RMSNorm's weight as add_rms_norm takes it: zero-centered ones (Qwen3.5) as
+        1 + weight in fp32 (their one rounding after that product: round_normed False)."""
+        if self.family.zero_centered:
+            return 1.0 + norm.weight.detach().float()
+        return norm.weight
 
     def _paths(self) -> frozenset[str]:
         """Every module path whose LoRA the runner applies (the engine refuses the runner
@@ -243,6 +281,8 @@ class DecodeRunner:
             attn = f"{layer.path}.self_attn"
             names = (*_MLA, "q_proj", "o_proj") if self.family.mla else (
                 "q_proj", "k_proj", "v_proj", "o_proj")  # fmt: skip
+            if layer.index in self.linear:
+                attn, names = f"{layer.path}.linear_attn", (*_DELTA, "out_proj")
             paths |= {f"{attn}.{n}" for n in names}
             mlp = f"{layer.path}.{self.family.mlp}"
             if layer.experts is None:
@@ -251,6 +291,8 @@ class DecodeRunner:
             paths.add(f"{mlp}.{self.family.router}")
             if self.family.shared:
                 paths |= {f"{mlp}.{self.family.shared}.{n}" for n in _MLP}
+            if self.family.shared_gate:
+                paths.add(f"{mlp}.{self.family.shared_gate}")
         return frozenset(paths)
 
     def decode(
@@ -274,7 +316,8 @@ class DecodeRunner:
                                     scaling, kv_len, layer.window, layer.sinks, layer.chunk)  # fmt: skip
 
         write = _slots(table, write_rows[:, 0], positions[:, 0], cache.block_size)
-        return self._forward(ids[:, 0], positions[:, 0], write, rows, cache, attend)
+        return self._forward(ids[:, 0], positions[:, 0], write, rows, cache, attend,
+                             states=write_rows[:, 0])  # fmt: skip
 
     def prefill(
         self,
@@ -304,7 +347,9 @@ class DecodeRunner:
         spans = varlen_table(lengths, cache_rows, pos0, self.group, ids.device)  # every layer's
         last = None if every else torch.tensor([a + n - 1 for a, n in zip(starts, lengths)],
                                                device=ids.device)  # fmt: skip
-        return self.packed(ids, positions, write_rows, spans, last, rows, cache, table)
+        sequences = list(zip(starts, lengths, cache_rows, pos0))  # linear attention's
+        return self.packed(ids, positions, write_rows, spans, last, rows, cache, table,
+                           sequences)  # fmt: skip
 
     def packed(
         self,
@@ -316,22 +361,28 @@ class DecodeRunner:
         rows: RowAdapters,
         cache,
         table: Tensor,
+        sequences: list[tuple[int, int, int, int]] | None = None,
     ) -> Tensor:
         """prefill's forward from tensors already on the device, nothing read back (what a
         CUDA graph of a step captures): spans, the packed prompts' table (varlen_table, built
         for this runner's group of query heads); last [S]: the tokens whose logits are
-        returned ([S, V]; every token's when None)."""
+        returned ([S, V]; every token's when None). sequences: each one's (first token,
+        length, block-table row, first position) on the host, which linear-attention layers
+        need (a model with them is not graphed with prompts: MixedGraphs stays off)."""
 
         def attend(q, cache_layer, scaling, layer):
             return prefill_attention(q, cache_layer.keys, cache_layer.values, spans, table,
                                      scaling, layer.window, layer.sinks, layer.chunk)  # fmt: skip
 
         write = _slots(table, write_rows, positions, cache.block_size)
-        return self._forward(ids, positions, write, rows, cache, attend, last)
+        return self._forward(ids, positions, write, rows, cache, attend, last, sequences)
 
-    def _forward(self, ids, positions, write, rows, cache, attend, last=None) -> Tensor:
+    def _forward(self, ids, positions, write, rows, cache, attend, last=None,
+                 states=None) -> Tensor:  # fmt: skip
         """The layers over tokens ids [T] at positions [T] writing their k / v at `write`
-        (blocks [T], offsets [T]); logits of the tokens `last` selects (all when None)."""
+        (blocks [T], offsets [T]); logits of the tokens `last` selects (all when None).
+        states: where linear-attention layers keep each row's state: a decode's state rows
+        [T] (a tensor), or a prefill's packed sequences (linear_attention.prefill)."""
         model = self.model
         h = model.model.embed_tokens(ids)
         if self.family.complex_rope:  # DeepSeek-V2: e^(i angle) per pair, [T, r / 2]
@@ -346,12 +397,15 @@ class DecodeRunner:
         residual = None
         for layer in self.layers:
             x, residual = add_rms_norm(h, residual, layer.norm_in, self.eps, self.round_normed)
-            attention = self._mla if self.family.mla else self._attention
-            att = attention(layer, x, cos, sin, cache.layers[layer.index], write, slots, rows,
-                            attend, positions)  # fmt: skip
+            if layer.index in self.linear:
+                att = self._linear_attention(layer, x, slots, rows, cache, states)
+            else:
+                attention = self._mla if self.family.mla else self._attention
+                att = attention(layer, x, cos, sin, cache.layers[layer.index], write, slots,
+                                rows, attend, positions)  # fmt: skip
             x, residual = add_rms_norm(att, residual, layer.norm_post, self.eps, self.round_normed)
             h = self._moe(layer, x, slots, rows)
-        x, _ = add_rms_norm(h, residual, model.model.norm.weight, self.eps, self.round_normed)
+        x, _ = add_rms_norm(h, residual, self.final_norm, self.eps, self.round_normed)
         if last is not None:
             x, slots = x[last], slots[last]
         return self._linear(model.lm_head, "lm_head", x, slots, rows)
@@ -390,6 +444,10 @@ class DecodeRunner:
         "Decode step")."""
         if any(m in self.fp8 for m in modules):
             return self._fp8_projections(modules, paths, x, slots, rows)
+        if len(modules) > MAX_MODULES:  # (Gated DeltaNet's four) in launches of at most three
+            return [out for at in range(0, len(modules), MAX_MODULES)
+                    for out in self._projections(modules[at : at + MAX_MODULES],
+                                                 paths[at : at + MAX_MODULES], x, slots, rows)]  # fmt: skip
         on = [p in rows.lora_modules for p in paths]
         if len(modules) == 1 and not on[0]:
             return [F.linear(x, modules[0].weight, modules[0].bias)]
@@ -406,11 +464,16 @@ class DecodeRunner:
         names = ("q_proj", "k_proj", "v_proj")
         q, k, v = self._projections([getattr(attn, n) for n in names],
                                     [f"{path}.{n}" for n in names], x, slots, rows)  # fmt: skip
+        gate = None
         if self.family.complex_rope:
             q = _llama4_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write, positions)
-            out = attend(q, cache_layer, attn.scaling, layer)
-            (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"],
-                                     out.view(x.shape[0], -1), slots, rows)  # fmt: skip
+        if self.family.gated_attention:
+            q, gate = _gated_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write)
+        if self.family.complex_rope or self.family.gated_attention:
+            out = attend(q, cache_layer, attn.scaling, layer).view(x.shape[0], -1)
+            if gate is not None:  # Qwen3.5: the output scaled by its gate's sigmoid
+                out = out * torch.sigmoid(gate)
+            (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out, slots, rows)
             return o
         head_norms = (None, None)
         if self.family.qk_norm == "head":
@@ -423,6 +486,20 @@ class DecodeRunner:
         out = attend(q, cache_layer, attn.scaling, layer)
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out.view(x.shape[0], -1),
                                  slots, rows)  # fmt: skip
+        return o
+
+    def _linear_attention(self, layer, x, slots, rows, cache, states) -> Tensor:
+        """A Gated DeltaNet layer (linear_attention.py): its input projections in one GEMM
+        with their LoRA, the update of each row's state, out_proj with its LoRA."""
+        mixer, path = layer.attn, f"{layer.path}.linear_attn"
+        qkv, z, b, a = self._projections([getattr(mixer, n) for n in _DELTA],
+                                         [f"{path}.{n}" for n in _DELTA], x, slots, rows)  # fmt: skip
+        state = cache.states[layer.index]
+        if isinstance(states, Tensor):
+            out = linear_attention.decode(mixer, state, states, qkv, z, b, a)
+        else:
+            out = linear_attention.prefill(mixer, state, states, qkv, z, b, a)
+        (o,) = self._projections([mixer.out_proj], [f"{path}.out_proj"], out, slots, rows)
         return o
 
     def _moe(self, layer: _Layer, x: Tensor, slots: Tensor, rows: RowAdapters) -> Tensor:
@@ -455,7 +532,12 @@ class DecodeRunner:
             out = layer.experts(x, ids, weights, token_slots, rows.snapshot.banks[layer.index])
         if self.family.shared:
             name = self.family.shared
-            out = out + self._mlp(getattr(layer.mlp, name), f"{mlp}.{name}", x, slots, rows)
+            shared = self._mlp(getattr(layer.mlp, name), f"{mlp}.{name}", x, slots, rows)
+            if self.family.shared_gate:  # Qwen3.5: scaled by its gate's sigmoid
+                gate = self.family.shared_gate
+                scale = self._linear(getattr(layer.mlp, gate), f"{mlp}.{gate}", x, slots, rows)
+                shared = torch.sigmoid(scale) * shared
+            out = out + shared
         return out
 
     def _mlp(self, mlp: nn.Module, path: str, x: Tensor, slots, rows) -> Tensor:
@@ -566,6 +648,33 @@ def _llama4_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write,
     cache_layer.keys[blocks, :, offsets] = k
     cache_layer.values[blocks, :, offsets] = v
     return q
+
+
+def _gated_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write):
+    """(q [T, Hq, D] ready for attention, the output gate [T, Hq x D]), k / v written at
+    `write`, as transformers' Qwen3_5MoeAttention: q_proj gives each head's q then its gate;
+    q / k normed per head by their zero-centered RMSNorms (1 + weight, in fp32, one
+    rounding); rotary (rotate_half) over the first cos.shape[-1] of each head."""
+    attn, tokens = layer.attn, q.shape[0]
+    q, gate = q.view(tokens, -1, 2 * attn.head_dim).chunk(2, dim=-1)
+    k, v = (t.view(tokens, -1, attn.head_dim) for t in (k, v))
+
+    def norm(t, module):
+        f = t.float()
+        f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + module.eps)
+        return (f * (1.0 + module.weight.float())).to(t.dtype)
+
+    def rotate(t):
+        width = cos.shape[-1]
+        turned, kept = t[..., :width], t[..., width:]
+        half = torch.cat([-turned[..., width // 2 :], turned[..., : width // 2]], dim=-1)
+        return torch.cat([turned * cos[:, None] + half * sin[:, None], kept], dim=-1)
+
+    q, k = rotate(norm(q, attn.q_norm)), rotate(norm(k, attn.k_norm))
+    blocks, offsets = write
+    cache_layer.keys[blocks, :, offsets] = k
+    cache_layer.values[blocks, :, offsets] = v
+    return q, gate.reshape(tokens, -1)
 
 
 def _slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int):

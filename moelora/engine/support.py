@@ -20,7 +20,8 @@ MASKED_ATTENTION = ("sdpa", "eager")
 
 def engine_support(model: nn.Module, runner: bool = False) -> list[str]:
     """Reasons the engine cannot decode `model` (an AutoModelForCausalLM); [] = supported.
-    runner: on moelora's runner (runner.py), which reads each token's own position."""
+    runner: on moelora's runner (runner.py), which reads each token's own position and
+    keeps linear-attention layers' states (the layer types it runs: runner_support)."""
     config = model.config
     reasons = []
     impl = getattr(config, "_attn_implementation", None)
@@ -31,7 +32,7 @@ def engine_support(model: nn.Module, runner: bool = False) -> list[str]:
         )
     known = set(ATTENTION_TYPES) | set(STATELESS_TYPES)
     other = sorted(set(getattr(config, "layer_types", None) or ()) - known)
-    if other:
+    if other and not runner:  # (the runner checks the layer types it runs: runner_support)
         reasons.append(f"layer types {other}: state other than keys and values")
     no_rope = getattr(config, "no_rope_layers", None) or ()
     if not runner and getattr(config, "attn_temperature_tuning", False) and 0 in no_rope:

@@ -141,7 +141,11 @@ def engine_size(
                     max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
     free, total = torch.cuda.mem_get_info(handle.device)
     budget = dict(total=total, used=total - free, reserve=probe.peak, utilization=utilization)
-    if probe.paged:
+    if probe.paged:  # linear-attention layers' states (Qwen3.5): one per row and the spare
+        from ..engine.linear_attention import state_bytes
+
+        dtype = handle.model.get_input_embeddings().weight.dtype
+        budget["reserve"] += state_bytes(handle.model, dtype) * (max_rows + 1)
         blocks = blocks_for_budget(**budget, block_bytes=probe.unit_bytes, max_len=max_len,
                                    block_size=block_size)  # fmt: skip
         return KvSize(max_rows, blocks)
