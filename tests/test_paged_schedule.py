@@ -39,6 +39,8 @@ class TokenRunner:
     (what a layer's k / v depend on) in layer 0's keys [NB, Hk, BS, D] at [block, 0, offset,
     0]; logits one-hot (10 at the pick, 0 elsewhere)."""
 
+    linear = frozenset()  # no linear-attention layer (DecodeRunner.linear)
+
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
 
