@@ -120,3 +120,24 @@ def tiny_qwen_with_adapters(root, model_seed: int, adapter_seed: int):
         dirs[name] = root / name
         truths[name] = toy.write_peft_adapter(base, dirs[name], seed=adapter_seed + i, **kw)
     return base, truths, dirs
+
+
+# Qwen3.5-MoE as published, in small: linear-attention (Gated DeltaNet) layers around a
+# gated full-attention one, two value heads per key head (toy.build_model overrides)
+QWEN35 = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+              "linear_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)  # fmt: skip
+
+
+def runner_engine(made, **kw) -> Engine:
+    """An engine on the runner (eager) over a copy of made's base model (made: (base,
+    truths, directories by adapter name)) with every adapter of `made` loaded."""
+    import copy
+
+    from moelora.hf import attach
+
+    base, _, dirs = made
+    handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
+    for name, path in dirs.items():
+        handle.load_adapter(path, name=name)
+    return Engine(handle, enforce_eager=True, runner=True, **kw)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import LogitsLog, greedy_alone, run_all, truth_logits
+from engine_helpers import QWEN35, LogitsLog, greedy_alone, run_all, truth_logits
 
 from moelora.compare import assert_close
 from moelora.engine import Engine, Request, Sampling
@@ -52,11 +52,6 @@ FAMILIES = [
 # is shorter than every prompt here, so prefill and decode both cut it. DeepSeek-V3 as
 # published: q through q_a / q_b, interleaved rotary pairs, a dense first layer, shared
 # experts, grouped routing (test_deepseek_without_q_lora... covers q_proj and rotate_half)
-# Qwen3.5-MoE as published, in small: linear-attention (Gated DeltaNet) layers around a
-# gated full-attention one, grouped value heads (two per key head)
-QWEN35 = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
-              "linear_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)  # fmt: skip
 # Llama 4 as published, in small: chunked attention on its rotary layers (chunks of 4
 # positions: prompts and decodes cross them), a NoPE layer with attention temperature
 # (floor_scale 2: it changes every other position), a dense layer between MoE ones

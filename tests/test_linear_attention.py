@@ -9,22 +9,16 @@ blocks)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from engine_helpers import greedy_alone, run_all, run_paged
+from engine_helpers import QWEN35, greedy_alone, run_all, run_paged, runner_engine
 
 from moelora.compare import assert_close
-from moelora.engine import Engine, Request, Sampling
+from moelora.engine import Request, Sampling
 from moelora.engine import linear_attention as la
-from moelora.hf import attach, toy
+from moelora.hf import toy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-QWEN35 = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
-              "linear_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)  # fmt: skip
 
 
 @pytest.mark.parametrize("length", [1, 5, 64, 150])
@@ -74,12 +68,7 @@ def la_names():
     return ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
-def _engine(made, **kw) -> Engine:
-    base, _, dirs = made
-    handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
-    for name, path in dirs.items():
-        handle.load_adapter(path, name=name)
-    return Engine(handle, enforce_eager=True, runner=True, **kw)
+_engine = runner_engine
 
 
 def _requests(seed: int, lengths, names, new: int) -> list[Request]:

@@ -7,17 +7,21 @@ cancellations on a pool too small for them all end with every block returned."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import random
 
 import pytest
 import torch
-from engine_helpers import greedy_alone, run_all, run_paged, tiny_qwen_with_adapters
+from engine_helpers import (
+    greedy_alone,
+    run_all,
+    run_paged,
+    runner_engine,
+    tiny_qwen_with_adapters,
+)
 
 from moelora.engine import Engine, Request, Sampling
 from moelora.errors import ConfigError, InputError
-from moelora.hf import attach
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -28,12 +32,7 @@ def made(tmp_path_factory):
     return tiny_qwen_with_adapters(tmp_path_factory.mktemp("paged"), 33, 50)
 
 
-def _engine(made, **kw) -> Engine:
-    base, _, dirs = made
-    handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
-    for name, path in dirs.items():
-        handle.load_adapter(path, name=name)
-    return Engine(handle, enforce_eager=True, runner=True, **kw)
+_engine = runner_engine
 
 
 def _prompts(seed: int, lengths) -> list[tuple[int, ...]]:
