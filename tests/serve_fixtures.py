@@ -46,8 +46,12 @@ class Served:
     tokenizer: object
 
 
-def build(root: Path, seed: int = 3, max_positions: int = 128) -> Served:
-    base = toy.build_model("qwen3_moe", seed=seed, max_position_embeddings=max_positions)
+def build(root: Path, seed: int = 3, max_positions: int = 128, family: str = "qwen3_moe",
+          **overrides) -> Served:  # fmt: skip
+    """A tiny model of `family` (toy.build_model's overrides), its word tokenizer and the
+    family's demo adapters, saved under root."""
+    base = toy.build_model(family, seed=seed, max_position_embeddings=max_positions,
+                           **overrides)  # fmt: skip
     base.generation_config.eos_token_id = None  # random weights: no end token, lengths fixed
     base.save_pretrained(root / "model")
     tok = word_tokenizer(base.config.vocab_size)
