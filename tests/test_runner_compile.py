@@ -2,7 +2,8 @@
 without a GPU (the interpreter runs what the GPU compiler refuses: an fp8 dot with K < 32
 passed every interpreted test): decode attention (each split count, the combine, with and
 without attention sinks), varlen prefill attention (query groups 4 and 8, sinks), the rotary + cache write, the residual add + RMSNorm in both roundings, the FP8 Linear at each
-row tile and the activation groups it serves, in the serving dtypes. Run as a script with
+row tile and the activation groups it serves, Qwen3.5's Gated DeltaNet step and its gated
+norm, in the serving dtypes. Run as a script with
 the interpreter off (tests/sm90_child.py); the tests read what it printed."""
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ POINTERS = {
     "v_ptr": "dt", "out_ptr": "dt", "qw_ptr": "dt", "kw_ptr": "dt", "cos_ptr": "dt",
     "sin_ptr": "dt", "q_out_ptr": "dt", "k_cache_ptr": "dt", "v_cache_ptr": "dt",
     "xs_ptr": "*fp32", "ws_ptr": "*fp32", "w_ptr": "*fp8e4nv", "bias_ptr": "dt", "sink_ptr": "dt",
-    "x_ptr": "dt", "res_ptr": "dt", "y_ptr": "dt", "sum_ptr": "dt",
+    "x_ptr": "dt", "res_ptr": "dt", "y_ptr": "dt", "sum_ptr": "dt", "window_ptr": "dt",
+    "b_ptr": "dt", "a_ptr": "dt", "a_log_ptr": "dt", "dt_bias_ptr": "dt", "state_ptr": "*fp32",
+    "core_ptr": "*fp32", "z_ptr": "dt",
 }  # fmt: skip
 # the FP8 Linear's q_ptr is its quantized input, not attention's queries
-OVERRIDES = {"_fp8_linear_kernel": {"q_ptr": "*fp8e4nv"}, "_add_rms_norm_kernel": {"w_ptr": "dt"}}
+OVERRIDES = {
+    "_fp8_linear_kernel": {"q_ptr": "*fp8e4nv"},
+    "_add_rms_norm_kernel": {"w_ptr": "dt"},
+    "_gated_delta_step_kernel": {"w_ptr": "dt"},
+    "_gated_rms_norm_kernel": {"w_ptr": "dt"},
+}
 FLOATS = {"scale", "eps"}
 DTYPES = {"bf16": "*bf16", "fp32": "*fp32", "fp16": "*fp16"}
 
@@ -58,6 +66,12 @@ def cases() -> dict[str, tuple[str, str, dict, int]]:
         out[f"combine/bf16/sinks{sinks}"] = (
             "decode_attention", "_combine_kernel", dict(SPLITS=4, BLOCK_D=128, HAS_SINKS=sinks), 1,
         )  # fmt: skip
+    for dt in ("bf16", "fp32"):  # Qwen3.5's linear attention: Dk = Dv = 128, conv width 4
+        out[f"gated_delta_step/{dt}"] = (
+            "gated_delta", "_gated_delta_step_kernel",
+            dict(K=4, BLOCK_K=4, BLOCK_DK=128, BLOCK_V=32), 4,
+        )  # fmt: skip
+        out[f"gated_rms_norm/{dt}"] = ("gated_delta", "_gated_rms_norm_kernel", dict(BLOCK=128), 1)
     for dt in ("bf16", "fp16"):
         for rows in (16, 64):
             for bk in (32, 128):

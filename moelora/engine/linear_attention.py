@@ -9,7 +9,8 @@ the last K inputs then its activation (silu); q, k L2-normed and q scaled by Dk^
 beta = sigmoid(b), g = -exp(A_log) x softplus(a + dt_bias); S <- S exp(g); S <- S + k (beta (v - S^T k))^T;
 out = S^T q; RMSNorm of out gated by silu(z); out_proj. A decode step runs that update for
 every row at once (gathered from and scattered back to its state row: a CUDA graph replays
-it); a prompt (or a chunk of one, starting from the state its row holds) runs the chunked
+it), in kernels/gated_delta.py's two kernels (conv, gates and state update; the gated norm)
+where the layer's conv has no bias and silu, else in torch ops; a prompt (or a chunk of one, starting from the state its row holds) runs the chunked
 form transformers' prefill uses (chunks of 64 tokens, the UT transform), one sequence at a
 time; sequences of one token (decodes beside prompt chunks) take the per-token update
 together. A prompt starting at position 0 starts from zero state.
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
+
+from ..kernels.gated_delta import gated_delta_step, gated_rms_norm
 
 CHUNK = 64  # transformers' prefill chunk (torch_chunk_gated_delta_rule's default)
 
@@ -124,15 +127,24 @@ def _output(mixer: nn.Module, core: Tensor, z: Tensor) -> Tensor:
     return x.to(dtype).reshape(z.shape)
 
 
+def fusable(mixer: nn.Module) -> bool:
+    """The layer's decode runs kernels/gated_delta.py (a conv without bias, silu)."""
+    return mixer.conv1d.bias is None and mixer.activation == "silu"
+
+
 def decode(mixer: nn.Module, state: LinearState, rows: Tensor, qkv: Tensor, z: Tensor,
-           b: Tensor, a: Tensor) -> Tensor:  # fmt: skip
+           b: Tensor, a: Tensor, fused: bool = True) -> Tensor:  # fmt: skip
     """One token of each row [T] (its state row): the projections qkv [T, C], z, b, a; the
-    states updated; out_proj's input [T, Hv x Dv]."""
+    states updated; out_proj's input [T, Hv x Dv]. fused: in kernels/gated_delta.py's two
+    kernels where the layer allows (fusable), else torch ops."""
+    if fused and fusable(mixer):
+        core = _step(mixer, state, rows, qkv, b, a, fused)
+        return gated_rms_norm(core, z, mixer.norm.weight, mixer.norm.variance_epsilon)
     return _output(mixer, _step(mixer, state, rows, qkv, b, a), z)
 
 
 def prefill(mixer: nn.Module, state: LinearState, sequences, qkv: Tensor, z: Tensor,
-            b: Tensor, a: Tensor) -> Tensor:  # fmt: skip
+            b: Tensor, a: Tensor, fused: bool = True) -> Tensor:  # fmt: skip
     """Packed sequences [(first token, length, state row, first position)], their tokens'
     projections qkv [T, C], z, b, a: each sequence from its row's state (zero at position
     0), the states updated; out_proj's input [T, Hv x Dv]."""
@@ -141,7 +153,7 @@ def prefill(mixer: nn.Module, state: LinearState, sequences, qkv: Tensor, z: Ten
     if ones:  # decodes beside prompt chunks: the per-token update, together
         at = torch.tensor([s[0] for s in ones], device=qkv.device)
         rows = torch.tensor([s[2] for s in ones], device=qkv.device)
-        out[at] = _step(mixer, state, rows, qkv[at], b[at], a[at])
+        out[at] = _step(mixer, state, rows, qkv[at], b[at], a[at], fused and fusable(mixer))
     for start, length, row, pos0 in sequences:
         if length == 1 and pos0 > 0:
             continue
@@ -157,11 +169,14 @@ def prefill(mixer: nn.Module, state: LinearState, sequences, qkv: Tensor, z: Ten
     return _output(mixer, out, z)
 
 
-def _step(mixer, state: LinearState, rows: Tensor, qkv, b, a) -> Tensor:
+def _step(mixer, state: LinearState, rows: Tensor, qkv, b, a, fused: bool = False) -> Tensor:
     """The per-token update of rows [T] (one token each), their states advanced: core [T,
-    Hv, Dv] fp32."""
+    Hv, Dv] fp32 (fused: kernels/gated_delta.py's step)."""
     window = torch.cat([state.conv[rows], qkv[:, :, None]], dim=-1)  # [T, C, K]
     state.conv[rows] = window[:, :, 1:]
+    if fused:
+        return gated_delta_step(window, mixer.conv1d.weight, b, a, mixer.A_log, mixer.dt_bias,
+                                state.recurrent, rows, mixer.num_k_heads)  # fmt: skip
     q, k, v = _heads(mixer, _conv(mixer, window, 1)[:, 0])
     beta, g = _gates(mixer, b, a)
     s = state.recurrent[rows] * g.exp()[..., None, None]

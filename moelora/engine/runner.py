@@ -231,6 +231,9 @@ class DecodeRunner:
         self.layers = [self._layer(i, layer, experts.get(i))
                        for i, layer in enumerate(model.model.layers)]  # fmt: skip
         self.final_norm = self._norm_weight(model.model.norm)
+        # linear-attention decodes in kernels/gated_delta.py (False: torch ops, the form a
+        # GPU check compares them with)
+        self.fused_linear = True
         self.first_moe = min(experts)
         # MLA's keys and values are expanded per query head in the cache (paged_cache.py)
         self.group = (
@@ -496,9 +499,9 @@ class DecodeRunner:
                                          [f"{path}.{n}" for n in _DELTA], x, slots, rows)  # fmt: skip
         state = cache.states[layer.index]
         if isinstance(states, Tensor):
-            out = linear_attention.decode(mixer, state, states, qkv, z, b, a)
+            out = linear_attention.decode(mixer, state, states, qkv, z, b, a, self.fused_linear)
         else:
-            out = linear_attention.prefill(mixer, state, states, qkv, z, b, a)
+            out = linear_attention.prefill(mixer, state, states, qkv, z, b, a, self.fused_linear)
         (o,) = self._projections([mixer.out_proj], [f"{path}.out_proj"], out, slots, rows)
         return o
 
