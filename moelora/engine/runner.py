@@ -463,33 +463,39 @@ class DecodeRunner:
 
     def _attention(self, layer, x, cos, sin, cache_layer, write, slots, rows, attend,
                    positions) -> Tensor:  # fmt: skip
+        """q / k / v in one GEMM with their LoRA; q ready and k / v cached (_qk_and_cache);
+        attention over each row's cache; Qwen3.5's output gate; o_proj with its LoRA."""
         attn, path = layer.attn, f"{layer.path}.self_attn"
         names = ("q_proj", "k_proj", "v_proj")
         q, k, v = self._projections([getattr(attn, n) for n in names],
                                     [f"{path}.{n}" for n in names], x, slots, rows)  # fmt: skip
-        gate = None
-        if self.family.complex_rope:
-            q = _llama4_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write, positions)
-        if self.family.gated_attention:
-            q, gate = _gated_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write)
-        if self.family.complex_rope or self.family.gated_attention:
-            out = attend(q, cache_layer, attn.scaling, layer).view(x.shape[0], -1)
-            if gate is not None:  # Qwen3.5: the output scaled by its gate's sigmoid
-                out = out * torch.sigmoid(gate)
-            (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out, slots, rows)
-            return o
+        q, gate = self._qk_and_cache(layer, q, k, v, cos, sin, cache_layer, write, positions)
+        out = attend(q, cache_layer, attn.scaling, layer).view(x.shape[0], -1)
+        if gate is not None:  # Qwen3.5: the output scaled by its gate's sigmoid
+            out = out * torch.sigmoid(gate)
+        (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out, slots, rows)
+        return o
+
+    def _qk_and_cache(self, layer, q, k, v, cos, sin, cache_layer, write, positions):
+        """(q [T, Hq, D] ready for attention, Qwen3.5's output gate or None), k / v written
+        to the cache at `write`: q / k norms, rotary and the write in one kernel
+        (kernels/rope_cache.py; OLMoE's norm over the whole projection before it), or the
+        family's own form in torch (Llama 4's, Qwen3.5's gated attention)."""
+        attn, family = layer.attn, self.family
+        if family.complex_rope:
+            return _llama4_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write,
+                                          positions), None  # fmt: skip
+        if family.gated_attention:
+            return _gated_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write)
         head_norms = (None, None)
-        if self.family.qk_norm == "head":
+        if family.qk_norm == "head":
             head_norms = (attn.q_norm.weight, attn.k_norm.weight)
-        elif self.family.qk_norm == "full":
+        elif family.qk_norm == "full":
             q, _ = add_rms_norm(q, None, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k, _ = add_rms_norm(k, None, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, *write,
                            *head_norms, self.eps)  # fmt: skip
-        out = attend(q, cache_layer, attn.scaling, layer)
-        (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"], out.view(x.shape[0], -1),
-                                 slots, rows)  # fmt: skip
-        return o
+        return q, None
 
     def _linear_attention(self, layer, x, slots, rows, cache, states) -> Tensor:
         """A Gated DeltaNet layer (linear_attention.py): its input projections in one GEMM
