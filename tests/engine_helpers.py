@@ -130,8 +130,9 @@ QWEN35 = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attent
 
 
 def runner_engine(made, **kw) -> Engine:
-    """An engine on the runner (eager) over a copy of made's base model (made: (base,
-    truths, directories by adapter name)) with every adapter of `made` loaded."""
+    """An engine on the runner (eager unless kw says otherwise) over a copy of made's base
+    model (made: (base, truths, directories by adapter name)) with every adapter of `made`
+    loaded."""
     import copy
 
     from moelora.hf import attach
@@ -140,4 +141,4 @@ def runner_engine(made, **kw) -> Engine:
     handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
     for name, path in dirs.items():
         handle.load_adapter(path, name=name)
-    return Engine(handle, enforce_eager=True, runner=True, **kw)
+    return Engine(handle, **(dict(enforce_eager=True, runner=True) | kw))

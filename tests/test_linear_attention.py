@@ -151,3 +151,27 @@ def test_the_cache_keeps_blocks_for_attention_layers_and_a_state_per_row_for_lin
     per_row = la.state_bytes(model, engine.dtype)
     assert cache.nbytes() == 21 * bytes_per_block(model, 4, engine.dtype) + 4 * per_row
     engine.close()
+
+
+def test_decode_graphs_captured_mid_run_advance_each_state_once(made, seed, monkeypatch):
+    """Decode graphs captured on first use (no warmup(); a stand-in that, like a CUDA
+    capture, runs the step once when capturing and once per replay): rows joining later
+    need new buckets, and each row still equals HF + PEFT alone (a capture's warm-up run on
+    the rows themselves would advance their states twice)."""
+    from moelora.engine import step_graphs
+
+    captured = []
+
+    def capture(step, pool):
+        out = step()  # the capture's warm-up run; recording runs nothing
+        captured.append(out.shape[0])
+        return step_graphs.Graph(lambda: out.copy_(step()), out)
+
+    monkeypatch.setattr(step_graphs, "capture", capture)
+    engine = _engine(made, max_rows=4, max_len=40, enforce_eager=False)
+    assert engine.graphs is not None and engine.mixed is None
+    requests = _requests(seed, (6, 4, 7, 5), ["every", None, "mixer", "every"], 5)
+    got = run_all(engine, {0: requests[:1], 2: requests[1:2], 4: requests[2:]})
+    assert sorted(set(captured)) == [1, 2, 4], captured  # buckets first met mid-run
+    _check(made, got, requests, 5)
+    engine.close()

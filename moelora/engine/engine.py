@@ -110,6 +110,21 @@ class _Row:
         return self.request.prompt_ids + tuple(self.generated[:-1])
 
 
+def build_runner(handle: ServedModel) -> tuple[DecodeRunner | None, list[str]]:
+    """(moelora's decode runner over the handle's model, []), or (None, why it cannot run
+    it): a model it does not know (runner_support), or LoRA served on a module it would
+    not apply (its rows would lose it)."""
+    reasons = runner_support(handle.model)
+    if reasons:
+        return None, reasons
+    runner = DecodeRunner(handle.model, handle.layers, handle.module_banks)
+    missing = sorted(set(handle.module_banks.shapes) - runner.paths)
+    if missing:
+        more = "..." if len(missing) > 3 else ""
+        return None, [f"LoRA served on {missing[:3]}{more}, which the runner does not apply"]
+    return runner, []
+
+
 class Engine:
     """Decode engine over a served model (moelora.hf.attach's handle)."""
 
@@ -154,7 +169,7 @@ class Engine:
         reasons = engine_support(model, runner=self.runner is not None)
         if reasons:
             fix = "use handle.generate (it falls back to model.generate) for this model"
-            if not runner and not runner_support(model):
+            if not runner and not build_runner(handle)[1]:  # (the runner would run it)
                 fix = (
                     "pass runner=True (`moelora serve --decode-runner on`): moelora's runner "
                     "decodes it; or " + fix
@@ -213,18 +228,8 @@ class Engine:
         self._allocate()
 
     def _runner(self, wanted: bool | None) -> DecodeRunner | None:
-        reasons = runner_support(self.model)
         use = self.device.type == "cuda" if wanted is None else wanted
-        runner = None
-        if use and not reasons:
-            runner = DecodeRunner(self.model, self.handle.layers, self.handle.module_banks)
-            # a served module whose LoRA the runner would not apply: its rows would lose it
-            missing = sorted(set(self.handle.module_banks.shapes) - runner.paths)
-            if missing:
-                more = "..." if len(missing) > 3 else ""
-                reasons.append(f"LoRA served on {missing[:3]}{more}, which the runner does "
-                               "not apply")  # fmt: skip
-                runner = None
+        runner, reasons = build_runner(self.handle) if use else (None, [])
         if wanted and reasons:
             raise ConfigError("runner", True, "a model the decode runner knows: " + "; ".join(
                 reasons), "pass runner=None (or False): transformers' forward decodes it")  # fmt: skip
@@ -780,6 +785,12 @@ class Engine:
         modules = self._graph_modules([r.hold for r in running])
         graphed = self.graphs is not None and not eager
         width = self.graphs.bucket(width) if graphed else width
+        if graphed and self.runner is not None and self.runner.linear and not self.graphs.has(
+                width, modules):  # fmt: skip
+            # a capture's warm-up run would advance the rows' linear-attention states once
+            # more than the replay: captured on padding rows (the spare row's state) first
+            self._pad_only(width)
+            self.graphs.capture(width, modules)
         self._fill(running, width)
         if graphed:
             logits = self.graphs.run(width, modules)

@@ -22,8 +22,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .engine import Engine, Request
-from .runner import runner_support
+from .engine import Engine, Request, build_runner
 from .sampling import Sampling
 from .served import ServedModel
 from .step_graphs import buckets_for
@@ -56,7 +55,7 @@ def generate(
 ):
     """The generated ids [B, S + n] as model.generate returns them, or None when this call
     must run model.generate (the reason logged once)."""
-    reason = _fallback_reason(handle.model, input_ids, kwargs)
+    reason = _fallback_reason(handle, handle.model, input_ids, kwargs)
     settings = None if reason else _settings(handle.model, input_ids, kwargs)
     prompts = None if settings is None else _prompts(input_ids, kwargs, settings.pad)
     if reason or prompts is None:
@@ -75,12 +74,13 @@ def generate(
     return _assemble(input_ids, tokens, settings.pad)
 
 
-def _fallback_reason(model, input_ids, kwargs) -> str | None:
+def _fallback_reason(handle, model, input_ids, kwargs) -> str | None:
     if input_ids is None:
         return "inputs_embeds (the engine takes token ids)"
-    # the engine decodes on moelora's runner on a GPU where the runner knows the model
-    on_runner = next(model.parameters()).is_cuda and not runner_support(model)
-    reasons = engine_support(model, runner=on_runner)
+    reasons = engine_support(model)
+    if reasons and next(model.parameters()).is_cuda and not engine_support(model, runner=True):
+        if not build_runner(handle)[1]:  # on a GPU the engine runs it on the runner
+            reasons = []
     if reasons:
         return "; ".join(reasons)
     extra = sorted(set(kwargs) - CALL_KWARGS - ENGINE_FIELDS - _generation_fields())

@@ -240,8 +240,9 @@ class DecodeRunner:
             1 if self.family.mla else config.num_attention_heads // config.num_key_value_heads
         )
         # DeepSeek's routing as moelora reads it from the config (hf_keys: groups, scaling,
-        # renormalization per family)
-        self.routing = None if self.family.routing == "softmax" else from_hf(
+        # renormalization per family); the others' on the logits in their dtype (Llama 4's
+        # top-k sigmoid in _moe)
+        self.routing = None if self.family.routing in ("softmax", "llama4") else from_hf(
             config.to_dict()).routing  # fmt: skip
         self.paths = self._paths()
         # the block-scaled FP8 Linears' scale blocks, read once (not per forward)

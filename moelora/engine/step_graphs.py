@@ -104,17 +104,28 @@ class StepGraphs:
         """The smallest bucket holding `rows` rows (rows <= max_rows)."""
         return next(b for b in self.buckets if b >= rows)
 
+    def has(self, bucket: int, modules: frozenset[str] = frozenset()) -> bool:
+        """Whether the graph of (bucket, modules) is captured."""
+        return (bucket, modules) in self._graphs
+
     def run(self, bucket: int, modules: frozenset[str] = frozenset()) -> Tensor:
         """Replay the graph of (bucket, the served modules with LoRA in the step), captured
         now if new; the buffers hold this step's inputs, so the capture's warm-up run is this
-        very step, repeated by the replay."""
+        very step, repeated by the replay (harmless for a KV write; a step that advances
+        state, as linear attention does, captures on padding first: capture())."""
         graph = self._graphs.get((bucket, modules))
         if graph is None:
-            start = time.perf_counter()
-            graph = self._capture(bucket, modules)
-            log.info(self.unit + " captured in %.2f s", bucket, time.perf_counter() - start)
+            graph = self.capture(bucket, modules)
         graph.replay()
         return graph.out
+
+    def capture(self, bucket: int, modules: frozenset[str] = frozenset()) -> Graph:
+        """Capture the graph of (bucket, modules) from what the buffers hold now (its
+        warm-up run runs that step once)."""
+        start = time.perf_counter()
+        graph = self._capture(bucket, modules)
+        log.info(self.unit + " captured in %.2f s", bucket, time.perf_counter() - start)
+        return graph
 
     def capture_all(
         self, prepare: Callable[[int], None], modules: frozenset[str] = frozenset()

@@ -67,7 +67,7 @@ def blocks_for_budget(
 def _left(budget: int, utilization: float, total: int, used: int, reserve: int) -> str:
     return (f"{max(budget, 0) / 2**20:.1f} MiB left of {utilization} x {total / 2**30:.1f} GiB "
             f"after {used / 2**30:.2f} GiB of weights and banks and {reserve / 2**20:.1f} MiB "
-            "of activations")  # fmt: skip
+            "kept for activations and any linear-attention states")  # fmt: skip
 
 
 @dataclass(frozen=True)
