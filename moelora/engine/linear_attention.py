@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 
 from ..kernels.gated_delta import gated_delta_step, gated_rms_norm
 
@@ -111,6 +110,8 @@ def _gates(mixer: nn.Module, b: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
 def _conv(mixer: nn.Module, window: Tensor, length: int) -> Tensor:
     """The activation of the causal conv's last `length` outputs over window [N, C, K - 1 + length]
     (the K - 1 inputs before them first): [N, length, C] in the window's dtype."""
+    from transformers.activations import ACT2FN  # (transformers loads with the model)
+
     weight = mixer.conv1d.weight
     out = F.conv1d(window.to(weight.dtype), weight, mixer.conv1d.bias, groups=window.shape[1])
     return ACT2FN[mixer.activation](out[:, :, -length:]).to(window.dtype).transpose(1, 2)
