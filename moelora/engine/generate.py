@@ -55,7 +55,7 @@ def generate(
 ):
     """The generated ids [B, S + n] as model.generate returns them, or None when this call
     must run model.generate (the reason logged once)."""
-    reason = _fallback_reason(handle, handle.model, input_ids, kwargs)
+    reason = _fallback_reason(handle, input_ids, kwargs)
     settings = None if reason else _settings(handle.model, input_ids, kwargs)
     prompts = None if settings is None else _prompts(input_ids, kwargs, settings.pad)
     if reason or prompts is None:
@@ -74,7 +74,8 @@ def generate(
     return _assemble(input_ids, tokens, settings.pad)
 
 
-def _fallback_reason(handle, model, input_ids, kwargs) -> str | None:
+def _fallback_reason(handle, input_ids, kwargs) -> str | None:
+    model = handle.model
     if input_ids is None:
         return "inputs_embeds (the engine takes token ids)"
     reasons = engine_support(model)

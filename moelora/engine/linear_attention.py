@@ -144,18 +144,36 @@ def decode(mixer: nn.Module, state: LinearState, rows: Tensor, qkv: Tensor, z: T
     return _output(mixer, _step(mixer, state, rows, qkv, b, a), z)
 
 
-def prefill(mixer: nn.Module, state: LinearState, sequences, qkv: Tensor, z: Tensor,
-            b: Tensor, a: Tensor, fused: bool = True) -> Tensor:  # fmt: skip
-    """Packed sequences [(first token, length, state row, first position)], their tokens'
-    projections qkv [T, C], z, b, a: each sequence from its row's state (zero at position
-    0), the states updated; out_proj's input [T, Hv x Dv]."""
-    out = torch.empty(qkv.shape[0], mixer.num_v_heads, mixer.head_v_dim, device=qkv.device)
+@dataclass(frozen=True)
+class Packed:
+    """A prefill's packed sequences as every linear-attention layer reads them (pack(): once
+    per forward)."""
+
+    sequences: list[tuple[int, int, int, int]]  # (first token, length, state row, first
+    # position) each
+    ones_at: Tensor | None  # the tokens of one-token sequences going on from a state (decodes
+    # beside prompt chunks: the per-token update, together), and their state rows
+    ones_rows: Tensor | None
+
+
+def pack(sequences: list[tuple[int, int, int, int]], device) -> Packed:
     ones = [s for s in sequences if s[1] == 1 and s[3] > 0]
-    if ones:  # decodes beside prompt chunks: the per-token update, together
-        at = torch.tensor([s[0] for s in ones], device=qkv.device)
-        rows = torch.tensor([s[2] for s in ones], device=qkv.device)
+    if not ones:
+        return Packed(sequences, None, None)
+    at = torch.tensor([[s[0] for s in ones], [s[2] for s in ones]]).to(device)
+    return Packed(sequences, at[0], at[1])
+
+
+def prefill(mixer: nn.Module, state: LinearState, packed: Packed, qkv: Tensor, z: Tensor,
+            b: Tensor, a: Tensor, fused: bool = True) -> Tensor:  # fmt: skip
+    """The packed sequences' tokens' projections qkv [T, C], z, b, a: each sequence from
+    its row's state (zero at position 0), the states updated; out_proj's input [T, Hv x
+    Dv]."""
+    out = torch.empty(qkv.shape[0], mixer.num_v_heads, mixer.head_v_dim, device=qkv.device)
+    at, rows = packed.ones_at, packed.ones_rows
+    if at is not None:
         out[at] = _step(mixer, state, rows, qkv[at], b[at], a[at], fused and fusable(mixer))
-    for start, length, row, pos0 in sequences:
+    for start, length, row, pos0 in packed.sequences:
         if length == 1 and pos0 > 0:
             continue
         end = start + length

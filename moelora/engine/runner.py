@@ -379,14 +379,15 @@ class DecodeRunner:
                                      scaling, layer.window, layer.sinks, layer.chunk)  # fmt: skip
 
         write = _slots(table, write_rows, positions, cache.block_size)
-        return self._forward(ids, positions, write, rows, cache, attend, last, sequences)
+        states = linear_attention.pack(sequences, ids.device) if self.linear else None
+        return self._forward(ids, positions, write, rows, cache, attend, last, states)
 
     def _forward(self, ids, positions, write, rows, cache, attend, last=None,
                  states=None) -> Tensor:  # fmt: skip
         """The layers over tokens ids [T] at positions [T] writing their k / v at `write`
         (blocks [T], offsets [T]); logits of the tokens `last` selects (all when None).
         states: where linear-attention layers keep each row's state: a decode's state rows
-        [T] (a tensor), or a prefill's packed sequences (linear_attention.prefill)."""
+        [T] (a tensor), or a prefill's packed sequences (linear_attention.Packed)."""
         model = self.model
         h = model.model.embed_tokens(ids)
         if self.family.complex_rope:  # DeepSeek-V2: e^(i angle) per pair, [T, r / 2]
@@ -593,9 +594,7 @@ class DecodeRunner:
         q_rot, k_rot = _mla_rope(q_rot, k_rot[:, None], cos, sin, layout)
         q = torch.cat([q_pass, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(tokens, heads, rope)], dim=-1)
-        blocks, offsets = write
-        cache_layer.keys[blocks, :, offsets] = k
-        cache_layer.values[blocks, :, offsets] = F.pad(v, (0, nope + rope - v_dim))
+        _write_kv(cache_layer, write, k, F.pad(v, (0, nope + rope - v_dim)))
         out = attend(q, cache_layer, attn.scaling, layer)[..., :v_dim]
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"],
                                  out.reshape(tokens, heads * v_dim), slots, rows)  # fmt: skip
@@ -654,9 +653,7 @@ def _llama4_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write,
         floor_scale, attn_scale = layer.temperature
         scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
         q = (q * (scales * attn_scale + 1.0)[:, None, None]).to(q.dtype)
-    blocks, offsets = write
-    cache_layer.keys[blocks, :, offsets] = k
-    cache_layer.values[blocks, :, offsets] = v
+    _write_kv(cache_layer, write, k, v)
     return q
 
 
@@ -681,10 +678,16 @@ def _gated_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write):
         return torch.cat([turned * cos[:, None] + half * sin[:, None], kept], dim=-1)
 
     q, k = rotate(norm(q, attn.q_norm)), rotate(norm(k, attn.k_norm))
+    _write_kv(cache_layer, write, k, v)
+    return q, gate.reshape(tokens, -1)
+
+
+def _write_kv(cache_layer, write, k: Tensor, v: Tensor) -> None:
+    """k / v [T, Hk, D] into the paged cache at write (blocks [T], offsets [T]): the torch
+    form of the write, where the family's q / k are not made by kernels/rope_cache.py."""
     blocks, offsets = write
     cache_layer.keys[blocks, :, offsets] = k
     cache_layer.values[blocks, :, offsets] = v
-    return q, gate.reshape(tokens, -1)
 
 
 def _slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int):
