@@ -2,8 +2,8 @@
 kernels/gated_delta.py against the same step in torch ops (moelora/engine/linear_attention.py
 with fused=False), at Qwen3.5-35B-A3B's layer shapes (16 key heads, 32 value heads, widths
 128, conv width 4), bf16, rows 1 / 16 / 64: core and states within bf16's tolerance, then
-each form's time per step (CUDA events, warmed up at the shape, the two forms alternated),
-and the bytes one step must move (the rows' fp32 states read and written) over the time: a
+each form's time per step (one CUDA graph replayed, as the decode step runs it; CUDA events,
+warmed up at the shape, the two forms alternated), and the bytes one step must move (the rows' fp32 states read and written) over the time: a
 fraction of copy bandwidth. PASS / FAIL lines and a JSON record.
 
     python scripts/gpu_gated_delta.py --out /tmp/gd          # on the H200
@@ -75,10 +75,22 @@ def main(argv=None) -> int:
         ok &= passed
         timing = {}
         if device.type == "cuda":
+            # timed as the decode step runs it: one CUDA graph replayed (no host launch cost)
             work = la.LinearState(state.conv.clone(), state.recurrent.clone())
+            graphs = {}
+            for fused in (True, False):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        la.decode(mixer, work, at, qkv, z, b, a, fused=fused)
+                torch.cuda.current_stream().wait_stream(side)
+                graphs[fused] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[fused]):
+                    la.decode(mixer, work, at, qkv, z, b, a, fused=fused)
             for fused in (True, False, True, False):  # warm both, then alternate
                 for _ in range(10):
-                    la.decode(mixer, work, at, qkv, z, b, a, fused=fused)
+                    graphs[fused].replay()
             for fused in (True, False, True, False):
                 start, end = (
                     torch.cuda.Event(enable_timing=True),
@@ -86,7 +98,7 @@ def main(argv=None) -> int:
                 )
                 start.record()
                 for _ in range(args.iters):
-                    la.decode(mixer, work, at, qkv, z, b, a, fused=fused)
+                    graphs[fused].replay()
                 end.record()
                 torch.cuda.synchronize()
                 key = "fused_us" if fused else "torch_us"
