@@ -125,6 +125,8 @@ def _run(handle, names, prompts, runner: bool, device):
             for r in reqs[:2] if step == 0 else reqs[2:] if step == 1 else []:
                 engine.add(r)
             for event in engine.step():
+                if event.error is not None:  # the step's own error, not a KeyError later
+                    raise RuntimeError(f"request {event.request_id} failed") from event.error
                 if event.token_id >= 0:
                     tokens[event.request_id].append(event.token_id)
             step += 1
@@ -219,8 +221,9 @@ def main(argv=None) -> int:
         try:
             family_check(family, args.device, check, args.tiny)
         except Exception as err:  # one family's failure is reported, the others still run
-            where = traceback.extract_tb(err.__traceback__)[-3:]  # where it broke
-            check(f"{family} ran", False, {"error": f"{type(err).__name__}: {err}"[:400],
+            cause = err.__cause__ or err  # a failed request: the step's own error
+            where = traceback.extract_tb(cause.__traceback__)[-3:]  # where it broke
+            check(f"{family} ran", False, {"error": f"{type(err).__name__}: {err}: {cause!r}"[:400],
                                            "at": [f"{f.filename}:{f.lineno} {f.name}" for f in where]})  # fmt: skip
     result["ok"] = ok
     if args.out is not None:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels.gated_delta import gated_delta_step, gated_rms_norm
+from .norm_eps import norm_eps
 
 CHUNK = 64  # transformers' prefill chunk (torch_chunk_gated_delta_rule's default)
 
@@ -122,7 +123,7 @@ def _output(mixer: nn.Module, core: Tensor, z: Tensor) -> Tensor:
     Hv x Dv] (out_proj's input)."""
     dtype, norm = z.dtype, mixer.norm
     x = core.to(dtype).float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps(norm))
     x = norm.weight * x.to(dtype)
     x = x * F.silu(z.view_as(core).float())
     return x.to(dtype).reshape(z.shape)
@@ -140,7 +141,7 @@ def decode(mixer: nn.Module, state: LinearState, rows: Tensor, qkv: Tensor, z: T
     kernels where the layer allows (fusable), else torch ops."""
     if fused and fusable(mixer):
         core = _step(mixer, state, rows, qkv, b, a, fused)
-        return gated_rms_norm(core, z, mixer.norm.weight, mixer.norm.variance_epsilon)
+        return gated_rms_norm(core, z, mixer.norm.weight, norm_eps(mixer.norm))
     return _output(mixer, _step(mixer, state, rows, qkv, b, a), z)
 
 

@@ -54,6 +54,7 @@ from ..quant.module_fp8 import fp8_block
 from ..routing import route
 from . import linear_attention
 from .linear_attention import is_linear
+from .norm_eps import norm_eps
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class Family:
     # first cos.shape[-1] of each head (Qwen3.5's full-attention layers)
     linear: bool = False  # linear-attention layers (Gated DeltaNet: linear_attention.py)
     shared_gate: str | None = None  # a Linear whose sigmoid scales the shared experts' MLP
+    mrope: bool = False  # rotary_emb takes position ids per grid, [3, batch, T] (Qwen3.5:
+    # transformers 5.17 indexes three grids; later versions broadcast one)
 
 
 _DEEPSEEK = Family(
@@ -138,6 +141,7 @@ FAMILIES = {
         gated_attention=True,
         linear=True,
         shared_gate="shared_expert_gate",
+        mrope=True,
     ),
 }
 
@@ -393,6 +397,9 @@ class DecodeRunner:
         if self.family.complex_rope:  # DeepSeek-V2: e^(i angle) per pair, [T, r / 2]
             freqs = model.model.rotary_emb(h[None], positions[None])[0]
             cos, sin = freqs.real, freqs.imag
+        elif self.family.mrope:  # one position per grid (text: the same three)
+            cos, sin = model.model.rotary_emb(h[None], positions[None, None].expand(3, 1, -1))
+            cos, sin = cos[0], sin[0]
         else:
             cos, sin = model.model.rotary_emb(h[None], positions[None])
             cos, sin = cos[0], sin[0]
@@ -493,8 +500,8 @@ class DecodeRunner:
         if family.qk_norm == "head":
             head_norms = (attn.q_norm.weight, attn.k_norm.weight)
         elif family.qk_norm == "full":
-            q, _ = add_rms_norm(q, None, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-            k, _ = add_rms_norm(k, None, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+            q, _ = add_rms_norm(q, None, attn.q_norm.weight, norm_eps(attn.q_norm))
+            k, _ = add_rms_norm(k, None, attn.k_norm.weight, norm_eps(attn.k_norm))
         q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, *write,
                            *head_norms, self.eps)  # fmt: skip
         return q, None
@@ -581,11 +588,11 @@ class DecodeRunner:
                                          [f"{path}.q_a_proj", f"{path}.kv_a_proj_with_mqa"], x,
                                          slots, rows)  # fmt: skip
             norm = attn.q_a_layernorm
-            q_a, _ = add_rms_norm(q_a, None, norm.weight, norm.variance_epsilon)
+            q_a, _ = add_rms_norm(q_a, None, norm.weight, norm_eps(norm))
             (q,) = self._projections([attn.q_b_proj], [f"{path}.q_b_proj"], q_a, slots, rows)
         latent, k_rot = ckv.split([attn.kv_lora_rank, rope], dim=-1)
         norm = attn.kv_a_layernorm
-        latent, _ = add_rms_norm(latent.contiguous(), None, norm.weight, norm.variance_epsilon)
+        latent, _ = add_rms_norm(latent.contiguous(), None, norm.weight, norm_eps(norm))
         (kv,) = self._projections([attn.kv_b_proj], [f"{path}.kv_b_proj"], latent, slots, rows)
         k_nope, v = kv.view(tokens, heads, nope + v_dim).split([nope, v_dim], dim=-1)
         q_pass, q_rot = q.view(tokens, heads, nope + rope).split([nope, rope], dim=-1)
@@ -642,7 +649,7 @@ def _llama4_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write,
     if layer.rope:
         q, k = _mla_rope(q, k, cos, sin, "complex")
     if hasattr(attn, "qk_norm"):
-        eps = attn.qk_norm.variance_epsilon
+        eps = norm_eps(attn.qk_norm)
 
         def norm(t):
             f = t.float()
@@ -668,7 +675,7 @@ def _gated_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write):
 
     def norm(t, module):
         f = t.float()
-        f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + module.eps)
+        f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps(module))
         return (f * (1.0 + module.weight.float())).to(t.dtype)
 
     def rotate(t):
