@@ -70,3 +70,31 @@ def test_tiny_cpu_run_reports_every_config(tmp_path):
     start = next(r for r in rows if r["kind"] == "startup")
     assert start["adapters"] == ["e0", "e1", "q0"]
     assert json.loads(out.read_text()) == rows
+
+
+def test_decode_rate_between_two_generates_that_both_decode():
+    """Decode tokens/s comes from a short and a long generate (the same prefill, the same
+    decode path): the rate is the tokens between them over their time difference."""
+    import argparse
+
+    # each generate: a prefill of 0.5 s give or take up to 0.1 s, then 0.01 s per decode step
+    spread = {1: 0.1, 16: -0.1, 64: 0.0}
+    times = iter([0.5 + spread[n] + 0.01 * (n - 1) for _ in range(2) for n in (1, 16, 64)])
+
+    class FakeClock:
+        cuda = False
+
+        def time(self, call, ids, n):
+            return next(times)
+
+    rows = []
+    a = argparse.Namespace(new=64, repeats=1, prompt=8)
+    model_level._measure_batch(a, {"x": None}, torch.zeros(4, 8), None,
+                               lambda **r: rows.append(r), FakeClock())  # fmt: skip
+    (r,) = rows  # warm-up then one timed pass: 1, 16 and 64 tokens each time
+    # 48 steps of 4 rows over their 0.48 s plus the two prefills' 0.1 s difference (a
+    # one-token generate against the long one would read 63 x 4 / (0.63 - 0.1))
+    assert r["decode_tok_s"] == round(4 * 48 / (0.48 + 0.1), 1)
+    assert r["ttft_ms"] == 600.0
+    with pytest.raises(SystemExit):
+        model_level.parse(["--new", "2"])
