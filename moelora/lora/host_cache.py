@@ -17,6 +17,7 @@ import torch
 from .adapter import Adapter, LayerLoRA
 
 FACTORS = ("w13_a", "w13_b", "w2_a", "w2_b")
+ALIGN_BYTES = 256  # each factor of a pinned host copy starts on this boundary
 
 
 def adapter_bytes(adapter: Adapter) -> int:
@@ -34,27 +35,35 @@ class HostCache:
         self.hits = self.misses = self.evictions = 0
 
     def convert(self, adapter: Adapter) -> Adapter:
-        """The adapter in the bank dtype, pinned when `pin` (one copy, straight into the
-        pinned buffer); the adapter itself when it is in that form already (a registered
-        adapter held in memory is kept in it: its host copy is then that same memory)."""
+        """The adapter in the bank dtype, pinned when `pin` (one copy, straight into one
+        pinned buffer for the whole adapter: one page-locked allocation of its exact size,
+        not one per factor); the adapter itself when it is in that form already (a
+        registered adapter held in memory is kept in it: its host copy is then that same
+        memory)."""
+        factors = [(layer, f, getattr(lora, f)) for layer, lora in adapter.layers.items()
+                   for f in FACTORS]  # fmt: skip
+        convert = [t.dtype != self.dtype or (self.pin and not t.is_pinned()) for *_, t in factors]
+        if not any(convert):
+            return adapter
+        views = iter(self._buffer([t for (*_, t), c in zip(factors, convert) if c]))
+        out: dict = {}
+        for (layer, f, t), c in zip(factors, convert):
+            out.setdefault(layer, {})[f] = next(views).copy_(t) if c else t
+        layers = {layer: LayerLoRA(*(out[layer][f] for f in FACTORS)) for layer in out}
+        return dataclasses.replace(adapter, layers=layers)
 
-        def host(t: torch.Tensor) -> torch.Tensor:
-            if t.dtype == self.dtype and (not self.pin or t.is_pinned()):
-                return t
-            if not self.pin:
-                return t.to(self.dtype)
-            return torch.empty(t.shape, dtype=self.dtype, pin_memory=True).copy_(t)
-
-        layers = {
-            layer: LayerLoRA(*(host(getattr(lora, f)) for f in FACTORS))
-            for layer, lora in adapter.layers.items()
-        }
-        same = all(
-            getattr(layers[k], f) is getattr(v, f)
-            for k, v in adapter.layers.items()
-            for f in FACTORS
-        )
-        return adapter if same else dataclasses.replace(adapter, layers=layers)
+    def _buffer(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Empty tensors of `tensors`' shapes in the bank dtype: views of one pinned buffer
+        (each starting on a 256-byte boundary) when `pin`, else separate tensors."""
+        if not self.pin:
+            return [torch.empty(t.shape, dtype=self.dtype) for t in tensors]
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
+        starts, end = [], 0
+        for t in tensors:
+            starts.append(end)
+            end += -(-t.numel() // align) * align
+        flat = torch.empty(end, dtype=self.dtype, pin_memory=True)
+        return [flat[a : a + t.numel()].view(t.shape) for a, t in zip(starts, tensors)]
 
     def get(self, name: str) -> Adapter | None:
         with self._lock:
