@@ -64,6 +64,7 @@ TOOLS: dict[str, Tool] = {
         Tool("mixed_step", Kind.TIMING, Needs.GPU),
         Tool("ab_dense_linear", Kind.AB, Needs.GPU),
         Tool("serve_load", Kind.TIMING, Needs.GPU),
+        Tool("admission_sim", Kind.TIMING, Needs.CPU),
         Tool("class_neighbours", Kind.CHECK, Needs.GPU),
         Tool("launch_diff", Kind.CHECK, Needs.CPU),
         Tool("report", Kind.REPORT, Needs.CPU),
