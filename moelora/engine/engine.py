@@ -204,6 +204,8 @@ class Engine:
         self._waiting: list[_Row] = []
         self._prefilling: list[_Row] = []  # prompts part-way through a chunked prefill
         self._cancelled: list[str] = []
+        self._suspended: dict[str, _Row] = {}  # request id -> row out of the engine (suspend)
+        self.suspensions = 0
         budget = PREFILL_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
         if int(budget) < 1:
             raise ConfigError("max_num_batched_tokens", max_num_batched_tokens, ">= 1",
@@ -387,6 +389,79 @@ class Engine:
         """Free the request's row at the next step (a finished or unknown id: nothing)."""
         if request_id in self._rows and request_id not in self._cancelled:
             self._cancelled.append(request_id)
+
+    # ---- suspension: a running request out of its row and slot, later resumed -------------
+
+    def suspend(self, request_id: str) -> None:
+        """Take a running request out of the engine without ending it, so that its adapter's
+        slot can go to another adapter (the serving scheduler's bound on a request's wait):
+        its blocks go back (kept as cached blocks, so that its own recompute can hit them),
+        its row and its adapter hold are released. Its tokens, sampler and logprobs stay
+        with it; resume() brings it back, recomputing its tokens so far as after a
+        preemption, so its output is what it would have been. Paged engines only."""
+        if self.pool is None:
+            raise InputError("suspend", "an engine without a paged cache",
+                             "the decode runner's paged cache (runner=True)")  # fmt: skip
+        if request_id not in self._rows or request_id in self._cancelled:
+            raise InputError("suspend request_id", repr(request_id), "a running request's id")
+        row = self._rows.pop(request_id)
+        self._waiting = [r for r in self._waiting if r is not row]
+        self._prefilling = [r for r in self._prefilling if r is not row]
+        self.pool.release(row.blocks)
+        row.blocks, row.registered, row.prefilled, row.matched = [], 0, 0, False
+        row.resume = bool(row.generated)
+        row.hold.release()
+        self._suspended[request_id] = row
+        self.suspensions += 1
+        log.info("suspended request %s (%d tokens so far)", request_id, len(row.generated))
+
+    @property
+    def suspended(self) -> frozenset[str]:
+        """The ids of the suspended requests (waiting for resume() or drop_suspended())."""
+        return frozenset(self._suspended)
+
+    def resumable(self, request_id: str) -> str | None:
+        """None when resume(request_id) would run it at the next step; else why it waits
+        (as admissible() for a new request of its adapter)."""
+        row = self._suspended[request_id]
+        return self.admissible(dataclasses.replace(row.request, prompt_ids=row.fill))
+
+    def resume(self, request_id: str) -> None:
+        """Bring a suspended request back (resumable() must pass): a row, a hold on the
+        adapter version it ran with, its tokens so far recomputed at the next step. Refused
+        (InputError, the request then dropped) when its adapter was replaced or unloaded
+        meanwhile: its tokens so far came from a version no longer served."""
+        row = self._suspended[request_id]
+        reason = self.resumable(request_id)
+        if reason is not None:
+            raise InputError(f"request {request_id!r}", reason, "resume() once resumable() is None")
+        name, held = row.request.adapter, row.hold.key
+        try:
+            hold = self.handle.hold([name])[0]  # the version current now...
+        except InputError:
+            hold = None  # unloaded meanwhile
+        if hold is None or hold.key != held:  # ...must be the one its tokens came from
+            if hold is not None:
+                hold.release()
+            del self._suspended[request_id]
+            raise InputError(
+                f"request {request_id!r} adapter {name!r}",
+                f"{'unloaded' if hold is None else 'replaced'} while the request was "
+                "suspended for another adapter's slot",
+                "the version it started with: send the request again",
+            )  # fmt: skip
+        busy = {r.row for r in self._rows.values()}
+        row.row, row.hold = next(i for i in range(self.max_rows) if i not in busy), hold
+        del self._suspended[request_id]
+        self._rows[request_id] = row
+        if row.resume:  # recomputed as after a preemption, then decoding on
+            self._prefilling.append(row)
+        else:  # no token yet: prefilled as a new request (prompt logprobs and all)
+            self._waiting.append(row)
+
+    def drop_suspended(self, request_id: str) -> None:
+        """Forget a suspended request (cancelled, or the server stopping); unknown: nothing."""
+        self._suspended.pop(request_id, None)
 
     def step(self) -> list[TokenEvent]:
         """Prefill the requests added since the last step, then decode every running row.
