@@ -4,9 +4,9 @@ slot manager (rows that end after their output lengths, LRU slots that evict onl
 no running row holds, copies ahead that take a few steps), on serve_load's workload (Poisson
 arrivals, a client concurrency cap, output lengths, adapter names drawn Zipf from more names
 than slots). It prints each configuration's TTFT p50 / p99 (queue wait: prefill and copies
-are not modelled) and the run's length, for several slot counts and, with --preempt, a policy
-that preempts the rows of an adapter when a request has waited max_wait for its slot (they
-rejoin the queue and resume by recompute).
+are not modelled) and the run's length, for several slot counts and, with --preempt, the
+policy with AdmissionPolicy.preempt (a held adapter's rows suspended for a request that has
+waited max_wait for a slot; they rejoin the queue and resume by recompute).
 
     python -m benchmarks admission_sim                       # the BENCHMARKS.md figures
     python -m benchmarks admission_sim --slots 8,32 --seeds 5
@@ -24,6 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from moelora.serve.admission import AdmissionPolicy, Copy, Slots, Waiting, admit
+
+MAX_STEPS = 1_000_000  # a simulation past this many steps has starved a request
 
 
 @dataclass
@@ -70,21 +72,26 @@ class SlotModel:
             del self.loading[a]
             self.resident.append(a)
 
-    def slots(self) -> Slots:
+    def slots(self, began: dict | None = None) -> Slots:
+        """The slots as the policy reads them; began: request id -> step its row joined
+        (its first new token two steps later: a resumed row's first step recomputes)."""
         running = Counter(a for a, _ in self.running.values() if a is not None)
+        started: dict = {}
+        for r, (a, _) in self.running.items():
+            if began is not None and a is not None:
+                started[a] = max(started.get(a, began[r] + 2), began[r] + 2)
         return Slots(self.num_slots, frozenset(self.resident), running,
-                     loading=frozenset(self.loading))  # fmt: skip
+                     loading=frozenset(self.loading), started=started)  # fmt: skip
 
 
 def simulate(seed: int, *, names: int = 32, slots: int = 8, rows: int = 64,
              concurrency: int = 64, requests: int = 256, rate: float = 32.0,
              step_s: float = 0.025, zipf: float = 1.0, output: tuple = (32, 256),
              max_wait_s: float = 3.0, copy_steps: int = 2, preempt: bool = False,
-             min_run_s: float = 1.0) -> dict:  # fmt: skip
+             min_run_s: float = 1.0, max_steps: int = MAX_STEPS) -> dict:  # fmt: skip
     """One run: TTFT p50 / p99 (seconds of queue wait before a request's first step), the
-    run's seconds and the preemptions. preempt: when the oldest request that has waited
-    max_wait needs a slot and every slot is held, the held adapter with the fewest rows
-    whose rows all ran min_run is preempted (its rows rejoin the queue, waiting anew)."""
+    run's seconds and the preemptions. preempt: AdmissionPolicy.preempt (the policy names
+    the adapter whose rows are suspended; they rejoin the queue, waiting anew)."""
     rng = random.Random(seed)
     weights = [1 / (i + 1) ** zipf for i in range(names)]
     t, arrivals = 0.0, []
@@ -92,7 +99,8 @@ def simulate(seed: int, *, names: int = 32, slots: int = 8, rows: int = 64,
         t += rng.expovariate(rate * step_s)
         arrivals.append((int(t), rng.choices(range(names), weights)[0], rng.randint(*output)))
     max_wait, min_run = round(max_wait_s / step_s), round(min_run_s / step_s)
-    policy = AdmissionPolicy(max_wait=max_wait, swap_ratio=2, copy=Copy.AHEAD)
+    policy = AdmissionPolicy(max_wait=max_wait, swap_ratio=2, copy=Copy.AHEAD,
+                             preempt=preempt, min_run=min_run)  # fmt: skip
     model = SlotModel(slots, rows, copy_steps)
     left = {f"r{i}": n for i, (_, _, n) in enumerate(arrivals)}
     adapter_of = {f"r{i}": a for i, (_, a, _) in enumerate(arrivals)}
@@ -107,10 +115,14 @@ def simulate(seed: int, *, names: int = 32, slots: int = 8, rows: int = 64,
             queue.append(Waiting(rid, adapter_of[rid], step))
             inflight, nxt = inflight + 1, nxt + 1
         model.arrive(step)
-        plan = admit(queue, model.slots(), rows - len(model.running), step, policy)
-        if preempt:
-            preemptions += _preempt(queue, plan, model, step, policy, min_run, began, left)
-            plan = admit(queue, model.slots(), rows - len(model.running), step, policy)
+        plan = admit(queue, model.slots(began), rows - len(model.running), step, policy)
+        for victim in plan.preempt:  # suspended: back in the queue, waiting anew
+            for r in [r for r, (a, _) in model.running.items() if a == victim]:
+                left[r] = model.running.pop(r)[1] - step + 1  # its tokens left, + recompute
+                queue.insert(0, Waiting(r, victim, step))
+                preemptions += 1
+        if plan.preempt:
+            plan = admit(queue, model.slots(began), rows - len(model.running), step, policy)
         for rid in plan.admit:
             model.use(adapter_of[rid])
             model.running[rid] = (adapter_of[rid], step + left[rid])
@@ -125,6 +137,8 @@ def simulate(seed: int, *, names: int = 32, slots: int = 8, rows: int = 64,
         for r in ended:
             del model.running[r]
         inflight, done, step = inflight - len(ended), done + len(ended), step + 1
+        if step > max_steps:
+            raise RuntimeError(f"{requests - done} requests never finished: a starved queue")
     waits = sorted((first[r] - sent[r]) * step_s for r in first)
 
     def q(p: float) -> float:
@@ -133,28 +147,6 @@ def simulate(seed: int, *, names: int = 32, slots: int = 8, rows: int = 64,
     return {"seed": seed, "slots": slots, "preempt": preempt, "ttft_p50_s": round(q(0.5), 2),
             "ttft_p99_s": round(q(0.99), 2), "run_s": round(step * step_s, 1),
             "preemptions": preemptions}  # fmt: skip
-
-
-def _preempt(queue, plan, model: SlotModel, step, policy, min_run, began, left) -> int:
-    """The rows of one held adapter, back in the queue, when the oldest aged request needs a
-    slot and none can be taken (see simulate)."""
-    joined = set(plan.admit)
-    aged = [w for w in queue if step - w.arrived >= policy.max_wait and w.request_id not in joined]
-    held = Counter(a for a, _ in model.running.values() if a is not None)
-    if not aged or aged[0].adapter is None or aged[0].adapter in held:
-        return 0
-    if aged[0].adapter in model.loading or len(set(held) | set(model.loading)) < model.num_slots:
-        return 0
-    ready = [a for a in held
-             if all(step - began[r] >= min_run for r, (b, _) in model.running.items() if b == a)]  # fmt: skip
-    if not ready:
-        return 0
-    victim = min(ready, key=lambda a: (held[a], str(a)))
-    rows = [r for r, (a, _) in model.running.items() if a == victim]
-    for r in rows:
-        left[r] = model.running.pop(r)[1] - step + 1  # its tokens left, plus the recompute
-        queue.insert(0, Waiting(r, victim, step))
-    return len(rows)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -24,8 +24,8 @@ first token. Adapter copies into slots are read from the server's /metrics
 prefix-cache hit rate (vLLM's vllm:num_preemptions_total, vllm:prefix_cache_hits_total /
 vllm:prefix_cache_queries_total), each with the reason when it is 0 by construction or not
 applicable (the server's KV cache, as its startup line says, is in the JSON). --decode-runner,
---long-prefill-token-threshold, --block-size, --num-gpu-blocks-override and
---[no-]enable-prefix-caching are passed to the server when given. Output: a table on stdout
+--long-prefill-token-threshold, --block-size, --num-gpu-blocks-override,
+--[no-]enable-prefix-caching and --adapter-preemption are passed to the server when given. Output: a table on stdout
 (rows as BENCHMARKS.md cites them) and --json.
 
     python -m benchmarks.serve_load --json $OUT/serve_load.json
@@ -76,6 +76,7 @@ def parse(argv=None) -> argparse.Namespace:
     add("--max-num-batched-tokens", type=int, default=None, help="passed to the server")
     add("--long-prefill-token-threshold", type=int, default=None, help="passed to the server")
     add("--gpu-memory-utilization", type=float, default=None, help="passed to the server")
+    add("--adapter-preemption", action="store_true", help="passed to the server")
     add("--decode-runner", choices=("auto", "on", "off"), default=None,
         help="passed to the server (its default: auto)")  # fmt: skip
     add("--block-size", type=int, default=None, help="passed to the server (its default: 16)")
@@ -142,6 +143,8 @@ def server_argv(args, work: Path, names: list[str]) -> list[str]:
     if args.enable_prefix_caching is not None:
         argv.append("--enable-prefix-caching" if args.enable_prefix_caching
                     else "--no-enable-prefix-caching")  # fmt: skip
+    if args.adapter_preemption:
+        argv.append("--adapter-preemption")
     if args.tiny:
         argv += ["--dtype", "float32"]
     return argv

@@ -7,7 +7,7 @@
 # (Engine.warm_prompts) and its step budget is vllm serve's (8192). Run
 # scripts/device_wheels.sh here first and carry .whl (the image has no fastapi / uvicorn /
 # openai). Usage (device tool): bash scripts/gpu_serve.sh   Knobs: LAYERS, NAMES, SLOTS,
-# LEVELS, THRESHOLD (--long-prefill-token-threshold), SERVE_S.
+# LEVELS, THRESHOLD (--long-prefill-token-threshold), PREEMPT=1 (--adapter-preemption), SERVE_S.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 export HF_HUB_OFFLINE=1
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -21,6 +21,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu
 (while true; do echo "$SECONDS $(free -m | awk 'NR==2{print $3}')" >> "$OUT/host_mem_mib.txt"; sleep 10; done) &
 extra=()
 [ -n "${THRESHOLD:-}" ] && extra+=(--long-prefill-token-threshold "$THRESHOLD")
+[ "${PREEMPT:-0}" = 1 ] && extra+=(--adapter-preemption)
 timeout "$(budget ${SERVE_S:-560})" $PY -m benchmarks.serve_load --layers "${LAYERS:-48}" \
     --concurrency "${LEVELS:-64,16,1}" --adapter-names "${NAMES:-32}" --max-loras "${SLOTS:-8}" \
     --block-size 16 --enable-prefix-caching --work /tmp/serve_load "${extra[@]}" \

@@ -144,7 +144,14 @@ def test_policy_under_random_load(arrivals, num_slots, rows, copy_steps, max_wai
             sim.running[rid] = (a, step + n)
             started[rid] = step
         left = Counter(x.adapter for x in queue if x.request_id not in plan.admit)
-        oldest = next((x.adapter for x in queue if step - x.arrived >= max_wait), None)
+        oldest = next(
+            (
+                x.adapter
+                for x in queue
+                if step - x.arrived >= max_wait and x.request_id not in plan.admit
+            ),
+            None,
+        )  # fmt: skip (still waiting)
         for a in plan.prefetch:
             evicted = sim.claim(a)  # for a queue worth the swap, or the oldest
             assert evicted is None or a == oldest or left[a] > policy.swap_ratio * left[evicted]
@@ -212,3 +219,28 @@ def test_the_load_simulation_bounds_waits_only_with_slots_or_preemption():
         assert eight["ttft_p99_s"] > 10.0 and eight["run_s"] > 1.5 * every["run_s"]
         assert pre["ttft_p99_s"] < 5.0 and pre["preemptions"] > 0
         assert pre["run_s"] < 1.1 * eight["run_s"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    names=st.integers(1, 12),
+    slots=st.integers(1, 4),
+    concurrency=st.integers(1, 12),
+    max_wait_s=st.sampled_from([0.05, 0.5, 3.0]),
+    min_run_s=st.sampled_from([0.0, 0.25, 1.0]),
+    zipf=st.sampled_from([0.0, 1.0, 2.0]),
+)
+def test_preempting_policy_under_random_load(seed, names, slots, concurrency, max_wait_s,
+                                             min_run_s, zipf):  # fmt: skip
+    """AdmissionPolicy.preempt through the slot model: every request finishes (no request
+    starved, no preempted row lost), no slot is ever written while a row holds it
+    (SlotModel.claim asserts it), and nothing is preempted when every name has a slot."""
+    from benchmarks.admission_sim import simulate
+
+    r = simulate(seed, names=names, slots=slots, rows=concurrency, concurrency=concurrency,
+                 requests=40, zipf=zipf, output=(2, 40), max_wait_s=max_wait_s,
+                 min_run_s=min_run_s, preempt=True, max_steps=20_000)  # fmt: skip
+    assert r["run_s"] > 0
+    if names <= slots:
+        assert r["preemptions"] == 0

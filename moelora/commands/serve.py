@@ -117,6 +117,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="on the decode runner, the most tokens of one prompt a step prefills "
                    "(0, the default: what --max-num-batched-tokens leaves), so a long prompt "
                    "lengthens the running rows' steps by at most that many tokens' work")  # fmt: skip
+    p.add_argument("--adapter-preemption", action="store_true",
+                   help="when a request has waited 3 s for an adapter slot and every slot is "
+                   "held, suspend the running requests of one held adapter so that it gets the "
+                   "slot (they resume by recompute with the output they would have given): "
+                   "bounds the wait for the first token with more adapters in flight than "
+                   "--max-loras, at the price of a pause in those streams; needs the decode "
+                   "runner's paged cache (default off)")  # fmt: skip
     p.add_argument("--enable-chunked-prefill", action="store_true",
                    help="accepted for vLLM's command lines: chunked prefill is always on where "
                    "the decode runner runs (--max-num-batched-tokens sizes the chunks)")  # fmt: skip

@@ -27,6 +27,16 @@ in this plan). The rule, in order:
    An adapter in no slot, with `Copy.AHEAD`, is copied by the prefetch thread and its
    requests join once it is in (the copy runs beside the steps); with `Copy.AT_ADMISSION`
    they join now and the engine's add() copies it.
+   With `preempt` (off by default) a wait for a slot is bounded too: when the oldest aged
+   request needs one and every slot is held, the held adapter with the fewest running
+   rows (then the fewest waiting requests) whose newest row has run `min_run` is
+   preempted: its rows are suspended (Engine.suspend: out of their rows and slot, resumed
+   later by recompute with the tokens they would have given) and rejoin the queue,
+   waiting anew, and the freed slot goes to the aged request. Rows hold their adapter's
+   slot for their whole output, so with more adapters in flight than slots a wait is
+   otherwise bounded only by the rows ahead of it (benchmarks/admission_sim.py: 8 slots
+   for 32 names at concurrency 64 give a TTFT p99 near 20 s without it, under 4 s with
+   it); the price is a pause in the preempted streams.
 4. Draining, for a queue worth a swap: when an adapter in no slot waits and every slot is
    taken, the held adapter with the fewest waiting requests (then the fewest running rows)
    is drained if the waiting adapter's queue is more than `swap_ratio` times its own: its
@@ -67,7 +77,10 @@ class Slots:
     """The adapter slots as the scheduler sees them before a plan. running: adapter ->
     running rows holding it (their slots cannot be written); pinned: never evicted;
     loading: being copied ahead (each takes a slot); uncopyable: adapters whose copy ahead
-    failed (their requests join and the engine's add() copies, or refuses, them)."""
+    failed (their requests join and the engine's add() copies, or refuses, them); started:
+    adapter -> when the newest of its running rows gave its first token since it joined or
+    resumed (AdmissionPolicy.preempt's min_run counts from there, so that every preempted
+    row has made progress: a row suspended before a new token would loop forever)."""
 
     num_slots: int
     resident: frozenset = frozenset()
@@ -75,6 +88,7 @@ class Slots:
     pinned: frozenset = frozenset()
     loading: frozenset = frozenset()
     uncopyable: frozenset = frozenset()
+    started: Mapping = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,21 +96,28 @@ class AdmissionPolicy:
     """max_wait: a request waiting this long goes first (see the module doc); 3 s, chosen,
     not measured: under issue 37's TTFT p99 target of 5 s with room for the rows ahead of
     it to end. swap_ratio: how much longer a waiting adapter's queue must be than a held
-    one's to drain the held one (2: chosen; 1 would drain for a tie)."""
+    one's to drain the held one (2: chosen; 1 would drain for a tie). preempt: suspend a
+    held adapter's rows for the oldest aged request waiting for a slot (see the module
+    doc); min_run: how long the newest of those rows must have run since its first new
+    token (1 s: chosen, so that a resumed row is not preempted again at once)."""
 
     max_wait: float = 3.0
     swap_ratio: float = 2.0
     copy: Copy = Copy.AHEAD
+    preempt: bool = False
+    min_run: float = 1.0
 
 
 @dataclass(frozen=True)
 class Plan:
     """admit: request ids to add, in order (aged, resident, swapped); prefetch: adapters to
-    copy into a slot now; draining: held adapters whose new requests wait."""
+    copy into a slot now; draining: held adapters whose new requests wait; preempt: held
+    adapters whose running rows are to be suspended now (the caller plans again after)."""
 
     admit: tuple[str, ...] = ()
     prefetch: tuple = ()
     draining: frozenset = frozenset()
+    preempt: tuple = ()
 
 
 def admit(
@@ -112,7 +133,11 @@ def admit(
             ahead = _copy_for_the_oldest(w.adapter, slots, taken, policy)
             return Plan(tuple(admitted), ahead, frozenset())
         if not _fits(w.adapter, taken, slots.num_slots):
-            return _blocked(queue, aged[i:], slots, held, taken, free_rows, admitted)
+            plan = _blocked(queue, aged[i:], slots, held, taken, free_rows, admitted)
+            victim = _victim(queue, slots, held, now, policy) if policy.preempt else None
+            if victim is None:
+                return plan
+            return Plan(plan.admit, (), plan.draining | {victim}, (victim,))
         admitted.append(w.request_id)
         taken.add(w.adapter)
         free_rows -= 1
@@ -163,6 +188,19 @@ def _copy_for_the_oldest(adapter, slots: Slots, taken: set, policy: AdmissionPol
             or len(taken) >= slots.num_slots):  # fmt: skip
         return ()
     return (adapter,)
+
+
+def _victim(queue: Sequence[Waiting], slots: Slots, held: set, now: float,
+            policy: AdmissionPolicy):  # fmt: skip
+    """The held adapter whose rows are suspended for the oldest aged request (None: none
+    may be): not pinned, its newest row run min_run; the fewest running rows, then the
+    fewest waiting requests, first."""
+    waiting = Counter(w.adapter for w in queue)
+    ready = [a for a in held if a not in slots.pinned
+             and now - slots.started.get(a, float("-inf")) >= policy.min_run]  # fmt: skip
+    if not ready:
+        return None
+    return min(ready, key=lambda a: (slots.running.get(a, 0), waiting[a], str(a)))
 
 
 DRAINS_PER_SLOTS = 2  # at most half the slots drained at once for aged requests: chosen

@@ -76,7 +76,7 @@ def start(args: argparse.Namespace, model=None):
                               is_loaded=lambda adapter: handle.version(adapter) is not None,
                               kv_cache=paged_cache_of(engine), max_model_len=engine.max_len,
                               cache_config=cache_config_of(engine, settings)))  # fmt: skip
-    scheduler = Scheduler(engine, metrics).start()
+    scheduler = Scheduler(engine, metrics, admission=_admission(args, engine)).start()
     stall_s = getattr(args, "stall_dump_seconds", 0.0)  # serve's flag; run-batch: off
     StallWatchdog(scheduler.snapshot, stall_s, metrics, lambda: scheduler.alive).start()
     parents = {n: m.base_model_name for n, m in settings.lora_modules.items()
@@ -87,6 +87,22 @@ def start(args: argparse.Namespace, model=None):
         runtime_lora=getattr(args, "enable_runtime_lora", False),
         allowed_lora_root=allowed, parents=parents, metrics=metrics,
     )  # fmt: skip
+
+
+def _admission(args: argparse.Namespace, engine):
+    """The scheduler's admission policy: the default, with --adapter-preemption its
+    preempting form (refused on an engine without the paged cache: it cannot suspend)."""
+    from .admission import AdmissionPolicy
+
+    if not getattr(args, "adapter_preemption", False):
+        return AdmissionPolicy()
+    if engine.pool is None:
+        raise ConfigError(
+            "--adapter-preemption", True, "an engine on the decode runner's paged cache",
+            "drop --adapter-preemption: this model runs on transformers' forward "
+            "(--decode-runner off, or a family the runner does not know)",
+        )  # fmt: skip
+    return AdmissionPolicy(preempt=True)
 
 
 def _interpret_without_gpu() -> None:

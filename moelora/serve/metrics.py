@@ -116,13 +116,14 @@ class KvCache:
 def paged_cache_of(engine) -> Callable[[], KvCache] | None:
     """A reader of `engine`'s paged cache (moelora.engine.Engine: pool, preemptions), for
     Setting.kv_cache; None when its cache is not paged (rows of one slab each). Without
-    prefix caching no prefix is looked up: 0 queries, as vLLM counts them."""
+    prefix caching no prefix is looked up: 0 queries, as vLLM counts them. Preemptions
+    count the rows suspended for another adapter's slot too (both resume by recompute)."""
     pool = engine.pool
     if pool is None:
         return None
     on = pool.prefix_caching
     return lambda: KvCache(
-        pool.used, pool.capacity, engine.preemptions,
+        pool.used, pool.capacity, engine.preemptions + getattr(engine, "suspensions", 0),
         pool.stats.queries if on else 0, pool.stats.hits if on else 0,
     )  # fmt: skip
 

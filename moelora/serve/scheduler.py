@@ -78,6 +78,9 @@ class _Ticket:
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
+    running_since: float | None = None  # joined the engine, or resumed there, last
+    progress: float | None = None  # its first token since then (admission.Slots.started)
+    suspended: float | None = None  # when the engine suspended it (it waits in the queue)
 
 
 class Scheduler:
@@ -254,6 +257,12 @@ class Scheduler:
             for ticket in list(self._waiting):
                 if ticket.request.request_id == request_id:
                     self._waiting.remove(ticket)
+                    if ticket.suspended is not None:  # it has streamed: it ends as cancelled
+                        from ..engine.engine import TokenEvent  # the engine's own finish
+
+                        self.engine.drop_suspended(request_id)
+                        _send(ticket, TokenEvent(request_id, -1, True, "cancelled"))
+                        continue
                     _send(ticket, Refused(request_id, RuntimeError("cancelled")))
 
     def _shutdown_step(self) -> None:
@@ -261,6 +270,11 @@ class Scheduler:
         cancelled and their readers told why."""
         while self._waiting:
             ticket = self._waiting.popleft()
+            if ticket.suspended is not None:  # suspended for a slot: it stops here
+                self.engine.drop_suspended(ticket.request.request_id)
+                error = ShuttingDown("the server shut down before the request finished")
+                _send(ticket, Refused(ticket.request.request_id, error))
+                continue
             error = ShuttingDown("the server is shutting down; the request did not start")
             _send(ticket, Refused(ticket.request.request_id, error))
         if self._running and time.monotonic() > self._deadline:
@@ -281,10 +295,10 @@ class Scheduler:
                 pass
             self._report_load()
             return
-        keys = {id(t): self._key(t.request.adapter) for t in self._waiting}
-        queue = [Waiting(t.request.request_id, keys[id(t)], t.submitted) for t in self._waiting]
-        free_rows = max(0, self.engine.max_rows - len(self._running))
-        plan = admit(queue, self._slots(), free_rows, time.perf_counter(), self.admission)
+        plan, keys = self._plan()
+        if plan.preempt:  # the rows of these adapters leave their slots: plan again
+            self._suspend(plan.preempt)
+            plan, keys = self._plan()
         by_id = {t.request.request_id: t for t in self._waiting}
         for request_id in plan.admit:
             if self._add(by_id[request_id], keys[id(by_id[request_id])]) is False:
@@ -294,23 +308,62 @@ class Scheduler:
             self.prefetcher.start(key, names[key])
         self._report_load()
 
+    def _plan(self):
+        """The admission plan for the queue now, and each waiting ticket's slot key (by id).
+        A suspended request waits from its suspension."""
+        keys = {id(t): self._key(t.request.adapter) for t in self._waiting}
+        queue = [Waiting(t.request.request_id, keys[id(t)], t.suspended or t.submitted)
+                 for t in self._waiting]  # fmt: skip
+        free_rows = max(0, self.engine.max_rows - len(self._running))
+        return admit(queue, self._slots(), free_rows, time.perf_counter(), self.admission), keys
+
+    def _suspend(self, adapters) -> None:
+        """Suspend the running requests of `adapters` (slot keys) in the engine; they wait
+        in the queue again, behind the requests there."""
+        now = time.perf_counter()
+        for request_id, key in list(self._keys.items()):
+            if key not in adapters:
+                continue
+            ticket = self._running.pop(request_id)
+            del self._keys[request_id]
+            try:
+                self.engine.suspend(request_id)
+            except Exception as err:  # cannot be suspended: it ends, telling its reader
+                log.warning("request %s could not be suspended: %r", request_id, err)
+                self.engine.cancel(request_id)
+                _send(ticket, Refused(request_id, err))
+                continue
+            ticket.suspended = now
+            self._waiting.append(ticket)
+
     def _add(self, ticket: _Ticket, key: object = None) -> bool:
-        """Add `ticket`'s request if the engine says it runs at the next step (False when
-        it must wait); a refusal ends it. Either way but waiting it leaves the queue."""
+        """Add `ticket`'s request (resume it, if suspended) if the engine says it runs at
+        the next step (False when it must wait); a refusal ends it. Either way but waiting
+        it leaves the queue."""
+        request_id = ticket.request.request_id
         try:
-            if self.engine.admissible(ticket.request) is not None:
-                return False
-            self.engine.add(ticket.request)
+            if ticket.suspended is not None:
+                if self.engine.resumable(request_id) is not None:
+                    return False
+                self.engine.resume(request_id)
+            else:
+                if self.engine.admissible(ticket.request) is not None:
+                    return False
+                self.engine.add(ticket.request)
         except Exception as err:
             self._waiting.remove(ticket)
-            _send(ticket, Refused(ticket.request.request_id, err))
+            _send(ticket, Refused(request_id, err))
             return True
         self._waiting.remove(ticket)
-        self._running[ticket.request.request_id] = ticket
-        self._keys[ticket.request.request_id] = key
-        ticket.admitted = time.perf_counter()
+        self._running[request_id] = ticket
+        self._keys[request_id] = key
+        ticket.running_since, ticket.progress = time.perf_counter(), None
+        if ticket.suspended is not None:  # resumed: its reader already has Admitted
+            ticket.suspended = None
+            return True
+        ticket.admitted = ticket.running_since
         self.metrics.admitted(ticket.admitted - ticket.submitted)
-        _send(ticket, Admitted(ticket.request.request_id))
+        _send(ticket, Admitted(request_id))
         return True
 
     def _key(self, name: str | None) -> object:
@@ -323,9 +376,15 @@ class Scheduler:
         """The slots now: resident and pinned keys, the running rows' keys, the copies."""
         manager = self.engine.handle.registry.manager
         running = collections.Counter(k for k in self._keys.values() if k is not None)
+        started, now = {}, time.perf_counter()
+        for request_id, key in self._keys.items():  # admission.Slots.started
+            since = self._running[request_id].progress or now  # no new token: not preemptible
+            if key is not None and since > started.get(key, float("-inf")):
+                started[key] = since
         return Slots(
             self.engine.handle.num_slots, frozenset(manager.loaded), running,
             frozenset(manager.pinned), self.prefetcher.loading, self.prefetcher.uncopyable,
+            started,
         )  # fmt: skip
 
     def _step(self) -> None:
@@ -351,6 +410,7 @@ class Scheduler:
                 since = now - (ticket.last_token or ticket.submitted)
                 self.metrics.token(since, ticket.last_token, ticket.request.adapter)
                 ticket.first_token = ticket.first_token or now
+                ticket.progress = ticket.progress or now
                 ticket.last_token, ticket.tokens = now, ticket.tokens + 1
             if event.finished:
                 del self._running[event.request_id]
