@@ -6,6 +6,9 @@ import sys
 
 
 def run() -> int:
+    from .interrupt import install
+
+    install()  # Ctrl-C while the command loads: one line, 130, at once (interrupt.py)
     try:
         from .cli import main
 

@@ -16,6 +16,7 @@ from . import __version__
 from .commands.flag_terms import error_text
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, MoeloraError, exit_code
 from .extras import missing_extra
+from .interrupt import command_parsed
 
 DESCRIPTION = (
     "moelora runs the expert layers of Mixture-of-Experts models with many LoRA adapters in "
@@ -75,12 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# commands whose startup only loads (a model, adapters) before a server or batch loop that
+# installs its own Ctrl-C handler: until then Ctrl-C exits at once (interrupt.py)
+LOADS_FIRST = frozenset({"serve", "run-batch"})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = None
     try:
         args = _parse(argv)
         command = args.command
+        command_parsed(command, loads_only=command in LOADS_FIRST)
         return _run(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; 130 as the shell says it
         print(
