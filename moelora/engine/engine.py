@@ -353,6 +353,11 @@ class Engine:
                         f"{self.pool.block_size} positions; the prompt needs {need}")  # fmt: skip
         return None
 
+    def _free_row_index(self) -> int:
+        """The lowest cache row no running request holds (_row_free() must be None)."""
+        busy = {r.row for r in self._rows.values()}
+        return next(i for i in range(self.max_rows) if i not in busy)
+
     def _row_free(self) -> str | None:
         if len(self._rows) >= self.max_rows:
             return f"no free row ({self.max_rows} requests running)"
@@ -372,8 +377,7 @@ class Engine:
             raise InputError(
                 f"request {request.request_id!r}", reason, "add() once admissible() returns None"
             )
-        busy = {r.row for r in self._rows.values()}
-        row = next(i for i in range(self.max_rows) if i not in busy)
+        row = self._free_row_index()
         if hold is None:
             hold = self.handle.hold([request.adapter])[0]  # the version current now, to the end
         sampler = RowSampler.make(
@@ -407,9 +411,7 @@ class Engine:
         row = self._rows.pop(request_id)
         self._waiting = [r for r in self._waiting if r is not row]
         self._prefilling = [r for r in self._prefilling if r is not row]
-        self.pool.release(row.blocks)
-        row.blocks, row.registered, row.prefilled, row.matched = [], 0, 0, False
-        row.resume = bool(row.generated)
+        self._drop_blocks(row)
         row.hold.release()
         self._suspended[request_id] = row
         self.suspensions += 1
@@ -450,8 +452,7 @@ class Engine:
                 "suspended for another adapter's slot",
                 "the version it started with: send the request again",
             )  # fmt: skip
-        busy = {r.row for r in self._rows.values()}
-        row.row, row.hold = next(i for i in range(self.max_rows) if i not in busy), hold
+        row.row, row.hold = self._free_row_index(), hold
         del self._suspended[request_id]
         self._rows[request_id] = row
         if row.resume:  # recomputed as after a preemption, then decoding on
@@ -722,12 +723,18 @@ class Engine:
         """Free a row's blocks (vLLM's preemption by recompute): it is prefilled again, its
         prompt and the tokens it generated, and decodes on from where it was."""
         log.info("preempting request %s (%d blocks)", row.request.request_id, len(row.blocks))
-        self.pool.release(row.blocks)
-        row.blocks, row.registered, row.prefilled, row.matched = [], 0, 0, False
-        row.resume = bool(row.generated)
+        self._drop_blocks(row)
         if row not in self._prefilling:
             self._prefilling.append(row)
         self.preemptions += 1
+
+    def _drop_blocks(self, row: _Row) -> None:
+        """Give back a row's blocks (kept as cached blocks where registered): it is prefilled
+        again from its first token, a row with tokens as a resumed one (preemption and
+        suspension both recompute)."""
+        self.pool.release(row.blocks)
+        row.blocks, row.registered, row.prefilled, row.matched = [], 0, 0, False
+        row.resume = bool(row.generated)
 
     def _write_table(self) -> None:
         """The blocks handed out since the last forward, into the device's block table."""

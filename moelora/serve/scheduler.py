@@ -78,8 +78,7 @@ class _Ticket:
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
-    running_since: float | None = None  # joined the engine, or resumed there, last
-    progress: float | None = None  # its first token since then (admission.Slots.started)
+    progress: float | None = None  # its first token since it joined or resumed (Slots.started)
     suspended: float | None = None  # when the engine suspended it (it waits in the queue)
 
 
@@ -357,11 +356,11 @@ class Scheduler:
         self._waiting.remove(ticket)
         self._running[request_id] = ticket
         self._keys[request_id] = key
-        ticket.running_since, ticket.progress = time.perf_counter(), None
+        ticket.progress = None
         if ticket.suspended is not None:  # resumed: its reader already has Admitted
             ticket.suspended = None
             return True
-        ticket.admitted = ticket.running_since
+        ticket.admitted = time.perf_counter()
         self.metrics.admitted(ticket.admitted - ticket.submitted)
         _send(ticket, Admitted(request_id))
         return True
