@@ -31,6 +31,11 @@ def run(stop_at: int | None, new: int, leave_after: int | None = None) -> tuple[
     engine, metrics = ScriptedEngine(rows=2, slots=1), Metrics()
     scheduler = Scheduler(engine, metrics, idle_wait_s=0.01).start()
     rid = f"r{random.randrange(10**9)}"
+    if stop_at is not None:  # a stop word inside an earlier word ("w10" in "w104") cuts early
+        while f"w{token(rid, stop_at)}" in WordTokenizer().decode(
+            token(rid, i) for i in range(stop_at)
+        ):
+            rid = f"r{random.randrange(10**9)}"
     stop = () if stop_at is None else (f"w{token(rid, stop_at)}",)
 
     async def read() -> str:
