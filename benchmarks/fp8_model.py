@@ -251,17 +251,19 @@ def time_batches(a, runs: Runs, which: list[str], label: dict, emit, device) -> 
         for w in which:
             getattr(runs, w)(ids, a.new), runs.prefill(w, ids)
     for b, ids in shapes.items():
-        times = {w: ([], []) for w in which}
+        times = {w: ([], [], []) for w in which}
         for rep in range(a.repeats):
             for w in which if rep % 2 == 0 else which[::-1]:
-                times[w][0].append(runs.clock.time(getattr(runs, w), ids, a.new))
+                seconds, peak = runs.clock.time_and_peak(getattr(runs, w), ids, a.new)
+                times[w][0].append(seconds)
                 times[w][1].append(runs.prefill(w, ids))
+                times[w][2].append(peak)
         for w in which:
             total, pre = min(times[w][0]), min(times[w][1])
             emit(kind=label[w], batch=b, tok_s=round(b * a.new / total, 1),
                  prefill_ms=round(pre * 1e3, 2),
                  decode_tok_s=round(b * (a.new - 1) / max(total - pre, 1e-9), 1),
-                 peak_gib=runs.clock.peak_gib(getattr(runs, w), ids, a.new))  # fmt: skip
+                 peak_gib=max(times[w][2]))  # fmt: skip
 
 
 def full_precision_phase(a, model, adapters: dict[str, Path], emit, device: str) -> None:

@@ -59,15 +59,17 @@ class Clock:
         self.sync()
         return time.perf_counter() - start
 
-    def peak_gib(self, call, *args) -> float:
+    def time_and_peak(self, call, *args) -> tuple[float, float]:
+        """`time`, and the peak memory in GiB: the device's during the call, or on a CPU the
+        process's max RSS so far."""
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-            call(*args)
-            return round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        seconds = self.time(call, *args)
+        if self.cuda:
+            return seconds, round(torch.cuda.max_memory_allocated() / 2**30, 3)
         import resource
 
-        call(*args)
-        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+        return seconds, round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
 
 
 def add_run_args(p: argparse.ArgumentParser, layers: int, prompt: int = 128) -> None:
@@ -118,12 +120,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
          params_gib=round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 3))  # fmt: skip
     configs = _configs(a)
     handle, adapter_sets = None, {}
+    phase = _Phases(emit, clock)
     if any(c.startswith("moelora") for c in configs):
-        dirs = _write_adapters(a, shape)
+        dirs = phase("write_adapters", _write_adapters, a, shape)
         check = _CheckBatch(a, shape, dirs)
-        check.truth(model)
+        phase("hf_peft_truth", check.truth, model)
         handle, adapter_sets = _attach(a, model, dirs, emit, clock)
-        emit(**check.against(handle))
+        emit(**phase("check", check.against, handle))
     calls = {c: _call_for(c, model, handle, adapter_sets) for c in configs}
     gen = torch.Generator().manual_seed(1)
     for b in (int(b) for b in a.batches.split(",")):
@@ -131,8 +134,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         floor = None
         if bandwidth:
             floor = b / (step_bytes(model, shape, b, a.prompt + a.new // 2) / bandwidth)
-        _measure_batch(a, calls, ids, floor, emit, clock)
+        phase(f"batch_{b}", _measure_batch, a, calls, ids, floor, emit, clock)
     return rows
+
+
+class _Phases:
+    """Runs one phase of the benchmark and reports its wall time (where a device call's
+    minutes go: the full-depth run has to fit one)."""
+
+    def __init__(self, emit, clock: Clock) -> None:
+        self.emit, self.clock = emit, clock
+
+    def __call__(self, name: str, call, *args):
+        start = time.perf_counter()
+        out = call(*args)
+        self.clock.sync()
+        self.emit(kind="phase", phase=name, s=round(time.perf_counter() - start, 2))
+        return out
 
 
 def _measure_batch(a, calls: dict, ids, floor: float | None, emit, clock: Clock) -> None:
@@ -151,12 +169,15 @@ def _measure_batch(a, calls: dict, ids, floor: float | None, emit, clock: Clock)
         if c == "hf_static":
             emit(kind="compile", config=c, batch=b, first_call_s=round(first, 1))
     times = {c: ([], [], []) for c in calls}
+    peaks: dict[str, list] = {c: [] for c in calls}
     for rep in range(a.repeats):
         for c in list(calls) if rep % 2 == 0 else list(calls)[::-1]:
             for i, n in enumerate((1, short, a.new)):
-                times[c][i].append(clock.time(calls[c], ids, n))
-    for c, call in calls.items():
-        peak = clock.peak_gib(call, ids, a.new) if clock.cuda else None
+                seconds, peak = clock.time_and_peak(calls[c], ids, n)
+                times[c][i].append(seconds)
+                peaks[c].append(peak)
+    for c in calls:
+        peak = max(peaks[c])
         ttft, part, total = (min(t) for t in times[c])
         decode = b * (a.new - short) / max(total - part, 1e-9)
         emit(kind="decode", config=c, batch=b, ttft_ms=round(ttft * 1e3, 2),
@@ -201,9 +222,13 @@ def _write_adapters(a, shape: Shape) -> dict[str, Path]:
     root = Path(tempfile.mkdtemp(prefix="moelora-bench-"))
     dirs = {}
     for k in range(a.adapters):
-        dirs[f"e{k}"] = write_adapter(root / f"e{k}", shape, a.rank, False, seed=10 + k)
+        dirs[f"e{k}"] = write_adapter(
+            root / f"e{k}", shape, a.rank, False, seed=10 + k, device=a.device
+        )
     for k in range(a.attention_adapters):
-        dirs[f"q{k}"] = write_adapter(root / f"q{k}", shape, a.rank, True, seed=100 + k)
+        dirs[f"q{k}"] = write_adapter(
+            root / f"q{k}", shape, a.rank, True, seed=100 + k, device=a.device
+        )
     return dirs
 
 

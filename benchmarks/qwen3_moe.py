@@ -71,18 +71,23 @@ def build(layers: int, device: str = "cuda", seed: int = 0, **sizes):
     return build_model(Shape(layers, **sizes), device, torch.bfloat16, seed)
 
 
-def write_adapter(root: Path, shape: Shape, rank: int, attention: bool, seed: int) -> Path:
+def write_adapter(
+    root: Path, shape: Shape, rank: int, attention: bool, seed: int, device: str = "cpu"
+) -> Path:
     """One random adapter as PEFT writes it for Qwen3-MoE (bf16): target_parameters on the
     fused experts (A expert-major [E*r, in], B expert-minor [out, r*E]) and, when
     `attention`, target_modules q/k/v/o ([r, in] / [out, r]). Written directly: PEFT needs the
     whole model (twice, with its copy) to save one, and tests/test_model_level.py checks this
-    layout loads to the same factors as PEFT's own save_pretrained on a small model."""
+    layout loads to the same factors as PEFT's own save_pretrained on a small model. The
+    numbers are drawn on `device` (a 48-layer adapter is 830 M of them: about 5 s a core on
+    the host, milliseconds on a GPU)."""
     from safetensors.torch import save_file
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
 
     def rand(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen) * 0.02).to(torch.bfloat16)
+        x = torch.randn(*size, generator=gen, device=device) * 0.02
+        return x.to(torch.bfloat16).cpu()
 
     e, h, i, r = shape.experts, shape.hidden, shape.inter, rank
     q_out, kv_out = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim

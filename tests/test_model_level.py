@@ -69,6 +69,9 @@ def test_tiny_cpu_run_reports_every_config(tmp_path):
         assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["prefill_tok_s"] > 0
     start = next(r for r in rows if r["kind"] == "startup")
     assert start["adapters"] == ["e0", "e1", "q0"]
+    phases = {r["phase"]: r["s"] for r in rows if r["kind"] == "phase"}
+    assert list(phases) == ["write_adapters", "hf_peft_truth", "check", "batch_1", "batch_3"]
+    assert all(s >= 0 for s in phases.values()) and phases["batch_1"] > 0, phases
     assert json.loads(out.read_text()) == rows
 
 
@@ -86,6 +89,9 @@ def test_decode_rate_between_two_generates_that_both_decode():
 
         def time(self, call, ids, n):
             return next(times)
+
+        def time_and_peak(self, call, ids, n):
+            return next(times), 1.0
 
     rows = []
     a = argparse.Namespace(new=64, repeats=1, prompt=8)
