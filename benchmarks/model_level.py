@@ -21,8 +21,9 @@ row over the time a generate of --new tokens takes beyond the one-token call), p
 and the decode step's memory floor: the bytes one decode step reads (every non-expert
 weight, the LM head, the experts a batch of that size touches under uniform routing, the KV
 cache) over the copy bandwidth measured in the same run, as decode tokens/s / floor tokens/s.
-Startup (attach and adapter loads, the memory they take, the handle's warm-up where it has
-one) is reported once.
+Startup is reported once: attach and adapter loads, the memory they take, and
+`handle.warmup` (the decode engine for the largest batch built and every graph bucket
+captured), their sum the startup a user waits for. Each phase's wall time is reported too.
 
     python -m benchmarks model_level --layers 4 --batches 1,16,64 --json out/model.json
 """
@@ -284,11 +285,11 @@ def _attach(a, model, dirs: dict[str, Path], emit, clock: Clock):
     clock.sync()
     loaded = time.perf_counter() - loaded
     taken = None if before is None else (torch.cuda.memory_allocated() - before) / 2**30
-    warm = getattr(handle, "warmup", None)
-    warm_s = clock.time(warm) if callable(warm) else None
+    largest = max(int(b) for b in a.batches.split(","))
+    warm_s = clock.time(handle.warmup, largest, a.prompt + a.new)
     emit(kind="startup", backend=handle.backend_name, attach_and_load_s=round(loaded, 2),
-         attach_gib=None if taken is None else round(taken, 3),
-         warmup_s=None if warm_s is None else round(warm_s, 2), adapters=sorted(dirs))  # fmt: skip
+         attach_gib=None if taken is None else round(taken, 3), warmup_s=round(warm_s, 2),
+         startup_s=round(loaded + warm_s, 2), adapters=sorted(dirs))  # fmt: skip
     expert_only = [f"e{k}" for k in range(a.adapters)]
     attention = [f"q{k}" for k in range(a.attention_adapters)]
     # attention adapters first, interleaved: batch 1 runs one, every batch holds both kinds

@@ -151,3 +151,43 @@ def test_warmup_captures_every_bucket_largest_first(qwen, seed, monkeypatch):
     assert {on for decode, on in inline if decode} == {True}
     assert {on for decode, on in inline if not decode} == {False}
     engine.close()
+
+
+def test_handle_warmup_builds_the_threads_engine_and_captures_before_the_first_generate(
+    qwen, seed, monkeypatch
+):
+    """handle.warmup(max_batch, max_length) captures every bucket up to max_batch at once;
+    a generate of up to that size then captures nothing and equals HF + PEFT alone; bad
+    sizes are refused naming the field."""
+    stand_in = StandIn(monkeypatch)
+    handle = attach(qwen.fresh(), num_slots=4, max_rank=16, moe_backend="reference",
+                    enforce_eager=False)  # fmt: skip
+    for name, path in qwen.dirs.items():
+        handle.load_adapter(path, name=name, **qwen.load_kwargs)
+    built = []
+    monkeypatch.setattr(Engine, "warmup", _spying(Engine.warmup, built, stand_in))
+    for field, args in (("max_batch", (0, 16)), ("max_length", (4, 1.5)),
+                        ("max_length", (4, 10**9))):  # fmt: skip
+        with pytest.raises(InputError, match=field):
+            handle.warmup(*args)
+    report = handle.warmup(5, 20)
+    assert report.buckets == (1, 2, 4, 8) and stand_in.captured == [8, 4, 2, 1]
+    (engine,) = built
+    assert engine.max_rows == 8 and engine.max_len >= 20
+    prompts = [_prompt(seed + i, 6) for i in range(3)]
+    names = ["fused-r8", None, "fused-r2"]
+    out = handle.generate(torch.tensor(prompts), adapter_names=names, max_new_tokens=4,
+                          do_sample=False, pad_token_id=0)  # fmt: skip
+    assert stand_in.captured == [8, 4, 2, 1] and stand_in.replays, "captured once, replayed"
+    for row, (p, name) in enumerate(zip(prompts, names, strict=True)):
+        want = greedy_alone(qwen.truth(name) if name else qwen.base, torch.tensor(p), 4)
+        assert out[row, 6:].tolist() == want, row
+
+
+def _spying(warmup, built: list, stand_in: StandIn):
+    def spy(engine):
+        built.append(engine)
+        stand_in.engine = engine
+        return warmup(engine)
+
+    return spy

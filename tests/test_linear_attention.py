@@ -115,11 +115,19 @@ def test_a_step_failing_after_states_advanced_retries_rows_from_their_first_toke
 ):
     """The last layer's MoE raises once, in a step of several rows (every linear-attention
     layer before it has advanced their states): each row is retried alone, recomputed from
-    its first token, and every row still equals HF + PEFT alone."""
+    its first token in forwards of at most max_num_batched_tokens tokens, and every row
+    still equals HF + PEFT alone."""
     budget = 64 if when == "decode" else 5
     engine = _engine(made, max_rows=3, max_len=40, max_num_batched_tokens=budget)
     requests = _requests(seed, (6, 9, 5), ["every", "mixer", None], 6)
     real, calls = engine.runner._moe, {"n": 0, "failed": 0}
+    forwards, prefill = [], engine._prefill_rows
+
+    def counted(prompts, *args, **kwargs):
+        forwards.append(sum(len(p) for p in prompts))
+        return prefill(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_prefill_rows", counted)
 
     def moe(layer, x, slots, rows):
         last = layer.index == len(engine.runner.layers) - 1
@@ -134,6 +142,7 @@ def test_a_step_failing_after_states_advanced_retries_rows_from_their_first_toke
     got = run_all(engine, {0: requests[:2], 1: requests[2:]})
     assert calls["failed"] == 1
     _check(made, got, requests, 6)
+    assert forwards and max(forwards) <= budget, forwards
     engine.close()
 
 

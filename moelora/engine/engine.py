@@ -895,11 +895,16 @@ class Engine:
 
     def _recompute(self, row: _Row, end: int) -> Tensor:
         """Logits [1, V] of the token at position end - 1 of `row`, its first `end` tokens
-        (prompt, then generated) prefilled from position 0: a row retried alone after a step
-        that failed, on a model with linear-attention layers, whose states that step may
-        have advanced (its blocks hold every position up to end - 1)."""
+        (prompt, then generated) prefilled from position 0 in chunks of at most
+        max_num_batched_tokens: a row retried alone after a step that failed, on a model with
+        linear-attention layers, whose states that step may have advanced (its blocks hold
+        every position up to end - 1)."""
         tokens = (tuple(row.request.prompt_ids) + tuple(row.generated))[:end]
-        return self._prefill_rows([list(tokens)], [row.row], [row.hold], starts=[0])
+        step = self.max_num_batched_tokens
+        for start in range(0, end, step):
+            chunk = list(tokens[start : start + step])
+            logits = self._prefill_rows([chunk], [row.row], [row.hold], starts=[start])
+        return logits
 
     def _fill(self, running: list[_Row], width: int) -> None:
         """The static buffers for rows 0 .. width-1: padding rows (free rows, and rows

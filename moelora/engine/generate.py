@@ -74,6 +74,19 @@ def generate(
     return _assemble(input_ids, tokens, settings.pad)
 
 
+def warmup(handle: ServedModel, max_batch: int, max_length: int):
+    """The calling thread's engine for `max_batch` rows of `max_length` tokens, its graphs
+    captured (Engine.warmup: a CaptureReport, None without graphs)."""
+    for field, value in (("max_batch", max_batch), ("max_length", max_length)):
+        if type(value) is not int or value < 1:
+            raise InputError(field, repr(value), "a positive integer")
+    limit = int(handle.model.config.max_position_embeddings)
+    if max_length > limit:
+        raise InputError("max_length", str(max_length),
+                         f"at most the model's max_position_embeddings = {limit}")  # fmt: skip
+    return _engine(handle, max_batch, max_length).warmup()
+
+
 def _fallback_reason(handle, input_ids, kwargs) -> str | None:
     model = handle.model
     if input_ids is None:

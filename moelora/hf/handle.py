@@ -146,7 +146,7 @@ class MoELoRAModel:
         with refusals.check():
             adapter = load_adapter(root, self.model_config, self.max_rank, name=name,
                                    fused_orientation=fused_orientation, serves_non_expert=True,
-                                   reader=reader)  # fmt: skip
+                                   reader=reader, allocate=self.registry.manager.allocate_host)  # fmt: skip
         with refusals.check():
             file, tensors = reader()
             factors = read_module_factors(str(file), read_config(root), tensors, self._served)
@@ -177,6 +177,16 @@ class MoELoRAModel:
         return self.registry.hold(names)
 
     # ---- calls ------------------------------------------------------------------------------
+
+    def warmup(self, max_batch: int, max_length: int):
+        """Build the calling thread's decode engine for up to `max_batch` rows of up to
+        `max_length` tokens (prompt and new) and capture its CUDA graphs now, as a server
+        does at startup; otherwise the first generate of each size captures what it needs.
+        Returns what was captured and how long it took (None without graphs: a CPU, or
+        enforce_eager)."""
+        from ..engine.generate import warmup
+
+        return warmup(self, max_batch, max_length)
 
     def generate(
         self,

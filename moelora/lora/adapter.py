@@ -40,7 +40,7 @@ _PART_SLOT = {"gate": ("w13", 0), "w1": ("w13", 0), "up": ("w13", 1), "down": ("
 
 @dataclass(frozen=True)
 class LayerLoRA:
-    """One adapter on one MoE layer (fp32, scale in B); a projection the adapter does not
+    """One adapter on one MoE layer (scale in B); a projection the adapter does not
     train is zero. w13_a [E, S, r, H] (part 0 gate or w1, part 1 up), w13_b [E, S, I, r],
     w2_a [E, r, I], w2_b [E, H, r]."""
 
@@ -51,24 +51,31 @@ class LayerLoRA:
 
     @staticmethod
     def zeros(shape: MoEShape, rank: int) -> LayerLoRA:
+        return LayerLoRA(*(torch.zeros(size) for size in LayerLoRA.sizes(shape, rank)))
+
+    @staticmethod
+    def sizes(shape: MoEShape, rank: int) -> tuple[tuple[int, ...], ...]:
+        """The four factors' sizes (w13_a, w13_b, w2_a, w2_b)."""
         e, h, i, s = (
             shape.num_experts,
             shape.hidden_size,
             shape.intermediate_size,
             shape.activation.width_factor,
         )
-        return LayerLoRA(
-            torch.zeros(e, s, rank, h),
-            torch.zeros(e, s, i, rank),
-            torch.zeros(e, rank, i),
-            torch.zeros(e, h, rank),
-        )
+        return (e, s, rank, h), (e, s, i, rank), (e, rank, i), (e, h, rank)
+
+    def part(self, which: str, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a [E, rank, in], b [E, out, rank]) of one projection: views into the factors."""
+        if which == "w13":
+            return self.w13_a[:, part], self.w13_b[:, part]
+        return self.w2_a, self.w2_b
 
 
 @dataclass(frozen=True)
 class Adapter:
     """A loaded adapter, ready to be copied into a slot. `layers` maps MoE layer index ->
-    factors; a layer the adapter does not touch is absent (its slot rows stay zero)."""
+    factors (fp32, or the bank dtype when parsed into a slot manager's host form); a layer
+    the adapter does not touch is absent (its slot rows stay zero)."""
 
     name: str
     path: str
@@ -92,6 +99,7 @@ def load_adapter(
     fused_orientation: str | None = None,
     serves_non_expert: bool = False,
     reader: Callable[[], tuple[Path, dict[str, torch.Tensor]]] | None = None,
+    allocate: Callable[[list[tuple[int, ...]]], list[torch.Tensor]] | None = None,
 ) -> Adapter:
     """Read and validate a PEFT adapter directory; raise AdapterError on any defect.
 
@@ -104,6 +112,10 @@ def load_adapter(
     but whose file holds no expert tensors is refused (targets.py).
     reader: returns (file, tensors) of the directory, for a caller that reads the file once
     for other uses too (default: read_tensors(path)).
+    allocate: empty tensors of the given sizes that the expert factors are written into
+    (default: fp32 host tensors): a slot manager's HostCache.allocate parses the adapter
+    straight into its host form (bank dtype, pinned on CUDA), one pass over the factors and
+    the same values as converting the fp32 form (b times its scale rounded once).
     """
     root = Path(path)
     config = read_config(root)
@@ -128,7 +140,7 @@ def load_adapter(
         path=str(root),
         rank=rank,
         layout=layout,
-        layers=_to_layers(model_config.shape, projections, rank),
+        layers=_to_layers(model_config.shape, projections, rank, allocate or _fp32),
         shape=model_config.shape,
         non_expert_modules=others,
     )
@@ -234,16 +246,44 @@ def _report(
         )
 
 
-def _to_layers(shape: MoEShape, projections: list[Projection], rank: int) -> dict[int, LayerLoRA]:
-    """Place each projection in its layer's bank layout, zero-padded to `rank`."""
-    layers: dict[int, LayerLoRA] = {}
+def _fp32(sizes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    return [torch.empty(size, dtype=torch.float32) for size in sizes]
+
+
+def _to_layers(
+    shape: MoEShape, projections: list[Projection], rank: int, allocate
+) -> dict[int, LayerLoRA]:
+    """Place each projection in its layer's bank layout (b times its scale), zero-padded to
+    `rank`, in the tensors `allocate` gives (every layer's four factors in one call); a
+    projection the adapter does not train is zero. Each factor's memory is written once
+    (zeroing it first doubled the time of a large adapter's load, page faults included)."""
+    indices = sorted({p.layer for p in projections})
+    sizes = LayerLoRA.sizes(shape, rank)
+    factors = iter(allocate([size for _ in indices for size in sizes]))
+    layers = {index: LayerLoRA(*(next(factors) for _ in sizes)) for index in indices}
+    filled: dict[tuple[int, str, int], int] = {}
     for p in projections:
-        layer = layers.setdefault(p.layer, LayerLoRA.zeros(shape, rank))
         which, part = _PART_SLOT[p.part]
-        if which == "w13":
-            layer.w13_a[:, part, : p.rank] = p.a
-            layer.w13_b[:, part, :, : p.rank] = p.b
-        else:
-            layer.w2_a[:, : p.rank] = p.a
-            layer.w2_b[:, :, : p.rank] = p.b
+        a, b = layers[p.layer].part(which, part)
+        a[:, : p.rank].copy_(p.a)
+        _place_scaled(b[:, :, : p.rank], p.b, p.scale)
+        filled[(p.layer, which, part)] = p.rank
+    parts = [("w13", k) for k in range(shape.activation.width_factor)] + [("w2", 0)]
+    for index, layer in layers.items():
+        for which, part in parts:
+            r = filled.get((index, which, part), 0)
+            a, b = layer.part(which, part)
+            a[:, r:].zero_()
+            b[:, :, r:].zero_()
     return layers
+
+
+def _place_scaled(out: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    """out = b * scale, the product rounded once to out's dtype: in place after an exact copy
+    (fp32 out, or b already in out's dtype), else through an fp32 product."""
+    if scale == 1.0:
+        out.copy_(b)
+    elif out.dtype == torch.float32 or b.dtype == out.dtype:
+        out.copy_(b).mul_(scale)
+    else:
+        out.copy_(b.float() * scale)

@@ -49,13 +49,17 @@ _DOWN = {"down_proj", "w2"}
 
 @dataclass
 class Projection:
-    """One LoRA projection of one MoE layer: a [E, r, in], b [E, out, r] (scale folded in)."""
+    """One LoRA projection of one MoE layer: a [E, r, in], b [E, out, r], the delta
+    scale * b @ a. The fused layout's a and b are views of the file's tensors in its dtype
+    (placing them converts and scales in one pass: adapter.py); the per-expert layouts give
+    fp32 copies with the scale folded in (scale 1)."""
 
     layer: int
     part: str  # "gate", "up", "w1" (non-gated) or "down"
     a: torch.Tensor
     b: torch.Tensor
     key: str  # a source key, for error messages
+    scale: float = 1.0
 
     @property
     def rank(self) -> int:

@@ -134,18 +134,16 @@ def _fused_layer(ctx: Context, tensors, layer: int, path: str, pairs: list) -> l
     orient, names, ranks = _reading(ctx, tensors, pairs)
     out = []
     for pair, name, r in zip(pairs, names, ranks, strict=True):
-        a, b = _unfuse(tensors[pair["A"]].float(), tensors[pair["B"]].float(), r, orient)
-        b = b * lora_scale(ctx.file, ctx.config, f"{peft_name(path)}.{name}", r, pair["A"])
+        a, b = _unfuse(tensors[pair["A"]], tensors[pair["B"]], r, orient)
+        scale = lora_scale(ctx.file, ctx.config, f"{peft_name(path)}.{name}", r, pair["A"])
         if name == "down_proj":
-            out.append(Projection(layer, "down", a, b, pair["A"]))
+            out.append(Projection(layer, "down", a, b, pair["A"], scale))
         elif ctx.model.shape.activation.is_gated:
             gate, up = split_gate_up(ctx.model.shape.activation, b.transpose(1, 2))
-            out.append(Projection(layer, "gate", a, gate.transpose(1, 2).contiguous(), pair["A"]))
-            out.append(
-                Projection(layer, "up", a.clone(), up.transpose(1, 2).contiguous(), pair["A"])
-            )
+            out.append(Projection(layer, "gate", a, gate.transpose(1, 2), pair["A"], scale))
+            out.append(Projection(layer, "up", a, up.transpose(1, 2), pair["A"], scale))
         else:
-            out.append(Projection(layer, "w1", a, b, pair["A"]))
+            out.append(Projection(layer, "w1", a, b, pair["A"], scale))
     return out
 
 
@@ -233,14 +231,10 @@ def _unfit_fix(ctx: Context, tried: tuple[str, ...]) -> str:
 def _unfuse(
     a: torch.Tensor, b: torch.Tensor, r: int, orient: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused factors -> (a [E, r, in], b [E, out, r]). A is expert-major, B expert-minor."""
+    """Fused factors -> views (a [E, r, in], b [E, out, r]). A is expert-major, B
+    expert-minor."""
     e = a.shape[0] // r
     if orient == "natural":  # A [E*r, in], B [out, r*E]
-        return a.reshape(e, r, -1).contiguous(), b.reshape(b.shape[0], r, e).permute(
-            2, 0, 1
-        ).contiguous()
+        return a.reshape(e, r, -1), b.reshape(b.shape[0], r, e).permute(2, 0, 1)
     # swapped: A [E*r, out], B [in, r*E]; delta_e = A_e^T B_e^T
-    return (
-        b.reshape(b.shape[0], r, e).permute(2, 1, 0).contiguous(),
-        a.reshape(e, r, -1).transpose(1, 2).contiguous(),
-    )
+    return b.reshape(b.shape[0], r, e).permute(2, 1, 0), a.reshape(e, r, -1).transpose(1, 2)

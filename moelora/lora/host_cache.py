@@ -9,8 +9,10 @@ stream. On CPU an entry in the bank dtype is the adapter itself (no copy).
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -45,25 +47,26 @@ class HostCache:
         convert = [t.dtype != self.dtype or (self.pin and not t.is_pinned()) for *_, t in factors]
         if not any(convert):
             return adapter
-        views = iter(self._buffer([t for (*_, t), c in zip(factors, convert) if c]))
+        views = iter(self.allocate([t.shape for (*_, t), c in zip(factors, convert) if c]))
         out: dict = {}
         for (layer, f, t), c in zip(factors, convert):
             out.setdefault(layer, {})[f] = next(views).copy_(t) if c else t
         layers = {layer: LayerLoRA(*(out[layer][f] for f in FACTORS)) for layer in out}
         return dataclasses.replace(adapter, layers=layers)
 
-    def _buffer(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Empty tensors of `tensors`' shapes in the bank dtype: views of one pinned buffer
-        (each starting on a 256-byte boundary) when `pin`, else separate tensors."""
+    def allocate(self, sizes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Empty tensors of these sizes in the bank dtype: views of one pinned buffer (each
+        starting on a 256-byte boundary) when `pin`, else separate tensors. An adapter parsed
+        straight into them is already in its host form (load_adapter's `allocate`)."""
         if not self.pin:
-            return [torch.empty(t.shape, dtype=self.dtype) for t in tensors]
+            return [torch.empty(size, dtype=self.dtype) for size in sizes]
         align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
         starts, end = [], 0
-        for t in tensors:
+        for size in sizes:
             starts.append(end)
-            end += -(-t.numel() // align) * align
+            end += -(-math.prod(size) // align) * align
         flat = torch.empty(end, dtype=self.dtype, pin_memory=True)
-        return [flat[a : a + t.numel()].view(t.shape) for a, t in zip(starts, tensors)]
+        return [flat[a : a + math.prod(size)].view(size) for a, size in zip(starts, sizes)]
 
     def get(self, name: str) -> Adapter | None:
         with self._lock:

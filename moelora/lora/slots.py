@@ -242,6 +242,7 @@ class SlotManager:
                 name=name,
                 fused_orientation=fused_orientation,
                 serves_non_expert=serves_non_expert,
+                allocate=self.allocate_host,
             )
         name = name or adapter.name
         self._check_fits(adapter)
@@ -391,7 +392,13 @@ class SlotManager:
             name=name,
             fused_orientation=source.fused_orientation,
             serves_non_expert=source.serves_non_expert,
+            allocate=self.allocate_host,
         )
+
+    def allocate_host(self, sizes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Empty host tensors in the form this manager keeps adapters in (bank dtype, one
+        pinned buffer on CUDA): load_adapter(allocate=...) parses into them directly."""
+        return self._catalog.cache.allocate(sizes)
 
     # ---- internals: slots ---------------------------------------------------------------------
 

@@ -107,7 +107,9 @@ def _zero(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 def experts_delta_is_zero(projections: list[Projection]) -> bool:
     """True if B_e @ A_e is zero for every expert of every projection (a or b all zeros)."""
-    return all(bool((_zero(p.a, (1, 2)) | _zero(p.b, (1, 2))).all()) for p in projections)
+    return all(
+        p.scale == 0 or bool((_zero(p.a, (1, 2)) | _zero(p.b, (1, 2))).all()) for p in projections
+    )
 
 
 def modules_delta_is_zero(tensors: dict[str, torch.Tensor]) -> bool:
