@@ -136,7 +136,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if bandwidth:
             floor = b / (step_bytes(model, shape, b, a.prompt + a.new // 2) / bandwidth)
         phase(f"batch_{b}", _measure_batch, a, calls, ids, floor, emit, clock)
+    memory = memory_bound(rows)
+    if memory is not None:
+        emit(**memory)
     return rows
+
+
+def memory_bound(rows: list[dict]) -> dict | None:
+    """Issue 36's memory bound: each moelora configuration's peak over its batches against
+    the weights + the adapter banks (what attach and the loads took) + the KV cache (None
+    where the startup has no device figure: a CPU run)."""
+    model = next(r for r in rows if r["kind"] == "model")
+    start = next((r for r in rows if r["kind"] == "startup"), None)
+    if start is None or start["attach_gib"] is None:
+        return None
+    bound = model["params_gib"] + start["attach_gib"] + start["kv_gib"]
+    peaks: dict[str, float] = {}
+    for r in rows:
+        if r["kind"] == "decode" and r["config"].startswith("moelora"):
+            peaks[r["config"]] = max(peaks.get(r["config"], 0.0), r["peak_gib"])
+    return dict(kind="memory", weights_banks_kv_gib=round(bound, 3), peak_gib=peaks,
+                of_bound={c: round(p / bound, 3) for c, p in peaks.items()})  # fmt: skip
 
 
 class _Phases:
@@ -287,9 +307,12 @@ def _attach(a, model, dirs: dict[str, Path], emit, clock: Clock):
     taken = None if before is None else (torch.cuda.memory_allocated() - before) / 2**30
     largest = max(int(b) for b in a.batches.split(","))
     warm_s = clock.time(handle.warmup, largest, a.prompt + a.new)
+    from moelora.engine.generate import thread_engine
+
+    kv = thread_engine(handle).cache.nbytes() / 2**30
     emit(kind="startup", backend=handle.backend_name, attach_and_load_s=round(loaded, 2),
          attach_gib=None if taken is None else round(taken, 3), warmup_s=round(warm_s, 2),
-         startup_s=round(loaded + warm_s, 2), adapters=sorted(dirs))  # fmt: skip
+         startup_s=round(loaded + warm_s, 2), kv_gib=round(kv, 3), adapters=sorted(dirs))  # fmt: skip
     expert_only = [f"e{k}" for k in range(a.adapters)]
     attention = [f"q{k}" for k in range(a.attention_adapters)]
     # attention adapters first, interleaved: batch 1 runs one, every batch holds both kinds

@@ -104,3 +104,18 @@ def test_decode_rate_between_two_generates_that_both_decode():
     assert r["ttft_ms"] == 600.0
     with pytest.raises(SystemExit):
         model_level.parse(["--new", "2"])
+
+
+def test_memory_bound_is_each_configs_peak_over_weights_banks_and_kv():
+    rows = [dict(kind="model", params_gib=50.0),
+            dict(kind="startup", attach_gib=8.0, kv_gib=2.0),
+            dict(kind="decode", config="hf_eager", batch=1, peak_gib=99.0),
+            dict(kind="decode", config="moelora_free", batch=1, peak_gib=61.0),
+            dict(kind="decode", config="moelora_free", batch=64, peak_gib=63.0),
+            dict(kind="decode", config="moelora_experts", batch=1, peak_gib=66.0)]  # fmt: skip
+    got = model_level.memory_bound(rows)
+    assert got["weights_banks_kv_gib"] == 60.0
+    assert got["peak_gib"] == {"moelora_free": 63.0, "moelora_experts": 66.0}
+    assert got["of_bound"] == {"moelora_free": 1.05, "moelora_experts": 1.1}
+    rows[1]["attach_gib"] = None  # a CPU run: no device figure, no bound
+    assert model_level.memory_bound(rows) is None

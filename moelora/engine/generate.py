@@ -87,6 +87,13 @@ def warmup(handle: ServedModel, max_batch: int, max_length: int):
     return _engine(handle, max_batch, max_length).warmup()
 
 
+def thread_engine(handle: ServedModel) -> Engine | None:
+    """The engine handle.generate uses on the calling thread (None before its first
+    generate or warmup there)."""
+    local = _engines.get(handle)
+    return None if local is None else getattr(local, "engine", None)
+
+
 def _fallback_reason(handle, input_ids, kwargs) -> str | None:
     model = handle.model
     if input_ids is None:
