@@ -4,8 +4,8 @@ chunks, from a state); on a paged engine, rows equal HF + PEFT generating each r
 through everything that touches a row's state: prompts prefilled in chunks beside running
 decodes, rows preempted and recomputed, a step that fails after some layers advanced the
 states (the rows retried alone, recomputed from their first token), a row reusing a
-finished row's state; prefix caching stays off (a prefix's state is not kept with its
-blocks)."""
+finished row's state, and prefix caching: a prompt starting with a cached prefix starts
+from the linear-attention states kept at its boundary (engine/state_snapshots.py)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_chunks_preemptions_and_reused_rows_keep_every_rows_state(made, seed):
     rows needing 5 each (preemptions), 5 requests over 3 rows (a row's state reused)."""
     engine = _engine(made, max_rows=3, max_len=40, block_size=4, num_blocks=11,
                      max_num_batched_tokens=5)  # fmt: skip
-    assert not engine.pool.prefix_caching and engine.mixed is None
+    assert engine.pool.prefix_caching and engine.snapshots is not None and engine.mixed is None
     requests = _requests(seed, (7, 9, 6, 11, 8), ["every", None, "mixer", "every", None], 8)
     tokens, reasons = run_paged(engine, [(min(i, 3), r) for i, r in enumerate(requests)], {})
     assert engine.preemptions > 0
@@ -99,13 +99,53 @@ def test_chunks_preemptions_and_reused_rows_keep_every_rows_state(made, seed):
     engine.close()
 
 
-def test_the_same_prompt_twice_reads_no_cached_prefix(made, seed):
+@pytest.mark.parametrize("length", [12, 13])  # the prompt ends on a block boundary, or not
+def test_the_same_prompt_again_starts_from_the_state_kept_at_its_boundary(made, seed, length):
+    """The second run of a prompt takes its blocks up to the last boundary before its last
+    token and the states kept there, computes the rest, and equals HF + PEFT alone."""
     engine = _engine(made, max_rows=2, max_len=40, block_size=4)
-    (first,) = _requests(seed, (13,), ["every"], 3)
+    (first,) = _requests(seed, (length,), ["every"], 3)
     again = Request("again", first.prompt_ids, "every", Sampling(max_new_tokens=3))
-    got = run_all(engine, {0: [first]}) | run_all(engine, {0: [again]})
+    got = run_all(engine, {0: [first]})
+    assert engine.pool.stats.hits == 0 and engine.snapshots.saved == 1
+    got |= run_all(engine, {0: [again]})
     _check(made, got, [first, again], 3)
-    assert engine.pool.stats.hits == 0
+    kept = (length - 1) // 4 * 4
+    assert engine.pool.stats.hits == kept and engine.snapshots.restored == 1
+    engine.pool.check()
+    engine.close()
+
+
+def test_a_conversation_goes_on_from_the_last_turns_state(made, seed):
+    """Turn 2's prompt is turn 1's prompt, its answer and more: it starts from the state
+    kept at turn 1's boundary; under another adapter, the same prompt hits nothing (the
+    digests name the adapter); more prompts than kept states give up the oldest, and a
+    prompt whose state was given up is computed whole. Every row equals HF + PEFT alone."""
+    engine = _engine(made, max_rows=2, max_len=48, block_size=4)
+    (turn1,) = _requests(seed, (10,), ["mixer"], 5)
+    got = run_all(engine, {0: [turn1]})
+    answer = got["r0"][0]
+    g = torch.Generator().manual_seed(seed + 1)
+    more = tuple(torch.randint(1, 96, (6,), generator=g).tolist())
+    turn2 = Request("turn2", turn1.prompt_ids + tuple(answer) + more, "mixer",
+                    Sampling(max_new_tokens=4))  # fmt: skip
+    other = Request("other", turn2.prompt_ids, "every", Sampling(max_new_tokens=4))
+    got |= run_all(engine, {0: [turn2]})
+    assert engine.pool.stats.hits == 8 and engine.snapshots.restored == 1  # turn 1's 8
+    got |= run_all(engine, {0: [other]})
+    assert engine.pool.stats.hits == 8 and engine.snapshots.restored == 1
+    # two kept states (max_rows): two new prompts give up turn 1's and turn 2's
+    fresh = [Request(f"fresh{i}", r.prompt_ids, None, r.sampling)
+             for i, r in enumerate(_requests(seed + 2, (9, 11), [None, None], 2))]  # fmt: skip
+    got |= run_all(engine, {0: fresh})
+    again = Request("again", turn2.prompt_ids, "mixer", Sampling(max_new_tokens=4))
+    restored = engine.snapshots.restored
+    got |= run_all(engine, {0: [again]})
+    assert engine.snapshots.restored == restored  # nothing kept for it any more
+    _check(made, got, [turn1], 5)
+    _check(made, got, [turn2, other, again], 4)
+    _check(made, got, fresh, 2)
+    engine.pool.check()
     engine.close()
 
 
@@ -155,10 +195,11 @@ def test_the_cache_keeps_blocks_for_attention_layers_and_a_state_per_row_for_lin
     assert sorted(cache.states) == [0, 2]
     mixer = model.model.layers[0].linear_attn
     state = cache.states[0]
-    assert state.conv.shape == (4, mixer.conv_dim, mixer.conv_kernel_size - 1)
-    assert state.recurrent.shape == (4, 4, 8, 8) and state.recurrent.dtype == torch.float32
+    # a state per row, the spare row's, and one kept per row (prefix caching)
+    assert state.conv.shape == (7, mixer.conv_dim, mixer.conv_kernel_size - 1)
+    assert state.recurrent.shape == (7, 4, 8, 8) and state.recurrent.dtype == torch.float32
     per_row = la.state_bytes(model, engine.dtype)
-    assert cache.nbytes() == 21 * bytes_per_block(model, 4, engine.dtype) + 4 * per_row
+    assert cache.nbytes() == 21 * bytes_per_block(model, 4, engine.dtype) + 7 * per_row
     engine.close()
 
 

@@ -2,8 +2,9 @@
 DeltaNet layers around a full-attention one) on the decode runner, from a real server
 process on 127.0.0.1 and the official `openai` client: requests sent together (prompts
 chunked beside running decodes, rows preempted over too few blocks, each row's state kept
-apart) answer what HF + PEFT give each alone; the startup line says prefix caching is off
-(a prefix's state is not kept with its blocks); the server exits 0 on SIGTERM."""
+apart) answer what HF + PEFT give each alone; a prompt sent again reads its prefix from the
+cache (the layers' states kept at its block boundary: prefix caching on) and answers the
+same; the server exits 0 on SIGTERM."""
 
 from __future__ import annotations
 
@@ -71,6 +72,14 @@ def test_requests_together_answer_what_hf_peft_give_each_alone(served, seed):
         from transformers import AutoTokenizer
 
         server_tokenizer = AutoTokenizer.from_pretrained(served.root / "model")
+        # one prompt twice in a row: the second reads its first block and the states kept
+        # after it (nothing ran between them to take the block back)
+        again = [rng.randrange(1, 96) for _ in range(PROMPT)]
+        hits = _counter(server, "vllm:prefix_cache_hits")
+        for i in (len(requests), len(requests) + 1):
+            requests.append((adapters[0], again))
+            send(i, adapters[0], again)
+        assert _counter(server, "vllm:prefix_cache_hits") - hits == 4  # (6 - 1) // 4 * 4
         for i, (model, ids) in enumerate(requests):
             truth = served.truths.get(model, served.base)
             tokens = greedy_alone(truth, torch.tensor(ids), NEW)
@@ -79,4 +88,11 @@ def test_requests_together_answer_what_hf_peft_give_each_alone(served, seed):
     finally:
         assert server.stop() == 0, server.log.read_text()
     log = server.log.read_text()
-    assert "prefix caching off" in log, log
+    assert "prefix caching on" in log, log
+
+
+def _counter(server, name: str) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    (value,) = [s.value for fam in text_string_to_metric_families(metrics) if fam.name == name
+                for s in fam.samples if s.name.endswith("_total")]  # fmt: skip
+    return value

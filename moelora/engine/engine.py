@@ -49,6 +49,7 @@ from .sampling import (
     next_tokens,
 )
 from .served import ServedModel
+from .state_snapshots import StateSnapshots, boundary, snapshot_rows
 from .support import engine_support
 
 __all__ = ["Engine", "Request", "Sampling", "TokenEvent", "TokenLogprobs"]
@@ -192,6 +193,7 @@ class Engine:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pool: BlockPool | None = None
+        self.snapshots: StateSnapshots | None = None  # linear-attention prefix states
         self.preemptions = 0
         self.step_tokens = 0  # tokens the last step() forwarded (prompt and decode; a retry again)
         if self.runner is not None:
@@ -253,20 +255,19 @@ class Engine:
                 f"{per_row} blocks of {size}, and block 0 is the null block",
                 "give the cache more blocks (--gpu-memory-utilization) or lower max_len",
             )  # fmt: skip
-        if prefix_caching and self.runner.linear:
-            log.info("prefix caching is off: the linear-attention layers' state of a prefix "
-                     "is not kept with its blocks")  # fmt: skip
-            prefix_caching = False
         self.pool = BlockPool(count, size, bool(prefix_caching))
-        try:  # (the linear-attention layers' states: one per block-table row)
+        kept = snapshot_rows(self.max_rows, bool(prefix_caching) and bool(self.runner.linear))
+        try:  # (the linear-attention layers' states: one per block-table row, then the kept)
             self.cache = PagedCache(self.model, count, size, self.device, self.dtype,
-                                    rows=self.max_rows + 1)  # fmt: skip
+                                    rows=self.max_rows + 1 + kept)  # fmt: skip
         except torch.OutOfMemoryError:
             raise ConfigError(
                 "num_blocks x block_size", f"{count} x {size}",
                 "a KV cache that fits in the device's free memory",
                 "pass fewer blocks (num_blocks, --gpu-memory-utilization) or a smaller max_len",
             ) from None  # fmt: skip
+        if kept:
+            self.snapshots = StateSnapshots(self.cache.states, self.max_rows + 1, kept)
         self._table = torch.zeros(self.max_rows + 1, per_row, dtype=torch.int32,
                                   device=self.device)  # fmt: skip
         self._table_writes: list[tuple[int, int, int]] = []  # (row, index, block) to copy
@@ -644,6 +645,7 @@ class Engine:
 
         events += self._isolated(rows, forward, alone, accept)
         live = [r for r in rows if r.request.request_id in self._rows]
+        self._keep_states([(r, end) for r, _, end in chunks if r in live and r not in decode])
         self._register([r for r in live if r in decode])
         self._register([r for r in live if r not in decode], filled=True)
         for r in done:
@@ -683,6 +685,9 @@ class Engine:
             if not r.matched:
                 self._match(r, tokens)
             end = min(len(tokens), r.prefilled + min(left, cap))
+            if self.snapshots is not None:  # a chunk ends where the row's state is kept
+                at = boundary(len(tokens), self.pool.block_size)
+                end = at if r.prefilled < at < end else end
             if not self._give(r, self.pool.blocks_for(end) - len(r.blocks)):
                 break
             chunks.append((r, r.prefilled, end))
@@ -756,13 +761,33 @@ class Engine:
 
     def _match(self, row: _Row, tokens) -> None:
         """A row starting its prefill takes the cached blocks of its leading full blocks
-        (at most up to its last token, which is always computed)."""
+        (at most up to its last token, which is always computed); on a model with
+        linear-attention layers, up to the last of them whose state is kept, that state
+        copied into the row (state_snapshots.py)."""
         full = (len(tokens) - 1) // self.pool.block_size
-        hit = self.pool.match(self._digests(row, tokens, full) if self.pool.prefix_caching else [])
+        digests = self._digests(row, tokens, full) if self.pool.prefix_caching else []
+        hit = self.pool.match(digests)
+        if self.snapshots is not None and hit:
+            keep = self.snapshots.longest(digests[: len(hit)])
+            self.pool.release(hit[keep:])
+            hit = hit[:keep]
+            if keep:
+                self.snapshots.restore(digests[keep - 1], row.row)
         self._table_writes += [(row.row, i, b) for i, b in enumerate(hit)]
         row.blocks, row.registered, row.matched = list(hit), len(hit), True
         row.prefilled = len(hit) * self.pool.block_size
         self.pool.count(len(tokens), row.prefilled)
+
+    def _keep_states(self, ends: list[tuple[_Row, int]]) -> None:
+        """Keep the linear-attention states of the rows whose chunk (row, end) just ended at
+        their kept-state boundary (_chunks cut it there)."""
+        if self.snapshots is None:
+            return
+        size = self.pool.block_size
+        for r, end in ends:
+            at = boundary(len(r.fill), size)
+            if at and end == at:
+                self.snapshots.save(self._digests(r, r.fill, at // size)[-1], r.row)
 
     def _register(self, rows: list[_Row], filled: bool = False) -> None:
         """The blocks the last forward filled, into the prefix cache: after a prefill

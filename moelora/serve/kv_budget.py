@@ -128,9 +128,11 @@ class KvSize:
 def engine_size(
     handle, max_len: int, max_rows: int, utilization: float, *, runner: bool | None = None,
     block_size: int = 16, max_num_batched_tokens: int | None = None,
+    prefix_caching: bool = True,
 ) -> KvSize:  # fmt: skip
     """The engine's rows and blocks under --gpu-memory-utilization (a GPU only): blocks
-    when its cache is paged (max_rows rows), else rows."""
+    when its cache is paged (max_rows rows), else rows. prefix_caching: the engine's
+    (a model with linear-attention layers keeps a state per row beside its blocks)."""
     if handle.device.type != "cuda":
         raise ConfigError(
             "--gpu-memory-utilization", utilization, "a CUDA device to size the KV cache on",
@@ -141,11 +143,14 @@ def engine_size(
                     max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
     free, total = torch.cuda.mem_get_info(handle.device)
     budget = dict(total=total, used=total - free, reserve=probe.peak, utilization=utilization)
-    if probe.paged:  # linear-attention layers' states (Qwen3.5): one per row and the spare
+    if probe.paged:  # linear-attention layers' states (Qwen3.5): one per row and the spare,
+        # and with prefix caching the kept ones (engine/state_snapshots.py)
         from ..engine.linear_attention import state_bytes
+        from ..engine.state_snapshots import snapshot_rows
 
         dtype = handle.model.get_input_embeddings().weight.dtype
-        budget["reserve"] += state_bytes(handle.model, dtype) * (max_rows + 1)
+        rows = max_rows + 1 + snapshot_rows(max_rows, prefix_caching)
+        budget["reserve"] += state_bytes(handle.model, dtype) * rows
         blocks = blocks_for_budget(**budget, block_bytes=probe.unit_bytes, max_len=max_len,
                                    block_size=block_size)  # fmt: skip
         return KvSize(max_rows, blocks)

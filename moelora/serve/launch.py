@@ -262,6 +262,7 @@ def _kv_size(settings, handle, max_len: int, batched: int | None):
     size = kv_budget.engine_size(
         handle, max_len, rows, utilization, runner=settings.decode_runner.engine_value,
         block_size=settings.block_size, max_num_batched_tokens=batched,
+        prefix_caching=settings.enable_prefix_caching,
     )  # fmt: skip
     return size, f"--gpu-memory-utilization {utilization}"
 
