@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.model_level import add_run_args
-from benchmarks.qwen3_moe import SMALL, build
+from moelora.bench.model_level import add_run_args
+from moelora.bench.qwen3_model import SMALL, build
 
 TINY = SMALL  # --tiny, and tests/test_generate_fp8.py's FP8 directories
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.model_level import Clock
+from moelora.bench.model_level import Clock
 from moelora.compare import NOISE_FACTOR, REL_TOL, compare
 from moelora.truth import w8a8
 

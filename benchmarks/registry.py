@@ -58,7 +58,6 @@ TOOLS: dict[str, Tool] = {
         Tool("lora_cost", Kind.TIMING, Needs.GPU),
         Tool("gemm_ceiling", Kind.TIMING, Needs.GPU),
         Tool("read_floor", Kind.TIMING, Needs.GPU),
-        Tool("model_level", Kind.TIMING, Needs.GPU),
         Tool("fp8_generate", Kind.TIMING, Needs.GPU),
         Tool("decode_profile", Kind.TIMING, Needs.GPU),
         Tool("mixed_step", Kind.TIMING, Needs.GPU),

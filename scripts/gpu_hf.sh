@@ -9,7 +9,7 @@ $PY -c "import torch, triton, transformers, peft; print('torch', torch.__version
 timeout ${GEN_S:-120} $PY -m moelora generate 2>&1 | tee "$OUT/generate.log"; echo "generate exit: ${PIPESTATUS[0]}"
 timeout ${CHECK_S:-120} $PY -m moelora validate --suite hf 2>&1 | tee "$OUT/hf_check.log"; echo "hf check exit: ${PIPESTATUS[0]}"
 # the model-level benchmark as the peer runs it: 8 expert-only adapters, 128-token prompts
-timeout ${BENCH_S:-200} $PY -m benchmarks.model_level --layers 4 --batches ${BATCHES:-1,16,64} \
+timeout ${BENCH_S:-200} $PY -m moelora bench --model-level --layers 4 --batches ${BATCHES:-1,16,64} \
   --prompt 128 --attention-adapters 0 --configs hf_eager,moelora_experts \
   --json "$OUT/model_level.json" 2>&1 | grep -v Warning | tee "$OUT/model_level.log"; echo "bench exit: ${PIPESTATUS[0]}"
 if [ -d .peer ]; then

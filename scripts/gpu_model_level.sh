@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call for issue 36's proof at full depth: `benchmarks/model_level.py` on the
+# One GPU call for issue 36's proof at full depth: `moelora bench --model-level` (moelora/bench/model_level.py) on the
 # 48-layer Qwen3-30B-A3B shape (random bf16, 12 adapters of rank 16, 4 with q/k/v/o LoRA):
 # transformers eager and its static-cache compiled generate (LoRA-free; HF_STATIC=0 leaves it
 # out), moelora LoRA-free and with adapters, batch 1 / 16 / 64, prompt 256, 64 new tokens,
@@ -20,7 +20,7 @@ if [ "${MIXED_S:-0}" != 0 ]; then
   echo "mixed_step exit: ${PIPESTATUS[0]}"
 fi
 static=(); [ "${HF_STATIC:-1}" = 1 ] && static=(--hf-static)
-timeout "$(budget ${BENCH_S:-480} ${PROFILE_S:-60})" $PY -m benchmarks.model_level \
+timeout "$(budget ${BENCH_S:-480} ${PROFILE_S:-60})" $PY -m moelora bench --model-level \
     --layers "${LAYERS:-48}" --batches "${BATCHES:-1,16,64}" --prompt 256 --new 64 --repeats 2 \
     "${static[@]}" --json "$OUT/model_level.json" 2>&1 | grep -v Warning | tee "$OUT/model_level.log"
 echo "model_level exit: ${PIPESTATUS[0]}"

@@ -14,7 +14,7 @@ from engine_helpers import LogitsLog, greedy_alone, run_all, truth_logits
 
 from benchmarks.fp8_checkpoint import write_fp8_checkpoint
 from benchmarks.fp8_generate import TINY, write_adapters
-from benchmarks.qwen3_moe import build
+from moelora.bench.qwen3_model import build
 from moelora.compare import assert_close
 from moelora.engine import Engine, Request, Sampling
 from moelora.engine.runner import runner_support

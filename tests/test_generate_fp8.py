@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.fp8_checkpoint import write_fp8_checkpoint
 from benchmarks.fp8_generate import TINY, write_adapters
-from benchmarks.qwen3_moe import build
+from moelora.bench.qwen3_model import build
 from moelora.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore")

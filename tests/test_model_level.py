@@ -1,4 +1,5 @@
-"""The model-level benchmark (benchmarks/model_level.py; its model, benchmarks/qwen3_moe.py):
+"""The model-level benchmark (moelora/bench/model_level.py, `moelora bench --model-level`; its
+model, moelora/bench/qwen3_model.py):
 its directly written adapter files have PEFT's own keys and shapes and load to the factors
 PEFT's save_pretrained files give, and a tiny CPU run reports every configuration with sane
 numbers."""
@@ -11,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks import model_level
-from benchmarks import qwen3_moe as ml
+from moelora.bench import model_level
+from moelora.bench import qwen3_model as ml
 from moelora.hf.toy import write_peft_adapter
 
 SMALL = ml.Shape(2, vocab=256, hidden=64, inter=32, experts=8, top_k=2, heads=4, kv_heads=2,
@@ -119,3 +120,22 @@ def test_memory_bound_is_each_configs_peak_over_weights_banks_and_kv():
     assert got["of_bound"] == {"moelora_free": 1.05, "moelora_experts": 1.1}
     rows[1]["attach_gib"] = None  # a CPU run: no device figure, no bound
     assert model_level.memory_bound(rows) is None
+
+
+def test_moelora_bench_model_level_runs_it_and_refuses_the_layer_suites_options(tmp_path, capsys):
+    from moelora.cli import main as cli
+
+    out = tmp_path / "rows.json"
+    args = ["--small", "--layers", "2", "--batches", "2", "--prompt", "5", "--new", "3",
+            "--repeats", "1", "--adapters", "1", "--attention-adapters", "1", "--rank", "2",
+            "--device", "cpu", "--json", str(out)]  # fmt: skip
+    assert cli(["bench", "--model-level", *args]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["config"] for r in rows if r["kind"] == "decode"} == {
+        "hf_eager", "moelora_free", "moelora_experts", "moelora_attention"}  # fmt: skip
+    assert cli(["bench", "--suite", "mixtral", "--json", "x.json", "--model-level", *args]) == 2
+    err = capsys.readouterr().err
+    assert "--suite, --json before --model-level" in err and "Fix:" in err, err
+    with pytest.raises(SystemExit) as done:
+        cli(["bench", "--model-level", "--configs", "hf_eager,nope"])
+    assert done.value.code == 2 and "--configs: unknown ['nope']" in capsys.readouterr().err

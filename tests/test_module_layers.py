@@ -186,8 +186,9 @@ def _upward_imports() -> list[str]:
 def test_imports_point_up_the_architecture() -> None:
     """A module imports only the modules of its own tier of ARCHITECTURE.md and of the tiers
     above it: quantization.py's formats sit at the config tier (config, weights and the
-    deployment hold them), the model-level benchmark lives in benchmarks/ (bench/ is below
-    hf/), extras.py sits below serve/ (which reads it), and so on down the file."""
+    deployment hold them), the model-level run has a tier of its own below truth/ (the rest
+    of bench/ sits above hf/), extras.py sits below serve/ (which reads it), and so on down
+    the file."""
     bad = _upward_imports()
     assert not bad, "move the import or the module, or fix ARCHITECTURE.md: " + "; ".join(bad)
 

@@ -62,6 +62,16 @@ def add_parser(subparsers) -> None:
         "lora-sweep suite spans several: benchmarks/lora_sweep_report.py sets each peer JSON "
         "beside its cases)",
     )
+    p.add_argument(
+        "--model-level",
+        nargs=argparse.REMAINDER,
+        default=None,
+        metavar="OPTIONS",
+        help="instead of the layer suites, a whole transformers model decoding with many "
+        "adapters (Qwen3-30B-A3B's shape, random weights): transformers' generate beside "
+        "moelora's at batch 1 / 16 / 64 against the memory floor; the options after it are "
+        "that run's (`moelora bench --model-level --help`)",
+    )
     p.set_defaults(run=run)
 
 
@@ -96,6 +106,9 @@ def select_cases(cases: list, tokens: tuple[int, ...] | None, pieces: str | None
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.model_level is not None:
+        return _model_level(args)
 
     if not torch.cuda.is_available():
         print(
@@ -193,3 +206,24 @@ def _print_table(rows: list[dict]) -> None:
             f"{b['ratio']:5.2f} {lo['ms']:8.3f} {lo['floor_ms']:7.3f} {lo['ratio']:5.2f} "
             f"{lo['tflops']:7.1f} {lo['gbps']:6.0f} {peer_s:>13} {speed:>9}  {r['case']}"
         )
+
+
+# the layer-suite options and their defaults: given with --model-level, they are refused
+_LAYER_OPTIONS = {"suite": "qwen3", "tokens": None, "cases": None, "backends": "triton",
+                  "iters": 100, "peer_json": None, "json": None}  # fmt: skip
+
+
+def _model_level(args: argparse.Namespace) -> int:
+    """The model-level run (moelora/bench/model_level.py) with the options after
+    --model-level; the layer suites' options before it are refused, named."""
+    given = [k for k, default in _LAYER_OPTIONS.items() if getattr(args, k) != default]
+    if given:
+        names = ", ".join("--" + k.replace("_", "-") for k in given)
+        print(f"moelora bench: {names} before --model-level: the layer suites' options. Fix: "
+              "put the model-level run's options after --model-level (its --json too)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    from ..bench import model_level
+
+    model_level.main(args.model_level)
+    return EXIT_OK

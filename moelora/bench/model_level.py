@@ -25,7 +25,7 @@ Startup is reported once: attach and adapter loads, the memory they take, and
 `handle.warmup` (the decode engine for the largest batch built and every graph bucket
 captured), their sum the startup a user waits for. Each phase's wall time is reported too.
 
-    python -m benchmarks model_level --layers 4 --batches 1,16,64 --json out/model.json
+    moelora bench --model-level --layers 4 --batches 1,16,64 --json out/model.json
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.qwen3_moe import SMALL, Shape, build_model, full_depth, step_bytes, write_adapter
+from .qwen3_model import SMALL, Shape, build_model, full_depth, step_bytes, write_adapter
 
 CONFIGS = ("hf_eager", "hf_static", "moelora_free", "moelora_experts", "moelora_attention")
 
@@ -74,7 +74,8 @@ class Clock:
 
 
 def add_run_args(p: argparse.ArgumentParser, layers: int, prompt: int = 128) -> None:
-    """The options the model-level generate benchmarks share (this one, fp8_generate.py)."""
+    """The options the model-level generate benchmarks share (this one,
+    benchmarks/fp8_generate.py)."""
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--prompt", type=int, default=prompt)
@@ -87,7 +88,8 @@ def add_run_args(p: argparse.ArgumentParser, layers: int, prompt: int = 128) -> 
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="moelora bench --model-level",
+                                description=__doc__.splitlines()[0])  # fmt: skip
     add_run_args(p, layers=full_depth(), prompt=256)
     p.add_argument("--attention-adapters", type=int, default=4)
     p.add_argument("--hf-static", action="store_true", help="add transformers' compiled path")
@@ -97,6 +99,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.new < 3:  # the decode rate needs a short generate between 1 and --new tokens
         p.error(f"--new {a.new}: at least 3 (decode is timed between {_short(3)} and --new tokens)")
+    unknown = sorted(set(_configs(a)) - set(CONFIGS))
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; expected some of {list(CONFIGS)}")
     return a
 
 
@@ -215,7 +220,7 @@ def _short(new: int) -> int:
 def _stamp(emit, a: argparse.Namespace, cuda: bool) -> None:
     import transformers as tf
 
-    from moelora.bench.runner import commit
+    from .runner import commit
 
     emit(kind="versions", torch=torch.__version__, transformers=tf.__version__, commit=commit(),
          device=torch.cuda.get_device_name() if cuda else "cpu", date=time.strftime("%Y-%m-%d"),
@@ -223,7 +228,7 @@ def _stamp(emit, a: argparse.Namespace, cuda: bool) -> None:
 
 
 def _bandwidth() -> float:
-    from moelora.bench.floors import measure_ceilings
+    from .floors import measure_ceilings
 
     return measure_ceilings().bandwidth
 
@@ -232,9 +237,6 @@ def _configs(a: argparse.Namespace) -> list[str]:
     wanted = a.configs.split(",") if a.configs else [c for c in CONFIGS if c != "hf_static"]
     if a.hf_static and "hf_static" not in wanted:
         wanted.insert(1, "hf_static")
-    unknown = sorted(set(wanted) - set(CONFIGS))
-    if unknown:
-        raise SystemExit(f"--configs: unknown {unknown}; expected some of {list(CONFIGS)}")
     return wanted
 
 
@@ -272,7 +274,7 @@ class _CheckBatch:
                                   do_sample=False, pad_token_id=0, **kw)  # fmt: skip
 
     def truth(self, model) -> None:
-        from moelora.truth.hf_peft import peft_truth
+        from ..truth.hf_peft import peft_truth
 
         if self.new <= 0 or not self.dirs:
             return
@@ -295,7 +297,7 @@ class _CheckBatch:
 
 def _attach(a, model, dirs: dict[str, Path], emit, clock: Clock):
     """Attach, load the adapters, warm up; report the startup."""
-    from moelora.hf import attach
+    from ..hf import attach
 
     before = torch.cuda.memory_allocated() if clock.cuda else None
     loaded = time.perf_counter()
@@ -307,7 +309,7 @@ def _attach(a, model, dirs: dict[str, Path], emit, clock: Clock):
     taken = None if before is None else (torch.cuda.memory_allocated() - before) / 2**30
     largest = max(int(b) for b in a.batches.split(","))
     warm_s = clock.time(handle.warmup, largest, a.prompt + a.new)
-    from moelora.engine.generate import thread_engine
+    from ..engine.generate import thread_engine
 
     kv = thread_engine(handle).cache.nbytes() / 2**30
     emit(kind="startup", backend=handle.backend_name, attach_and_load_s=round(loaded, 2),

@@ -1,4 +1,4 @@
-"""The model the model-level benchmarks run (model_level.py, fp8_generate.py): a Qwen3-MoE of
+"""The model the model-level benchmarks run (model_level.py, benchmarks/fp8_generate.py): a Qwen3-MoE of
 Qwen3-30B-A3B's shape (its published sizes, any depth; SMALL for CPU tests) with random
 experts, the adapters PEFT would write for it, and the bytes one decode step reads."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moelora.presets import PRESETS
+from ..presets import PRESETS
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
