@@ -122,29 +122,29 @@ def test_a_conversation_goes_on_from_the_last_turns_state(made, seed):
     digests name the adapter); more prompts than kept states give up the oldest, and a
     prompt whose state was given up is computed whole. Every row equals HF + PEFT alone."""
     engine = _engine(made, max_rows=2, max_len=48, block_size=4)
-    (turn1,) = _requests(seed, (10,), ["mixer"], 5)
+    (turn1,) = _requests(seed, (10,), ["mixer"], 3)
     got = run_all(engine, {0: [turn1]})
     answer = got["r0"][0]
     g = torch.Generator().manual_seed(seed + 1)
     more = tuple(torch.randint(1, 96, (6,), generator=g).tolist())
     turn2 = Request("turn2", turn1.prompt_ids + tuple(answer) + more, "mixer",
-                    Sampling(max_new_tokens=4))  # fmt: skip
-    other = Request("other", turn2.prompt_ids, "every", Sampling(max_new_tokens=4))
+                    Sampling(max_new_tokens=2))  # fmt: skip
+    other = Request("other", turn2.prompt_ids, "every", Sampling(max_new_tokens=2))
     got |= run_all(engine, {0: [turn2]})
     assert engine.pool.stats.hits == 8 and engine.snapshots.restored == 1  # turn 1's 8
     got |= run_all(engine, {0: [other]})
     assert engine.pool.stats.hits == 8 and engine.snapshots.restored == 1
     # two kept states (max_rows): two new prompts give up turn 1's and turn 2's
     fresh = [Request(f"fresh{i}", r.prompt_ids, None, r.sampling)
-             for i, r in enumerate(_requests(seed + 2, (9, 11), [None, None], 2))]  # fmt: skip
+             for i, r in enumerate(_requests(seed + 2, (9, 11), [None, None], 1))]  # fmt: skip
     got |= run_all(engine, {0: fresh})
-    again = Request("again", turn2.prompt_ids, "mixer", Sampling(max_new_tokens=4))
+    again = Request("again", turn2.prompt_ids, "mixer", Sampling(max_new_tokens=2))
     restored = engine.snapshots.restored
     got |= run_all(engine, {0: [again]})
     assert engine.snapshots.restored == restored  # nothing kept for it any more
-    _check(made, got, [turn1], 5)
-    _check(made, got, [turn2, other, again], 4)
-    _check(made, got, fresh, 2)
+    _check(made, got, [turn1], 3)
+    _check(made, got, [turn2, other, again], 2)
+    _check(made, got, fresh, 1)
     engine.pool.check()
     engine.close()
 
