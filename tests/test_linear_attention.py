@@ -5,7 +5,7 @@ through everything that touches a row's state: prompts prefilled in chunks besid
 decodes, rows preempted and recomputed, a step that fails after some layers advanced the
 states (the rows retried alone, recomputed from their first token), a row reusing a
 finished row's state, and prefix caching: a prompt starting with a cached prefix starts
-from the linear-attention states kept at its boundary (engine/state_snapshots.py)."""
+from the snapshot of the linear-attention states at its boundary (engine/state_snapshots.py)."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_chunks_preemptions_and_reused_rows_keep_every_rows_state(made, seed):
 @pytest.mark.parametrize("length", [12, 13])  # the prompt ends on a block boundary, or not
 def test_the_same_prompt_again_starts_from_the_state_kept_at_its_boundary(made, seed, length):
     """The second run of a prompt takes its blocks up to the last boundary before its last
-    token and the states kept there, computes the rest, and equals HF + PEFT alone."""
+    token and the state snapshot there, computes the rest, and equals HF + PEFT alone."""
     engine = _engine(made, max_rows=2, max_len=40, block_size=4)
     (first,) = _requests(seed, (length,), ["every"], 3)
     again = Request("again", first.prompt_ids, "every", Sampling(max_new_tokens=3))
@@ -119,7 +119,7 @@ def test_the_same_prompt_again_starts_from_the_state_kept_at_its_boundary(made, 
 def test_a_conversation_goes_on_from_the_last_turns_state(made, seed):
     """Turn 2's prompt is turn 1's prompt, its answer and more: it starts from the state
     kept at turn 1's boundary; under another adapter, the same prompt hits nothing (the
-    digests name the adapter); more prompts than kept states give up the oldest, and a
+    digests name the adapter); more prompts than snapshots give up the oldest, and a
     prompt whose state was given up is computed whole. Every row equals HF + PEFT alone."""
     engine = _engine(made, max_rows=2, max_len=48, block_size=4)
     (turn1,) = _requests(seed, (10,), ["mixer"], 3)
@@ -134,7 +134,7 @@ def test_a_conversation_goes_on_from_the_last_turns_state(made, seed):
     assert engine.pool.stats.hits == 8 and engine.snapshots.restored == 1  # turn 1's 8
     got |= run_all(engine, {0: [other]})
     assert engine.pool.stats.hits == 8 and engine.snapshots.restored == 1
-    # two kept states (max_rows): two new prompts give up turn 1's and turn 2's
+    # two snapshots (max_rows): two new prompts give up turn 1's and turn 2's
     fresh = [Request(f"fresh{i}", r.prompt_ids, None, r.sampling)
              for i, r in enumerate(_requests(seed + 2, (9, 11), [None, None], 1))]  # fmt: skip
     got |= run_all(engine, {0: fresh})

@@ -3,7 +3,7 @@ DeltaNet layers around a full-attention one) on the decode runner, from a real s
 process on 127.0.0.1 and the official `openai` client: requests sent together (prompts
 chunked beside running decodes, rows preempted over too few blocks, each row's state kept
 apart) answer what HF + PEFT give each alone; a prompt sent again reads its prefix from the
-cache (the layers' states kept at its block boundary: prefix caching on) and answers the
+cache (a snapshot of the layers' states at its block boundary: prefix caching on) and answers the
 same; the server exits 0 on SIGTERM."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_requests_together_answer_what_hf_peft_give_each_alone(served, seed):
         from transformers import AutoTokenizer
 
         server_tokenizer = AutoTokenizer.from_pretrained(served.root / "model")
-        # one prompt twice in a row: the second reads its first block and the states kept
+        # one prompt twice in a row: the second reads its first block and the state snapshot
         # after it (nothing ran between them to take the block back)
         again = [rng.randrange(1, 96) for _ in range(PROMPT)]
         hits = _counter(server, "vllm:prefix_cache_hits")

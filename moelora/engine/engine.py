@@ -257,7 +257,7 @@ class Engine:
             )  # fmt: skip
         self.pool = BlockPool(count, size, bool(prefix_caching))
         kept = snapshot_rows(self.max_rows, bool(prefix_caching) and bool(self.runner.linear))
-        try:  # (the linear-attention layers' states: one per block-table row, then the kept)
+        try:  # (the linear-attention layers' states: one per block-table row, then snapshots)
             self.cache = PagedCache(self.model, count, size, self.device, self.dtype,
                                     rows=self.max_rows + 1 + kept)  # fmt: skip
         except torch.OutOfMemoryError:
@@ -685,7 +685,7 @@ class Engine:
             if not r.matched:
                 self._match(r, tokens)
             end = min(len(tokens), r.prefilled + min(left, cap))
-            if self.snapshots is not None:  # a chunk ends where the row's state is kept
+            if self.snapshots is not None:  # a chunk ends where the row's snapshot is taken
                 at = boundary(len(tokens), self.pool.block_size)
                 end = at if r.prefilled < at < end else end
             if not self._give(r, self.pool.blocks_for(end) - len(r.blocks)):
@@ -762,8 +762,8 @@ class Engine:
     def _match(self, row: _Row, tokens) -> None:
         """A row starting its prefill takes the cached blocks of its leading full blocks
         (at most up to its last token, which is always computed); on a model with
-        linear-attention layers, up to the last of them whose state is kept, that state
-        copied into the row (state_snapshots.py)."""
+        linear-attention layers, up to the last of them with a state snapshot, copied into
+        the row (state_snapshots.py)."""
         full = (len(tokens) - 1) // self.pool.block_size
         digests = self._digests(row, tokens, full) if self.pool.prefix_caching else []
         hit = self.pool.match(digests)

@@ -144,7 +144,7 @@ def engine_size(
     free, total = torch.cuda.mem_get_info(handle.device)
     budget = dict(total=total, used=total - free, reserve=probe.peak, utilization=utilization)
     if probe.paged:  # linear-attention layers' states (Qwen3.5): one per row and the spare,
-        # and with prefix caching the kept ones (engine/state_snapshots.py)
+        # and with prefix caching their snapshots (engine/state_snapshots.py)
         from ..engine.linear_attention import state_bytes
         from ..engine.state_snapshots import snapshot_rows
 
