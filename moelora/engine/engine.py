@@ -645,7 +645,7 @@ class Engine:
 
         events += self._isolated(rows, forward, alone, accept)
         live = [r for r in rows if r.request.request_id in self._rows]
-        self._keep_states([(r, end) for r, _, end in chunks if r in live and r not in decode])
+        self._take_snapshots([(r, end) for r, _, end in chunks if r in live and r not in decode])
         self._register([r for r in live if r in decode])
         self._register([r for r in live if r not in decode], filled=True)
         for r in done:
@@ -778,9 +778,9 @@ class Engine:
         row.prefilled = len(hit) * self.pool.block_size
         self.pool.count(len(tokens), row.prefilled)
 
-    def _keep_states(self, ends: list[tuple[_Row, int]]) -> None:
-        """Keep the linear-attention states of the rows whose chunk (row, end) just ended at
-        their kept-state boundary (_chunks cut it there)."""
+    def _take_snapshots(self, ends: list[tuple[_Row, int]]) -> None:
+        """Snapshots of the linear-attention states of the rows whose chunk (row, end) just
+        ended at their snapshot boundary (_chunks cut it there)."""
         if self.snapshots is None:
             return
         size = self.pool.block_size
