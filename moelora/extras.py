@@ -2,8 +2,8 @@
 install when one of their packages is missing.
 
 The core install (torch, triton, numpy) runs `plan`, `presets`, `validate` and `bench`, and
-every command's --help; `generate` and `demo` need the `hf` extra (transformers, PEFT,
-safetensors: they write and read PEFT adapter files), `serve` and `run-batch` the `serve`
+every command's --help; `generate`, `demo` and `bench --model-level` need the `hf` extra
+(transformers, PEFT, safetensors: they write and read PEFT adapter files), `serve` and `run-batch` the `serve`
 extra, `serve --ray-replicas` (moelora.serve.ray) the `ray` extra; a served request's
 response_format needs the `structured` extra (xgrammar: without it the server answers such
 a request with a 400 naming the package and runs everything else). Those commands import

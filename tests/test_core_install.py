@@ -36,7 +36,11 @@ CASES = [
     ("plan", ["plan", "--model", "qwen3-30b-a3b", "--device", "h200"], 0,
      ["verdict: ACCEPTED: triton"], None),
     ("presets", ["presets"], 0, ["qwen3-30b-a3b", "mixtral-8x7b"], None),
-    ("bench-help", ["bench", "--help"], 0, ["--suite", "--iters"], None),
+    ("bench-help", ["bench", "--help"], 0, ["--suite", "--iters", "--model-level"], None),
+    # the model-level run builds a transformers model and PEFT adapters
+    ("bench-model-level", ["bench", "--model-level", "--small", "--device", "cpu"], 2, [],
+     f"moelora bench: config key 'package' = 'transformers': expected installed (the hf "
+     f"extra). {HF}"),
     ("validate-help", ["validate", "--help"], 0, ["--suite", "--quick"], None),
     # the commands that need an extra name it, when run (their --help runs: below)
     ("generate", ["generate"], 2, [],
