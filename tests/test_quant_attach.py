@@ -82,18 +82,24 @@ def _use_w8a8_truth(model) -> None:
 
 
 def _assert_rows(out, ref, w8a8: bool, what: str) -> None:
-    """out equals ref to the fp32 tolerance, position by position. Under W8A8 one GEMM input
-    element whose fp32 value differs between the two paths by summation order can sit on an
-    e4m3 rounding boundary and round the other way (seed 1829365814: -0.0385283 against
-    -0.0385276 rounded to -0.0402 and -0.0369, moving one position by 1e-4): at most one
-    position may then sit above the fp32 tolerance, within the table's FP8 row."""
-    positions = [
-        compare(o, r, torch.float32) for o, r in zip(out.flatten(0, -2), ref.flatten(0, -2))
-    ]
-    above = [c for c in positions if not c.ok]
+    """out [B, S, V] equals ref to the fp32 tolerance, position by position. Under W8A8 one
+    GEMM input element whose fp32 value differs between the two paths by summation order can
+    sit on an e4m3 rounding boundary and round the other way (seed 1829365814: -0.0385283
+    against -0.0385276 rounded to -0.0402 and -0.0369, moving one position by 1e-4); the
+    flip moves its own position and, through attention, later ones of its sequence (seed
+    1076362635: positions 0 and 1 of one row, 5e-4 and 4.6e-3). So the positions above the
+    fp32 tolerance may then be those of one sequence, each within the table's FP8 row.
+    out [S, V]: one sequence."""
+    out, ref = out.reshape(-1, *out.shape[-2:]), ref.reshape(-1, *ref.shape[-2:])
+    above = {
+        b
+        for b in range(out.shape[0])
+        for o, r in zip(out[b], ref[b])
+        if not compare(o, r, torch.float32).ok
+    }
     if w8a8 and len(above) <= 1:
         assert all(compare(o, r, tol=REL_TOL[torch.float8_e4m3fn]).ok for o, r in
-                   zip(out.flatten(0, -2), ref.flatten(0, -2))), f"{what}: {above}"  # fmt: skip
+                   zip(out.flatten(0, -2), ref.flatten(0, -2))), f"{what}: rows {above}"  # fmt: skip
         return
     assert_close(out, ref, torch.float32, what=what)
 
