@@ -264,19 +264,41 @@ def test_runtime_loads_while_others_generate(served, server, client, tmp_path, s
     assert [m.id for m in client.models.list().data] == [BASE, *sorted(ADAPTERS)]
 
 
-def test_metrics_count_requests_tokens_and_latencies(server):
+def test_metrics_count_requests_tokens_and_latencies(served, server, client, seed):
+    """After one request of each adapter and a runtime load and unload (the module's other
+    tests may have run on another worker's server: this one's traffic is its own)."""
     import httpx2 as httpx
 
-    text = httpx.get(server.url + "/metrics").text
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    assert float(values["moelora_generation_tokens_total"]) > 0
-    assert float(values['moelora_requests_total{finish_reason="length"}']) > 0
-    assert float(values["moelora_time_to_first_token_seconds_count"]) > 0
-    assert float(values["moelora_inter_token_latency_seconds_count"]) > 0
-    assert float(values["moelora_adapter_loads_total"]) >= 1
-    # 4 adapters through 2 slots: copies into slots, and evictions to make room
-    assert float(values["moelora_adapter_slot_loads_total"]) > 2
-    assert float(values["moelora_adapter_evictions_total"]) >= 1
+    def metrics() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics").text
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
+                                         if not line.startswith("#"))}  # fmt: skip
+
+    def post(route, body):
+        return httpx.post(f"{server.url}/v1/{route}", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+
+    before = metrics()
+    source = str(served.dirs[ADAPTERS[0]])
+    assert (
+        post("load_lora_adapter", {"lora_name": "counted", "lora_path": source}).status_code == 200
+    )
+    assert post("unload_lora_adapter", {"lora_name": "counted"}).status_code == 200
+    rng = random.Random(seed)
+    for name in ADAPTERS:  # 4 adapters through 2 slots, one after another
+        done = client.completions.create(model=name, prompt=words(3, rng), max_tokens=3,
+                                         temperature=0)  # fmt: skip
+        assert done.choices[0].finish_reason == "length"
+    values = metrics()
+    grew = {k: values[k] - before.get(k, 0.0) for k in values}
+    assert grew["moelora_generation_tokens_total"] >= 12
+    assert grew['moelora_requests_total{finish_reason="length"}'] >= 4
+    assert grew["moelora_time_to_first_token_seconds_count"] >= 4
+    assert grew["moelora_inter_token_latency_seconds_count"] >= 8
+    assert grew["moelora_adapter_loads_total"] == 1 and grew["moelora_adapter_unloads_total"] == 1
+    # 4 adapters through 2 slots: at least two were not resident, copied in, others evicted
+    assert grew["moelora_adapter_slot_loads_total"] >= 2
+    assert grew["moelora_adapter_evictions_total"] >= 1
     assert "moelora_requests_queued" in values and "moelora_rows_running" in values
 
 
