@@ -184,6 +184,98 @@ def test_deepseek_without_q_lora_and_with_rotate_half_equals_the_models_own_forw
     _runner_against_forward(handle, prompts, ["mla", None], monkeypatch)
 
 
+def test_deepseek_caches_latents_and_absorbs_an_fp8_kv_b_dequantized(seed, monkeypatch):
+    """The latent cache: one row of rank + rope numbers a position and layer (values a view
+    of it, counted once), against heads x 2 x (nope + rope) expanded. kv_b_proj as
+    transformers' block-scaled FP8Linear: the runner absorbs its dequantized weight, so its
+    rows equal transformers' forward of the same model with kv_b the dense dequantized
+    Linear (e4m3 x its fp32 scale is exact in fp32), every step within the fp32 table."""
+    import copy
+
+    from test_fp8_linear import fp8_module
+
+    from moelora.engine.paged_cache import bytes_per_block
+
+    g = torch.Generator().manual_seed(seed)
+    fp8 = toy.build_model("deepseek_v3", seed=int(torch.randint(1000, (1,), generator=g)),
+                          kv_lora_rank=32)  # fmt: skip
+    dense = copy.deepcopy(fp8)
+    for fp8_layer, dense_layer in zip(fp8.model.layers, dense.model.layers):
+        kv_b = fp8_layer.self_attn.kv_b_proj
+        module = fp8_module(kv_b.out_features, kv_b.in_features, (16, 32), False,
+                            torch.float32, g)  # fmt: skip
+        scale = module.weight_scale_inv.repeat_interleave(16, 0).repeat_interleave(32, 1)
+        fp8_layer.self_attn.kv_b_proj = module
+        dense_layer.self_attn.kv_b_proj.weight.data = module.weight.float() * scale[
+            : kv_b.out_features, : kv_b.in_features]  # fmt: skip
+    config, attn = fp8.config, fp8.model.layers[0].self_attn
+    width = attn.kv_lora_rank + attn.qk_rope_head_dim
+    assert bytes_per_block(fp8, 4, torch.float32) == config.num_hidden_layers * width * 4 * 4
+    prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (6, 3)]
+    logs = {}
+    for runner, model in ((True, fp8), (False, dense)):
+        handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")
+        log = LogitsLog(monkeypatch)
+        engine = Engine(handle, max_rows=4, max_len=32, enforce_eager=True, runner=runner,
+                        block_size=4)  # fmt: skip
+        assert (engine.runner is not None) == runner
+        if runner:
+            layer = engine.cache.layers[0]
+            assert layer.keys.shape[1:] == (1, 4, width)
+            assert layer.values.data_ptr() == layer.keys.data_ptr()
+            assert layer.values.shape[-1] == attn.kv_lora_rank
+            assert engine.cache.nbytes() == engine.cache.num_blocks * bytes_per_block(
+                fp8, 4, torch.float32)  # fmt: skip
+        reqs = [Request(f"{runner}{i}", p, None, Sampling(max_new_tokens=NEW))
+                for i, p in enumerate(prompts)]  # fmt: skip
+        run_all(engine, {0: reqs})
+        logs[runner] = [torch.stack(log.by_request[r.request_id]) for r in reqs]
+        engine.close()
+        handle.detach()
+        monkeypatch.undo()
+    for i, (out, ref) in enumerate(zip(logs[True], logs[False])):
+        assert torch.isfinite(out).all()
+        assert_close(out, ref, torch.float32, what=f"row {i}")
+
+
+def test_deepseeks_latent_cache_through_preemption_prefix_hits_and_chunks(tmp_path, seed,
+                                                                         monkeypatch):  # fmt: skip
+    """DeepSeek-V3 on the paged latent cache with LoRA on every MLA projection: rows that run
+    out of blocks are preempted and recomputed, prompts are prefilled in chunks of 5 tokens
+    after the cached positions, a prompt whose leading blocks a same-adapter request cached
+    reads them (fewer tokens prefilled); every row equals HF + PEFT generating it alone."""
+    from engine_helpers import runner_engine
+
+    g = torch.Generator().manual_seed(seed)
+    base = toy.build_model("deepseek_v3", seed=int(torch.randint(1000, (1,), generator=g)))
+    kw = dict(r=4, lora_alpha=8, target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+              "kv_b_proj", "o_proj"], target_parameters=toy.expert_parameters(base))  # fmt: skip
+    truth = toy.write_peft_adapter(base, tmp_path / "mla", seed=seed % 1000, **kw)
+    made = (base, {None: base, "mla": truth}, {"mla": tmp_path / "mla"})
+    engine = runner_engine(made, max_rows=4, max_len=20, block_size=4, num_blocks=8,
+                           max_num_batched_tokens=5)  # fmt: skip
+    sizes, real = [], engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill",
+                        lambda *a, **k: sizes.append(int(a[0].shape[0])) or real(*a, **k))  # fmt: skip
+    prompts = [tuple(torch.randint(1, 96, (n,), generator=g).tolist()) for n in (9, 7, 11, 10)]
+    names = ["mla", None, "mla", "mla"]
+    requests = [Request(f"r{i}", p, n, Sampling(max_new_tokens=5))
+                for i, (p, n) in enumerate(zip(prompts, names))]  # fmt: skip
+    first = Request("first", prompts[0], "mla", Sampling(max_new_tokens=2))
+    again = Request("again", (*prompts[0], 3, 4), "mla", Sampling(max_new_tokens=4))
+    for r in (first, again):  # the second reads the first's two full blocks
+        want = greedy_alone(truth, torch.tensor(r.prompt_ids), r.sampling.max_new_tokens)
+        assert run_all(engine, {0: [r]})[r.request_id] == (want, "length")
+    assert engine.pool.stats.hits == 8 and sizes == [5, 4, 3]
+    got = run_all(engine, {0: requests[:2], 1: requests[2:]})
+    assert engine.preemptions > 0 and max(sizes) <= 5
+    for r in requests:
+        want = greedy_alone(made[1][r.adapter], torch.tensor(r.prompt_ids), 5)
+        assert got[r.request_id] == (want, "length"), r.request_id
+    engine.pool.check()
+    engine.close()
+
+
 def test_a_family_the_runner_does_not_know_is_refused_or_left_to_transformers(tmp_path):
     model = toy.build_model("nemotron_h", seed=3)  # Mamba layers: the runner has none
     handle = attach(model, num_slots=2, max_rank=8, moe_backend="reference")

@@ -24,7 +24,7 @@ POINTERS = {
     "xs_ptr": "*fp32", "ws_ptr": "*fp32", "w_ptr": "*fp8e4nv", "bias_ptr": "dt", "sink_ptr": "dt",
     "x_ptr": "dt", "res_ptr": "dt", "y_ptr": "dt", "sum_ptr": "dt", "window_ptr": "dt",
     "b_ptr": "dt", "a_ptr": "dt", "a_log_ptr": "dt", "dt_bias_ptr": "dt", "state_ptr": "*fp32",
-    "core_ptr": "*fp32", "z_ptr": "dt",
+    "core_ptr": "*fp32", "z_ptr": "dt", "c_ptr": "dt",
 }  # fmt: skip
 # the FP8 Linear's q_ptr is its quantized input, not attention's queries
 OVERRIDES = {
@@ -32,8 +32,10 @@ OVERRIDES = {
     "_add_rms_norm_kernel": {"w_ptr": "dt"},
     "_gated_delta_step_kernel": {"w_ptr": "dt"},
     "_gated_rms_norm_kernel": {"w_ptr": "dt"},
+    "_mla_attention_kernel": {"rows_ptr": "*i32"},
 }
 FLOATS = {"scale", "eps"}
+H200_SHARED = 232448  # max shared memory per block (opt-in) on an H200 / H100: 227 KB
 DTYPES = {"bf16": "*bf16", "fp32": "*fp32", "fp16": "*fp16"}
 
 
@@ -66,6 +68,17 @@ def cases() -> dict[str, tuple[str, str, dict, int]]:
         out[f"combine/bf16/sinks{sinks}"] = (
             "decode_attention", "_combine_kernel", dict(SPLITS=4, BLOCK_D=128, HAS_SINKS=sinks), 1,
         )  # fmt: skip
+    for dt in ("bf16", "fp32"):  # DeepSeek's latent attention: rank 512, rope 64
+        mla = dict(BLOCK_N=32, BLOCK_R=512, BLOCK_P=64, IEEE=dt == "fp32")
+        for splits in (1, 4):
+            out[f"mla_decode/{dt}/splits{splits}"] = (
+                "mla_attention", "_mla_attention_kernel",
+                dict(DECODE=True, SPLITS=splits, BLOCK_Q=1, BLOCK_H=16, **mla), 8,
+            )  # fmt: skip
+        out[f"mla_prefill/{dt}"] = (
+            "mla_attention", "_mla_attention_kernel",
+            dict(DECODE=False, SPLITS=1, BLOCK_Q=16, BLOCK_H=2, **mla), 8,
+        )  # fmt: skip
     for dt in ("bf16", "fp32"):  # Qwen3.5's linear attention: Dk = Dv = 128, conv width 4
         out[f"gated_delta_step/{dt}"] = (
             "gated_delta", "_gated_delta_step_kernel",
@@ -92,9 +105,12 @@ def compiled() -> dict:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_runner_kernel_compiles_for_sm90(compiled, name) -> None:
+    """It compiles, and its shared memory fits an H200's block (Triton refuses the launch
+    otherwise, on the GPU only)."""
     got = compiled[name]
     assert "error" not in got, got["error"]
     assert got["ptx_lines"] > 0
+    assert 0 <= got["shared"] <= H200_SHARED, got
 
 
 def test_fp8_linear_dots_on_fp8_tensor_cores(compiled) -> None:
@@ -134,6 +150,7 @@ def _compile(module: str, kernel: str, constexprs: dict, warps: int, dt: str) ->
     return {
         "ptx_lines": done.asm["ptx"].count("\n"),
         "e4m3_dot": any("f8E4M3FN" in line for line in dots),
+        "shared": done.metadata.shared,
     }
 
 

@@ -2,8 +2,11 @@
 [NB, Hk, BS, Dv], NB blocks of BS positions (blocks.py hands them out; a request's block
 table says which hold its positions). Allocated whole at startup from the model's shapes,
 so its size is known before the first request; a linear-attention layer (Qwen3.5) keeps no
-blocks but a state per block-table row (linear_attention.py). Legend: NB blocks, BS block
-size, Hk KV heads, Dk / Dv key / value width.
+blocks but a state per block-table row (linear_attention.py). DeepSeek's latent attention
+(MLA) keeps one row per position, its normed latent then its rotary key ([c, k_r]: rank +
+rope numbers, kernels/mla_attention.py), as keys with one head; its values are the keys'
+first `rank` numbers (a view, not stored twice). Legend: NB blocks, BS block size, Hk KV
+heads, Dk / Dv key / value width.
 """
 
 from __future__ import annotations
@@ -20,14 +23,28 @@ from .linear_attention import is_linear
 @dataclass
 class PagedLayer:
     keys: Tensor  # [NB, Hk, BS, Dk]
-    values: Tensor  # [NB, Hk, BS, Dv]
+    values: Tensor  # [NB, Hk, BS, Dv] (MLA: a view of the keys' first Dv numbers)
 
 
-def layer_shapes(model: nn.Module) -> list[tuple[int, int, int] | None]:
-    """(Hk, Dk, Dv) of each decoder layer's attention, from its k / v projections; DeepSeek's
-    latent attention (MLA): its keys and values expanded per query head, the values as wide
-    as the keys (the runner pads them: its attention kernels take one width); None for a
-    linear-attention layer (its state is per row: linear_attention.py)."""
+@dataclass(frozen=True)
+class LayerShape:
+    """One attention layer's cache: Hk heads of keys Dk and values Dv wide; latent: the
+    values are the keys' first Dv numbers (MLA), not stored apart."""
+
+    heads: int
+    key_width: int
+    value_width: int
+    latent: bool = False
+
+    def numbers(self) -> int:
+        """Numbers one position holds."""
+        return self.heads * (self.key_width + (0 if self.latent else self.value_width))
+
+
+def layer_shapes(model: nn.Module) -> list[LayerShape | None]:
+    """Each decoder layer's cache shape, from its k / v projections; DeepSeek's latent
+    attention (MLA): one head of its latent and rotary key, the latent its values; None for
+    a linear-attention layer (its state is per row: linear_attention.py)."""
     shapes = []
     for layer in model.model.layers:
         if is_linear(layer):
@@ -35,11 +52,12 @@ def layer_shapes(model: nn.Module) -> list[tuple[int, int, int] | None]:
             continue
         attn = layer.self_attn
         if hasattr(attn, "kv_b_proj"):  # MLA
-            width = attn.qk_nope_head_dim + attn.qk_rope_head_dim
-            shapes.append((attn.num_heads, width, width))
+            rank = attn.kv_lora_rank
+            shapes.append(LayerShape(1, rank + attn.qk_rope_head_dim, rank, latent=True))
             continue
         heads = model.config.num_key_value_heads
-        shapes.append((heads, attn.k_proj.out_features // heads, attn.v_proj.out_features // heads))
+        shapes.append(LayerShape(heads, attn.k_proj.out_features // heads,
+                                 attn.v_proj.out_features // heads))  # fmt: skip
     return shapes
 
 
@@ -47,7 +65,17 @@ def bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> in
     """Bytes one block takes over every layer, keys and values."""
     size = torch.empty((), dtype=dtype).element_size()
     shapes = [s for s in layer_shapes(model) if s is not None]
-    return sum(h * (dk + dv) * block_size * size for h, dk, dv in shapes)
+    return sum(s.numbers() * block_size * size for s in shapes)
+
+
+def _layer(shape: LayerShape, num_blocks: int, block_size: int, device, dtype) -> PagedLayer:
+    keys = torch.zeros(num_blocks, shape.heads, block_size, shape.key_width, dtype=dtype,
+                       device=device)  # fmt: skip
+    if shape.latent:
+        return PagedLayer(keys, keys[..., : shape.value_width])
+    values = torch.zeros(num_blocks, shape.heads, block_size, shape.value_width, dtype=dtype,
+                         device=device)  # fmt: skip
+    return PagedLayer(keys, values)
 
 
 class PagedCache:
@@ -58,16 +86,13 @@ class PagedCache:
                  rows: int = 0):  # fmt: skip
         self.num_blocks, self.block_size = num_blocks, block_size
         self.layers = [
-            None if shape is None else PagedLayer(
-                torch.zeros(num_blocks, shape[0], block_size, shape[1], dtype=dtype,
-                            device=device),
-                torch.zeros(num_blocks, shape[0], block_size, shape[2], dtype=dtype,
-                            device=device),
-            )
+            None if shape is None else _layer(shape, num_blocks, block_size, device, dtype)
             for shape in layer_shapes(model)
-        ]  # fmt: skip
+        ]
         self.states = linear_attention.allocate(model, rows, device, dtype)
 
     def nbytes(self) -> int:
-        kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for layer in self.layers if layer for t in (layer.keys, layer.values)}  # fmt: skip
+        kv = sum(storages.values())  # MLA's values are a view of its keys: counted once
         return kv + sum(s.conv.nbytes + s.recurrent.nbytes for s in self.states.values())

@@ -18,9 +18,10 @@ logits on cuBLAS, their LoRA, softmax / top-k / renormalization in one kernel,
 kernels/router_topk.py; DeepSeek's sigmoid and grouped top-k in fp32, moelora/routing.py); the
 experts on moelora's layer, and a shared-experts MLP where the family has one; a dense layer
 (DeepSeek's first ones) runs its gated MLP, gate and up in one GEMM. DeepSeek's multi-head
-latent attention (_mla) runs its projections the same way and caches keys and values
-expanded per head (not the latent: more cache per token than FlashMLA-style engines hold;
-the values zero-padded to the key width). Then the final norm and the LM head
+latent attention (_mla) runs its projections the same way, caches each position's normed
+latent and rotary key (rank + rope numbers, as FlashMLA-style engines do) and attends in
+the absorbed form (kernels/mla_attention.py: kv_b's key half moved onto each query, its
+value half onto each head's output). Then the final norm and the LM head
 (cuBLAS; at prefill over each prompt's last token only, or every token when prompt
 logprobs are asked) with its LoRA (kernels/dense_lora.py). Each step keeps transformers'
 roundings (the kernels' docstrings say how), so a row equals the model's eager forward
@@ -44,6 +45,7 @@ from ..kernels.decode_attention import decode_attention
 from ..kernels.dense_linear import MAX_MODULES, dense_linear, lora_shrink
 from ..kernels.dense_lora import add_dense_lora
 from ..kernels.fp8_linear import fp8_linear, quantize_input
+from ..kernels.mla_attention import mla_decode_attention, mla_prefill_attention
 from ..kernels.prefill_attention import VarlenTable, prefill_attention, varlen_table
 from ..kernels.rms_norm import add_rms_norm
 from ..kernels.rope_cache import rope_and_cache
@@ -170,6 +172,9 @@ def runner_support(model: nn.Module) -> list[str]:
     if (family.windows or family.chunks or family.linear) and not kinds <= known:
         reasons.append(f"layer types {sorted(kinds)} (the runner knows {sorted(known)} for "
                        f"{config.model_type})")  # fmt: skip
+    if family.mla and any(layer.self_attn.kv_b_proj.bias is not None
+                          for layer in model.model.layers):  # fmt: skip
+        reasons.append("kv_b_proj with a bias (the absorbed latent attention has none)")
     if getattr(config, "clip_qkv", None) is not None:
         reasons.append(f"clip_qkv {config.clip_qkv} (q / k / v clamped)")
     # an FP8 checkpoint's experts run on moelora's layer like any others; the projections
@@ -215,6 +220,8 @@ class _Layer:
     rope: bool = True  # rotary on q and k (Llama 4's NoPE layers: none)
     temperature: tuple[float, float] | None = None  # Llama 4's NoPE layers: (floor_scale,
     # attn_scale) of the attention temperature q is scaled by
+    absorbed: tuple[Tensor, Tensor] | None = None  # MLA: kv_b's weight per head, its key
+    # rows [H, nope, rank] and value rows [H, v, rank] (views of it; an FP8 one dequantized)
 
 
 class DecodeRunner:
@@ -239,10 +246,9 @@ class DecodeRunner:
         # GPU check compares them with)
         self.fused_linear = True
         self.first_moe = min(experts)
-        # MLA's keys and values are expanded per query head in the cache (paged_cache.py)
-        self.group = (
-            1 if self.family.mla else config.num_attention_heads // config.num_key_value_heads
-        )
+        # MLA: one latent "KV head" for every query head (paged_cache.py)
+        self.group = config.num_attention_heads // (
+            1 if self.family.mla else config.num_key_value_heads)  # fmt: skip
         # DeepSeek's routing as moelora reads it from the config (hf_keys: groups, scaling,
         # renormalization per family); the others' on the logits in their dtype (Llama 4's
         # top-k sigmoid in _moe)
@@ -272,6 +278,8 @@ class DecodeRunner:
             correction_bias=getattr(router, "e_score_correction_bias", None),
             chunk=int(chunk or 0), rope=rope,
             temperature=(attn.floor_scale, attn.attn_scale) if tuned else None,
+            absorbed=_absorbed(attn, self.model.model.embed_tokens.weight.dtype)
+            if family.mla else None,
         )  # fmt: skip
 
     def _norm_weight(self, norm: nn.Module) -> Tensor:
@@ -320,6 +328,9 @@ class DecodeRunner:
         lengths = positions[:, 0] + 1
 
         def attend(q, cache_layer, scaling, layer):
+            if layer.absorbed is not None:
+                return mla_decode_attention(q, cache_layer.keys, table, lengths, scaling,
+                                            layer.attn.kv_lora_rank, kv_len)  # fmt: skip
             return decode_attention(q, cache_layer.keys, cache_layer.values, table, lengths,
                                     scaling, kv_len, layer.window, layer.sinks, layer.chunk)  # fmt: skip
 
@@ -379,6 +390,9 @@ class DecodeRunner:
         need (a model with them is not graphed with prompts: MixedGraphs stays off)."""
 
         def attend(q, cache_layer, scaling, layer):
+            if layer.absorbed is not None:
+                return mla_prefill_attention(q, cache_layer.keys, spans, table, scaling,
+                                             layer.attn.kv_lora_rank)  # fmt: skip
             return prefill_attention(q, cache_layer.keys, cache_layer.values, spans, table,
                                      scaling, layer.window, layer.sinks, layer.chunk)  # fmt: skip
 
@@ -572,13 +586,15 @@ class DecodeRunner:
              ) -> Tensor:  # fmt: skip
         """DeepSeek's multi-head latent attention as transformers' DeepseekV3Attention: q
         through q_a / its norm / q_b (or q_proj), the latent and the shared rotary key from
-        kv_a, the latent's norm, per-head keys and values from kv_b; rotary on the last
-        qk_rope_head_dim of q and k (interleaved pairs when config.rope_interleave). Keys
-        [nope, rope] and values (zero-padded to the key width, so the attention kernels take
-        one width; the padding adds exact zeros) go to the cache expanded per head."""
+        kv_a, the latent's norm; rotary on the last qk_rope_head_dim of q and k (interleaved
+        pairs when config.rope_interleave). The cache takes each position's [latent, rotary
+        key]; attention runs absorbed (kernels/mla_attention.py): each head's q_nope times
+        kv_b's key rows for that head gives its query over the latents (q_nope . k_nope =
+        (W_UK^T q_nope) . c), and its latent output times kv_b's value rows its values'
+        mix; kv_b's LoRA goes the same two ways (_absorbed_lora)."""
         attn, path = layer.attn, f"{layer.path}.self_attn"
         tokens, heads = x.shape[0], attn.num_heads
-        nope, rope, v_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+        nope, rope = attn.qk_nope_head_dim, attn.qk_rope_head_dim
         if attn.q_lora_rank is None:
             q, ckv = self._projections([attn.q_proj, attn.kv_a_proj_with_mqa],
                                        [f"{path}.q_proj", f"{path}.kv_a_proj_with_mqa"], x,
@@ -593,19 +609,67 @@ class DecodeRunner:
         latent, k_rot = ckv.split([attn.kv_lora_rank, rope], dim=-1)
         norm = attn.kv_a_layernorm
         latent, _ = add_rms_norm(latent.contiguous(), None, norm.weight, norm_eps(norm))
-        (kv,) = self._projections([attn.kv_b_proj], [f"{path}.kv_b_proj"], latent, slots, rows)
-        k_nope, v = kv.view(tokens, heads, nope + v_dim).split([nope, v_dim], dim=-1)
         q_pass, q_rot = q.view(tokens, heads, nope + rope).split([nope, rope], dim=-1)
         layout = "complex" if self.family.complex_rope else (
             "pairs" if getattr(self.model.config, "rope_interleave", False) else "halves")  # fmt: skip
         q_rot, k_rot = _mla_rope(q_rot, k_rot[:, None], cos, sin, layout)
-        q = torch.cat([q_pass, q_rot], dim=-1)
-        k = torch.cat([k_nope, k_rot.expand(tokens, heads, rope)], dim=-1)
-        _write_kv(cache_layer, write, k, F.pad(v, (0, nope + rope - v_dim)))
-        out = attend(q, cache_layer, attn.scaling, layer)[..., :v_dim]
+        blocks, offsets = write
+        cache_layer.keys[blocks, 0, offsets] = torch.cat([latent, k_rot[:, 0]], dim=-1)
+        w_uk, w_uv = layer.absorbed
+        q_latent = torch.bmm(q_pass.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        kv_b = f"{path}.kv_b_proj"
+        lora = kv_b in rows.lora_modules
+        if lora:
+            q_latent = q_latent + _absorbed_lora(self.banks, kv_b, heads, nope, slots, q_pass,
+                                                 None)  # fmt: skip
+        out = attend(torch.cat([q_latent, q_rot], dim=-1), cache_layer, attn.scaling, layer)
+        values = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        if lora:  # [T, H, v]
+            values = values + _absorbed_lora(self.banks, kv_b, heads, nope, slots, None, out)
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"],
-                                 out.reshape(tokens, heads * v_dim), slots, rows)  # fmt: skip
+                                 values.reshape(tokens, -1), slots, rows)  # fmt: skip
         return o
+
+
+def _absorbed(attn: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """kv_b_proj's weight [H x (nope + v), rank] as its key rows [H, nope, rank] and value
+    rows [H, v, rank] per head: views of the weight, or of its copy dequantized to `dtype`
+    (the model's) when it is a block-scaled FP8 Linear (the absorbed products need it
+    dense, as vLLM's MLA does)."""
+    kv_b, nope = attn.kv_b_proj, attn.qk_nope_head_dim
+    weight = kv_b.weight.detach()
+    if (block := fp8_block(kv_b)) is not None:
+        scale = kv_b.weight_scale_inv.repeat_interleave(block[0], 0).repeat_interleave(
+            block[1], 1)[: weight.shape[0], : weight.shape[1]]  # fmt: skip
+        weight = (weight.float() * scale).to(dtype)
+    per_head = weight.view(attn.num_heads, -1, weight.shape[1])
+    return per_head[:, :nope], per_head[:, nope:]
+
+
+def _absorbed_lora(banks: ModuleBanks, path: str, heads: int, nope: int, slots: Tensor,
+                   q_pass: Tensor | None, latent_out: Tensor | None) -> Tensor:  # fmt: skip
+    """kv_b's LoRA (W + B A, the scale in B) moved as its weight is: with q_pass [T, H, nope]
+    the query side, A^T (B_K[h]^T q_nope) [T, H, rank]; with latent_out [T, H, rank] the
+    value side, B_V[h] (A o) [T, H, v]. Each token's slot (-1: none, exactly 0); the per-head
+    B products over every slot, masked per token (no host sync: graphable), the A products
+    over each token's own slot. In fp32, rounded once to the input's dtype."""
+    a, bt = banks.a[path], banks.bt[path]  # [L, R, rank], [L, R, H x (nope + v)]
+    count = a.shape[0]
+    per_head = bt.view(count, bt.shape[1], heads, -1)
+    own = a[slots.clamp(min=0).long()].float()  # [T, R, rank]
+    on = (slots >= 0)[:, None, None]
+    if q_pass is not None:
+        u = torch.zeros(q_pass.shape[0], heads, a.shape[1], device=a.device)
+        for s in range(count):
+            u += (slots == s)[:, None, None] * torch.einsum(
+                "thn,rhn->thr", q_pass.float(), per_head[s, :, :, :nope].float())  # fmt: skip
+        return torch.bmm(u, own).to(q_pass.dtype)
+    w = torch.bmm(latent_out.float(), own.transpose(1, 2)) * on  # [T, H, R]
+    out = torch.zeros(*w.shape[:2], per_head.shape[3] - nope, device=a.device)
+    for s in range(count):
+        out += (slots == s)[:, None, None] * torch.einsum(
+            "thr,rhv->thv", w, per_head[s, :, :, nope:].float())  # fmt: skip
+    return out.to(latent_out.dtype)
 
 
 def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str):
