@@ -84,7 +84,10 @@ def kernels_recording(on_launch):
             self.fn = fn
 
         def __getitem__(self, grid):
-            return lambda **kwargs: on_launch(self.fn, grid, kwargs)
+            def launch(*args, **kwargs):  # positional arguments named as the kernel names them
+                on_launch(self.fn, grid, {**dict(zip(self.fn.arg_names, args)), **kwargs})
+
+            return launch
 
     for info in pkgutil.iter_modules(pkg.__path__):
         module = importlib.import_module(f"{pkg.__name__}.{info.name}")

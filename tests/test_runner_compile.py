@@ -14,6 +14,8 @@ import os
 import pytest
 from sm90_child import run_compile_child
 
+from moelora.kernels import prefill_attention
+
 # the pointers' element types, by parameter name ("dt": the serving dtype of the case)
 POINTERS = {
     "block_table_ptr": "*i32", "len_ptr": "*i64", "part_ptr": "*fp32", "stat_ptr": "*fp32",
@@ -53,7 +55,7 @@ def cases() -> dict[str, tuple[str, str, dict, int]]:
             out[f"prefill/{dt}/group{group}/sinks{sinks}"] = (
                 "prefill_attention", "_prefill_attention_kernel",
                 dict(BLOCK_Q=block_q, BLOCK_G=group, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32",
-                     HAS_SINKS=sinks), 4,
+                     HAS_SINKS=sinks), prefill_attention.WARPS,
             )  # fmt: skip
         for norm in (True, False):
             out[f"rope_cache/{dt}/norm{norm}"] = (

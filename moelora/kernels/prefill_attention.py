@@ -38,6 +38,9 @@ from .tiles import mma
 
 BLOCK_N = 64  # keys per step; reasoned, not tuned
 ROWS = 128  # BLOCK_Q x G rows of a program's dots (BLOCK_Q at least 16); reasoned
+# a [ROWS, 128] fp32 accumulator at 4 warps spilled 260 bytes a thread on sm_90 (ptxas, the
+# launch as the JIT specializes it); at 8 warps none (tests/test_attention_spills.py)
+WARPS = 8
 
 
 @triton.jit
@@ -253,6 +256,6 @@ def prefill_attention(
             *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
             BLOCK_Q=table.block_q, BLOCK_G=next_pow2(group), BLOCK_N=BLOCK_N,
             BLOCK_D=next_pow2(head_dim), IEEE=q.dtype == torch.float32,
-            HAS_SINKS=sinks is not None, num_warps=4,
+            HAS_SINKS=sinks is not None, num_warps=WARPS,
         )  # fmt: skip
     return out

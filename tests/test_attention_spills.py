@@ -1,0 +1,114 @@
+"""The runner's attention kernels launched as the JIT launches them at serving shapes (the
+launch's own arguments specialise divisibility and constants: tests/sm90_launches.py),
+compiled for sm_90 and assembled by Triton's ptxas: no register spills, shared memory
+within an H200 block. A spill sits in the inner loop over the keys (the prefill kernel's
+[128, 128] fp32 accumulator at 4 warps spilled 260 bytes a thread). Shapes: Qwen3-30B-A3B's
+attention (32 query heads over 4 KV heads of 128), gpt-oss's (64 over 8 of 64, sinks),
+DeepSeek-V3's latent (128 heads over a 512 + 64 latent). Run as a script with the
+interpreter off (tests/sm90_child.py), it prints each case's numbers as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+from sm90_child import run_compile_child
+
+H200_SHARED = 232448  # max shared memory per block (opt-in) on an H200 / H100: 227 KB
+CASES = ("prefill/qwen3", "prefill/gpt-oss-sinks", "decode/qwen3-b64", "decode/qwen3-b1",
+         "decode/gpt-oss-sinks", "mla_prefill/deepseek-v3", "mla_decode/deepseek-v3-b64")  # fmt: skip
+
+
+def _launch(case: str) -> list[tuple]:
+    """[(kernel, kwargs)] that the case's launcher makes on empty CPU tensors (recorded,
+    nothing runs)."""
+    import torch
+    from sm90_launches import _recorded
+
+    from moelora.kernels.decode_attention import decode_attention
+    from moelora.kernels.mla_attention import mla_decode_attention, mla_prefill_attention
+    from moelora.kernels.prefill_attention import prefill_attention, varlen_table
+
+    bf, kind, model = torch.bfloat16, *case.split("/")
+    rows = 1 if model.endswith("-b1") else 64
+    table = torch.zeros(rows, 64, dtype=torch.int32)
+    lengths = torch.ones(rows, dtype=torch.int64)
+    with _recorded() as calls:
+        if kind.startswith("mla"):
+            cache = torch.empty(64, 1, 16, 576, dtype=bf)
+            if kind == "mla_prefill":
+                q = torch.empty(512, 128, 576, dtype=bf)
+                spans = varlen_table([512], [0], [0], 128, "cpu")
+                mla_prefill_attention(q, cache, spans, table, 0.1, 512)
+            else:
+                q = torch.empty(rows, 128, 576, dtype=bf)
+                mla_decode_attention(q, cache, table, lengths, 0.1, 512, 1024)
+        else:
+            hq, hk, d = (64, 8, 64) if model.startswith("gpt-oss") else (32, 4, 128)
+            sinks = torch.empty(hq, dtype=bf) if "sinks" in model else None
+            keys, values = (torch.empty(64, hk, 16, d, dtype=bf) for _ in range(2))
+            if kind == "prefill":
+                q = torch.empty(512, hq, d, dtype=bf)
+                spans = varlen_table([512], [0], [0], hq // hk, "cpu")
+                prefill_attention(q, keys, values, spans, table, 0.1, 128, sinks)
+            else:
+                q = torch.empty(rows, hq, d, dtype=bf)
+                decode_attention(q, keys, values, table, lengths, 0.1, 1024, 128, sinks)
+    return [(fn, kw) for fn, kw in calls if fn.__name__ != "_combine_kernel"]
+
+
+def _assembled(fn, kwargs: dict) -> dict:
+    """Shared memory, registers and spill bytes of `fn` compiled for sm_90 at this launch."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from sm90_launches import SM90, launch_source
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    src, options = launch_source(fn, kwargs)
+    done = triton.compile(src, target=GPUTarget(*SM90), options=options.__dict__)
+    try:
+        ptxas = get_ptxas(SM90[1]).path
+    except TypeError:  # (Triton < 3.5: no arch argument)
+        ptxas = get_ptxas().path
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(done.asm["ptx"])
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", ptx + ".cubin"],
+                             capture_output=True, text=True, check=True).stderr  # fmt: skip
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out)]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", out)]
+    return {"kernel": fn.__name__, "warps": options.num_warps, "shared": done.metadata.shared,
+            "spill_bytes": sum(spills), "registers": max(registers)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def assembled() -> dict:
+    return run_compile_child(__file__, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_kernel_neither_spills_nor_overflows_shared_memory(assembled, case):
+    for got in assembled[case]:
+        assert "error" not in got, got["error"]
+        assert got["registers"] > 0, got  # ptxas reported on this kernel
+        assert got["spill_bytes"] == 0, got
+        assert 0 < got["shared"] <= H200_SHARED, got
+
+
+if __name__ == "__main__":
+    import moelora
+
+    result = {}
+    for case in CASES:
+        try:
+            result[case] = [_assembled(fn, kw) for fn, kw in _launch(case)]
+        except Exception as err:  # reported: the test fails with it
+            result[case] = [{"error": f"{type(err).__name__}: {str(err)[-600:]}"}]
+    result["moelora"] = os.path.abspath(moelora.__file__)
+    print(json.dumps(result))
