@@ -39,7 +39,7 @@ from .tiles import mma
 BLOCK_N = 64  # keys per step; reasoned, not tuned
 ROWS = 128  # BLOCK_Q x G rows of a program's dots (BLOCK_Q at least 16); reasoned
 # a [ROWS, 128] fp32 accumulator at 4 warps spilled 260 bytes a thread on sm_90 (ptxas, the
-# launch as the JIT specializes it); at 8 warps none (tests/test_attention_spills.py)
+# launch as the JIT specializes it); at 8 warps none (tests/test_runner_spills.py)
 WARPS = 8
 
 
