@@ -105,6 +105,63 @@ def test_rope_and_cache_equal_transformers(case, dtype, seed):
     assert k_cache.isnan().all(dim=(1, 3))[~written].all()  # nothing else was touched
 
 
+FAMILY_ROPES = ["qwen3.5-partial-gated", "llama4-pairs-norm-after", "llama4-nope"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("form", FAMILY_ROPES)
+def test_rope_and_cache_family_forms_equal_transformers(form, dtype, seed):
+    """Qwen3.5's full-attention heads (q interleaved with its output gate, zero-centered
+    norms, rotary over the first half of each head) and Llama 4's (complex pairs in fp32,
+    the weightless norm after; NoPE layers: neither) against transformers' own functions."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextL2Norm, apply_rotary_emb
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen35
+
+    rows, hq, hk, d = 3, 4, 2, 16
+    g = _gen(seed)
+    gated = form.startswith("qwen3.5")
+    q = torch.randn(rows, hq * d * (2 if gated else 1), generator=g).to(dtype)
+    k, v = (torch.randn(rows, hk * d, generator=g).to(dtype) for _ in range(2))
+    k_cache = torch.full((rows + 2, hk, 10, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    dest = torch.randperm(rows + 2, generator=g)[:rows]
+    pos = torch.randint(0, 10, (rows,), generator=g)
+    qh, kh = q.view(rows, hq, -1)[..., :d], k.view(rows, hk, d)
+    if gated:
+        angles = torch.rand(rows, d // 4, generator=g) * 6.0
+        emb = torch.cat([angles, angles], dim=-1)  # rotary over the first d / 2
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        norms = [qwen35.Qwen3_5MoeRMSNorm(d, eps=1e-6).to(dtype) for _ in range(2)]
+        for n in norms:
+            n.weight.data = (torch.randn(d, generator=g) * 0.5).to(dtype)
+        out = rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, dest, pos,
+                             *(1.0 + n.weight.float() for n in norms), 1e-6,
+                             round_normed=False, head_dim=d, q_head_stride=2 * d)  # fmt: skip
+        ref_q, ref_k = qwen35.apply_rotary_pos_emb(norms[0](qh)[:, :, None],
+                                                   norms[1](kh)[:, :, None], cos[:, None],
+                                                   sin[:, None])  # fmt: skip
+        ref_q, ref_k = ref_q[:, :, 0], ref_k[:, :, 0]
+    else:
+        angles = torch.rand(rows, d // 2, generator=g) * 6.0
+        freqs = torch.polar(torch.ones_like(angles), angles)
+        nope = form.endswith("nope")
+        out = rope_and_cache(q, k, v, freqs.real, freqs.imag, k_cache, v_cache, dest, pos,
+                             eps=1e-5, norm="none" if nope else "after",
+                             rope="none" if nope else "pairs", head_dim=d)  # fmt: skip
+        if nope:
+            ref_q, ref_k = qh, kh
+        else:  # transformers: [B, S=1, heads, D] with freqs [B, S, D / 2]
+            ref_q, ref_k = apply_rotary_emb(qh[:, None], kh[:, None], freqs[:, None])
+            norm = Llama4TextL2Norm(eps=1e-5)
+            ref_q, ref_k = norm(ref_q[:, 0]), norm(ref_k[:, 0])
+    assert_close(out, ref_q, dtype, what="q")
+    assert_close(k_cache[dest, :, pos], ref_k, dtype, what="k in the cache")
+    assert torch.equal(v_cache[dest, :, pos], v.view(rows, hk, d))
+    written = torch.zeros(rows + 2, 10, dtype=torch.bool)
+    written[dest, pos] = True
+    assert k_cache.isnan().all(dim=(1, 3))[~written].all()
+
+
 def _paged_cache(
     lengths: list[int],
     hk: int,

@@ -1,7 +1,9 @@
 """The decode runner's kernels that read the paged KV cache or FP8 weights compile for sm_90
 without a GPU (the interpreter runs what the GPU compiler refuses: an fp8 dot with K < 32
 passed every interpreted test): decode attention (each split count, the combine, with and
-without attention sinks), varlen prefill attention (query groups 4 and 8, sinks), the rotary + cache write, the residual add + RMSNorm in both roundings, the FP8 Linear at each
+without attention sinks), varlen prefill attention (query groups 4 and 8, sinks), DeepSeek's
+latent attention (decode with and without splits, prefill), the rotary + cache write in
+each family's form, the residual add + RMSNorm in both roundings, the FP8 Linear at each
 row tile and the activation groups it serves, Qwen3.5's Gated DeltaNet step and its gated
 norm, in the serving dtypes. Run as a script with
 the interpreter off (tests/sm90_child.py); the tests read what it printed."""
@@ -57,9 +59,13 @@ def cases() -> dict[str, tuple[str, str, dict, int]]:
                 dict(BLOCK_Q=block_q, BLOCK_G=group, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32",
                      HAS_SINKS=sinks), prefill_attention.WARPS,
             )  # fmt: skip
-        for norm in (True, False):
-            out[f"rope_cache/{dt}/norm{norm}"] = (
-                "rope_cache", "_rope_cache_kernel", dict(HAS_NORM=norm, BLOCK_D=128), 1,
+        for form, (norm, rounded, rope) in {
+            "qwen3": (1, True, 1), "no-norm": (0, True, 1), "qwen3.5": (1, False, 1),
+            "llama4": (2, True, 2), "nope": (0, True, 0),
+        }.items():  # fmt: skip
+            out[f"rope_cache/{dt}/{form}"] = (
+                "rope_cache", "_rope_cache_kernel",
+                dict(NORM=norm, ROUND_NORMED=rounded, ROPE=rope, BLOCK_D=128), 1,
             )  # fmt: skip
     for rounded in (True, False):  # gpt-oss's norm rounds once
         out[f"rms_norm/bf16/round_normed{rounded}"] = (

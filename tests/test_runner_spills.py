@@ -23,10 +23,11 @@ H200_SHARED = 232448  # max shared memory per block (opt-in) on an H200 / H100: 
 CASES = ("prefill/qwen3", "prefill/gpt-oss-sinks", "decode/qwen3-b64", "decode/qwen3-b1",
          "decode/gpt-oss-sinks", "mla_prefill/deepseek-v3", "mla_decode/deepseek-v3-b64",
          "qkv_lora/qwen3-b1", "qkv_lora/qwen3-b64", "lm_head_lora/qwen3-b64", "rope_cache/qwen3",
+         "rope_cache/qwen3.5", "rope_cache/llama4",
          "rms_norm/qwen3", "router_topk/qwen3", "fp8_qkv/qwen3-b64", "gated_delta/qwen3.5-b64")  # fmt: skip
 
 
-def _other(kind: str, rows: int, bf) -> None:
+def _other(kind: str, model: str, rows: int, bf) -> None:
     """The case's launcher on empty CPU tensors, beside attention (inside _recorded)."""
     import torch
 
@@ -46,13 +47,23 @@ def _other(kind: str, rows: int, bf) -> None:
         out = torch.empty(rows, 151936, dtype=bf)
         a, bt = torch.empty(8, 16, 2048, dtype=bf), torch.empty(8, 16, 151936, dtype=bf)
         dense_lora.add_dense_lora(out, x, slots, a, bt)
-    elif kind == "rope_cache":
-        q, kv = torch.empty(rows, 32 * 128, dtype=bf), torch.empty(rows, 4 * 128, dtype=bf)
-        cos = torch.empty(rows, 128, dtype=bf)
-        cache = torch.empty(64, 4, 16, 128, dtype=bf)
+    elif kind == "rope_cache":  # Qwen3.5: 16 q heads of 256 (with their gates), 64 rotated
+        heads, width = (16, 256) if model == "qwen3.5" else (32, 128)
+        q = torch.empty(rows, heads * width * (2 if model == "qwen3.5" else 1), dtype=bf)
+        kv = torch.empty(rows, 4 * width, dtype=bf)
+        cache = torch.empty(64, 4, 16, width, dtype=bf)
         where = torch.zeros(rows, dtype=torch.long)
-        norm = torch.empty(128, dtype=bf)
-        rope_and_cache(q, kv, kv, cos, cos, cache, cache, where, where, norm, norm)
+        if model == "llama4":  # complex pairs in fp32, the weightless norm after
+            cos = torch.empty(rows, width // 2)
+            rope_and_cache(q, kv, kv, cos, cos, cache, cache, where, where, norm="after",
+                           rope="pairs", head_dim=width)  # fmt: skip
+        elif model == "qwen3.5":
+            cos, norm = torch.empty(rows, 64, dtype=bf), torch.empty(width)
+            rope_and_cache(q, kv, kv, cos, cos, cache, cache, where, where, norm, norm,
+                           round_normed=False, head_dim=width, q_head_stride=2 * width)  # fmt: skip
+        else:
+            cos, norm = torch.empty(rows, width, dtype=bf), torch.empty(width, dtype=bf)
+            rope_and_cache(q, kv, kv, cos, cos, cache, cache, where, where, norm, norm)
     elif kind == "rms_norm":
         rms_norm.add_rms_norm(x, x, torch.empty(2048, dtype=bf), 1e-6)
     elif kind == "router_topk":
@@ -92,7 +103,7 @@ def _launch(case: str) -> list[tuple]:
     lengths = torch.ones(rows, dtype=torch.int64)
     with _recorded() as calls:
         if kind not in ("prefill", "decode", "mla_prefill", "mla_decode"):
-            _other(kind, rows, bf)
+            _other(kind, model.split("-")[0], rows, bf)
         elif kind.startswith("mla"):
             cache = torch.empty(64, 1, 16, 576, dtype=bf)
             if kind == "mla_prefill":

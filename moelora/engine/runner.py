@@ -9,8 +9,10 @@ padding, no mask tensor).
 Per layer: the residual add fused into each RMSNorm (kernels/rms_norm.py); the q / k / v
 projections as one GEMM over the model's three weights, their LoRA over the slots the rows
 name in its epilogue (kernels/dense_linear.py, the shrink one launch before); q / k norm,
-rotary and the KV-cache write in one kernel (kernels/rope_cache.py, into the paged cache's
-block and offset of each token, found once per forward from the block table); attention
+rotary and the KV-cache write in one kernel in the family's form (kernels/rope_cache.py:
+Qwen3's, Qwen3.5's zero-centered and partial, Llama 4's complex pairs with the norm after;
+into the paged cache's block and offset of each token, found once per forward from the
+block table); attention
 over each row's blocks up to its own length (kernels/decode_attention.py at decode,
 kernels/prefill_attention.py causal over each packed prompt at prefill; a sliding-window
 layer reads its window, gpt-oss's sinks join each softmax); o_proj and its LoRA alike; the router (its
@@ -220,6 +222,8 @@ class _Layer:
     rope: bool = True  # rotary on q and k (Llama 4's NoPE layers: none)
     temperature: tuple[float, float] | None = None  # Llama 4's NoPE layers: (floor_scale,
     # attn_scale) of the attention temperature q is scaled by
+    head_norms: tuple[Tensor, Tensor] | None = None  # q_norm / k_norm weights per head
+    # (Qwen3's; Qwen3.5's zero-centered ones as 1 + weight in fp32)
     absorbed: tuple[Tensor, Tensor] | None = None  # MLA: kv_b's weight per head, its key
     # rows [H, nope, rank] and value rows [H, v, rank] (views of it; an FP8 one dequantized)
 
@@ -278,6 +282,9 @@ class DecodeRunner:
             correction_bias=getattr(router, "e_score_correction_bias", None),
             chunk=int(chunk or 0), rope=rope,
             temperature=(attn.floor_scale, attn.attn_scale) if tuned else None,
+            head_norms=(self._norm_weight(attn.q_norm), self._norm_weight(attn.k_norm))
+            if (family.qk_norm == "head" or family.gated_attention) and not is_linear(layer)
+            else None,
             absorbed=_absorbed(attn, self.model.model.embed_tokens.weight.dtype)
             if family.mla else None,
         )  # fmt: skip
@@ -502,22 +509,34 @@ class DecodeRunner:
     def _qk_and_cache(self, layer, q, k, v, cos, sin, cache_layer, write, positions):
         """(q [T, Hq, D] ready for attention, Qwen3.5's output gate or None), k / v written
         to the cache at `write`: q / k norms, rotary and the write in one kernel
-        (kernels/rope_cache.py; OLMoE's norm over the whole projection before it), or the
-        family's own form in torch (Llama 4's, Qwen3.5's gated attention)."""
-        attn, family = layer.attn, self.family
-        if family.complex_rope:
+        (kernels/rope_cache.py, in the family's form: Qwen3's norms before rotate_half,
+        Qwen3.5's zero-centered ones and partial rotary over q interleaved with its gate,
+        Llama 4's complex pairs with the weightless norm after; OLMoE's norm over the whole
+        projection before it); Llama 4's layers with attention temperature in torch
+        (_llama4_rope_and_cache: q scaled per position)."""
+        attn, family, keys, values = layer.attn, self.family, cache_layer.keys, cache_layer.values
+        if family.complex_rope and layer.temperature is not None:
             return _llama4_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write,
                                           positions), None  # fmt: skip
-        if family.gated_attention:
-            return _gated_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write)
-        head_norms = (None, None)
-        if family.qk_norm == "head":
-            head_norms = (attn.q_norm.weight, attn.k_norm.weight)
-        elif family.qk_norm == "full":
+        if family.complex_rope:  # Llama 4
+            normed = hasattr(attn, "qk_norm")
+            q = rope_and_cache(q, k, v, cos, sin, keys, values, *write,
+                               eps=norm_eps(attn.qk_norm) if normed else self.eps,
+                               norm="after" if normed else "none",
+                               rope="pairs" if layer.rope else "none", head_dim=attn.head_dim)  # fmt: skip
+            return q, None
+        if family.gated_attention:  # Qwen3.5: q_proj gives each head's q, then its gate
+            width = attn.head_dim
+            out = rope_and_cache(q, k, v, cos, sin, keys, values, *write, *layer.head_norms,
+                                 norm_eps(attn.q_norm), round_normed=False, head_dim=width,
+                                 q_head_stride=2 * width)  # fmt: skip
+            gate = q.view(q.shape[0], -1, 2 * width)[..., width:].reshape(q.shape[0], -1)
+            return out, gate
+        if family.qk_norm == "full":
             q, _ = add_rms_norm(q, None, attn.q_norm.weight, norm_eps(attn.q_norm))
             k, _ = add_rms_norm(k, None, attn.k_norm.weight, norm_eps(attn.k_norm))
-        q = rope_and_cache(q, k, v, cos, sin, cache_layer.keys, cache_layer.values, *write,
-                           *head_norms, self.eps)  # fmt: skip
+        q = rope_and_cache(q, k, v, cos, sin, keys, values, *write,
+                           *(layer.head_norms or (None, None)), self.eps)  # fmt: skip
         return q, None
 
     def _linear_attention(self, layer, x, slots, rows, cache, states) -> Tensor:
@@ -703,11 +722,12 @@ def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str):
 
 def _llama4_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write, positions):
     """q [T, Hq x D] ready for attention, k / v [T, Hk x D] written at `write`, as
-    transformers' Llama4TextAttention: rotary on interleaved pairs as complex numbers in fp32
-    (cos / sin [T, D / 2]: the frequencies' real and imaginary parts) on rotary layers, then
-    the weightless RMSNorm of q and k per head where the module has one; on NoPE layers with
-    attention temperature, q times log1p(floor((p + 1) / floor_scale)) x attn_scale + 1
-    (in fp32, rounded to q's dtype)."""
+    transformers' Llama4TextAttention on a layer with attention temperature (NoPE: the
+    others run in kernels/rope_cache.py): rotary on interleaved pairs as complex numbers in
+    fp32 (cos / sin [T, D / 2]: the frequencies' real and imaginary parts) where the layer
+    has it, then the weightless RMSNorm of q and k per head where the module has one; q
+    times log1p(floor((p + 1) / floor_scale)) x attn_scale + 1 (in fp32, rounded to q's
+    dtype)."""
     attn, tokens = layer.attn, q.shape[0]
     q, k, v = (t.view(tokens, -1, attn.head_dim) for t in (q, k, v))
     if layer.rope:
@@ -726,31 +746,6 @@ def _llama4_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write,
         q = (q * (scales * attn_scale + 1.0)[:, None, None]).to(q.dtype)
     _write_kv(cache_layer, write, k, v)
     return q
-
-
-def _gated_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write):
-    """(q [T, Hq, D] ready for attention, the output gate [T, Hq x D]), k / v written at
-    `write`, as transformers' Qwen3_5MoeAttention: q_proj gives each head's q then its gate;
-    q / k normed per head by their zero-centered RMSNorms (1 + weight, in fp32, one
-    rounding); rotary (rotate_half) over the first cos.shape[-1] of each head."""
-    attn, tokens = layer.attn, q.shape[0]
-    q, gate = q.view(tokens, -1, 2 * attn.head_dim).chunk(2, dim=-1)
-    k, v = (t.view(tokens, -1, attn.head_dim) for t in (k, v))
-
-    def norm(t, module):
-        f = t.float()
-        f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm_eps(module))
-        return (f * (1.0 + module.weight.float())).to(t.dtype)
-
-    def rotate(t):
-        width = cos.shape[-1]
-        turned, kept = t[..., :width], t[..., width:]
-        half = torch.cat([-turned[..., width // 2 :], turned[..., : width // 2]], dim=-1)
-        return torch.cat([turned * cos[:, None] + half * sin[:, None], kept], dim=-1)
-
-    q, k = rotate(norm(q, attn.q_norm)), rotate(norm(k, attn.k_norm))
-    _write_kv(cache_layer, write, k, v)
-    return q, gate.reshape(tokens, -1)
 
 
 def _write_kv(cache_layer, write, k: Tensor, v: Tensor) -> None:

@@ -1,12 +1,23 @@
-"""One kernel from the q / k / v projections to the attention's inputs at decode: per head an
-optional RMSNorm (Qwen3's q_norm / k_norm), the rotary embedding, and k / v written into the
-KV cache at each row's position; q comes back rotated, [T, Hq, D].
+"""One kernel from the q / k / v projections to the attention's inputs: per head an optional
+RMSNorm, the rotary embedding, and k / v written into the KV cache at each token's position;
+q comes back rotated, [T, Hq, D]. The families' forms, as transformers writes them:
 
-Each step rounds as transformers' eager code does in the activation dtype: the norm as
-kernels/rms_norm.py, then q * cos and rotate_half(q) * sin each rounded, and their sum
-(cos and sin in that dtype, as the model's rotary embedding returns them). One program per
-(row, head) of q then k. Legend: T rows, Hq / Hk query / key-value heads, D head width,
-N cache rows, M cache positions.
+- Qwen3 / OLMoE / Mixtral / gpt-oss (rope "halves", norm "before" with its weight or none):
+  the norm as kernels/rms_norm.py (the normed row rounded, then times the weight, rounded;
+  Qwen3.5's zero-centered norms with round_normed False: (1 + weight) in fp32 times the
+  fp32 normed row, one rounding), then rotate_half over the first R of each head's D
+  (R = cos.shape[-1]; Qwen3.5's partial rotary: the rest kept): q * cos and rotate_half(q)
+  * sin each rounded, then their sum (cos / sin in the activation dtype, as the model's
+  rotary embedding returns them);
+- Llama 4 (rope "pairs", norm "after"): interleaved pairs rotated as complex numbers in
+  fp32 (cos / sin [T, D / 2]: the frequencies' real and imaginary parts), rounded once, then
+  the weightless RMSNorm of the rounded head in fp32, rounded (Llama4TextL2Norm); its NoPE
+  layers: rope "none".
+
+q may hold more than its heads (Qwen3.5's q_proj gives each head's q then its output gate:
+q_head_stride 2D; the gate is not read). One program per (token, head) of q then k.
+Legend: T tokens, Hq / Hk query / key-value heads, D head width, R rotary width, N cache
+rows (blocks), M positions per cache row.
 """
 
 from __future__ import annotations
@@ -19,6 +30,9 @@ from torch import Tensor
 from ..tiling.geometry import next_pow2
 from .output import as_stored
 
+NORMS = {"none": 0, "before": 1, "after": 2}
+ROPES = {"none": 0, "halves": 1, "pairs": 2}
+
 
 @triton.jit
 def _rope_head(
@@ -28,31 +42,51 @@ def _rope_head(
     sin_ptr,
     eps,
     head_dim,
-    HAS_NORM: tl.constexpr,
+    rot_dim,
+    NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
+    ROPE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     dtype: tl.constexpr,
 ):
-    """One head [D] of q or k: normed (optional), rotated; fp32 holding dtype values."""
-    half = head_dim // 2
+    """One head [D] of q or k: normed and rotated as the module docstring says; dtype values."""
     offs = tl.arange(0, BLOCK_D)
     ok = offs < head_dim
+    half = rot_dim // 2
+    if ROPE == 1:  # rotate_half over the first rot_dim: (-x[half:R], x[:half]); the rest kept
+        partner = tl.where(offs < half, offs + half, tl.where(offs < rot_dim, offs - half, offs))
+    elif ROPE == 2:  # complex pairs (x0, x1), (x2, x3), ...
+        partner = offs ^ 1
+    else:
+        partner = offs
     x = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    # rotate_half: (-x[half:], x[:half]), read as a second load of the same head
-    partner = tl.where(offs < half, offs + half, offs - half)
-    xp = tl.load(src_ptr + partner, mask=ok, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        var = tl.sum(x * x, axis=0) / head_dim
-        scale = tl.math.rsqrt(var + eps)
+    xp = tl.load(src_ptr + partner, mask=ok, other=0.0).to(tl.float32)  # a second load
+    if NORM == 1:
+        scale = tl.math.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=ok, other=0.0).to(tl.float32)
-        x = as_stored(w * as_stored(x * scale, dtype).to(tl.float32), dtype).to(tl.float32)
-        xp = as_stored(wp * as_stored(xp * scale, dtype).to(tl.float32), dtype).to(tl.float32)
-    rotated = tl.where(offs < half, -xp, xp)
-    c = tl.load(cos_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    xc = as_stored(x * c, dtype).to(tl.float32)
-    xs = as_stored(rotated * s, dtype).to(tl.float32)
-    return as_stored(xc + xs, dtype)
+        if ROUND_NORMED:
+            x = as_stored(w * as_stored(x * scale, dtype).to(tl.float32), dtype).to(tl.float32)
+            xp = as_stored(wp * as_stored(xp * scale, dtype).to(tl.float32), dtype).to(tl.float32)
+        else:
+            x = as_stored(w * (x * scale), dtype).to(tl.float32)
+            xp = as_stored(wp * (xp * scale), dtype).to(tl.float32)
+    if ROPE == 1:
+        turned = offs < rot_dim
+        rotated = tl.where(offs < half, -xp, xp)
+        c = tl.load(cos_ptr + offs, mask=turned, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + offs, mask=turned, other=0.0).to(tl.float32)
+        xc = as_stored(x * c, dtype).to(tl.float32)
+        xs = as_stored(rotated * s, dtype).to(tl.float32)
+        x = tl.where(turned, as_stored(xc + xs, dtype).to(tl.float32), x)
+    elif ROPE == 2:
+        rotated = tl.where(offs % 2 == 0, -xp, xp)
+        c = tl.load(cos_ptr + offs // 2, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + offs // 2, mask=ok, other=0.0).to(tl.float32)
+        x = as_stored(x * c + rotated * s, dtype).to(tl.float32)
+    if NORM == 2:
+        x = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
+    return as_stored(x, dtype)
 
 
 @triton.jit
@@ -71,7 +105,9 @@ def _rope_cache_kernel(
     pos_ptr,
     eps,
     head_dim,
+    rot_dim,
     q_heads,
+    q_head_stride,
     stride_q,
     stride_k,
     stride_v,
@@ -84,7 +120,9 @@ def _rope_cache_kernel(
     stride_v_n,
     stride_v_h,
     stride_v_m,
-    HAS_NORM: tl.constexpr,
+    NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
+    ROPE: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -95,15 +133,15 @@ def _rope_cache_kernel(
     offs = tl.arange(0, BLOCK_D)
     ok = offs < head_dim
     if head < q_heads:
-        out = _rope_head(q_ptr + t * stride_q + head * head_dim, qw_ptr, cos, sin, eps,
-                         head_dim, HAS_NORM, BLOCK_D, dtype)  # fmt: skip
+        out = _rope_head(q_ptr + t * stride_q + head * q_head_stride, qw_ptr, cos, sin, eps,
+                         head_dim, rot_dim, NORM, ROUND_NORMED, ROPE, BLOCK_D, dtype)  # fmt: skip
         tl.store(q_out_ptr + t * stride_qo_t + head * stride_qo_h + offs, out, mask=ok)
     else:
         kv = head - q_heads
         row = tl.load(rows_ptr + t)
         pos = tl.load(pos_ptr + t)
         out = _rope_head(k_ptr + t * stride_k + kv * head_dim, kw_ptr, cos, sin, eps,
-                         head_dim, HAS_NORM, BLOCK_D, dtype)  # fmt: skip
+                         head_dim, rot_dim, NORM, ROUND_NORMED, ROPE, BLOCK_D, dtype)  # fmt: skip
         dst = k_cache_ptr + row * stride_c_n + kv * stride_c_h + pos * stride_c_m + offs
         tl.store(dst, out.to(k_cache_ptr.dtype.element_ty), mask=ok)
         v = tl.load(v_ptr + t * stride_v + kv * head_dim + offs, mask=ok, other=0.0)
@@ -124,22 +162,45 @@ def rope_and_cache(
     q_norm: Tensor | None = None,
     k_norm: Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    norm: str | None = None,
+    round_normed: bool = True,
+    rope: str = "halves",
+    head_dim: int | None = None,
+    q_head_stride: int | None = None,
 ) -> Tensor:
-    """q [T, Hq*D], k / v [T, Hk*D], cos / sin [T, D] (the model's dtype), caches [N, Hk, M,
-    D], rows / positions [T] long (where token t's k / v go), q_norm / k_norm [D] or None:
-    returns q rotated [T, Hq, D]; k rotated and v written into the caches."""
-    tokens, head_dim = q.shape[0], cos.shape[-1]
-    q_heads, kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    """q [T, Hq x q_head_stride], k / v [T, Hk x D], cos / sin [T, R] (rope "halves": the
+    model's dtype, R <= D rotated) or [T, D / 2] (rope "pairs": fp32), caches [N, Hk, M, D],
+    rows / positions [T] long (where token t's k / v go), q_norm / k_norm [D] the norm's
+    weights (norm "before"; Qwen3.5's as 1 + weight in fp32 with round_normed False), norm
+    "after": the weightless norm after rotary (default: "before" with weights, else "none");
+    head_dim D (default cos.shape[-1]), q_head_stride (default D). Returns q [T, Hq, D]
+    normed and rotated; k normed, rotated and v written into the caches."""
+    head_dim = cos.shape[-1] if head_dim is None else head_dim
+    q_head_stride = head_dim if q_head_stride is None else q_head_stride
+    norm = ("none" if q_norm is None else "before") if norm is None else norm
+    if norm not in NORMS or rope not in ROPES or (norm == "before") != (q_norm is not None):
+        raise ValueError(f"rope_and_cache: norm {norm!r} (q_norm given: {q_norm is not None})"
+                         f", rope {rope!r}; expected norm in {list(NORMS)} with weights exactly "
+                         f"for 'before', rope in {list(ROPES)}")  # fmt: skip
+    rot_dim = {"halves": cos.shape[-1], "pairs": 2 * cos.shape[-1], "none": 0}[rope]
+    if rot_dim > head_dim or rot_dim % 2 or (rope == "pairs" and rot_dim != head_dim):
+        raise ValueError(f"rope_and_cache: cos {tuple(cos.shape)} for rope {rope!r} over heads "
+                         f"of {head_dim}; expected [T, R <= D] (halves, R even) or [T, D / 2] "
+                         "(pairs)")  # fmt: skip
+    cos, sin = cos.contiguous(), sin.contiguous()  # (a complex tensor's .real is strided)
+    tokens = q.shape[0]
+    q_heads, kv_heads = q.shape[1] // q_head_stride, k.shape[1] // head_dim
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
-    has_norm = q_norm is not None
     if tokens:
         _rope_cache_kernel[(tokens, q_heads + kv_heads)](
-            q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, q_out,
-            k_cache, v_cache, rows, positions, eps, head_dim, q_heads,
-            q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
+            q, k, v, q if q_norm is None else q_norm, k if k_norm is None else k_norm, cos, sin,
+            q_out, k_cache, v_cache, rows, positions, eps, head_dim, rot_dim, q_heads,
+            q_head_stride, q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
             q_out.stride(0), q_out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            HAS_NORM=has_norm, BLOCK_D=next_pow2(head_dim), num_warps=1,
+            NORM=NORMS[norm], ROUND_NORMED=round_normed, ROPE=ROPES[rope],
+            BLOCK_D=next_pow2(head_dim), num_warps=1,
         )  # fmt: skip
     return q_out
