@@ -91,10 +91,32 @@ def _check_rows(made, requests, got) -> None:
         assert got[r.request_id] == (want, "length"), r.request_id
 
 
-def test_prompt_steps_replay_their_bucket_and_rows_stay_exact(made, seed, monkeypatch):
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3 (latent attention: the prompt steps' varlen table is built for all
+    its query heads over one latent head) with "every" and "attn" adapters."""
+    from moelora.hf import toy
+
+    root = tmp_path_factory.mktemp("mixed_mla")
+    base = toy.build_model("deepseek_v3", seed=43)
+    mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    kinds = {"every": dict(r=4, lora_alpha=8, target_modules=mla,
+                           target_parameters=toy.expert_parameters(base)),
+             "attn": dict(r=2, lora_alpha=4, target_modules=["q_b_proj", "kv_b_proj"])}  # fmt: skip
+    truths, dirs = {None: base}, {}
+    for i, (name, kw) in enumerate(kinds.items()):
+        dirs[name] = root / name
+        truths[name] = toy.write_peft_adapter(base, dirs[name], seed=70 + i, **kw)
+    return base, truths, dirs
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_prompt_steps_replay_their_bucket_and_rows_stay_exact(family, request, seed,
+                                                              monkeypatch):  # fmt: skip
     """Prompts join while rows decode (a 13-token one chunked past the 20-token budget):
     every step with a chunk replays the prompt-step graph, and every row equals HF + PEFT
     alone."""
+    made = request.getfixturevalue("made" if family == "qwen3_moe" else "deepseek")
     stand_in = StandIn(monkeypatch)
     engine = _engine(made, stand_in)
     requests = _requests(seed)
