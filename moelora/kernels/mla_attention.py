@@ -35,7 +35,7 @@ from torch import Tensor
 from ..tiling.geometry import next_pow2
 from .decode_attention import _combine_kernel, splits_for
 from .output import as_stored
-from .prefill_attention import VarlenTable, block_size
+from .prefill_attention import VarlenTable, block_size, varlen_block
 from .tiles import mma
 
 BLOCK_N = 32  # positions per step: a [32, rank] latent tile (32 KB at rank 512, bf16)
@@ -100,12 +100,8 @@ def _mla_attention_kernel(
         first = split * split_len
         stop = tl.minimum(first + split_len, length)
     else:  # BLOCK_Q tokens of packed sequence s from token t0
-        s = tl.load(block_seq_ptr + b)
-        t0 = tl.load(block_tok_ptr + b)
-        start = tl.load(starts_ptr + s)
-        end = tl.load(ends_ptr + s)
-        row = tl.load(rows_ptr + s).to(tl.int64)
-        pos0 = tl.load(pos0_ptr + s)
+        t0, start, end, row, pos0 = varlen_block(b, block_seq_ptr, block_tok_ptr, starts_ptr,
+                                                 ends_ptr, rows_ptr, pos0_ptr)  # fmt: skip
         first = 0
         stop = pos0 + tl.minimum(t0 + BLOCK_Q, end) - start  # past the block's last position
     offs_m = tl.arange(0, BLOCK_Q * BLOCK_H)

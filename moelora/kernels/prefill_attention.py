@@ -44,6 +44,17 @@ WARPS = 8
 
 
 @triton.jit
+def varlen_block(b, block_seq_ptr, block_tok_ptr, starts_ptr, ends_ptr, rows_ptr, pos0_ptr):
+    """Program b's place in a VarlenTable: (its first token, its sequence's first token and
+    end in the packed q, that sequence's block-table row (int64) and first position)."""
+    s = tl.load(block_seq_ptr + b)
+    start = tl.load(starts_ptr + s)
+    end = tl.load(ends_ptr + s)
+    row = tl.load(rows_ptr + s).to(tl.int64)
+    return tl.load(block_tok_ptr + b), start, end, row, tl.load(pos0_ptr + s)
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr,
     k_ptr,
@@ -83,12 +94,8 @@ def _prefill_attention_kernel(
 ):
     b = tl.program_id(0)
     kv = tl.program_id(1)
-    s = tl.load(block_seq_ptr + b)
-    t0 = tl.load(block_tok_ptr + b)
-    start = tl.load(starts_ptr + s)
-    end = tl.load(ends_ptr + s)
-    row = tl.load(rows_ptr + s).to(tl.int64)
-    pos0 = tl.load(pos0_ptr + s)
+    t0, start, end, row, pos0 = varlen_block(b, block_seq_ptr, block_tok_ptr, starts_ptr,
+                                             ends_ptr, rows_ptr, pos0_ptr)  # fmt: skip
     last = pos0 + tl.minimum(t0 + BLOCK_Q, end) - 1 - start  # the block's last position
     offs_r = tl.arange(0, BLOCK_Q * BLOCK_G)
     tok = t0 + offs_r // BLOCK_G
