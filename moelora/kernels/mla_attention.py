@@ -14,8 +14,9 @@ The paged layout and what is read are decode_attention.py's and prefill_attentio
 NB blocks of BS positions, position p of block-table row r in block block_table[r, p // BS]
 at offset p % BS, nothing read past a row's last position. A program takes BLOCK_Q tokens x
 BLOCK_H heads (at decode one token, one row of the block table, its positions split as
-decode_attention splits them; at prefill BLOCK_Q tokens of one packed sequence, causal),
-scores in fp32 (the latent and the rotary part as two dots), an online softmax over blocks
+decode_attention splits them; at prefill BLOCK_Q tokens of one packed sequence, causal;
+the head blocks of one token block launched next to each other, so the latents they all
+read are fetched once into L2), scores in fp32 (the latent and the rotary part as two dots), an online softmax over blocks
 of BLOCK_N positions, the probabilities rounded to the cache's dtype for their dot with
 the latents (as the model's eager attention rounds its softmax); fp32 inputs take exact
 fp32 dots. DeepSeek has no sliding window, sinks or chunked attention: none here.
@@ -87,8 +88,8 @@ def _mla_attention_kernel(
     BLOCK_P: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)  # head blocks vary fastest: the programs reading the same
+    b = tl.program_id(1)  # positions run together, their latents shared in L2
     split = tl.program_id(2)
     if DECODE:  # row b: one token at position lengths[b] - 1 of block-table row b
         t0 = b
@@ -220,7 +221,7 @@ def mla_decode_attention(
         part = torch.empty(tokens, heads, splits, rank, dtype=torch.float32, device=q.device)
         stat = torch.empty(tokens, heads, splits, 2, dtype=torch.float32, device=q.device)
     if tokens:
-        _launch(q, cache, block_table, out, part, stat, (tokens, head_blocks, splits), lengths,
+        _launch(q, cache, block_table, out, part, stat, (head_blocks, tokens, splits), lengths,
                 None, scale, rank, split_len, DECODE=True, SPLITS=splits, BLOCK_Q=1,
                 BLOCK_H=block_h)  # fmt: skip
         if splits > 1:
@@ -258,6 +259,6 @@ def mla_prefill_attention(
         seq = table.sequences
         sequences = (table.blocks[0], table.blocks[1], seq[0], seq[1], seq[2], seq[3])
         _launch(q, cache, block_table, out, out, out,
-                (programs, triton.cdiv(heads, block_h), 1), None, sequences, scale, rank, 0,
+                (triton.cdiv(heads, block_h), programs, 1), None, sequences, scale, rank, 0,
                 DECODE=False, SPLITS=1, BLOCK_Q=table.block_q, BLOCK_H=block_h)  # fmt: skip
     return out
