@@ -105,7 +105,12 @@ def test_rope_and_cache_equal_transformers(case, dtype, seed):
     assert k_cache.isnan().all(dim=(1, 3))[~written].all()  # nothing else was touched
 
 
-FAMILY_ROPES = ["qwen3.5-partial-gated", "llama4-pairs-norm-after", "llama4-nope"]
+FAMILY_ROPES = [
+    "qwen3.5-partial-gated",
+    "llama4-pairs-norm-after",
+    "llama4-nope",
+    "llama4-nope-temperature",
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -113,7 +118,8 @@ FAMILY_ROPES = ["qwen3.5-partial-gated", "llama4-pairs-norm-after", "llama4-nope
 def test_rope_and_cache_family_forms_equal_transformers(form, dtype, seed):
     """Qwen3.5's full-attention heads (q interleaved with its output gate, zero-centered
     norms, rotary over the first half of each head) and Llama 4's (complex pairs in fp32,
-    the weightless norm after; NoPE layers: neither) against transformers' own functions."""
+    the weightless norm after; NoPE layers: neither, q times each position's attention
+    temperature where the layer has it) against transformers' own functions."""
     from transformers.models.llama4.modeling_llama4 import Llama4TextL2Norm, apply_rotary_emb
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen35
 
@@ -144,12 +150,18 @@ def test_rope_and_cache_family_forms_equal_transformers(form, dtype, seed):
     else:
         angles = torch.rand(rows, d // 2, generator=g) * 6.0
         freqs = torch.polar(torch.ones_like(angles), angles)
-        nope = form.endswith("nope")
+        nope = "nope" in form
+        scale = None
+        if form.endswith("temperature"):  # Llama4TextAttention's attn_scales
+            positions = torch.randint(0, 100, (rows,), generator=g).float()
+            scale = torch.log1p(torch.floor((positions + 1.0) / 4.0)) * 0.1 + 1.0
         out = rope_and_cache(q, k, v, freqs.real, freqs.imag, k_cache, v_cache, dest, pos,
                              eps=1e-5, norm="none" if nope else "after",
-                             rope="none" if nope else "pairs", head_dim=d)  # fmt: skip
+                             rope="none" if nope else "pairs", head_dim=d, q_scale=scale)  # fmt: skip
         if nope:
             ref_q, ref_k = qh, kh
+            if scale is not None:
+                ref_q = (qh * scale[:, None, None]).to(dtype)
         else:  # transformers: [B, S=1, heads, D] with freqs [B, S, D / 2]
             ref_q, ref_k = apply_rotary_emb(qh[:, None], kh[:, None], freqs[:, None])
             norm = Llama4TextL2Norm(eps=1e-5)

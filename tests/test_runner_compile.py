@@ -28,7 +28,7 @@ POINTERS = {
     "xs_ptr": "*fp32", "ws_ptr": "*fp32", "w_ptr": "*fp8e4nv", "bias_ptr": "dt", "sink_ptr": "dt",
     "x_ptr": "dt", "res_ptr": "dt", "y_ptr": "dt", "sum_ptr": "dt", "window_ptr": "dt",
     "b_ptr": "dt", "a_ptr": "dt", "a_log_ptr": "dt", "dt_bias_ptr": "dt", "state_ptr": "*fp32",
-    "core_ptr": "*fp32", "z_ptr": "dt", "c_ptr": "dt",
+    "core_ptr": "*fp32", "z_ptr": "dt", "c_ptr": "dt", "q_scale_ptr": "*fp32",
 }  # fmt: skip
 # the FP8 Linear's q_ptr is its quantized input, not attention's queries
 OVERRIDES = {
@@ -59,13 +59,15 @@ def cases() -> dict[str, tuple[str, str, dict, int]]:
                 dict(BLOCK_Q=block_q, BLOCK_G=group, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32",
                      HAS_SINKS=sinks), prefill_attention.WARPS,
             )  # fmt: skip
-        for form, (norm, rounded, rope) in {
-            "qwen3": (1, True, 1), "no-norm": (0, True, 1), "qwen3.5": (1, False, 1),
-            "llama4": (2, True, 2), "nope": (0, True, 0),
+        for form, (norm, rounded, rope, scaled) in {
+            "qwen3": (1, True, 1, False), "no-norm": (0, True, 1, False),
+            "qwen3.5": (1, False, 1, False), "llama4": (2, True, 2, False),
+            "nope-temperature": (0, True, 0, True),
         }.items():  # fmt: skip
             out[f"rope_cache/{dt}/{form}"] = (
                 "rope_cache", "_rope_cache_kernel",
-                dict(NORM=norm, ROUND_NORMED=rounded, ROPE=rope, BLOCK_D=128), 1,
+                dict(NORM=norm, ROUND_NORMED=rounded, ROPE=rope, HAS_Q_SCALE=scaled,
+                     BLOCK_D=128), 1,
             )  # fmt: skip
     for rounded in (True, False):  # gpt-oss's norm rounds once
         out[f"rms_norm/bf16/round_normed{rounded}"] = (

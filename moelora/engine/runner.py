@@ -512,18 +512,20 @@ class DecodeRunner:
         (kernels/rope_cache.py, in the family's form: Qwen3's norms before rotate_half,
         Qwen3.5's zero-centered ones and partial rotary over q interleaved with its gate,
         Llama 4's complex pairs with the weightless norm after; OLMoE's norm over the whole
-        projection before it); Llama 4's layers with attention temperature in torch
-        (_llama4_rope_and_cache: q scaled per position)."""
+        projection before it); Llama 4's NoPE layers with attention temperature scale q by
+        log1p(floor((p + 1) / floor_scale)) x attn_scale + 1 of each position p in it."""
         attn, family, keys, values = layer.attn, self.family, cache_layer.keys, cache_layer.values
-        if family.complex_rope and layer.temperature is not None:
-            return _llama4_rope_and_cache(layer, q, k, v, cos, sin, cache_layer, write,
-                                          positions), None  # fmt: skip
         if family.complex_rope:  # Llama 4
-            normed = hasattr(attn, "qk_norm")
+            normed, scale = hasattr(attn, "qk_norm"), None
+            if layer.temperature is not None:
+                floor_scale, attn_scale = layer.temperature
+                scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
+                scale = scale * attn_scale + 1.0
             q = rope_and_cache(q, k, v, cos, sin, keys, values, *write,
                                eps=norm_eps(attn.qk_norm) if normed else self.eps,
                                norm="after" if normed else "none",
-                               rope="pairs" if layer.rope else "none", head_dim=attn.head_dim)  # fmt: skip
+                               rope="pairs" if layer.rope else "none", head_dim=attn.head_dim,
+                               q_scale=scale)  # fmt: skip
             return q, None
         if family.gated_attention:  # Qwen3.5: q_proj gives each head's q, then its gate
             width = attn.head_dim
@@ -718,42 +720,6 @@ def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str):
             return t * cos + torch.cat([-t2, t1], dim=-1) * sin
 
     return turn(q), turn(k)
-
-
-def _llama4_rope_and_cache(layer: _Layer, q, k, v, cos, sin, cache_layer, write, positions):
-    """q [T, Hq x D] ready for attention, k / v [T, Hk x D] written at `write`, as
-    transformers' Llama4TextAttention on a layer with attention temperature (NoPE: the
-    others run in kernels/rope_cache.py): rotary on interleaved pairs as complex numbers in
-    fp32 (cos / sin [T, D / 2]: the frequencies' real and imaginary parts) where the layer
-    has it, then the weightless RMSNorm of q and k per head where the module has one; q
-    times log1p(floor((p + 1) / floor_scale)) x attn_scale + 1 (in fp32, rounded to q's
-    dtype)."""
-    attn, tokens = layer.attn, q.shape[0]
-    q, k, v = (t.view(tokens, -1, attn.head_dim) for t in (q, k, v))
-    if layer.rope:
-        q, k = _mla_rope(q, k, cos, sin, "complex")
-    if hasattr(attn, "qk_norm"):
-        eps = norm_eps(attn.qk_norm)
-
-        def norm(t):
-            f = t.float()
-            return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
-
-        q, k = norm(q), norm(k)
-    if layer.temperature is not None:
-        floor_scale, attn_scale = layer.temperature
-        scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
-        q = (q * (scales * attn_scale + 1.0)[:, None, None]).to(q.dtype)
-    _write_kv(cache_layer, write, k, v)
-    return q
-
-
-def _write_kv(cache_layer, write, k: Tensor, v: Tensor) -> None:
-    """k / v [T, Hk, D] into the paged cache at write (blocks [T], offsets [T]): the torch
-    form of the write, where the family's q / k are not made by kernels/rope_cache.py."""
-    blocks, offsets = write
-    cache_layer.keys[blocks, :, offsets] = k
-    cache_layer.values[blocks, :, offsets] = v
 
 
 def _slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int):

@@ -12,7 +12,8 @@ q comes back rotated, [T, Hq, D]. The families' forms, as transformers writes th
 - Llama 4 (rope "pairs", norm "after"): interleaved pairs rotated as complex numbers in
   fp32 (cos / sin [T, D / 2]: the frequencies' real and imaginary parts), rounded once, then
   the weightless RMSNorm of the rounded head in fp32, rounded (Llama4TextL2Norm); its NoPE
-  layers: rope "none".
+  layers: rope "none", q times each token's attention temperature (q_scale, fp32: the
+  rounded q times it in fp32, rounded).
 
 q may hold more than its heads (Qwen3.5's q_proj gives each head's q then its output gate:
 q_head_stride 2D; the gate is not read). One program per (token, head) of q then k.
@@ -103,6 +104,7 @@ def _rope_cache_kernel(
     v_cache_ptr,
     rows_ptr,
     pos_ptr,
+    q_scale_ptr,
     eps,
     head_dim,
     rot_dim,
@@ -123,6 +125,7 @@ def _rope_cache_kernel(
     NORM: tl.constexpr,
     ROUND_NORMED: tl.constexpr,
     ROPE: tl.constexpr,
+    HAS_Q_SCALE: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -135,6 +138,8 @@ def _rope_cache_kernel(
     if head < q_heads:
         out = _rope_head(q_ptr + t * stride_q + head * q_head_stride, qw_ptr, cos, sin, eps,
                          head_dim, rot_dim, NORM, ROUND_NORMED, ROPE, BLOCK_D, dtype)  # fmt: skip
+        if HAS_Q_SCALE:
+            out = as_stored(out.to(tl.float32) * tl.load(q_scale_ptr + t), dtype)
         tl.store(q_out_ptr + t * stride_qo_t + head * stride_qo_h + offs, out, mask=ok)
     else:
         kv = head - q_heads
@@ -168,14 +173,16 @@ def rope_and_cache(
     rope: str = "halves",
     head_dim: int | None = None,
     q_head_stride: int | None = None,
+    q_scale: Tensor | None = None,
 ) -> Tensor:
     """q [T, Hq x q_head_stride], k / v [T, Hk x D], cos / sin [T, R] (rope "halves": the
     model's dtype, R <= D rotated) or [T, D / 2] (rope "pairs": fp32), caches [N, Hk, M, D],
     rows / positions [T] long (where token t's k / v go), q_norm / k_norm [D] the norm's
     weights (norm "before"; Qwen3.5's as 1 + weight in fp32 with round_normed False), norm
     "after": the weightless norm after rotary (default: "before" with weights, else "none");
-    head_dim D (default cos.shape[-1]), q_head_stride (default D). Returns q [T, Hq, D]
-    normed and rotated; k normed, rotated and v written into the caches."""
+    head_dim D (default cos.shape[-1]), q_head_stride (default D), q_scale [T] fp32: each
+    token's factor on q, last (Llama 4's attention temperature). Returns q [T, Hq, D]
+    normed, rotated (and scaled); k normed, rotated and v written into the caches."""
     head_dim = cos.shape[-1] if head_dim is None else head_dim
     q_head_stride = head_dim if q_head_stride is None else q_head_stride
     norm = ("none" if q_norm is None else "before") if norm is None else norm
@@ -195,12 +202,13 @@ def rope_and_cache(
     if tokens:
         _rope_cache_kernel[(tokens, q_heads + kv_heads)](
             q, k, v, q if q_norm is None else q_norm, k if k_norm is None else k_norm, cos, sin,
-            q_out, k_cache, v_cache, rows, positions, eps, head_dim, rot_dim, q_heads,
+            q_out, k_cache, v_cache, rows, positions, q if q_scale is None else q_scale, eps,
+            head_dim, rot_dim, q_heads,
             q_head_stride, q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
             q_out.stride(0), q_out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             NORM=NORMS[norm], ROUND_NORMED=round_normed, ROPE=ROPES[rope],
-            BLOCK_D=next_pow2(head_dim), num_warps=1,
+            HAS_Q_SCALE=q_scale is not None, BLOCK_D=next_pow2(head_dim), num_warps=1,
         )  # fmt: skip
     return q_out
