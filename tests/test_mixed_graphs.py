@@ -21,6 +21,50 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 @pytest.mark.parametrize(
+    ("tokens", "decoding", "want"),
+    [
+        (528, 16, 512),  # 16 rows beside a 512-token chunk: not the 1024 bucket, half padding
+        (512, 16, 512),  # a bucket exactly
+        (164, 64, 164),  # small buckets cost about the same: the padding is cheaper
+        (1100, 64, 1024),
+        (1900, 64, 1900),  # little padding in the 2048 bucket
+        (130, 128, 130),  # the bucket below holds no prompt token
+        (3000, 0, 3000),  # past the largest bucket: eager, no padding
+    ],
+)
+def test_fit_to_bucket(tokens, decoding, want):
+    assert mixed_graphs.fit_to_bucket(mixed_graphs.BUCKETS, tokens, decoding) == want
+
+
+def test_a_chunk_beside_decodes_is_cut_to_fill_a_bucket(made, seed, monkeypatch):
+    """Buckets of 8 / 16 / 32 tokens (and no fixed step cost): four rows decoding beside
+    a prompt capped at 14 tokens a step (18 tokens) run the 16 bucket with a 12-token chunk,
+    then 8 with 4, then the last 2 tokens unpadded; every row equals HF + PEFT alone."""
+    monkeypatch.setattr(mixed_graphs, "BUCKETS", (8, 16, 32))
+    monkeypatch.setattr(mixed_graphs, "STEP_FIXED_TOKENS", 0)
+    stand_in = StandIn(monkeypatch)
+    engine = _engine(made, stand_in, budget=40, long_prefill_token_threshold=14)
+    assert engine.mixed.buckets == (8, 16, 32)
+    totals, real = [], engine.mixed.run
+    monkeypatch.setattr(engine.mixed, "run", lambda prompts, *a: totals.append(
+        sum(len(p) for p in prompts)) or real(prompts, *a))  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    short = [Request(f"s{i}", tuple(torch.randint(1, 96, (3,), generator=g).tolist()), name,
+                     Sampling(max_new_tokens=12)) for i, name in enumerate(["every", None] * 2)]  # fmt: skip
+    long = Request("long", tuple(torch.randint(1, 96, (18,), generator=g).tolist()), "attn",
+                   Sampling(max_new_tokens=3))  # fmt: skip
+    got = run_all(engine, {0: short, 2: [long]})
+    assert totals[-3:] == [4 + 12, 4 + 4, 4 + 2], totals  # the long prompt's three steps
+    for r in [*short, long]:
+        want = greedy_alone(
+            made[1][r.adapter], torch.tensor(r.prompt_ids), r.sampling.max_new_tokens
+        )
+        assert got[r.request_id] == (want, "length"), r.request_id
+    engine.pool.check()
+    engine.close()
+
+
+@pytest.mark.parametrize(
     ("budget", "want"),
     [(32, (32,)), (128, (128,)), (300, (128, 256, 300)), (8192, mixed_graphs.BUCKETS)],
 )
@@ -66,13 +110,13 @@ def made(tmp_path_factory):
     return tiny_qwen_with_adapters(tmp_path_factory.mktemp("mixed"), 41, 60)
 
 
-def _engine(made, stand_in, **kw) -> Engine:
+def _engine(made, stand_in, budget: int = 20, **kw) -> Engine:
     base, _, dirs = made
     handle = attach(copy.deepcopy(base), num_slots=2, max_rank=8, moe_backend="reference")
     for name, path in dirs.items():
         handle.load_adapter(path, name=name)
     engine = Engine(handle, enforce_eager=False, runner=True, max_rows=5, max_len=24,
-                    block_size=4, max_num_batched_tokens=20, **kw)  # fmt: skip
+                    block_size=4, max_num_batched_tokens=budget, **kw)  # fmt: skip
     stand_in.engine = engine
     return engine
 

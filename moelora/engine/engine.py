@@ -37,7 +37,7 @@ from .blocks import BlockPool, digest, seed
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
 from .logprobs import TokenLogprobs, prompt_logprobs, raw_logprobs, token_logprobs
-from .mixed_graphs import MixedGraphs
+from .mixed_graphs import MixedGraphs, fit_to_bucket
 from .paged_cache import PagedCache
 from .runner import DecodeRunner, runner_support
 from .sampling import (
@@ -603,6 +603,10 @@ class Engine:
         self._prefilling += [r for r in waiting if r not in asking]
         chunks = self._chunks(self.max_num_batched_tokens - len(decode))
         decode = [r for r in decode if r not in self._prefilling]  # preempted by a chunk
+        if chunks and self.mixed is not None:  # a graphed step: no bucket mostly padding
+            total = len(decode) + sum(end - a for _, a, end in chunks)
+            fitted = fit_to_bucket(self.mixed.buckets, total, len(decode))
+            chunks = _cut(chunks, total - fitted)
         self._write_table()
         if not chunks:
             if decode:
@@ -1043,6 +1047,18 @@ class PromptWarmup:
     def __str__(self) -> str:
         return (f"prompt steps warmed: {self.prompts} prompts of {self.lengths[0]} to "
                 f"{self.lengths[-1]} tokens in {self.seconds:.1f} s")  # fmt: skip
+
+
+def _cut(chunks: list[tuple[_Row, int, int]], tokens: int) -> list[tuple[_Row, int, int]]:
+    """The chunks less their last `tokens` tokens (the newest rows' first); a row whose chunk
+    is cut whole keeps its blocks and goes on prefilling next step."""
+    chunks = list(chunks)
+    while tokens > 0 and chunks:
+        r, a, end = chunks[-1]
+        take = min(tokens, end - a)
+        tokens -= take
+        chunks[-1:] = [] if take == end - a else [(r, a, end - take)]
+    return chunks
 
 
 def _prefill_groups(rows: list[_Row], budget: int, varlen: bool) -> list[list[_Row]]:

@@ -36,6 +36,28 @@ log = logging.getLogger("moelora.engine")
 # token buckets: where the measured eager step was host-bound (up to ~1-2k tokens beside 64
 # decoding rows); a larger step's kernels outlast its launches
 BUCKETS = (128, 256, 512, 1024, 2048)
+# A step's fixed cost (reading the weights) in tokens of its per-token cost: 8 layers of
+# Qwen3-30B-A3B's shape beside 64 decoding rows took ~6 ms + ~5 us a token on the H200
+# (mixed_step, 22nd session: buckets 128 / 512 / 2048 in 6.5 / 9.1 / 16.0 ms). Reasoned
+# from that one measurement, not tuned.
+STEP_FIXED_TOKENS = 1200
+
+
+def fit_to_bucket(buckets: tuple[int, ...], tokens: int, least: int) -> int:
+    """The tokens a graphed step of `tokens` real ones should carry (more than `least`, its
+    decode tokens): the bucket below when its prompt tokens per unit of step cost beat
+    those of the bucket above with its padding (cost ~ bucket + STEP_FIXED_TOKENS); the
+    tokens cut wait for the next step. 16 decoding rows beside a 512-token chunk (528
+    tokens) then run the 512 bucket, not the 1024 one (the 22nd session's long-prompt
+    steps, ~56 ms)."""
+    if tokens > buckets[-1] or tokens in buckets:
+        return tokens
+    above = min(b for b in buckets if b > tokens)
+    below = max((b for b in buckets if b < tokens), default=0)
+    if below <= least:
+        return tokens
+    gain = (below - least) * (above + STEP_FIXED_TOKENS)
+    return below if gain > (tokens - least) * (below + STEP_FIXED_TOKENS) else tokens
 
 
 def buckets_for(budget: int) -> tuple[int, ...]:
