@@ -680,10 +680,10 @@ def _absorbed_lora(banks: ModuleBanks, path: str, heads: int, nope: int, slots: 
     own = a[slots.clamp(min=0).long()].float()  # [T, R, rank]
     on = (slots >= 0)[:, None, None]
     if q_pass is not None:
-        u = torch.zeros(q_pass.shape[0], heads, a.shape[1], device=a.device)
+        u, x = torch.zeros(q_pass.shape[0], heads, a.shape[1], device=a.device), q_pass.float()
         for s in range(count):
             u += (slots == s)[:, None, None] * torch.einsum(
-                "thn,rhn->thr", q_pass.float(), per_head[s, :, :, :nope].float())  # fmt: skip
+                "thn,rhn->thr", x, per_head[s, :, :, :nope].float())  # fmt: skip
         return torch.bmm(u, own).to(q_pass.dtype)
     w = torch.bmm(latent_out.float(), own.transpose(1, 2)) * on  # [T, H, R]
     out = torch.zeros(*w.shape[:2], per_head.shape[3] - nope, device=a.device)
