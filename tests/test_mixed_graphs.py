@@ -50,7 +50,7 @@ def test_a_chunk_beside_decodes_is_cut_to_fill_a_bucket(made, seed, monkeypatch)
         sum(len(p) for p in prompts)) or real(prompts, *a))  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     short = [Request(f"s{i}", tuple(torch.randint(1, 96, (3,), generator=g).tolist()), name,
-                     Sampling(max_new_tokens=12)) for i, name in enumerate(["every", None] * 2)]  # fmt: skip
+                     Sampling(max_new_tokens=7)) for i, name in enumerate(["every", None] * 2)]  # fmt: skip
     long = Request("long", tuple(torch.randint(1, 96, (18,), generator=g).tolist()), "attn",
                    Sampling(max_new_tokens=3))  # fmt: skip
     got = run_all(engine, {0: short, 2: [long]})
