@@ -174,6 +174,49 @@ def test_rope_and_cache_family_forms_equal_transformers(form, dtype, seed):
     assert k_cache.isnan().all(dim=(1, 3))[~written].all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("form", ["v3-deinterleaved", "v3-halves", "v2-complex"])
+def test_rope_and_cache_deepseek_forms_equal_transformers(form, dtype, seed):
+    """DeepSeek's rotary parts: q's last `rope` of each head (read in place from the q_b
+    output, after each head's nope part) and the shared key written into the latent cache's
+    rotary columns (no values), against transformers' apply_rotary_pos_emb_interleave (V3
+    with rope_interleave), apply_rotary_pos_emb (without) and DeepSeek-V2's apply_rotary_emb."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    rows, heads, nope, rope, rank = 3, 4, 8, 16, 24
+    g = _gen(seed)
+    q = torch.randn(rows, heads * (nope + rope), generator=g).to(dtype)
+    ckv = torch.randn(rows, rank + rope, generator=g).to(dtype)
+    cache = torch.full((rows + 2, 1, 6, rank + rope), float("nan"), dtype=dtype)
+    dest = torch.randperm(rows + 2, generator=g)[:rows]
+    pos = torch.randint(0, 6, (rows,), generator=g)
+    q_rot, k_rot = q.view(rows, heads, -1)[..., nope:], ckv[:, None, rank:]
+    angles = torch.rand(rows, rope // 2, generator=g) * 6.0
+    if form == "v2-complex":
+        freqs = torch.polar(torch.ones_like(angles), angles)
+        cos, sin, layout = freqs.real, freqs.imag, "pairs"
+        ref_q, ref_k = v2.apply_rotary_emb(q_rot[:, None], k_rot[:, None], freqs[:, None])
+        ref_q, ref_k = ref_q[:, 0], ref_k[:, 0]
+    else:
+        emb = torch.cat([angles, angles], dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        layout = "deinterleaved" if form == "v3-deinterleaved" else "halves"
+        apply = v3.apply_rotary_pos_emb_interleave if layout == "deinterleaved" else (
+            v3.apply_rotary_pos_emb)  # fmt: skip
+        ref_q, ref_k = apply(q_rot[:, :, None], k_rot[:, :, None], cos[:, None], sin[:, None])
+        ref_q, ref_k = ref_q[:, :, 0], ref_k[:, :, 0]
+    out = rope_and_cache(q[:, nope:], ckv[:, rank:], None, cos, sin, cache[..., rank:], None,
+                         dest, pos, rope=layout, head_dim=rope, q_head_stride=nope + rope,
+                         q_heads=heads)  # fmt: skip
+    assert_close(out, ref_q, dtype, what="q")
+    assert_close(cache[dest, :, pos, rank:], ref_k, dtype, what="k in the cache")
+    assert cache[..., :rank].isnan().all()  # the latent's columns are written apart
+    written = torch.zeros(rows + 2, 6, dtype=torch.bool)
+    written[dest, pos] = True
+    assert cache[..., rank:].isnan().all(dim=(1, 3))[~written].all()
+
+
 def _paged_cache(
     lengths: list[int],
     hk: int,

@@ -59,15 +59,16 @@ def cases() -> dict[str, tuple[str, str, dict, int]]:
                 dict(BLOCK_Q=block_q, BLOCK_G=group, BLOCK_N=64, BLOCK_D=128, IEEE=dt == "fp32",
                      HAS_SINKS=sinks), prefill_attention.WARPS,
             )  # fmt: skip
-        for form, (norm, rounded, rope, scaled) in {
-            "qwen3": (1, True, 1, False), "no-norm": (0, True, 1, False),
-            "qwen3.5": (1, False, 1, False), "llama4": (2, True, 2, False),
-            "nope-temperature": (0, True, 0, True),
+        for form, (norm, rounded, rope, scaled, values) in {
+            "qwen3": (1, True, 1, False, True), "no-norm": (0, True, 1, False, True),
+            "qwen3.5": (1, False, 1, False, True), "llama4": (2, True, 2, False, True),
+            "nope-temperature": (0, True, 0, True, True),
+            "deepseek-v3": (0, True, 3, False, False),
         }.items():  # fmt: skip
             out[f"rope_cache/{dt}/{form}"] = (
                 "rope_cache", "_rope_cache_kernel",
                 dict(NORM=norm, ROUND_NORMED=rounded, ROPE=rope, HAS_Q_SCALE=scaled,
-                     BLOCK_D=128), 1,
+                     HAS_V=values, BLOCK_D=128), 1,
             )  # fmt: skip
     for rounded in (True, False):  # gpt-oss's norm rounds once
         out[f"rms_norm/bf16/round_normed{rounded}"] = (

@@ -23,7 +23,7 @@ H200_SHARED = 232448  # max shared memory per block (opt-in) on an H200 / H100: 
 CASES = ("prefill/qwen3", "prefill/gpt-oss-sinks", "decode/qwen3-b64", "decode/qwen3-b1",
          "decode/gpt-oss-sinks", "mla_prefill/deepseek-v3", "mla_decode/deepseek-v3-b64",
          "qkv_lora/qwen3-b1", "qkv_lora/qwen3-b64", "lm_head_lora/qwen3-b64", "rope_cache/qwen3",
-         "rope_cache/qwen3.5", "rope_cache/llama4",
+         "rope_cache/qwen3.5", "rope_cache/llama4", "rope_cache/deepseek-v3",
          "rms_norm/qwen3", "router_topk/qwen3", "fp8_qkv/qwen3-b64", "gated_delta/qwen3.5-b64")  # fmt: skip
 
 
@@ -53,7 +53,13 @@ def _other(kind: str, model: str, rows: int, bf) -> None:
         kv = torch.empty(rows, 4 * width, dtype=bf)
         cache = torch.empty(64, 4, 16, width, dtype=bf)
         where = torch.zeros(rows, dtype=torch.long)
-        if model == "llama4":  # complex pairs in fp32, the weightless norm after
+        if model == "deepseek":  # 128 heads' rotary parts (nope 128, rope 64), no values
+            q, ckv = torch.empty(rows, 128 * 192, dtype=bf), torch.empty(rows, 576, dtype=bf)
+            cos, latents = torch.empty(rows, 64, dtype=bf), torch.empty(64, 1, 16, 576, dtype=bf)
+            rope_and_cache(q[:, 128:], ckv[:, 512:], None, cos, cos, latents[..., 512:], None,
+                           where, where, rope="deinterleaved", head_dim=64, q_head_stride=192,
+                           q_heads=128)  # fmt: skip
+        elif model == "llama4":  # complex pairs in fp32, the weightless norm after
             cos = torch.empty(rows, width // 2)
             rope_and_cache(q, kv, kv, cos, cos, cache, cache, where, where, norm="after",
                            rope="pairs", head_dim=width)  # fmt: skip

@@ -10,7 +10,8 @@ Per layer: the residual add fused into each RMSNorm (kernels/rms_norm.py); the q
 projections as one GEMM over the model's three weights, their LoRA over the slots the rows
 name in its epilogue (kernels/dense_linear.py, the shrink one launch before); q / k norm,
 rotary and the KV-cache write in one kernel in the family's form (kernels/rope_cache.py:
-Qwen3's, Qwen3.5's zero-centered and partial, Llama 4's complex pairs with the norm after;
+Qwen3's, Qwen3.5's zero-centered and partial, Llama 4's complex pairs with the norm after,
+DeepSeek's rotary parts beside its latent;
 into the paged cache's block and offset of each token, found once per forward from the
 block table); attention
 over each row's blocks up to its own length (kernels/decode_attention.py at decode,
@@ -627,15 +628,18 @@ class DecodeRunner:
             norm = attn.q_a_layernorm
             q_a, _ = add_rms_norm(q_a, None, norm.weight, norm_eps(norm))
             (q,) = self._projections([attn.q_b_proj], [f"{path}.q_b_proj"], q_a, slots, rows)
-        latent, k_rot = ckv.split([attn.kv_lora_rank, rope], dim=-1)
-        norm = attn.kv_a_layernorm
-        latent, _ = add_rms_norm(latent.contiguous(), None, norm.weight, norm_eps(norm))
-        q_pass, q_rot = q.view(tokens, heads, nope + rope).split([nope, rope], dim=-1)
-        layout = "complex" if self.family.complex_rope else (
-            "pairs" if getattr(self.model.config, "rope_interleave", False) else "halves")  # fmt: skip
-        q_rot, k_rot = _mla_rope(q_rot, k_rot[:, None], cos, sin, layout)
+        rank, norm = attn.kv_lora_rank, attn.kv_a_layernorm
+        latent, _ = add_rms_norm(ckv[:, :rank].contiguous(), None, norm.weight, norm_eps(norm))
         blocks, offsets = write
-        cache_layer.keys[blocks, 0, offsets] = torch.cat([latent, k_rot[:, 0]], dim=-1)
+        cache_layer.keys[blocks, 0, offsets, :rank] = latent
+        # the rotary parts of q (each head's last rope) and of the shared key, the key into
+        # the cache after the latent: one kernel (kernels/rope_cache.py, no values)
+        layout = "pairs" if self.family.complex_rope else (
+            "deinterleaved" if getattr(self.model.config, "rope_interleave", False) else "halves")  # fmt: skip
+        q_rot = rope_and_cache(q[:, nope:], ckv[:, rank:], None, cos, sin,
+                               cache_layer.keys[..., rank:], None, blocks, offsets, rope=layout,
+                               head_dim=rope, q_head_stride=nope + rope, q_heads=heads)  # fmt: skip
+        q_pass = q.view(tokens, heads, nope + rope)[..., :nope]
         w_uk, w_uv = layer.absorbed
         q_latent = torch.bmm(q_pass.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         kv_b = f"{path}.kv_b_proj"
@@ -691,35 +695,6 @@ def _absorbed_lora(banks: ModuleBanks, path: str, heads: int, nope: int, slots: 
         out += (slots == s)[:, None, None] * torch.einsum(
             "thr,rhv->thv", w, per_head[s, :, :, nope:].float())  # fmt: skip
     return out.to(latent_out.dtype)
-
-
-def _mla_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str):
-    """q [T, H, r], k [T, 1, r] rotated as transformers does it: "halves" (apply_rotary_pos_emb:
-    cos / sin [T, r], each half the same angles), "pairs" (DeepSeek-V3's
-    apply_rotary_pos_emb_interleave: pairs (x0, x1), (x2, x3), ... out as [rotated evens,
-    rotated odds]), "complex" (DeepSeek-V2's apply_rotary_emb: pairs as complex numbers in
-    fp32 times cos / sin [T, r / 2], out interleaved)."""
-    cos, sin = cos[:, None], sin[:, None]
-    if layout == "complex":
-
-        def turn(t):
-            t1, t2 = t.float()[..., 0::2], t.float()[..., 1::2]
-            out = torch.stack([t1 * cos - t2 * sin, t1 * sin + t2 * cos], dim=-1)
-            return out.flatten(-2).to(t.dtype)
-    elif layout == "pairs":
-        half = cos.shape[-1] // 2
-        cos, sin = cos[..., :half], sin[..., :half]
-
-        def turn(t):
-            t1, t2 = t[..., 0::2], t[..., 1::2]
-            return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1)
-    else:
-
-        def turn(t):
-            t1, t2 = t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2 :]
-            return t * cos + torch.cat([-t2, t1], dim=-1) * sin
-
-    return turn(q), turn(k)
 
 
 def _slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int):

@@ -13,7 +13,11 @@ q comes back rotated, [T, Hq, D]. The families' forms, as transformers writes th
   fp32 (cos / sin [T, D / 2]: the frequencies' real and imaginary parts), rounded once, then
   the weightless RMSNorm of the rounded head in fp32, rounded (Llama4TextL2Norm); its NoPE
   layers: rope "none", q times each token's attention temperature (q_scale, fp32: the
-  rounded q times it in fp32, rounded).
+  rounded q times it in fp32, rounded);
+- DeepSeek's latent attention (no v: the cache's latent is written apart): its rotary parts
+  of q and of the shared key, rope "halves", "complex pairs" as Llama 4's (V2), or
+  "deinterleaved" (V3's rope_interleave: the pairs' first elements then their second ones,
+  then rotate_half as "halves", transformers' apply_rotary_pos_emb_interleave).
 
 q may hold more than its heads (Qwen3.5's q_proj gives each head's q then its output gate:
 q_head_stride 2D; the gate is not read). One program per (token, head) of q then k.
@@ -32,7 +36,7 @@ from ..tiling.geometry import next_pow2
 from .output import as_stored
 
 NORMS = {"none": 0, "before": 1, "after": 2}
-ROPES = {"none": 0, "halves": 1, "pairs": 2}
+ROPES = {"none": 0, "halves": 1, "pairs": 2, "deinterleaved": 3}
 
 
 @triton.jit
@@ -54,14 +58,18 @@ def _rope_head(
     offs = tl.arange(0, BLOCK_D)
     ok = offs < head_dim
     half = rot_dim // 2
-    if ROPE == 1:  # rotate_half over the first rot_dim: (-x[half:R], x[:half]); the rest kept
+    if ROPE == 1 or ROPE == 3:  # rotate_half over the first rot_dim: (-x[half:R], x[:half])
         partner = tl.where(offs < half, offs + half, tl.where(offs < rot_dim, offs - half, offs))
     elif ROPE == 2:  # complex pairs (x0, x1), (x2, x3), ...
         partner = offs ^ 1
     else:
         partner = offs
-    x = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    xp = tl.load(src_ptr + partner, mask=ok, other=0.0).to(tl.float32)  # a second load
+    at, at_partner = offs, partner
+    if ROPE == 3:  # element j of the deinterleaved head: x[2j] (j < half), x[2(j - half) + 1]
+        at = tl.where(offs < half, 2 * offs, 2 * (offs - half) + 1)
+        at_partner = tl.where(partner < half, 2 * partner, 2 * (partner - half) + 1)
+    x = tl.load(src_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(src_ptr + at_partner, mask=ok, other=0.0).to(tl.float32)  # a second load
     if NORM == 1:
         scale = tl.math.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -72,7 +80,7 @@ def _rope_head(
         else:
             x = as_stored(w * (x * scale), dtype).to(tl.float32)
             xp = as_stored(wp * (xp * scale), dtype).to(tl.float32)
-    if ROPE == 1:
+    if ROPE == 1 or ROPE == 3:
         turned = offs < rot_dim
         rotated = tl.where(offs < half, -xp, xp)
         c = tl.load(cos_ptr + offs, mask=turned, other=0.0).to(tl.float32)
@@ -126,6 +134,7 @@ def _rope_cache_kernel(
     ROUND_NORMED: tl.constexpr,
     ROPE: tl.constexpr,
     HAS_Q_SCALE: tl.constexpr,
+    HAS_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -149,19 +158,20 @@ def _rope_cache_kernel(
                          head_dim, rot_dim, NORM, ROUND_NORMED, ROPE, BLOCK_D, dtype)  # fmt: skip
         dst = k_cache_ptr + row * stride_c_n + kv * stride_c_h + pos * stride_c_m + offs
         tl.store(dst, out.to(k_cache_ptr.dtype.element_ty), mask=ok)
-        v = tl.load(v_ptr + t * stride_v + kv * head_dim + offs, mask=ok, other=0.0)
-        dst = v_cache_ptr + row * stride_v_n + kv * stride_v_h + pos * stride_v_m + offs
-        tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+        if HAS_V:
+            v = tl.load(v_ptr + t * stride_v + kv * head_dim + offs, mask=ok, other=0.0)
+            dst = v_cache_ptr + row * stride_v_n + kv * stride_v_h + pos * stride_v_m + offs
+            tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 def rope_and_cache(
     q: Tensor,
     k: Tensor,
-    v: Tensor,
+    v: Tensor | None,
     cos: Tensor,
     sin: Tensor,
     k_cache: Tensor,
-    v_cache: Tensor,
+    v_cache: Tensor | None,
     rows: Tensor,
     positions: Tensor,
     q_norm: Tensor | None = None,
@@ -174,6 +184,7 @@ def rope_and_cache(
     head_dim: int | None = None,
     q_head_stride: int | None = None,
     q_scale: Tensor | None = None,
+    q_heads: int | None = None,
 ) -> Tensor:
     """q [T, Hq x q_head_stride], k / v [T, Hk x D], cos / sin [T, R] (rope "halves": the
     model's dtype, R <= D rotated) or [T, D / 2] (rope "pairs": fp32), caches [N, Hk, M, D],
@@ -181,8 +192,10 @@ def rope_and_cache(
     weights (norm "before"; Qwen3.5's as 1 + weight in fp32 with round_normed False), norm
     "after": the weightless norm after rotary (default: "before" with weights, else "none");
     head_dim D (default cos.shape[-1]), q_head_stride (default D), q_scale [T] fp32: each
-    token's factor on q, last (Llama 4's attention temperature). Returns q [T, Hq, D]
-    normed, rotated (and scaled); k normed, rotated and v written into the caches."""
+    token's factor on q, last (Llama 4's attention temperature), q_heads Hq (default q's
+    width / q_head_stride; DeepSeek's rotary parts: q a view from the first one on). v /
+    v_cache None: no values written. Returns q [T, Hq, D] normed, rotated (and scaled); k
+    normed, rotated and v written into the caches."""
     head_dim = cos.shape[-1] if head_dim is None else head_dim
     q_head_stride = head_dim if q_head_stride is None else q_head_stride
     norm = ("none" if q_norm is None else "before") if norm is None else norm
@@ -190,14 +203,19 @@ def rope_and_cache(
         raise ValueError(f"rope_and_cache: norm {norm!r} (q_norm given: {q_norm is not None})"
                          f", rope {rope!r}; expected norm in {list(NORMS)} with weights exactly "
                          f"for 'before', rope in {list(ROPES)}")  # fmt: skip
-    rot_dim = {"halves": cos.shape[-1], "pairs": 2 * cos.shape[-1], "none": 0}[rope]
-    if rot_dim > head_dim or rot_dim % 2 or (rope == "pairs" and rot_dim != head_dim):
+    rot_dim = {"halves": cos.shape[-1], "deinterleaved": cos.shape[-1], "pairs": 2 * cos.shape[-1],
+               "none": 0}[rope]  # fmt: skip
+    whole = rope in ("pairs", "deinterleaved")
+    if rot_dim > head_dim or rot_dim % 2 or (whole and rot_dim != head_dim):
         raise ValueError(f"rope_and_cache: cos {tuple(cos.shape)} for rope {rope!r} over heads "
-                         f"of {head_dim}; expected [T, R <= D] (halves, R even) or [T, D / 2] "
-                         "(pairs)")  # fmt: skip
+                         f"of {head_dim}; expected [T, R <= D] (halves, R even), [T, D] "
+                         "(deinterleaved) or [T, D / 2] (pairs)")  # fmt: skip
     cos, sin = cos.contiguous(), sin.contiguous()  # (a complex tensor's .real is strided)
     tokens = q.shape[0]
-    q_heads, kv_heads = q.shape[1] // q_head_stride, k.shape[1] // head_dim
+    q_heads = q.shape[1] // q_head_stride if q_heads is None else q_heads
+    kv_heads = k.shape[1] // head_dim
+    has_v = v is not None
+    v, v_cache = (v, v_cache) if has_v else (k, k_cache)  # (not read without values)
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
     if tokens:
         _rope_cache_kernel[(tokens, q_heads + kv_heads)](
@@ -209,6 +227,7 @@ def rope_and_cache(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             NORM=NORMS[norm], ROUND_NORMED=round_normed, ROPE=ROPES[rope],
-            HAS_Q_SCALE=q_scale is not None, BLOCK_D=next_pow2(head_dim), num_warps=1,
+            HAS_Q_SCALE=q_scale is not None, HAS_V=has_v, BLOCK_D=next_pow2(head_dim),
+            num_warps=1,
         )  # fmt: skip
     return q_out
