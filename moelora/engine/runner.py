@@ -55,7 +55,7 @@ from ..kernels.rope_cache import rope_and_cache
 from ..kernels.router_topk import router_topk
 from ..lora.module_banks import ModuleBanks
 from ..lora.rows import RowAdapters
-from ..quant.module_fp8 import fp8_block
+from ..quant.module_fp8 import dequantize_block, fp8_block
 from ..routing import route
 from . import linear_attention
 from .linear_attention import is_linear
@@ -613,7 +613,7 @@ class DecodeRunner:
         key]; attention runs absorbed (kernels/mla_attention.py): each head's q_nope times
         kv_b's key rows for that head gives its query over the latents (q_nope . k_nope =
         (W_UK^T q_nope) . c), and its latent output times kv_b's value rows its values'
-        mix; kv_b's LoRA goes the same two ways (_absorbed_lora)."""
+        mix; kv_b's LoRA goes the same two ways (_absorbed_lora_query / _values)."""
         attn, path = layer.attn, f"{layer.path}.self_attn"
         tokens, heads = x.shape[0], attn.num_heads
         nope, rope = attn.qk_nope_head_dim, attn.qk_rope_head_dim
@@ -645,12 +645,11 @@ class DecodeRunner:
         kv_b = f"{path}.kv_b_proj"
         lora = kv_b in rows.lora_modules
         if lora:
-            q_latent = q_latent + _absorbed_lora(self.banks, kv_b, heads, nope, slots, q_pass,
-                                                 None)  # fmt: skip
+            q_latent = q_latent + _absorbed_lora_query(self.banks, kv_b, nope, slots, q_pass)
         out = attend(torch.cat([q_latent, q_rot], dim=-1), cache_layer, attn.scaling, layer)
         values = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         if lora:  # [T, H, v]
-            values = values + _absorbed_lora(self.banks, kv_b, heads, nope, slots, None, out)
+            values = values + _absorbed_lora_values(self.banks, kv_b, nope, slots, out)
         (o,) = self._projections([attn.o_proj], [f"{path}.o_proj"],
                                  values.reshape(tokens, -1), slots, rows)  # fmt: skip
         return o
@@ -664,34 +663,41 @@ def _absorbed(attn: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     kv_b, nope = attn.kv_b_proj, attn.qk_nope_head_dim
     weight = kv_b.weight.detach()
     if (block := fp8_block(kv_b)) is not None:
-        scale = kv_b.weight_scale_inv.repeat_interleave(block[0], 0).repeat_interleave(
-            block[1], 1)[: weight.shape[0], : weight.shape[1]]  # fmt: skip
-        weight = (weight.float() * scale).to(dtype)
+        weight = dequantize_block(weight, kv_b.weight_scale_inv, block).to(dtype)
     per_head = weight.view(attn.num_heads, -1, weight.shape[1])
     return per_head[:, :nope], per_head[:, nope:]
 
 
-def _absorbed_lora(banks: ModuleBanks, path: str, heads: int, nope: int, slots: Tensor,
-                   q_pass: Tensor | None, latent_out: Tensor | None) -> Tensor:  # fmt: skip
-    """kv_b's LoRA (W + B A, the scale in B) moved as its weight is: with q_pass [T, H, nope]
-    the query side, A^T (B_K[h]^T q_nope) [T, H, rank]; with latent_out [T, H, rank] the
-    value side, B_V[h] (A o) [T, H, v]. Each token's slot (-1: none, exactly 0); the per-head
-    B products over every slot, masked per token (no host sync: graphable), the A products
-    over each token's own slot. In fp32, rounded once to the input's dtype."""
+def _lora_banks(banks: ModuleBanks, path: str, heads: int, slots: Tensor):
+    """kv_b's bank as the absorbed LoRA reads it (W + B A, the scale in B): B per head
+    [L, R, H, nope + v] and each token's own A [T, R, rank] in fp32 (slot -1: slot 0's,
+    masked by the callers)."""
     a, bt = banks.a[path], banks.bt[path]  # [L, R, rank], [L, R, H x (nope + v)]
-    count = a.shape[0]
-    per_head = bt.view(count, bt.shape[1], heads, -1)
-    own = a[slots.clamp(min=0).long()].float()  # [T, R, rank]
-    on = (slots >= 0)[:, None, None]
-    if q_pass is not None:
-        u, x = torch.zeros(q_pass.shape[0], heads, a.shape[1], device=a.device), q_pass.float()
-        for s in range(count):
-            u += (slots == s)[:, None, None] * torch.einsum(
-                "thn,rhn->thr", x, per_head[s, :, :, :nope].float())  # fmt: skip
-        return torch.bmm(u, own).to(q_pass.dtype)
-    w = torch.bmm(latent_out.float(), own.transpose(1, 2)) * on  # [T, H, R]
-    out = torch.zeros(*w.shape[:2], per_head.shape[3] - nope, device=a.device)
-    for s in range(count):
+    return bt.view(a.shape[0], bt.shape[1], heads, -1), a[slots.clamp(min=0).long()].float()
+
+
+def _absorbed_lora_query(banks: ModuleBanks, path: str, nope: int, slots: Tensor,
+                         q_pass: Tensor) -> Tensor:  # fmt: skip
+    """kv_b's LoRA moved onto the query as its weight is: A^T (B_K[h]^T q_nope) [T, H, rank]
+    for q_pass [T, H, nope]. The per-head B products over every slot, masked per token (no
+    host sync: graphable; slot -1 exactly 0), A over each token's own slot; in fp32,
+    rounded once to q's dtype."""
+    per_head, own = _lora_banks(banks, path, q_pass.shape[1], slots)
+    u, x = torch.zeros(*q_pass.shape[:2], own.shape[1], device=own.device), q_pass.float()
+    for s in range(per_head.shape[0]):
+        u += (slots == s)[:, None, None] * torch.einsum(
+            "thn,rhn->thr", x, per_head[s, :, :, :nope].float())  # fmt: skip
+    return torch.bmm(u, own).to(q_pass.dtype)
+
+
+def _absorbed_lora_values(banks: ModuleBanks, path: str, nope: int, slots: Tensor,
+                          latent_out: Tensor) -> Tensor:  # fmt: skip
+    """kv_b's LoRA moved onto each head's latent output: B_V[h] (A o) [T, H, v] for
+    latent_out [T, H, rank], as _absorbed_lora_query forms it."""
+    per_head, own = _lora_banks(banks, path, latent_out.shape[1], slots)
+    w = torch.bmm(latent_out.float(), own.transpose(1, 2)) * (slots >= 0)[:, None, None]
+    out = torch.zeros(*w.shape[:2], per_head.shape[3] - nope, device=w.device)
+    for s in range(per_head.shape[0]):
         out += (slots == s)[:, None, None] * torch.einsum(
             "thr,rhv->thv", w, per_head[s, :, :, nope:].float())  # fmt: skip
     return out.to(latent_out.dtype)

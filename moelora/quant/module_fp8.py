@@ -83,3 +83,11 @@ def fp8_block(module: nn.Module) -> tuple[int, int] | None:
     if bk & (bk - 1) or not FP8_MIN_STEP <= bk <= FP8_MAX_STEP:  # one dot step per group
         return None
     return bn, bk
+
+
+def dequantize_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+                     ) -> torch.Tensor:  # fmt: skip
+    """weight [N, K] e4m3 times its fp32 block scales [ceil(N / bn), ceil(K / bk)] -> fp32
+    [N, K] (exact: an e4m3 value times an fp32 scale is one fp32 rounding at most)."""
+    full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return weight.float() * full[: weight.shape[0], : weight.shape[1]]
