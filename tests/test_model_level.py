@@ -139,3 +139,25 @@ def test_moelora_bench_model_level_runs_it_and_refuses_the_layer_suites_options(
     with pytest.raises(SystemExit) as done:
         cli(["bench", "--model-level", "--configs", "hf_eager,nope"])
     assert done.value.code == 2 and "--configs: unknown ['nope']" in capsys.readouterr().err
+
+
+def test_hf_static_generates_eager_tokens_with_one_cache_length(monkeypatch):
+    """hf_static hands generate a StaticCache of prompt + --new for every length it is asked
+    for (one compile a batch on CUDA), and generates what hf_eager does."""
+    import transformers
+
+    made = []
+    real = transformers.StaticCache
+
+    def spy(*args, **kw):
+        made.append(kw["max_cache_len"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(transformers, "StaticCache", spy)
+    model = ml.build_model(SMALL, "cpu", torch.float32)
+    ids = torch.randint(1, SMALL.vocab, (2, 6), generator=torch.Generator().manual_seed(4))
+    eager = model_level._call_for("hf_eager", model, None, {}, 6 + 5)
+    static = model_level._call_for("hf_static", model, None, {}, 6 + 5)
+    for new in (1, 2, 5):
+        assert torch.equal(static(ids, new), eager(ids, new))
+    assert made == [11, 11, 11]
