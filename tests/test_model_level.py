@@ -83,26 +83,35 @@ def test_decode_rate_between_two_generates_that_both_decode():
 
     # each generate: a prefill of 0.5 s give or take up to 0.1 s, then 0.01 s per decode step
     spread = {1: 0.1, 16: -0.1, 64: 0.0}
+    seen = []
     times = iter([0.5 + spread[n] + 0.01 * (n - 1) for _ in range(2) for n in (1, 16, 64)])
 
     class FakeClock:
         cuda = False
 
         def time(self, call, ids, n):
+            seen.append(int(ids[0, 0]))
             return next(times)
 
         def time_and_peak(self, call, ids, n):
+            seen.append(int(ids[0, 0]))
             return next(times), 1.0
 
-    rows = []
+    rows, drawn = [], iter(range(100))
+
+    def prompts():  # a batch of 4 prompts of 8 tokens, new each time
+        return torch.full((4, 8), float(next(drawn)))
+
     a = argparse.Namespace(new=64, repeats=1, prompt=8)
-    model_level._measure_batch(a, {"x": None}, torch.zeros(4, 8), None,
+    model_level._measure_batch(a, {"x": None}, prompts, None,
                                lambda **r: rows.append(r), FakeClock())  # fmt: skip
     (r,) = rows  # warm-up then one timed pass: 1, 16 and 64 tokens each time
     # 48 steps of 4 rows over their 0.48 s plus the two prefills' 0.1 s difference (a
     # one-token generate against the long one would read 63 x 4 / (0.63 - 0.1))
     assert r["decode_tok_s"] == round(4 * 48 / (0.48 + 0.1), 1)
     assert r["ttft_ms"] == 600.0
+    # every generate on prompts of its own: none can read another's from the prefix cache
+    assert len(seen) == 6 and len(set(seen)) == 6
     with pytest.raises(SystemExit):
         model_level.parse(["--new", "2"])
 

@@ -16,8 +16,9 @@ Before anything is timed, one mixed batch (every adapter, then a base row) is ch
 row against HF + PEFT generating that row alone (truth/hf_peft.py; PEFT wraps the model in
 place and is unloaded before moelora attaches: no second copy): the equal leading tokens of
 the first --check-new. Per (configuration, batch): time to first token (a generate of one new
-token: the prefill plus one sample), prefill tokens/s, decode tokens/s ((new - 1) tokens per
-row over the time a generate of --new tokens takes beyond the one-token call), peak memory,
+token: the prefill plus one sample), prefill tokens/s, decode tokens/s (the tokens a row
+decodes between a generate of --new / 4 tokens and one of --new, over their time difference),
+every generate on prompts of its own (no prefix-cache hit), peak memory,
 and the decode step's memory floor: the bytes one decode step reads (every non-expert
 weight, the LM head, the experts a batch of that size touches under uniform routing, the KV
 cache) over the copy bandwidth measured in the same run, as decode tokens/s / floor tokens/s.
@@ -136,11 +137,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     calls = {c: _call_for(c, model, handle, adapter_sets, a.prompt + a.new) for c in configs}
     gen = torch.Generator().manual_seed(1)
     for b in (int(b) for b in a.batches.split(",")):
-        ids = torch.randint(1, shape.vocab, (b, a.prompt), generator=gen).to(a.device)
+
+        def prompts(b=b):
+            return torch.randint(1, shape.vocab, (b, a.prompt), generator=gen).to(a.device)
+
         floor = None
         if bandwidth:
             floor = b / (step_bytes(model, shape, b, a.prompt + a.new // 2) / bandwidth)
-        phase(f"batch_{b}", _measure_batch, a, calls, ids, floor, emit, clock)
+        phase(f"batch_{b}", _measure_batch, a, calls, prompts, floor, emit, clock)
     memory = memory_bound(rows)
     if memory is not None:
         emit(**memory)
@@ -179,19 +183,21 @@ class _Phases:
         return out
 
 
-def _measure_batch(a, calls: dict, ids, floor: float | None, emit, clock: Clock) -> None:
+def _measure_batch(a, calls: dict, prompts, floor: float | None, emit, clock: Clock) -> None:
     """Warm every configuration at this batch's shapes (graphs captured, compiles done), then
     time them alternately: a one-token generate (time to first token), a short one and a
     --new one. Decode tokens/s = the tokens between the short and the long generate over
     their time difference: both run the same prefill and decode path. (Against a one-token
     generate, which decodes nothing, the difference read 3672 tokens/s for rows with
     attention LoRA beside 3216 LoRA-free at batch 64, 48 layers: an order no decode step
-    explains.)"""
-    b, short = ids.shape[0], _short(a.new)
+    explains.) Every generate gets fresh prompts (prompts() draws a batch): the engine's
+    prefix cache would otherwise skip the prefill of a prompt it kept from an earlier call
+    (a 56 ms "time to first token" at batch 64 beside 260 ms, 2026-12-05)."""
+    b, short = prompts().shape[0], _short(a.new)
     for c, call in calls.items():
-        first = clock.time(call, ids, 1)
-        clock.time(call, ids, short)
-        clock.time(call, ids, a.new)
+        first = clock.time(call, prompts(), 1)
+        clock.time(call, prompts(), short)
+        clock.time(call, prompts(), a.new)
         if c == "hf_static":
             emit(kind="compile", config=c, batch=b, first_call_s=round(first, 1))
     times = {c: ([], [], []) for c in calls}
@@ -199,7 +205,7 @@ def _measure_batch(a, calls: dict, ids, floor: float | None, emit, clock: Clock)
     for rep in range(a.repeats):
         for c in list(calls) if rep % 2 == 0 else list(calls)[::-1]:
             for i, n in enumerate((1, short, a.new)):
-                seconds, peak = clock.time_and_peak(calls[c], ids, n)
+                seconds, peak = clock.time_and_peak(calls[c], prompts(), n)
                 times[c][i].append(seconds)
                 peaks[c].append(peak)
     for c in calls:
