@@ -27,7 +27,7 @@ timeout "$(budget ${BENCH_S:-480} $(( ${PROFILE_S:-60} + ${WARM_S:-0} )))" $PY -
 echo "model_level exit: ${PIPESTATUS[0]}"
 if [ "${WARM_S:-0}" != 0 ]; then  # the startup again, Triton's cache now warm (a restart)
   timeout "$(budget "$WARM_S" ${PROFILE_S:-60})" $PY -m moelora bench --model-level \
-      --layers "${LAYERS:-48}" --batches 1 --prompt 256 --new 64 --repeats 1 --check-new 0 \
+      --layers "${LAYERS:-48}" --batches "${BATCHES:-1,16,64}" --prompt 256 --new 64 --repeats 1 --check-new 0 \
       --configs moelora_free --json "$OUT/model_level_warm.json" 2>&1 | grep -v Warning \
       | tee "$OUT/model_level_warm.log"
   echo "warm startup exit: ${PIPESTATUS[0]}"
