@@ -70,6 +70,7 @@ def test_tiny_cpu_run_reports_every_config(tmp_path):
         assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["prefill_tok_s"] > 0
     start = next(r for r in rows if r["kind"] == "startup")
     assert start["adapters"] == ["e0", "e1", "q0"]
+    assert start["triton_compiled"] == 0  # a CPU run compiles no kernel
     phases = {r["phase"]: r["s"] for r in rows if r["kind"] == "phase"}
     assert list(phases) == ["write_adapters", "hf_peft_truth", "check", "batch_1", "batch_3"]
     assert all(s >= 0 for s in phases.values()) and phases["batch_1"] > 0, phases
@@ -170,3 +171,13 @@ def test_hf_static_generates_eager_tokens_with_one_cache_length(monkeypatch):
     for new in (1, 2, 5):
         assert torch.equal(static(ids, new), eager(ids, new))
     assert made == [11, 11, 11]
+
+
+def test_triton_entries_are_the_kernel_cache_folders(tmp_path, monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "cache"))
+    assert model_level._triton_entries() == set()  # no cache folder yet
+    (tmp_path / "cache" / "AB12").mkdir(parents=True)
+    (tmp_path / "cache" / "CD34").mkdir()
+    assert model_level._triton_entries() == {"AB12", "CD34"}

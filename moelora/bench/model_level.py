@@ -24,7 +24,8 @@ weight, the LM head, the experts a batch of that size touches under uniform rout
 cache) over the copy bandwidth measured in the same run, as decode tokens/s / floor tokens/s.
 Startup is reported once: attach and adapter loads, the memory they take, and
 `handle.warmup` (the decode engine for the largest batch built and every graph bucket
-captured), their sum the startup a user waits for. Each phase's wall time is reported too.
+captured), their sum the startup a user waits for, and the kernel variants Triton compiled
+meanwhile (new entries of its on-disk cache: none on a restart with the cache kept). Each phase's wall time is reported too.
 
     moelora bench --model-level --layers 4 --batches 1,16,64 --json out/model.json
 """
@@ -306,6 +307,7 @@ def _attach(a, model, dirs: dict[str, Path], emit, clock: Clock):
     from ..hf import attach
 
     before = torch.cuda.memory_allocated() if clock.cuda else None
+    compiled = _triton_entries()
     loaded = time.perf_counter()
     handle = attach(model, num_slots=len(dirs), max_rank=a.rank)
     for name, path in dirs.items():
@@ -315,12 +317,14 @@ def _attach(a, model, dirs: dict[str, Path], emit, clock: Clock):
     taken = None if before is None else (torch.cuda.memory_allocated() - before) / 2**30
     largest = max(int(b) for b in a.batches.split(","))
     warm_s = clock.time(handle.warmup, largest, a.prompt + a.new)
+    compiled = len(_triton_entries() - compiled)
     from ..engine.generate import thread_engine
 
     kv = thread_engine(handle).cache.nbytes() / 2**30
     emit(kind="startup", backend=handle.backend_name, attach_and_load_s=round(loaded, 2),
          attach_gib=None if taken is None else round(taken, 3), warmup_s=round(warm_s, 2),
-         startup_s=round(loaded + warm_s, 2), kv_gib=round(kv, 3), adapters=sorted(dirs))  # fmt: skip
+         startup_s=round(loaded + warm_s, 2), kv_gib=round(kv, 3), adapters=sorted(dirs),
+         triton_compiled=compiled)  # fmt: skip
     expert_only = [f"e{k}" for k in range(a.adapters)]
     attention = [f"q{k}" for k in range(a.attention_adapters)]
     # attention adapters first, interleaved: batch 1 runs one, every batch holds both kinds
@@ -329,6 +333,15 @@ def _attach(a, model, dirs: dict[str, Path], emit, clock: Clock):
     mixed += rest[len(attention) :]
     sets = {"moelora_free": [None], "moelora_experts": expert_only, "moelora_attention": mixed}
     return handle, sets
+
+
+def _triton_entries() -> set[str]:
+    """The entries of Triton's on-disk kernel cache (one a compiled kernel variant; a variant
+    found there is loaded, not compiled): the startup row counts those its warmup added."""
+    from triton import knobs
+
+    root = Path(knobs.cache.dir)
+    return {p.name for p in root.iterdir()} if root.is_dir() else set()
 
 
 def _call_for(config: str, model, handle, sets: dict, cache_len: int):
