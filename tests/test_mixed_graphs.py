@@ -190,3 +190,44 @@ def test_warmup_captures_the_token_buckets(made, monkeypatch):
     assert report.prompt_buckets == (20,) and "prompt steps: [20] tokens" in str(report)
     assert engine.mixed.graphs.captured == (20,)
     engine.close()
+
+
+def test_warmup_compiles_every_steps_kernels_ahead_and_rows_stay_exact(made, seed, monkeypatch):
+    """warmup() first runs every decode and prompt step once with its kernels recorded, not
+    launched (kernels/compile_ahead.py; the compile itself needs a GPU: compile_all is a
+    stand-in here): the launches of every bucket reach compile_all, the recording pass
+    writes nothing into the NaN-poisoned KV cache, and rows after it equal HF + PEFT."""
+    from moelora.kernels import compile_ahead
+
+    stand_in = StandIn(monkeypatch)
+    engine = _engine(made, stand_in)
+    handed = []
+    monkeypatch.setattr(compile_ahead, "wanted", lambda device: True)
+    monkeypatch.setattr(compile_ahead, "compile_all", lambda launches: handed.extend(launches))
+    ran = []
+    for obj, name in ((engine, "_graph_step"), (engine.mixed, "step")):
+        step = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda b, m, step=step: ran.append(b) or step(b, m))
+    layers = engine.cache.layers
+    for layer in layers:
+        layer.keys.fill_(float("nan"))
+        layer.values.fill_(float("nan"))
+    recorded = engine._compile_ahead(engine.handle.lora_modules)
+    assert recorded > len(handed) > 0  # the layers' launches alike: kept once
+    for layer in layers:  # nothing ran: nothing written (padding steps write the null blocks)
+        assert layer.keys.isnan().all() and layer.values.isnan().all()
+    assert ran == [*engine.graphs.buckets, *engine.mixed.buckets]  # every step warmup captures
+    names = {fn.fn.__name__ for fn, _, _ in handed}
+    assert {"_decode_attention_kernel", "_prefill_attention_kernel", "_rope_cache_kernel",
+            "_add_rms_norm_kernel"} <= names, names  # fmt: skip
+    for layer in layers:  # a cache as the engine keeps it, for the rows below
+        layer.keys.zero_()
+        layer.values.zero_()
+    count = len(handed)
+    handed.clear()
+    engine.warmup()  # the recording pass, then the captures
+    assert len(handed) == count
+    requests = _requests(seed + 2)
+    got = run_all(engine, {0: requests[:2], 2: requests[2:4], 4: requests[4:]})
+    _check_rows(made, requests, got)
+    engine.close()

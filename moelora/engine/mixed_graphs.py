@@ -86,7 +86,7 @@ class MixedGraphs:
         self.spans = torch.zeros(4, self.sequences, dtype=torch.int32, device=dev)
         self.spans_blocks = torch.zeros(2, self._programs(top), dtype=torch.int32, device=dev)
         self.graphs = step_graphs.StepGraphs(
-            engine.max_rows, self._step, self.buckets, "prompt-step graph of %d tokens"
+            engine.max_rows, self.step, self.buckets, "prompt-step graph of %d tokens"
         )
         self._eager: set[tuple[int, frozenset[str]]] = set()  # whose capture failed
 
@@ -111,7 +111,11 @@ class MixedGraphs:
 
     def capture_all(self, modules: frozenset[str]) -> step_graphs.CaptureReport:
         """Capture every bucket now, from padding-only steps (nothing may run)."""
-        return self.graphs.capture_all(lambda b: self._fill(b, [], [], [], []), modules)
+        return self.graphs.capture_all(self.prepare, modules)
+
+    def prepare(self, bucket: int) -> None:
+        """The static buffers for a padding-only step of `bucket` tokens."""
+        self._fill(bucket, [], [], [], [])
 
     def _programs(self, bucket: int) -> int:
         return programs_for(bucket, self.sequences, self.runner.group)
@@ -149,7 +153,7 @@ class MixedGraphs:
         self.spans.copy_(table.sequences.to(dev))
         self.spans_blocks[:, : self._programs(bucket)].copy_(table.blocks.to(dev))
 
-    def _step(self, bucket: int, modules: frozenset[str]) -> Tensor:
+    def step(self, bucket: int, modules: frozenset[str]) -> Tensor:
         """The packed forward of `bucket` tokens from the static buffers (what is captured)."""
         rows = RowAdapters(
             row_slots=self.slots[:bucket], snapshot=self.snapshot, expert_lora=True,
