@@ -393,3 +393,52 @@ def test_a_served_module_the_runner_would_not_apply_refuses_the_runner(qwen, mon
                         lambda self: real(self) - {"lm_head"})  # fmt: skip
     with pytest.raises(ConfigError, match=r"LoRA served on \['lm_head'\]"):
         Engine(_handle(qwen), max_rows=2, max_len=16, enforce_eager=True, runner=True)
+
+
+def test_compile_ahead_pass_reads_no_kernel_output_as_an_index(qwen, monkeypatch):
+    """Engine.warmup's compile-ahead pass runs every step with its kernels recorded, not run
+    (kernels/compile_ahead.py): their outputs hold whatever memory held. On the GPU a torch
+    op indexing with such an output could fault, so here every tensor the launchers allocate
+    in the pass is poisoned (floats NaN, ints 2**30, out of any range): the pass must finish
+    (a torch op indexing with one raises on the CPU), launch nothing (the NaN-poisoned KV
+    cache and linear-attention states untouched), and every family's steps record launches."""
+    from types import SimpleNamespace
+
+    from moelora.engine.mixed_graphs import MixedGraphs
+    from moelora.kernels import compile_ahead
+
+    engine = Engine(_handle(qwen), max_rows=6, max_len=40, enforce_eager=True, runner=True)
+    engine.graphs = SimpleNamespace(buckets=(1, 2, 4, 6))  # the decode buckets a GPU captures
+    engine.mixed = None if engine.runner.linear else MixedGraphs(engine, 24)
+    state = [t for layer in engine.cache.layers if layer for t in (layer.keys, layer.values)]
+    state += [t for s in engine.cache.states.values() for t in (s.conv, s.recurrent)]
+    for t in state:
+        t.fill_(float("nan"))
+    launches = []
+    monkeypatch.setattr(compile_ahead, "wanted", lambda device: True)
+    monkeypatch.setattr(compile_ahead, "compile_all", launches.extend)
+
+    def poisoned(make):
+        def made(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan") if t.is_floating_point() else 2**30 if t.dtype not in (
+                torch.bool, torch.uint8, torch.int8) else 1)  # fmt: skip
+
+        return made
+
+    real = compile_ahead.recording
+
+    def recording(on_launch):  # what the launchers allocate with, poisoned for the pass only
+        monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+        monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+        monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
+        return real(on_launch)
+
+    monkeypatch.setattr(compile_ahead, "recording", recording)
+    recorded = engine._compile_ahead(engine.handle.lora_modules)
+    monkeypatch.undo()
+    assert recorded > 0 and launches, "the pass failed (see the warning) or recorded nothing"
+    assert all(t.isnan().all() for t in state), "a kernel ran in the pass"
+    names = {fn.fn.__name__ for fn, _, _ in launches}
+    assert {"_add_rms_norm_kernel", "_router_topk_kernel"} & names, names
+    engine.close()
