@@ -58,23 +58,44 @@ def test_other_threads_launches_run_while_one_thread_records():
     assert torch.equal(got, want) and len(launches) == 1
 
 
-def test_compile_all_warms_each_jit_launch_in_triton_async_mode():
+def test_compile_all_warms_each_jit_launch_in_triton_async_mode(monkeypatch):
+    """Each JIT launch goes to the kernel's warmup while Triton's AsyncCompileMode is active
+    over a pool of `workers` threads; each distinct kernel it returns gets its launcher built
+    in the pool; a compile that fails is left to its first launch and leaves no mode set
+    behind (Triton 3.6's __exit__ would: later compiles would go to the shut-down pool)."""
+    import inspect
+
     from triton.runtime import _async_compile
     from triton.runtime.jit import JITFunction
 
-    seen = []
+    seen, built = [], []
+    compiled = type("Compiled", (), {})
+    kernels = {16: compiled(), 32: compiled()}
 
     class Stand(JITFunction):  # a JIT kernel whose warmup records what Triton would compile
         def warmup(self, *args, grid, **kwargs):
             mode = _async_compile.active_mode.get()
             seen.append((grid, kwargs, mode is not None and mode.executor._max_workers))
+            if kwargs["BLOCK"] == 64:  # a compile that raises, submitted as Triton does
 
+                def fail():
+                    raise RuntimeError("ptxas error")
+
+                extra = [lambda k: None] * (len(inspect.signature(mode.submit).parameters) - 2)
+                return mode.submit("failing", fail, *extra)
+            return kernels[kwargs["BLOCK"]]
+
+    monkeypatch.setattr(compile_ahead, "_build_launcher", built.append)
     stand = Stand.__new__(Stand)
     interpreted = type("Interpreted", (), {})()  # not a JITFunction (the interpreter's): skipped
     launches = [(stand, (4,), {"x": 1, "BLOCK": 16}), (interpreted, (1,), {"x": 2}),
-                (stand, (8, 2), {"x": 3, "BLOCK": 32})]  # fmt: skip
-    assert compile_ahead.compile_all(launches, workers=3) == 2
-    assert seen == [((4,), {"x": 1, "BLOCK": 16}, 3), ((8, 2), {"x": 3, "BLOCK": 32}, 3)]
+                (stand, (8, 2), {"x": 3, "BLOCK": 32}), (stand, (4,), {"x": 5, "BLOCK": 16}),
+                (stand, (1,), {"x": 4, "BLOCK": 64})]  # fmt: skip
+    assert compile_ahead.compile_all(launches, workers=3) == 4
+    assert [s[:2] for s in seen] == [(g, kw) for f, g, kw in launches if f is stand]
+    assert {s[2] for s in seen} == {3}
+    assert sorted(map(id, built)) == sorted(map(id, kernels.values()))  # once each
+    assert _async_compile.active_mode.get() is None
     assert compile_ahead.compile_all([(interpreted, (1,), {})]) == 0
 
 

@@ -34,7 +34,7 @@ from ..kernels import compile_ahead
 from ..lora.registry import AdapterHold
 from ..lora.rows import RowAdapters, using
 from . import step_graphs
-from .blocks import BlockPool, digest, seed
+from .blocks import NULL_BLOCK, BlockPool, digest, seed
 from .kv_cache import RowCache, plan_decode, plan_prefill
 from .kv_mask import build_masks, mask_rule
 from .logprobs import TokenLogprobs, prompt_logprobs, raw_logprobs, token_logprobs
@@ -526,21 +526,33 @@ class Engine:
         """Compile the Triton variants of every step warmup() captures, in parallel, before
         the captures (which then compile nothing; a cold capture of the 48-layer Qwen3
         runner was two thirds compile): each step run once from padding with its kernels
-        recorded, not launched (the runner's torch ops index only with their inputs), then
+        recorded, not launched (the runner's torch ops index only with their inputs; what
+        they write into the null block and the spare row's states is put back), then
         kernels/compile_ahead.compile_all. Returns the launches recorded (0: left out: not
         on the runner, on a CPU, or with MOELORA_COMPILE_AHEAD=0). A failure costs only the
         time: the captures compile as they go."""
         if self.runner is None or not compile_ahead.wanted(self.device):
             return 0
         start, launches = time.perf_counter(), compile_ahead.Distinct()
+        # what padding steps write, kept: the pass's torch ops write unlaunched kernels'
+        # outputs there (DeepSeek's latent, Qwen3.5's conv window)
+        padding = [t for layer in self.cache.layers if layer
+                   for t in (layer.keys[NULL_BLOCK], layer.values[NULL_BLOCK])]  # fmt: skip
+        padding += [t[self.max_rows] for s in self.cache.states.values()
+                    for t in (s.conv, s.recurrent)]  # fmt: skip
+        kept = [t.clone() for t in padding]
         try:
-            with torch.no_grad(), compile_ahead.recording(launches.add):
-                for bucket in self.graphs.buckets:
-                    self._pad_only(bucket)
-                    self._graph_step(bucket, modules)
-                for bucket in self.mixed.buckets if self.mixed is not None else ():
-                    self.mixed.prepare(bucket)
-                    self.mixed.step(bucket, modules)
+            try:
+                with torch.no_grad(), compile_ahead.recording(launches.add):
+                    for bucket in self.graphs.buckets:
+                        self._pad_only(bucket)
+                        self._graph_step(bucket, modules)
+                    for bucket in self.mixed.buckets if self.mixed is not None else ():
+                        self.mixed.prepare(bucket)
+                        self.mixed.step(bucket, modules)
+            finally:
+                for t, was in zip(padding, kept):
+                    t.copy_(was)
             compile_ahead.compile_all(launches.launches)
         except Exception as err:  # any failure: the captures compile as they go
             log.warning("compiling the steps' kernels ahead failed (%r); the captures compile "

@@ -30,17 +30,21 @@ from concurrent.futures import ThreadPoolExecutor
 Launch = tuple  # (kernel, grid, {argument name: value})
 
 
+_RECORDING = threading.Lock()  # one recording at a time: the kernels are swapped module-wide
+
+
 @contextlib.contextmanager
 def recording(on_launch: Callable[[object, object, dict], None]) -> Iterator[None]:
     """Every moelora.kernels `*_kernel` JIT function launched by this thread calls
     on_launch(kernel, grid, kwargs) instead of running; kwargs names its positional
-    arguments as the kernel does. The kernels are swapped module-wide for the block: other
-    threads' launches go through to the kernel (an engine generating beside a warmup)."""
+    arguments as the kernel does. The kernels are swapped module-wide for the block, one
+    recording at a time (another waits): other threads' launches go through to the kernel
+    (an engine generating beside a warmup)."""
     from triton.runtime.jit import KernelInterface
 
     from .. import kernels as pkg
 
-    swapped, me = [], threading.get_ident()
+    me = threading.get_ident()
 
     class Recorder:
         def __init__(self, fn):
@@ -59,17 +63,22 @@ def recording(on_launch: Callable[[object, object, dict], None]) -> Iterator[Non
         def __getattr__(self, name):  # warmup, arg_names, ...: the kernel's own
             return getattr(self.fn, name)
 
-    for info in pkgutil.iter_modules(pkg.__path__):
-        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        for name, obj in list(vars(module).items()):
-            if isinstance(obj, KernelInterface) and name.endswith("_kernel"):
-                swapped.append((module, name, obj))
-                setattr(module, name, Recorder(obj))
-    try:
-        yield
-    finally:
-        for module, name, obj in swapped:
-            setattr(module, name, obj)
+    with _RECORDING:
+        # every module imported before any swap: a module importing another's kernel by
+        # name (mla_attention's _combine_kernel) must bind the kernel, not a Recorder
+        modules = [importlib.import_module(f"{pkg.__name__}.{info.name}")
+                   for info in pkgutil.iter_modules(pkg.__path__)]  # fmt: skip
+        swapped = []
+        try:
+            for module in modules:
+                for name, obj in list(vars(module).items()):
+                    if isinstance(obj, KernelInterface) and name.endswith("_kernel"):
+                        swapped.append((module, name, obj))
+                        setattr(module, name, Recorder(obj))
+            yield
+        finally:
+            for module, name, obj in swapped:
+                setattr(module, name, obj)
 
 
 class Distinct:
@@ -107,22 +116,48 @@ def wanted(device) -> bool:
 
 
 def compile_all(launches: list[Launch], workers: int | None = None) -> int:
-    """Compile every variant `launches` name, in `workers` threads (default: the CPUs, at
-    most 32); returns the number of launches handed to Triton. A launch whose variant is
-    compiled already costs its binder only. Under the interpreter (no compiler) nothing
-    happens. Raises what a compile raises."""
+    """Compile every variant `launches` name, in `workers` threads (default: this process's
+    CPUs, at most 16), and build each compiled kernel's launcher there too (Triton 3.6 builds
+    a C launcher per signature with the host compiler at a kernel's first launch); returns
+    the number of launches handed to Triton. A launch whose variant is compiled already costs
+    its binder only; under the interpreter (no compiler) nothing happens. A variant whose
+    compile fails is left to its first launch, which raises as it would have."""
+    from triton.runtime import _async_compile
     from triton.runtime.jit import JITFunction
 
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:  # a Triton without it: the launches compile as they come
+    if not hasattr(_async_compile, "AsyncCompileMode"):  # the launches compile as they come
         return 0
     compiled = [(fn, grid, kw) for fn, grid, kw in launches if isinstance(fn, JITFunction)]
     if not compiled:
         return 0
-    workers = workers or min(32, os.cpu_count() or 1)
+    workers = workers or min(16, len(os.sched_getaffinity(0)))
     with ThreadPoolExecutor(workers, thread_name_prefix="moelora-compile") as pool:
-        with AsyncCompileMode(pool):
-            for fn, grid, kwargs in compiled:
-                fn.warmup(grid=grid, **kwargs)
+        mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
+        try:
+            with mode:
+                kernels = [fn.warmup(grid=grid, **kwargs) for fn, grid, kwargs in compiled]
+        finally:  # (Triton 3.6 leaves the mode set when a result raises: later compiles
+            # would go to this pool, shut down below)
+            if _async_compile.active_mode.get() is mode:
+                _async_compile.active_mode.set(None)
+        done = {id(k): k for k in (_result(k) for k in kernels) if k is not None}
+        list(pool.map(_build_launcher, done.values()))
     return len(compiled)
+
+
+def _result(kernel):
+    """The CompiledKernel a warmup returned (Triton's FutureKernel resolved), or None."""
+    if kernel is not None and hasattr(kernel, "result"):
+        return kernel.result(ignore_errors=True)
+    return kernel
+
+
+def _build_launcher(kernel) -> None:
+    """Build (and cache on disk) the kernel's launcher as its first launch would; no CUDA
+    call. A failure is left to that launch."""
+    from triton.runtime import driver
+
+    try:
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # the first launch builds it again and raises there
+        pass
