@@ -42,8 +42,7 @@ def recording(on_launch: Callable[[object, object, dict], None]) -> Iterator[Non
     (an engine generating beside a warmup)."""
     from triton.runtime.jit import KernelInterface
 
-    from .. import kernels as pkg
-
+    pkg = importlib.import_module(__package__)  # moelora.kernels
     me = threading.get_ident()
 
     class Recorder:
