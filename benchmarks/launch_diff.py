@@ -72,7 +72,8 @@ def _value(v):
 @contextlib.contextmanager
 def kernels_recording(on_launch):
     """Every moelora.kernels `*_kernel` JIT function calls on_launch(fn, grid, kwargs) for
-    each launch instead of running (tests/sm90_launches.py records with it too)."""
+    each launch instead of running (tests/sm90_launches.py records with it too). Not
+    moelora.kernels.compile_ahead.recording: this tool also records trees from before it."""
     from triton.runtime.jit import JITFunction
 
     import moelora.kernels as pkg

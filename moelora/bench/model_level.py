@@ -33,6 +33,7 @@ meanwhile (new entries of its on-disk cache: none on a restart with the cache ke
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import tempfile
 import time
@@ -363,9 +364,13 @@ def _call_for(config: str, model, handle, sets: dict, cache_len: int):
     if config == "hf_static":
         from transformers import StaticCache
 
+        # transformers' name for it, as the engine reads it (`past_key_values` before 5.2x)
+        params = inspect.signature(model.forward).parameters
+        cache_kw = "cache" if "cache" in params else "past_key_values"
+
         def static(ids, new):
             cache = StaticCache(config=model.config, max_cache_len=cache_len)
-            return hf(ids, new, past_key_values=cache)
+            return hf(ids, new, **{cache_kw: cache})
 
         return static
     names = sets[config]
