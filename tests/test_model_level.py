@@ -154,16 +154,16 @@ def test_moelora_bench_model_level_runs_it_and_refuses_the_layer_suites_options(
 def test_hf_static_generates_eager_tokens_with_one_cache_length(monkeypatch):
     """hf_static hands generate a StaticCache of prompt + --new for every length it is asked
     for (one compile a batch on CUDA), and generates what hf_eager does."""
-    import transformers
+    from transformers import StaticCache
 
     made = []
-    real = transformers.StaticCache
+    init = StaticCache.__init__
 
-    def spy(*args, **kw):
+    def spy(self, *args, **kw):  # on the class: transformers' lazy package hands out its own
         made.append(kw["max_cache_len"])
-        return real(*args, **kw)
+        init(self, *args, **kw)
 
-    monkeypatch.setattr(transformers, "StaticCache", spy)
+    monkeypatch.setattr(StaticCache, "__init__", spy)
     model = ml.build_model(SMALL, "cpu", torch.float32)
     ids = torch.randint(1, SMALL.vocab, (2, 6), generator=torch.Generator().manual_seed(4))
     eager = model_level._call_for("hf_eager", model, None, {}, 6 + 5)
