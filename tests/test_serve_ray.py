@@ -11,9 +11,12 @@ by SIGTERM at its end (exit 0)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -278,3 +281,52 @@ def test_flags_that_load_behind_rays_back_are_refused(served, capsys):
     args.lora_resolver_dir = str(served.root)
     with pytest.raises(ConfigError, match="--lora-resolver-dir"):
         moelora_ray.application(args, replicas=2, gpus_per_replica=0)
+
+
+@pytest.mark.parametrize("when", ["while serve.run waits", "after it returned"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_at_any_point_of_the_start_shuts_ray_down_and_exits_0(
+    monkeypatch, served, sig, when
+):
+    """Ray's proxy answers before `serve.run` returns (it waits for every replica): a
+    signal then must stop the start, not reach ray.init's handlers (Ray's C++ one aborts
+    3 s later: exit -6). Ray's calls faked; the signal sent to this process, once inside
+    serve.run's wait, once after it returned (the test's handlers put back after): run
+    returns 0 within seconds, Serve and Ray shut down."""
+    calls, ready, done = [], threading.Event(), threading.Event()
+
+    def blocking_run(app, **kw):
+        calls.append("serve.run")
+        if when == "while serve.run waits":
+            os.kill(os.getpid(), sig)
+            time.sleep(30)  # a replica still starting; the signal must end this wait
+            calls.append("serve.run returned")
+
+    def later():  # once run waits for the signal
+        if ready.wait(30) and not done.wait(0.5):
+            os.kill(os.getpid(), sig)
+
+    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(moelora_ray.ray, "init", lambda **kw: calls.append("ray.init"))
+    monkeypatch.setattr(moelora_ray.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(moelora_ray.serve, "start", lambda **kw: calls.append("serve.start"))
+    monkeypatch.setattr(moelora_ray.serve, "run", blocking_run)
+    monkeypatch.setattr(moelora_ray.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(moelora_ray, "application", lambda args: "app")
+    waits = moelora_ray._StopSignals.wait
+    monkeypatch.setattr(moelora_ray._StopSignals, "wait",
+                        lambda self: (ready.set(), waits(self)))  # fmt: skip
+    args = serve_args(served)
+    args.port, args.ray_replicas = sf.free_port(), 2
+    signaller = threading.Thread(target=later, daemon=True)
+    if when == "after it returned":
+        signaller.start()
+    started = time.monotonic()
+    try:
+        assert moelora_ray.run(args) == 0
+    finally:
+        done.set()
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+    assert time.monotonic() - started < 20, "the signal did not end serve.run's wait"
+    assert calls == ["ray.init", "serve.start", "serve.run", "serve.shutdown", "ray.shutdown"]

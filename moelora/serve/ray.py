@@ -93,14 +93,18 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--lora-modules", f"{name}={module.path}",
                               "a PEFT adapter directory (adapter_config.json)")  # fmt: skip
     ray.init(logging_level=logging.WARNING)
+    stop = _StopSignals()  # after ray.init, whose own handlers exit the process at once
     try:
         app = application(args)  # its GPUs: the cluster's
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP, route_prefix="/")
         print(f"moelora serve: {args.served_model_name or args.model} on {args.ray_replicas} "
               f"Ray Serve replicas, http://{args.host}:{args.port}/v1", flush=True)  # fmt: skip
-        _wait_for_signal()
+        stop.wait()
+    except _Stopped:
+        pass  # stopped while starting: a normal stop
     finally:
+        stop.stopping()
         serve.shutdown()
         ray.shutdown()
     return 0
@@ -125,11 +129,35 @@ def _gpus() -> float:
     return 1.0 if torch.cuda.is_available() else 0.0
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+class _Stopped(BaseException):
+    """SIGTERM / SIGINT while the application starts (as KeyboardInterrupt: no `except
+    Exception` on the way catches it)."""
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT from ray.init on. Ray's proxy answers before `serve.run` returns
+    (it waits for every replica), so a signal can come while it still waits: it then
+    raises _Stopped there. Once `wait` has begun, a signal ends the wait; once `stopping`
+    has been called, it is only recorded (the shutdown runs to its end)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.starting = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, *_) -> None:
+        self.event.set()
+        if self.starting:
+            self.starting = False
+            raise _Stopped
+
+    def wait(self) -> None:
+        self.starting = False
+        self.event.wait()
+
+    def stopping(self) -> None:
+        self.starting = False
 
 
 # ---- the engine replicas ------------------------------------------------------------------
