@@ -8,7 +8,8 @@
 # what a prompt chunk beside 64 decoding rows costs at 16 layers (`benchmarks/mixed_step.py`).
 # A step whose seconds knob is 0 is left out. Usage (device tool):
 # bash scripts/gpu_model_level.sh   Knobs: LAYERS, BATCHES, HF_STATIC, BENCH_S, PROFILE_S,
-# MIXED_S, WARM_S (a second process: the startup with Triton's cache warm), CHECK_NEW (the HF + PEFT check's new tokens; 0 leaves the check out: ~90 s at 48 layers).
+# MIXED_S, WARM_S (a second process: the startup with Triton's cache warm), CHECK_NEW (the
+# HF + PEFT check's new tokens; 0 leaves the check out: ~90 s at 48 layers).
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 export HF_HUB_OFFLINE=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}

@@ -25,7 +25,8 @@ cache) over the copy bandwidth measured in the same run, as decode tokens/s / fl
 Startup is reported once: attach and adapter loads, the memory they take, and
 `handle.warmup` (the decode engine for the largest batch built and every graph bucket
 captured), their sum the startup a user waits for, and the kernel variants Triton compiled
-meanwhile (new entries of its on-disk cache: none on a restart with the cache kept). Each phase's wall time is reported too.
+meanwhile (new entries of its on-disk cache: none on a restart with the cache kept). Each
+phase's wall time is reported too.
 
     moelora bench --model-level --layers 4 --batches 1,16,64 --json out/model.json
 """

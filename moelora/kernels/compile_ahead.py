@@ -12,8 +12,9 @@ graph capture on the H200 (its capture took 11 s with Triton's cache warm).
 on_launch(kernel, grid, arguments) instead of running (its outputs are left as they were:
 the work's later torch ops read whatever they hold, so the work must be one whose torch ops
 index only with its own inputs, as the runner's steps do); other threads' launches run.
-`compile_all(launches)`: each recorded launch's variant compiled by Triton's own launch path (`kernel.warmup`, the JIT's binder and cache keys)
-under its AsyncCompileMode, one compile per variant in a thread pool; the kernels' caches
+`compile_all(launches)`: each recorded launch's variant compiled by Triton's own launch
+path (`kernel.warmup`, the JIT's binder and cache keys) under its AsyncCompileMode, one
+compile per variant in a thread pool; the kernels' caches
 then hold every variant, and the real launches compile nothing. `Distinct` keeps one
 launch a variant (a step's 48 layers launch each kernel alike)."""
 

@@ -39,9 +39,9 @@ class HostCache:
     def convert(self, adapter: Adapter) -> Adapter:
         """The adapter in the bank dtype, pinned when `pin` (one copy, straight into one
         pinned buffer for the whole adapter: one page-locked allocation, not one per factor;
-        torch's pinned allocator rounds it up to a power of two); the adapter itself when it is in that form already (a
-        registered adapter held in memory is kept in it: its host copy is then that same
-        memory)."""
+        torch's pinned allocator rounds it up to a power of two); the adapter itself when it
+        is in that form already (a registered adapter held in memory is kept in it: its host
+        copy is then that same memory)."""
         factors = [(layer, f, getattr(lora, f)) for layer, lora in adapter.layers.items()
                    for f in FACTORS]  # fmt: skip
         convert = [t.dtype != self.dtype or (self.pin and not t.is_pinned()) for *_, t in factors]
